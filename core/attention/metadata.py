@@ -1,0 +1,52 @@
+"""AttentionMetadata: what every attention layer of one forward step reads.
+
+The model runner builds it once per step from the SchedulerOutput; the layers only read it
+(seed 000 §5.3: one shared, read-only block table per step, never one per layer).
+
+The step's tokens are one flat batch of `T` tokens from `B` requests. The runner orders the
+requests so that the `num_decodes` decode requests (exactly one new token each) come first,
+then the prefill chunks; request `i` owns query rows `query_start_loc[i]:query_start_loc[i+1]`.
+
+KV cache layout (per layer, see core/kv/cache.py): `[num_blocks, num_kv_heads, block_size, head_dim]`.
+A token at absolute position `p` of request `i` lives in physical block
+`block_tables[i, p // block_size]` at offset `p % block_size`; its flat slot is
+`block * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # Device tensors, built once per step.
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [B + 1] int32: prefix sums of query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length of each request after this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+
+    # Host copies of the same numbers, so shapes are known without a GPU->CPU sync.
+    query_lens: list[int]
+    seq_lens_host: list[int]
+    num_decodes: int  # requests [0, num_decodes) have query length 1
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.num_decodes == self.num_requests

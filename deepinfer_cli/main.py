@@ -1,0 +1,53 @@
+"""The `deepinfer` command: the root only wires the sub-commands, each in its own module.
+
+Nothing heavy is imported here (no torch, no cupy), so `deepinfer --help` is instant; each
+command imports the engine inside its function.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from deepinfer_cli import bench, chat, convert, serve, validate
+from deepinfer_cli.errors import DEBUG
+
+app = typer.Typer(
+    name="deepinfer",
+    help="deepinfer: an LLM inference engine core and toolkit for one GPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
+    DEBUG["enabled"] = debug
+
+
+app.command("convert")(convert.convert)
+app.command("validate-kernels")(validate.validate_kernels)
+app.command("chat")(chat.chat)
+app.command("serve")(serve.serve)
+app.add_typer(bench.app, name="bench")
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as err:  # a clear line for the user; the traceback with --debug
+        if DEBUG["enabled"] or "--debug" in sys.argv:
+            raise
+        message = str(err) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
