@@ -1,0 +1,46 @@
+"""Engine options shared by `chat`, `serve` and `bench`: one Annotated alias per flag, one builder.
+
+Commands declare `model: ModelOpt = None, ...` and pass their values to `engine_config(...)`,
+so a flag means the same thing everywhere and EngineConfig stays the single source of defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="HF directory, .gguf file or deepinfer layered dir (default: SmolLM2-135M-Instruct).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
+BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")]
+KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (model dtype) | int8.")]
+MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]
+MaxBatchedTokensOpt = Annotated[int, typer.Option(
+    "--max-num-batched-tokens", help="Per-step token budget: prefill chunks + decode tokens.")]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length cap.")]
+GpuMemUtilOpt = Annotated[float, typer.Option(
+    "--gpu-memory-utilization", help="Fraction of GPU memory deepinfer may use.")]
+ReserveMbOpt = Annotated[int, typer.Option("--reserve-memory-mb", help="MiB left free for other programs.")]
+KvCacheMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--kv-cache-memory", help="KV pool size exactly, e.g. 2GiB.")]
+MaxVramOpt = Annotated[Optional[str], typer.Option(
+    "--max-vram", help="Weights + activations + KV stay inside this, e.g. 4GiB.")]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching", help="Share full prompt blocks between requests.")]
+EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Never use CUDA graphs.")]
+AttentionBackendOpt = Annotated[str, typer.Option("--attention-backend", help="auto | torch | native.")]
+DummyWeightsOpt = Annotated[bool, typer.Option("--dummy-weights", help="Random weights (benchmarks).")]
+ShapeOpt = Annotated[Optional[str], typer.Option("--shape", help="configs/shapes/NAME.json for --dummy-weights.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Engine seed.")]
+
+
+def engine_config(**options: Any):
+    """Build an EngineConfig from command options, dropping the ones left unset (None)."""
+    from core.config import EngineConfig
+
+    options = {k: v for k, v in options.items() if v is not None}
+    if "prefix_caching" in options:
+        options["enable_prefix_caching"] = options.pop("prefix_caching")
+    return EngineConfig(**options)
