@@ -6,11 +6,11 @@ so a flag means the same thing everywhere and EngineConfig stays the single sour
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-ModelOpt = Annotated[Optional[str], typer.Option(
+ModelOpt = Annotated[str | None, typer.Option(
     "--model", "-m", help="HF directory, .gguf file or deepinfer layered dir (default: SmolLM2-135M-Instruct).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
@@ -19,20 +19,20 @@ KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (mo
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]
 MaxBatchedTokensOpt = Annotated[int, typer.Option(
     "--max-num-batched-tokens", help="Per-step token budget: prefill chunks + decode tokens.")]
-MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length cap.")]
+MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
 GpuMemUtilOpt = Annotated[float, typer.Option(
     "--gpu-memory-utilization", help="Fraction of GPU memory deepinfer may use.")]
 ReserveMbOpt = Annotated[int, typer.Option("--reserve-memory-mb", help="MiB left free for other programs.")]
-KvCacheMemoryOpt = Annotated[Optional[str], typer.Option(
+KvCacheMemoryOpt = Annotated[str | None, typer.Option(
     "--kv-cache-memory", help="KV pool size exactly, e.g. 2GiB.")]
-MaxVramOpt = Annotated[Optional[str], typer.Option(
+MaxVramOpt = Annotated[str | None, typer.Option(
     "--max-vram", help="Weights + activations + KV stay inside this, e.g. 4GiB.")]
 PrefixCachingOpt = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching", help="Share full prompt blocks between requests.")]
 EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Never use CUDA graphs.")]
 AttentionBackendOpt = Annotated[str, typer.Option("--attention-backend", help="auto | torch | native.")]
 DummyWeightsOpt = Annotated[bool, typer.Option("--dummy-weights", help="Random weights (benchmarks).")]
-ShapeOpt = Annotated[Optional[str], typer.Option("--shape", help="configs/shapes/NAME.json for --dummy-weights.")]
+ShapeOpt = Annotated[str | None, typer.Option("--shape", help="configs/shapes/NAME.json for --dummy-weights.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Engine seed.")]
 
 
