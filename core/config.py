@@ -52,6 +52,7 @@ class EngineConfig:
     enforce_eager: bool = False
     dummy_weights: bool = False
     shape: str | None = None  # configs/shapes/<shape>.json for dummy-weight runs
+    quantization: str | None = None  # None | "w4a16" | "w3a16": round-to-nearest at load time (group 128)
 
     def __post_init__(self) -> None:
         self.max_vram = parse_size(self.max_vram)
@@ -71,6 +72,7 @@ class EngineConfig:
             (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks must be >= 1"),
             (self.attention_backend in ("auto", "torch", "native"),
              f"unknown attention_backend {self.attention_backend!r}"),
+            (self.quantization in (None, "w4a16", "w3a16"), f"unknown quantization {self.quantization!r}"),
             (not self.dummy_weights or self.shape is not None or self.model is not None,
              "dummy_weights needs --shape NAME or a model config"),
         ]
