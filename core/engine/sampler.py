@@ -1,0 +1,208 @@
+"""Sampler: turns one step's logits (one row per request) into next tokens, batched on the device.
+
+Per row, in this order (vLLM v1's order):
+  1. penalties on the raw logits: repetition (HF/CTRL: over prompt + output tokens, a positive
+     logit is divided by the penalty, a negative one multiplied), then frequency and presence
+     (OpenAI: `logit -= frequency * count + presence * (count > 0)` over output tokens);
+  2. greedy rows (temperature below 1e-5) take the argmax; ties go to the lowest token id;
+  3. other rows: divide by temperature; min-p drops tokens whose probability is below
+     `min_p * max_probability`; top-k keeps the k most likely; top-p keeps the smallest
+     most-likely prefix whose mass (renormalized after min-p and top-k) reaches top_p;
+  4. draw by an exponential race: `argmax(probs / noise)` with noise ~ Exp(1), which picks
+     token i with probability probs[i].
+
+Logprobs are those of the model's raw distribution, `log_softmax(logits)` before penalties,
+temperature and filtering (vLLM's default "raw_logprobs"): the chosen token's and the top
+`params.logprobs` alternatives, best first.
+
+Seeded requests: `make_generator(params, device)` makes the request's torch.Generator; the engine
+keeps it with the request for its whole life (also across preemption and recompute, which never
+resample a token already in the history). The sampler draws exactly one noise vector from it per
+call in which the row is sampled (not for greedy rows), so a request's n-th token depends only on
+its own logits and its seed, whatever else is in the batch. Pass a row only when its token will be
+kept; if a row's token is to be discarded (e.g. a partial prefill chunk), save `generator.get_state()`
+before and restore it after. For `n > 1` give each sample its own seed (`seed + index`, as vLLM).
+
+Host transfers: one device->host copy of the sampled ids per call, plus one for the logprobs of
+the rows that asked for them. The per-row parameters go host->device in one small copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from core.engine.outputs import TokenLogprob
+from core.engine.sampling_params import SamplingParams
+
+# Below this temperature a row is sampled greedily: logits / T would overflow float32 (vLLM: same).
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: the request's parameters and token history."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # sampled so far, not counting the token this call draws
+    generator: torch.Generator | None = None  # from make_generator; None for unseeded requests
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [N], one per row
+    logprobs: list[TokenLogprob | None]  # [N]; None for rows whose params.logprobs is None
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The request's random generator, seeded from params.seed; None when it has no seed."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _GREEDY_TEMPERATURE
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"sampler: logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        logits = logits.float()
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # [L, V]
+
+        logits = apply_penalties(logits, rows)
+        greedy = [_is_greedy(row.params) for row in rows]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)  # [N]
+        else:
+            token_ids = _sample_random(logits, rows, greedy)
+
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            _fill_logprobs(logprobs, raw_logprobs, token_ids, rows, logprob_rows)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Returns new logits [N, V] with the penalties applied to the rows that have any."""
+    penalized = [
+        i for i, row in enumerate(rows)
+        if row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0.0
+        or row.params.frequency_penalty != 0.0
+    ]
+    if not penalized:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    index = torch.tensor(penalized, device=device)
+    params = [rows[i].params for i in penalized]
+    # [P, 3]: repetition, frequency, presence; one host->device copy.
+    factors = torch.tensor(
+        [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+        dtype=torch.float32,
+    ).to(device)
+    output_counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab_size, device)  # [P, V]
+    sub = logits[index]  # [P, V]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _token_counts([rows[i].prompt_token_ids for i in penalized], vocab_size, device)
+        seen = (prompt_counts + output_counts) > 0
+        repetition = factors[:, 0:1]
+        penalized_sub = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, penalized_sub, sub)
+    sub = sub - factors[:, 1:2] * output_counts - factors[:, 2:3] * (output_counts > 0).float()
+    return logits.index_copy(0, index, sub)
+
+
+def _token_counts(histories: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(histories), V] float32: how often each token occurs in each history."""
+    lengths = torch.tensor([len(h) for h in histories])
+    flat_tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
+    row_of_token = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+    counts = torch.zeros(len(histories), vocab_size, dtype=torch.float32, device=device)
+    ones = torch.ones(flat_tokens.shape[0], dtype=torch.float32, device=device)
+    counts.index_put_((row_of_token.to(device), flat_tokens.to(device)), ones, accumulate=True)
+    return counts
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    """[N] int64 token ids: random draws for non-greedy rows, argmax for greedy ones."""
+    device, vocab_size = logits.device, logits.shape[1]
+    # [N, 5]: temperature (1 for greedy rows, so their division is harmless), top_p, top_k
+    # (V when off; exact in float32 below 2**24), log(min_p), greedy flag. One host->device copy.
+    settings = torch.tensor(
+        [
+            (
+                1.0 if is_greedy else row.params.temperature,
+                row.params.top_p,
+                row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size,
+                math.log(row.params.min_p) if row.params.min_p > 0 else -math.inf,
+                float(is_greedy),
+            )
+            for row, is_greedy in zip(rows, greedy)
+        ],
+        dtype=torch.float32,
+    ).to(device)
+    scaled = logits / settings[:, 0:1]  # [N, V]
+
+    if any(row.params.min_p > 0 for row in rows):
+        # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p); no softmax needed.
+        too_unlikely = scaled - scaled.max(dim=-1, keepdim=True).values < settings[:, 3:4]
+        scaled = scaled.masked_fill(too_unlikely, -math.inf)
+    uses_top_p = any(row.params.top_p < 1.0 for row in rows)
+    if uses_top_p or any(0 < row.params.top_k < vocab_size for row in rows):
+        scaled = _apply_top_k_top_p(scaled, settings[:, 2], settings[:, 1] if uses_top_p else None)
+
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    noise = torch.empty_like(probs).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None and not greedy[i]:
+            noise[i].exponential_(generator=row.generator)
+    # Exp(1) draws can round to 0 in float32; a zero would turn a masked 0/0 into NaN.
+    sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # [N]
+    if any(greedy):
+        sampled = torch.where(settings[:, 4] > 0, logits.argmax(dim=-1), sampled)
+    return sampled
+
+
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Masks scaled logits [N, V] outside top-k ([N]), then outside top-p ([N]) of what is left; one sort."""
+    sorted_logits, sorted_index = scaled.sort(dim=-1, descending=True, stable=True)  # [N, V] each
+    rank = torch.arange(scaled.shape[1], device=scaled.device)  # [V]
+    outside = rank[None, :] >= top_k[:, None]  # [N, V], sorted order
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(outside, -math.inf), dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+        # Rows with top_p == 1 are skipped: float rounding can push mass_before above 1.
+        outside |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    outside_by_token = torch.empty_like(outside).scatter_(1, sorted_index, outside)
+    return scaled.masked_fill(outside_by_token, -math.inf)
+
+
+def _fill_logprobs(
+    logprobs: list[TokenLogprob | None],
+    raw_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: list[SamplingRow],
+    logprob_rows: list[int],
+) -> None:
+    """Writes TokenLogprob entries for logprob_rows; raw_logprobs: [L, V] in logprob_rows order."""
+    device = raw_logprobs.device
+    chosen_ids = token_ids[torch.tensor(logprob_rows, device=device)]  # [L]
+    chosen = raw_logprobs.gather(1, chosen_ids[:, None])  # [L, 1]
+    max_top = max(rows[i].params.logprobs for i in logprob_rows)
+    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)  # [L, K], best first
+    # One device->host copy: float64 holds the float32 logprobs and the token ids exactly.
+    packed = torch.cat([t.double() for t in (chosen_ids[:, None], chosen, top_values, top_ids)], dim=1)
+    for row_index, values in zip(logprob_rows, packed.tolist()):
+        num_top = rows[row_index].params.logprobs
+        top = [(int(values[2 + max_top + j]), values[2 + j]) for j in range(num_top)]
+        logprobs[row_index] = TokenLogprob(token_id=int(values[0]), logprob=values[1], top=top)
