@@ -31,3 +31,7 @@ class QueueFullError(DeepInferError):
 
 class EngineDeadError(DeepInferError):
     """The engine loop stopped after an unrecoverable error; no request can be served."""
+
+
+class ConversionError(DeepInferError):
+    """`deepinfer convert` cannot do what was asked (output exists, option the source cannot honour)."""
