@@ -1,0 +1,195 @@
+"""The concurrency sweep: serial (concurrency 1) against concurrent clients, same prompts each level.
+
+At each level `c`, `c` closed-loop clients share the level's requests: each client sends its next
+request as soon as its previous one finishes, so exactly `c` requests are in flight until the work
+runs out. Each level and repeat gets its own prompts (and its own shared prefix), so the prefix
+cache starts cold at every level and only shares what the workload asks it to share. The HF peer
+(core/bench/hf_peer.py) runs first, on the same prompts, and is freed before the engine loads,
+so each side has the GPU to itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from core.bench import engine_client, hf_peer
+from core.bench.latency import RequestTiming, mean_std, requests_frame, summarize_requests
+from core.bench.workload import default_num_requests, make_prompts
+from core.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConcurrencyWorkload:
+    concurrency_levels: list[int]
+    prompt_len: int = 512
+    output_len: int = 128
+    num_requests: int | None = None  # per level; None = default_num_requests(concurrency)
+    shared_prefix_len: int = 0
+    repeats: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.concurrency_levels) and all(c >= 1 for c in self.concurrency_levels),
+             f"concurrency levels must be >= 1, got {self.concurrency_levels}"),
+            (self.prompt_len >= 1, f"--prompt-len must be >= 1, got {self.prompt_len}"),
+            (self.output_len >= 1, f"--output-len must be >= 1, got {self.output_len}"),
+            (self.num_requests is None or self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
+            (0 <= self.shared_prefix_len < self.prompt_len,
+             f"--shared-prefix-len must be in [0, --prompt-len {self.prompt_len}), got {self.shared_prefix_len}"),
+            (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.num_requests if self.num_requests is not None else default_num_requests(concurrency)
+
+    def prompts(self, concurrency: int, repeat: int, vocab_size: int) -> list[list[int]]:
+        return make_prompts(self.requests_at(concurrency), self.prompt_len, vocab_size,
+                            shared_prefix_len=self.shared_prefix_len, seed=[self.seed, concurrency, repeat])
+
+
+async def run_engine_level(engine, prompts: list[list[int]], output_len: int, concurrency: int,
+                           label: str) -> tuple[list[RequestTiming], float]:
+    """`concurrency` closed-loop clients over `prompts`: (timings in prompt order, wall seconds)."""
+    timings: list[RequestTiming | None] = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+
+    async def client() -> None:
+        for i in next_index:  # the shared iterator hands each prompt to exactly one client
+            timings[i] = await engine_client.send_request(engine, prompts[i], output_len, f"{label}-{i}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return timings, time.perf_counter() - start
+
+
+def _level_summary(runs: list[dict]) -> dict:
+    return {"repeats": runs, "mean_std": mean_std(runs)}
+
+
+async def _engine_sweep(config, workload: ConcurrencyWorkload) -> tuple[dict, list[dict]]:
+    engine = await engine_client.start_engine(config)
+    recorder = engine_client.StepRecorder()
+    engine.add_stats_listener(recorder)
+    device = engine_client.cuda_device_of(engine.config)
+    vocab_size = engine.spec.vocab_size
+    info = {"model_name": engine.model_name, "vocab_size": vocab_size, "engine_config": asdict(engine.config),
+            "health": engine.health()}
+    levels = []
+    try:
+        await engine_client.warm_up(engine, vocab_size, workload.prompt_len)
+        for concurrency in workload.concurrency_levels:
+            runs = []
+            for repeat in range(workload.repeats):
+                prompts = workload.prompts(concurrency, repeat, vocab_size)
+                engine_client.reset_peak_memory(device)
+                recorder.start()
+                timings, wall_s = await run_engine_level(engine, prompts, workload.output_len, concurrency,
+                                                         f"c{concurrency}-r{repeat}")
+                steps = recorder.stop()
+                run = summarize_requests(timings, wall_s)
+                run.update(engine_client.summarize_steps(steps))
+                run.update(engine_client.peak_memory(device))
+                run["requests"] = requests_frame(timings).to_dict(orient="records")
+                _raise_on_failures(timings, concurrency)
+                runs.append(run)
+                logger.info("engine c=%d repeat %d: %.1f output tok/s", concurrency, repeat,
+                            run["output_tokens_per_s"])
+            levels.append({"concurrency": concurrency, "num_requests": workload.requests_at(concurrency),
+                           **_level_summary(runs)})
+    finally:
+        await engine.shutdown()
+    return info, levels
+
+
+def _raise_on_failures(timings: list[RequestTiming], concurrency: int) -> None:
+    failed = [t for t in timings if not t.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(timings)} requests failed at concurrency {concurrency}; "
+                           f"first: {failed[0].request_id}: {failed[0].error}")
+
+
+def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload) -> tuple[dict, list[dict]]:
+    device = peer_source["device"]
+    memory_device = device if device.startswith("cuda") else None
+    dtype = hf_peer.resolve_peer_dtype(peer_source["dtype"], device)
+    model = hf_peer.load_hf_peer(peer_source.get("config_json"), peer_source.get("model_dir"), device, dtype)
+    vocab_size = model.config.vocab_size
+    info = {"kind": "hf", "dtype": str(dtype).removeprefix("torch."), "device": device, "vocab_size": vocab_size,
+            "batching": "static (model.generate, one batch of `concurrency` prompts at a time)"}
+    levels = []
+    try:
+        hf_peer.warm_up_peer(model, workload.prompts(1, 0, vocab_size)[0], device)
+        for concurrency in workload.concurrency_levels:
+            runs = []
+            for repeat in range(workload.repeats):
+                prompts = workload.prompts(concurrency, repeat, vocab_size)
+                engine_client.reset_peak_memory(memory_device)
+                timings, wall_s = hf_peer.run_peer_level(model, prompts, workload.output_len, concurrency, device,
+                                                         f"hf-c{concurrency}-r{repeat}")
+                run = summarize_requests(timings, wall_s)
+                run.update(engine_client.peak_memory(memory_device))
+                runs.append(run)
+                logger.info("hf peer c=%d repeat %d: %.1f output tok/s", concurrency, repeat,
+                            run["output_tokens_per_s"])
+            levels.append({"concurrency": concurrency, **_level_summary(runs)})
+    finally:
+        del model
+        engine_client.release_cuda_memory()
+    return info, levels
+
+
+def _mean(level: dict, key: str) -> float | None:
+    return level["mean_std"].get(key, {}).get("mean")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare_levels(levels: list[dict], peer_levels: list[dict] | None) -> None:
+    """Adds speedup over the serial baseline (concurrency 1) and engine/peer ratios to each level."""
+    serial = next((lv for lv in levels if lv["concurrency"] == 1), None)
+    serial_tps = _mean(serial, "output_tokens_per_s") if serial else None
+    peers = {lv["concurrency"]: lv for lv in peer_levels or []}
+    for level in levels:
+        tps = _mean(level, "output_tokens_per_s")
+        level["speedup_vs_serial"] = _ratio(tps, serial_tps)
+        peer = peers.get(level["concurrency"])
+        if peer is not None:
+            level["peer"] = peer
+            level["vs_peer"] = {
+                "output_tokens_per_s_ratio": _ratio(tps, _mean(peer, "output_tokens_per_s")),
+                "ttft_p50_ratio": _ratio(_mean(level, "ttft_ms.p50"), _mean(peer, "ttft_ms.p50")),
+                "tpot_p50_ratio": _ratio(_mean(level, "tpot_ms.p50"), _mean(peer, "tpot_ms.p50")),
+            }
+
+
+def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict | None = None) -> dict:
+    """The whole sweep (peer first when asked, then the engine); the JSON payload without env info.
+
+    `peer`: None, or {"device", "dtype", "config_json" | "model_dir"} for the HF transformers peer.
+    """
+    peer_info, peer_levels = None, None
+    if peer is not None:
+        peer_info, peer_levels = _peer_sweep(peer, workload)
+    engine_info, levels = asyncio.run(_engine_sweep(config, workload))
+    if peer_info is not None and peer_info["vocab_size"] != engine_info["vocab_size"]:
+        raise RuntimeError(f"HF peer vocab {peer_info['vocab_size']} != engine vocab {engine_info['vocab_size']}: "
+                           "the two sides would not see the same prompts")
+    compare_levels(levels, peer_levels)
+    return {
+        "benchmark": "concurrency",
+        "workload": asdict(workload),
+        **engine_info,
+        "peer": peer_info,
+        "levels": levels,
+    }

@@ -1,0 +1,152 @@
+"""Driving an in-process AsyncEngine for benchmarks: send token-id requests, time what comes back.
+
+No HTTP: the client is an asyncio task in the same process, so the numbers are the engine's own
+plus one thread hop. Every request is greedy with `ignore_eos` and a fixed `max_tokens`, so every
+run produces the same number of tokens and runs stay comparable.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from dataclasses import dataclass
+
+from core.bench.latency import RequestTiming
+
+
+def bench_sampling_params(output_len: int):
+    from core.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+
+async def send_request(engine, prompt: list[int], output_len: int, request_id: str,
+                       on_delivery=None) -> RequestTiming:
+    """Send one request and record when each piece of its output arrives.
+
+    `on_delivery(timing)` runs after every recorded delivery (the jitter test uses it to insert
+    the long prompt once the stream has produced N tokens).
+    """
+    timing = RequestTiming(request_id, len(prompt), time.perf_counter())
+    stream = engine.add_request(prompt, bench_sampling_params(output_len), request_id=request_id)
+    async for out in stream:
+        received = time.perf_counter()
+        completion = out.outputs[0]
+        timing.record(received, len(completion.delta_token_ids))
+        timing.num_cached_tokens = out.num_cached_tokens
+        if out.error is not None or completion.finish_reason in ("error", "abort"):
+            timing.error = out.error or f"finished with {completion.finish_reason}"
+        if on_delivery is not None:
+            on_delivery(timing)
+    if timing.error is None and timing.output_len != output_len:
+        timing.error = f"produced {timing.output_len} tokens, expected {output_len}"
+    return timing
+
+
+@dataclass
+class StepRecord:
+    time_s: float  # perf_counter when the engine reported the step (engine thread)
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class StepRecorder:
+    """An engine stats listener that keeps one StepRecord per engine step while recording."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._recording = False
+        self._steps: list[StepRecord] = []
+
+    def __call__(self, stats) -> None:  # called from the engine thread
+        now = time.perf_counter()
+        with self._lock:
+            if self._recording:
+                self._steps.append(StepRecord(
+                    now, stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_running,
+                    stats.num_waiting, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                    stats.num_preemptions))
+
+    def start(self) -> None:
+        with self._lock:
+            self._steps = []
+            self._recording = True
+
+    def stop(self) -> list[StepRecord]:
+        with self._lock:
+            self._recording = False
+            return list(self._steps)
+
+
+def summarize_steps(steps: list[StepRecord]) -> dict:
+    """Engine-side counters of one run: steps, largest batch, prefix-cache hit rate, preemptions."""
+    queries = sum(s.prefix_cache_queries for s in steps)
+    hits = sum(s.prefix_cache_hits for s in steps)
+    return {
+        "num_steps": len(steps),
+        "max_running": max((s.num_running for s in steps), default=0),
+        "max_prompt_tokens_per_step": max((s.num_prompt_tokens for s in steps), default=0),
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "num_preemptions": sum(s.num_preemptions for s in steps),
+    }
+
+
+def cuda_device_of(config) -> str | None:
+    """The CUDA device an engine built from `config` runs on, or None on the CPU."""
+    import torch
+
+    if config.device.startswith("cuda"):
+        return config.device
+    if config.device == "auto" and torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def reset_peak_memory(device: str | None) -> None:
+    import torch
+
+    if device is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: str | None) -> dict:
+    """Peak bytes allocated by tensors and peak reserved by torch's caching allocator since the reset."""
+    import torch
+
+    if device is None:
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    return {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+
+
+async def start_engine(config):
+    """Build (loads the model, blocking) and start an AsyncEngine."""
+    from core.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(config)
+    await engine.start()
+    return engine
+
+
+async def warm_up(engine, vocab_size: int, prompt_len: int, output_len: int = 4) -> None:
+    """One untimed request: kernel compilation and allocator growth happen here, not in a measurement."""
+    from core.bench.workload import make_prompts
+
+    prompt = make_prompts(1, prompt_len, vocab_size, seed=[2**31 - 1])[0]
+    await send_request(engine, prompt, output_len, f"warmup-{time.monotonic_ns()}")
+
+
+def release_cuda_memory() -> None:
+    """After an engine or a peer model is dropped: give its memory back before the next one loads."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

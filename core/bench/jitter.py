@@ -1,0 +1,206 @@
+"""Long-document insertion: how much a running stream stutters while a long prompt is prefilled.
+
+Seed 003 §9: aggregate tokens/s hides a long prefill that stalls every running stream for half a
+second. Per token budget B (max_num_batched_tokens, i.e. the chunked-prefill chunk size) a fresh
+engine runs, after one untimed warm-up:
+  1. baseline:  the short stream alone;
+  2. alone:     the long prompt alone (its TTFT with the GPU to itself);
+  3. insertion: the short stream again; once it has produced `insert_after` tokens, the long
+                prompt arrives. Measured: the stream's ITLs in the insertion window and the long
+                prompt's TTFT.
+The insertion window runs from the long prompt's arrival to its first token; an ITL belongs to it
+when its interval overlaps the window (so the gap that straddles either edge counts). With
+`itl_slo_ms`, the sweep closes the loop the seeds left open: it picks the largest budget whose
+worst ITL in the window stays within the SLO, i.e. the fastest long-prompt TTFT the SLO allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
+
+from core.bench import engine_client
+from core.bench.latency import RequestTiming, percentiles
+from core.bench.workload import make_prompts
+from core.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class JitterWorkload:
+    token_budgets: list[int]
+    long_prompt_len: int = 2048
+    long_output_len: int = 4
+    stream_prompt_len: int = 32
+    stream_output_len: int | None = None  # None: long enough to outlast the insertion at the smallest budget
+    insert_after: int = 16  # stream tokens produced before the long prompt arrives
+    repeats: int = 1
+    itl_slo_ms: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stream_output_len is None:
+            # One chunk of the long prompt per step at the smallest budget, plus slack after it.
+            prefill_steps = math.ceil(self.long_prompt_len / max(1, min(self.token_budgets or [1]) - 1))
+            self.stream_output_len = self.insert_after + prefill_steps + 16
+        checks = [
+            (bool(self.token_budgets) and all(b >= 2 for b in self.token_budgets),
+             f"--token-budgets must be >= 2 each (one decode token + a prefill chunk), got {self.token_budgets}"),
+            (self.long_prompt_len >= 1, f"--long-prompt-len must be >= 1, got {self.long_prompt_len}"),
+            (self.long_output_len >= 1, f"--long-output-len must be >= 1, got {self.long_output_len}"),
+            (self.stream_prompt_len >= 1, f"--stream-prompt-len must be >= 1, got {self.stream_prompt_len}"),
+            (self.insert_after >= 1, f"--insert-after must be >= 1, got {self.insert_after}"),
+            (self.stream_output_len > self.insert_after + 1,
+             f"--stream-output-len ({self.stream_output_len}) must exceed --insert-after ({self.insert_after}) + 1"),
+            (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"),
+            (self.itl_slo_ms is None or self.itl_slo_ms > 0, f"--itl-slo-ms must be > 0, got {self.itl_slo_ms}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+
+def window_itls(stream: RequestTiming, start_s: float, end_s: float) -> list[float]:
+    """ITLs of `stream` whose interval (previous token, token] overlaps the window [start_s, end_s]."""
+    times = stream.token_times_s()
+    return [b - a for a, b in pairwise(times) if b > start_s and a < end_s]
+
+
+async def run_insertion(engine, stream_prompt: list[int], long_prompt: list[int], workload: JitterWorkload,
+                        label: str) -> dict:
+    """The stream, with the long prompt sent right after the stream's `insert_after`-th token arrives."""
+    long_task: list[asyncio.Task] = []
+
+    def insert_when_due(timing: RequestTiming) -> None:
+        if not long_task and timing.output_len >= workload.insert_after:
+            long_task.append(asyncio.create_task(engine_client.send_request(
+                engine, long_prompt, workload.long_output_len, f"{label}-long")))
+
+    stream = await engine_client.send_request(engine, stream_prompt, workload.stream_output_len,
+                                              f"{label}-stream", on_delivery=insert_when_due)
+    if not long_task:
+        raise RuntimeError(f"{label}: the stream ended before producing {workload.insert_after} tokens")
+    long = await long_task[0]
+    for timing in (stream, long):
+        if not timing.ok:
+            raise RuntimeError(f"{timing.request_id} failed: {timing.error}")
+    complete = long.first_token_s <= stream.last_token_s
+    return {
+        "window_itls_s": window_itls(stream, long.sent_s, long.first_token_s),
+        "window_complete": complete,  # False: the stream ended before the long prefill did
+        "stream_itls_s": stream.itls_s(),
+        "long_ttft_s": long.ttft_s,
+        "window_s": (long.sent_s, long.first_token_s),
+    }
+
+
+def _ms(values: list[float]) -> list[float]:
+    return [v * 1000.0 for v in values]
+
+
+def _mean_std_ms(values: list[float]) -> dict:
+    ms = _ms(values)
+    mean = sum(ms) / len(ms)
+    std = math.sqrt(sum((v - mean) ** 2 for v in ms) / (len(ms) - 1)) if len(ms) > 1 else None
+    return {"mean": mean, "std": std}
+
+
+async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_info: dict) -> dict:
+    engine = await engine_client.start_engine(replace(config, max_num_batched_tokens=budget))
+    engine_info.setdefault("model_name", engine.model_name)
+    recorder = engine_client.StepRecorder()
+    engine.add_stats_listener(recorder)
+    vocab_size = engine.spec.vocab_size
+    baseline_itls, alone_ttfts, insert_runs, window_steps = [], [], [], []
+    try:
+        await engine_client.warm_up(engine, vocab_size, min(budget, workload.long_prompt_len))
+        for repeat in range(workload.repeats):
+            seed = [workload.seed, budget, repeat]
+            stream_prompt = make_prompts(1, workload.stream_prompt_len, vocab_size, seed=[*seed, 0])[0]
+            long_prompt = make_prompts(1, workload.long_prompt_len, vocab_size, seed=[*seed, 1])[0]
+            label = f"b{budget}-r{repeat}"
+            # Fresh prompts per phase: a prefix-cache hit must not make the insertion look cheap.
+            alone_prompt = make_prompts(1, workload.long_prompt_len, vocab_size, seed=[*seed, 2])[0]
+            baseline_prompt = make_prompts(1, workload.stream_prompt_len, vocab_size, seed=[*seed, 3])[0]
+
+            baseline = await engine_client.send_request(engine, baseline_prompt, workload.stream_output_len,
+                                                        f"{label}-baseline")
+            alone = await engine_client.send_request(engine, alone_prompt, workload.long_output_len,
+                                                     f"{label}-alone")
+            recorder.start()
+            run = await run_insertion(engine, stream_prompt, long_prompt, workload, label)
+            steps = recorder.stop()
+            for timing in (baseline, alone):
+                if not timing.ok:
+                    raise RuntimeError(f"{timing.request_id} failed: {timing.error}")
+            baseline_itls += baseline.itls_s()
+            alone_ttfts.append(alone.ttft_s)
+            insert_runs.append(run)
+            start_s, end_s = run["window_s"]
+            window_steps += [s for s in steps if start_s <= s.time_s <= end_s]
+    finally:
+        await engine.shutdown()
+        del engine
+        engine_client.release_cuda_memory()
+
+    window = [itl for run in insert_runs for itl in run["window_itls_s"]]
+    result = {
+        "token_budget": budget,
+        "baseline_itl_ms": percentiles(_ms(baseline_itls)),
+        "insertion_window_itl_ms": percentiles(_ms(window)),
+        "insertion_window_num_itls": len(window),
+        "insertion_window_complete": all(run["window_complete"] for run in insert_runs),
+        "insertion_stream_itl_ms": percentiles(_ms([i for run in insert_runs for i in run["stream_itls_s"]])),
+        "insertion_window_engine_steps": len(window_steps),
+        "insertion_window_max_prompt_tokens_per_step": max((s.num_prompt_tokens for s in window_steps), default=0),
+        "long_ttft_alone_ms": _mean_std_ms(alone_ttfts),
+        "long_ttft_inserted_ms": _mean_std_ms([run["long_ttft_s"] for run in insert_runs]),
+    }
+    if not result["insertion_window_complete"]:
+        logger.warning("budget %d: the stream ended before the long prefill finished; raise --stream-output-len",
+                       budget)
+    return result
+
+
+def choose_budget(results: list[dict], itl_slo_ms: float) -> dict:
+    """The largest budget whose worst ITL in the insertion window is within the SLO, with its TTFT.
+
+    A budget whose window the stream did not fully cover is never chosen: its max is a lower bound.
+    """
+    meeting = [r for r in results
+               if r["insertion_window_complete"] and r["insertion_window_itl_ms"]["max"] is not None
+               and r["insertion_window_itl_ms"]["max"] <= itl_slo_ms]
+    if not meeting:
+        return {"itl_slo_ms": itl_slo_ms, "chosen_token_budget": None, "long_ttft_inserted_ms": None,
+                "insertion_window_itl_max_ms": None,
+                "note": "no budget in the sweep keeps the worst insertion ITL within the SLO; add smaller budgets"}
+    best = max(meeting, key=lambda r: r["token_budget"])
+    return {"itl_slo_ms": itl_slo_ms, "chosen_token_budget": best["token_budget"],
+            "long_ttft_inserted_ms": best["long_ttft_inserted_ms"]["mean"],
+            "insertion_window_itl_max_ms": best["insertion_window_itl_ms"]["max"], "note": None}
+
+
+async def _sweep(config, workload: JitterWorkload, engine_info: dict) -> list[dict]:
+    results = []
+    for budget in workload.token_budgets:
+        results.append(await _measure_budget(config, budget, workload, engine_info))
+        logger.info("budget %d: window ITL max %.1f ms", budget, results[-1]["insertion_window_itl_ms"]["max"] or 0)
+    return results
+
+
+def run_jitter_benchmark(config, workload: JitterWorkload) -> dict:
+    """The whole sweep, one fresh engine per token budget; the JSON payload without env info."""
+    engine_info: dict = {}
+    results = asyncio.run(_sweep(config, workload, engine_info))
+    return {
+        "benchmark": "jitter",
+        "workload": asdict(workload),
+        **engine_info,
+        "engine_config": asdict(config),
+        "budgets": results,
+        "slo": choose_budget(results, workload.itl_slo_ms) if workload.itl_slo_ms is not None else None,
+    }

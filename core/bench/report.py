@@ -1,0 +1,139 @@
+"""Benchmark output: one JSON file per run (with the environment that produced it) and Rich tables.
+
+Tables follow llama-bench: a value over repeats reads `mean ± std` (just the mean for one run).
+Latencies are milliseconds; percentile cells read `p50 / p95 / p99`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+GIB = 1024**3
+
+
+def results_path(benchmark: str, subject: str, device_name: str, output: str | None,
+                 results_dir: str | Path = "results") -> Path:
+    """`--output PATH` as given, else results/bench_<benchmark>_<subject>_<device>_<timestamp>.json."""
+    if output is not None:
+        return Path(output)
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower() or "unknown"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(results_dir) / f"bench_{benchmark}_{slug(subject)}_{slug(device_name)}_{stamp}.json"
+
+
+def _finite(value):
+    """JSON has no NaN/inf: write them as null, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path: Path, payload: dict, env: dict) -> Path:
+    """`payload` plus `env` (GPU, driver, versions, git commit, command line) as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"env": env, **payload}
+    path.write_text(json.dumps(_finite(document), indent=2, default=str) + "\n")
+    return path
+
+
+def format_mean_std(stat: dict | None, digits: int = 1, scale: float = 1.0) -> str:
+    """{'mean': m, 'std': s} -> 'm ± s' ('m' alone for one run, '-' when missing)."""
+    if not stat or stat.get("mean") is None:
+        return "-"
+    text = f"{stat['mean'] * scale:.{digits}f}"
+    if stat.get("std") is not None:
+        text += f" ± {stat['std'] * scale:.{digits}f}"
+    return text
+
+
+def _triplet(stats: dict, name: str, keys: tuple[str, ...] = ("p50", "p95", "p99"), digits: int = 1) -> str:
+    values = [stats.get(f"{name}.{k}", {}).get("mean") for k in keys]
+    return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def concurrency_table(payload: dict) -> Table:
+    workload = payload["workload"]
+    title = (f"deepinfer bench concurrency: {payload.get('model_name')}  prompt {workload['prompt_len']}, "
+             f"output {workload['output_len']}, shared prefix {workload['shared_prefix_len']}, "
+             f"repeats {workload['repeats']}")
+    table = Table(title=title, title_justify="left")
+    has_peer = payload.get("peer") is not None
+    columns = ["c", "reqs", "out tok/s", "req/s", "vs c=1", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99",
+               "ITL ms p50/p95/p99", "peak alloc / reserved GiB", "prefix hit", "preempt"]
+    if has_peer:
+        columns += ["HF tok/s", "HF TTFT p50", "HF TPOT p50", "tok/s vs HF"]
+    for name in columns:
+        table.add_column(name, justify="right")
+    for level in payload["levels"]:
+        stats = level["mean_std"]
+        hit = stats.get("prefix_cache_hit_rate", {}).get("mean")
+        row = [
+            str(level["concurrency"]), str(level["num_requests"]),
+            format_mean_std(stats.get("output_tokens_per_s")), format_mean_std(stats.get("requests_per_s"), 2),
+            _ratio(level.get("speedup_vs_serial")),
+            _triplet(stats, "ttft_ms"), _triplet(stats, "tpot_ms", digits=2), _triplet(stats, "itl_ms", digits=2),
+            f"{format_mean_std(stats.get('peak_allocated_bytes'), 2, 1 / GIB)} / "
+            f"{format_mean_std(stats.get('peak_reserved_bytes'), 2, 1 / GIB)}",
+            "-" if hit is None else f"{hit:.0%}",
+            format_mean_std(stats.get("num_preemptions"), 0),
+        ]
+        if has_peer:
+            peer = level.get("peer", {}).get("mean_std", {})
+            row += [format_mean_std(peer.get("output_tokens_per_s")), format_mean_std(peer.get("ttft_ms.p50")),
+                    format_mean_std(peer.get("tpot_ms.p50"), 2),
+                    _ratio(level.get("vs_peer", {}).get("output_tokens_per_s_ratio"))]
+        table.add_row(*row)
+    return table
+
+
+def _pct(stats: dict, keys: tuple[str, ...] = ("p50", "p95", "max")) -> str:
+    return " / ".join("-" if stats.get(k) is None else f"{stats[k]:.1f}" for k in keys)
+
+
+def jitter_table(payload: dict) -> Table:
+    workload = payload["workload"]
+    slo = payload.get("slo")
+    title = (f"deepinfer bench jitter: {payload.get('model_name')}  stream {workload['stream_prompt_len']}+"
+             f"{workload['stream_output_len']} tokens, long prompt {workload['long_prompt_len']} after "
+             f"{workload['insert_after']} stream tokens, repeats {workload['repeats']}")
+    table = Table(title=title, title_justify="left")
+    columns = ["token budget", "baseline ITL ms p50/p95/max", "insertion ITL ms p50/p95/max", "window ITLs",
+               "max chunk", "long TTFT alone ms", "long TTFT inserted ms"]
+    if slo is not None:
+        columns.append(f"max ITL <= {slo['itl_slo_ms']:g} ms")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for result in payload["budgets"]:
+        window = result["insertion_window_itl_ms"]
+        row = [
+            str(result["token_budget"]), _pct(result["baseline_itl_ms"]), _pct(window),
+            f"{result['insertion_window_num_itls']}{'' if result['insertion_window_complete'] else ' (cut)'}",
+            str(result["insertion_window_max_prompt_tokens_per_step"]),
+            format_mean_std(result["long_ttft_alone_ms"]), format_mean_std(result["long_ttft_inserted_ms"]),
+        ]
+        if slo is not None:
+            chosen = result["token_budget"] == slo["chosen_token_budget"]
+            meets = (result["insertion_window_complete"] and window["max"] is not None
+                     and window["max"] <= slo["itl_slo_ms"])
+            row.append(("yes" if meets else "no") + (" (chosen)" if chosen else ""))
+        table.add_row(*row)
+    if slo is not None:
+        table.caption = (f"SLO max ITL <= {slo['itl_slo_ms']:g} ms: " + (
+            f"token budget {slo['chosen_token_budget']}, long-prompt TTFT {slo['long_ttft_inserted_ms']:.1f} ms"
+            if slo["chosen_token_budget"] is not None else slo["note"]))
+    return table
