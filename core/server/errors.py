@@ -1,0 +1,113 @@
+"""Every failure the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Client mistakes are 4xx with a message that says what was wrong; only a fault inside the server
+is a 500. The engine's own errors (core/errors.py) map to the status a client can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
+
+logger = logging.getLogger("deepinfer.server")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An answer other than 200; raised anywhere in a handler, rendered by the app's handler."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidParameter(APIError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(400, message, param=param, code="invalid_parameter")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param, code)).encode()
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def engine_error_to_api(err: Exception) -> APIError:
+    """The status an engine error means to the client (a PromptTooLongError is its fault, a full queue is not)."""
+    if isinstance(err, QueueFullError):
+        return APIError(429, str(err), code="queue_full")
+    if isinstance(err, PromptTooLongError):
+        return APIError(400, str(err), code="context_length_exceeded")
+    if isinstance(err, InvalidRequestError):
+        return APIError(400, str(err), code="invalid_parameter")
+    if isinstance(err, EngineDeadError):
+        return APIError(503, str(err), code="engine_dead")
+    return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's error list as one line: 'body.messages.0.role: Field required; ...', and the first param."""
+    parts, first_param = [], None
+    for item in err.errors():
+        location = [str(p) for p in item.get("loc", ()) if p != "body"]
+        # Union members add their type name to the location ("str", "list[int]"); drop those.
+        location = [p for p in location if not any(c in p for c in "[]") and p not in ("str", "int", "float")]
+        where = ".".join(location)
+        first_param = first_param or where or None
+        message = item.get("msg", "invalid value")
+        if item.get("type") == "json_invalid":
+            return "request body is not valid JSON: " + str(item.get("ctx", {}).get("error", message)), None
+        parts.append(f"{where}: {message}" if where else message)
+    unique = list(dict.fromkeys(parts))
+    return "; ".join(unique[:5]) or "invalid request body", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if err.status == 429 else None
+        return error_response(err.status, err.message, err.param, err.code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI clients expect 400 for a malformed body.
+        message, param = _validation_message(err)
+        return error_response(400, message, param=param, code="invalid_parameter")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code)
+        return error_response(err.status_code, str(err.detail), code=code, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return error_response(500, f"internal error: {type(err).__name__}", code="internal_error")

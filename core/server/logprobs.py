@@ -1,0 +1,64 @@
+"""Token log-probabilities in the two shapes OpenAI defines.
+
+Chat (`logprobs: true, top_logprobs: k`):
+    {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}
+Completions (legacy `logprobs: k`):
+    {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}, ...], "text_offset": [...]}
+"""
+
+from __future__ import annotations
+
+from core.engine.outputs import TokenLogprob
+
+
+class TokenStrings:
+    """Token id -> its text, decoded once per id (a response may ask for 20 alternatives per token)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -inf; OpenAI reports -9999.0 for tokens that could not be sampled.
+    return max(float(logprob), -9999.0)
+
+
+def chat_logprobs(entries: list[TokenLogprob], num_top: int, token_text: TokenStrings) -> dict:
+    content = []
+    for entry in entries:
+        text = token_text(entry.token_id)
+        content.append({
+            "token": text,
+            "logprob": _finite(entry.logprob),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": token_text(tid), "logprob": _finite(lp), "bytes": list(token_text(tid).encode("utf-8"))}
+                for tid, lp in entry.top[:num_top]
+            ],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[TokenLogprob], num_top: int, token_text: TokenStrings,
+                        text_offset: int = 0) -> dict:
+    """`text_offset` is where the first of these tokens starts in the choice's text (streams continue it)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        text = token_text(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(_finite(entry.logprob))
+        # The sampled token is always listed, as in OpenAI's and vLLM's answers, even when outside the top k.
+        top = {token_text(tid): _finite(lp) for tid, lp in entry.top[:num_top]}
+        top.setdefault(text, _finite(entry.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
