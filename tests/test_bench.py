@@ -1,0 +1,124 @@
+"""Benchmarks: statistics against hand-computed cases, the HF peer, and both commands end to end (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from core.bench.jitter import JitterWorkload, choose_budget, window_itls
+from core.bench.latency import RequestTiming, mean_std, percentiles, summarize_requests
+from core.bench.workload import default_num_requests, make_prompts
+from core.errors import InvalidRequestError
+
+
+def test_percentiles_match_hand_computed_linear_interpolation():
+    # 1..10: the q-quantile sits at index q*(n-1) = 9q, interpolated linearly between neighbours.
+    stats = percentiles([float(v) for v in range(10, 0, -1)])
+    assert stats["p50"] == pytest.approx(5.5)  # index 4.5 -> between 5 and 6
+    assert stats["p95"] == pytest.approx(9.55)  # index 8.55 -> 9 + 0.55
+    assert stats["p99"] == pytest.approx(9.91)  # index 8.91 -> 9 + 0.91
+    assert stats["mean"] == pytest.approx(5.5)
+    assert stats["max"] == 10.0
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None, "mean": None, "max": None}
+
+
+def test_request_timing_ttft_tpot_itl():
+    timing = RequestTiming("r", prompt_len=7, sent_s=10.0)
+    timing.record(10.5, 1)  # first token after 0.5 s
+    timing.record(10.7, 1)
+    timing.record(11.3, 3)  # three tokens in one delivery: the 0.6 s gap is split over them
+    timing.record(11.4, 0)  # an empty delivery (e.g. the final one) changes nothing
+    assert timing.output_len == 5
+    assert timing.ttft_s == pytest.approx(0.5)
+    assert timing.tpot_s == pytest.approx((11.3 - 10.5) / 4)
+    assert timing.itls_s() == pytest.approx([0.2, 0.2, 0.2, 0.2])
+    assert timing.e2e_s == pytest.approx(1.3)
+
+    summary = summarize_requests([timing, RequestTiming("failed", 7, 10.0, error="boom")], wall_s=2.0)
+    assert summary["num_requests"] == 2 and summary["num_failed"] == 1
+    assert summary["output_tokens"] == 5
+    assert summary["output_tokens_per_s"] == pytest.approx(2.5)
+    assert summary["requests_per_s"] == pytest.approx(0.5)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(500.0)
+    assert summary["itl_ms"]["p99"] == pytest.approx(200.0)
+
+
+def test_mean_std_over_repeats_is_sample_std():
+    runs = [{"tok_s": 10.0, "ttft_ms": {"p50": 1.0}}, {"tok_s": 14.0, "ttft_ms": {"p50": 3.0}},
+            {"tok_s": 12.0, "ttft_ms": {"p50": None}}]
+    result = mean_std(runs)
+    assert result["tok_s"]["mean"] == pytest.approx(12.0)
+    assert result["tok_s"]["std"] == pytest.approx(2.0)  # sqrt(((-2)^2 + 2^2 + 0) / 2)
+    assert result["ttft_ms.p50"]["mean"] == pytest.approx(2.0)  # missing values are skipped
+    assert result["ttft_ms.p50"]["std"] == pytest.approx(math.sqrt(2.0))
+    assert mean_std([{"x": 3.0}])["x"] == {"mean": 3.0, "std": None}
+
+
+def test_prompts_have_exact_lengths_a_shared_prefix_and_are_reproducible():
+    prompts = make_prompts(5, 40, 1000, shared_prefix_len=24, seed=[0, 4, 1])
+    assert [len(p) for p in prompts] == [40] * 5
+    assert all(p[:24] == prompts[0][:24] for p in prompts)
+    assert len({tuple(p[24:]) for p in prompts}) == 5
+    assert all(16 <= t < 1000 for p in prompts for t in p)
+    assert prompts == make_prompts(5, 40, 1000, shared_prefix_len=24, seed=[0, 4, 1])
+    assert prompts != make_prompts(5, 40, 1000, shared_prefix_len=24, seed=[0, 4, 2])
+    assert default_num_requests(1) == 8 and default_num_requests(32) == 64
+    with pytest.raises(InvalidRequestError, match="shared prefix"):
+        make_prompts(2, 8, 1000, shared_prefix_len=8)
+
+
+def test_insertion_window_takes_every_itl_overlapping_the_window():
+    stream = RequestTiming("s", 4, 0.0)
+    for t in (1.0, 2.0, 3.0, 6.0, 7.0, 8.0):
+        stream.record(t, 1)
+    # Long prompt sent at 2.5, first token at 6.5: the gaps (2,3], (3,6] and (6,7] overlap it.
+    assert window_itls(stream, 2.5, 6.5) == pytest.approx([1.0, 3.0, 1.0])
+    assert window_itls(stream, 8.5, 9.0) == []
+
+
+def _budget(token_budget: int, max_itl_ms: float, complete: bool = True) -> dict:
+    return {"token_budget": token_budget, "insertion_window_complete": complete,
+            "insertion_window_itl_ms": {"max": max_itl_ms}, "long_ttft_inserted_ms": {"mean": 1000.0 / token_budget}}
+
+
+def test_slo_picks_the_largest_budget_within_the_slo():
+    results = [_budget(64, 20.0), _budget(128, 35.0), _budget(256, 80.0), _budget(512, 30.0, complete=False)]
+    chosen = choose_budget(results, itl_slo_ms=40.0)
+    assert chosen["chosen_token_budget"] == 128  # 512 is within the SLO but its window was cut short
+    assert chosen["long_ttft_inserted_ms"] == pytest.approx(1000.0 / 128)
+    assert choose_budget(results, itl_slo_ms=10.0)["chosen_token_budget"] is None
+
+
+def test_jitter_stream_length_defaults_to_outlast_the_insertion():
+    workload = JitterWorkload(token_budgets=[9, 64], long_prompt_len=100, insert_after=4)
+    assert workload.stream_output_len == 4 + math.ceil(100 / 8) + 16
+    with pytest.raises(InvalidRequestError, match="token-budgets"):
+        JitterWorkload(token_budgets=[1])
+
+
+def _tiny_llama_config() -> dict:
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+            "eos_token_id": 2, "tie_word_embeddings": False}
+
+
+def test_hf_peer_runs_static_batches_of_the_concurrency(tmp_path):
+    import torch
+
+    from core.bench.hf_peer import load_hf_peer, run_peer_level
+
+    config_json = tmp_path / "shape.json"
+    config_json.write_text(json.dumps(_tiny_llama_config()))
+    model = load_hf_peer(config_json, None, "cpu", torch.float32)
+    assert model.config.num_hidden_layers == 2
+    prompts = make_prompts(5, 12, 256, seed=0)
+    timings, wall_s = run_peer_level(model, prompts, output_len=3, concurrency=2, device="cpu", label="hf")
+    assert [t.output_len for t in timings] == [3] * 5  # EOS never stops a request early
+    assert [t.prompt_len for t in timings] == [12] * 5
+    # Batches {0,1}, {2,3}, {4}: a batch shares its start and its token times, and starts after the last ends.
+    assert timings[0].sent_s == timings[1].sent_s and timings[0].token_times_s() == timings[1].token_times_s()
+    assert timings[2].sent_s >= timings[1].last_token_s and timings[4].sent_s >= timings[3].last_token_s
+    assert sum(t.e2e_s for t in timings[::2]) <= wall_s
