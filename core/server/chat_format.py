@@ -7,8 +7,7 @@ as "system", which every template knows.
 
 from __future__ import annotations
 
-from jinja2.exceptions import TemplateError
-
+from core.errors import InvalidRequestError
 from core.server.errors import InvalidParameter
 from core.server.protocol import ChatMessage
 
@@ -48,11 +47,12 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return plain
 
 
-def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str | list[int]:
-    """The prompt the model sees. A template that refuses the conversation (e.g. roles that do not
-    alternate: templates call raise_exception) is the client's mistake, so a 400."""
+def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The prompt text the model sees. The tokenizer raises InvalidRequestError when the model has no
+    template or the template refuses the conversation (roles that do not alternate: templates call
+    raise_exception); both are answered with a 400."""
     plain = to_template_messages(messages)
     try:
         return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except TemplateError as err:
-        raise InvalidParameter(f"the model's chat template rejected the messages: {err}", param="messages") from None
+    except InvalidRequestError as err:
+        raise InvalidParameter(str(err), param="messages") from None

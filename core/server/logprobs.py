@@ -21,7 +21,8 @@ class TokenStrings:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tokenizer.decode([token_id])
+            # Special tokens keep their text (an EOS shows as e.g. "<|im_end|>", not as "").
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
 

@@ -1,0 +1,117 @@
+"""Prometheus metrics: names, labels and buckets as vLLM's, fed only by IterationStats, counted once.
+
+The unit tests feed hand-made IterationStats and compare with hand-computed totals; the server
+test runs real requests and checks the counters against what the clients received.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from core.engine.stats import FinishedRequestStats, IterationStats
+from core.server.metrics import TTFT_BUCKETS, EngineMetrics
+
+REQUIRED = [
+    ("deepinfer:num_requests_running", "gauge"),
+    ("deepinfer:num_requests_waiting", "gauge"),
+    ("deepinfer:kv_cache_usage_perc", "gauge"),
+    ("deepinfer:prefix_cache_queries", "counter"),
+    ("deepinfer:prefix_cache_hits", "counter"),
+    ("deepinfer:num_preemptions", "counter"),
+    ("deepinfer:prompt_tokens", "counter"),
+    ("deepinfer:generation_tokens", "counter"),
+    ("deepinfer:request_success", "counter"),
+    ("deepinfer:time_to_first_token_seconds", "histogram"),
+    ("deepinfer:inter_token_latency_seconds", "histogram"),
+    ("deepinfer:e2e_request_latency_seconds", "histogram"),
+]
+
+
+def parse(metrics: EngineMetrics) -> dict:
+    """{(sample name, sorted labels): value} from the rendered exposition text (the path a scraper sees)."""
+    values = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def families(metrics: EngineMetrics) -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_every_required_metric_is_exported_with_its_type_and_model_label():
+    metrics = EngineMetrics("m1")
+    exported = families(metrics)
+    for name, kind in REQUIRED:
+        assert exported.get(name) == kind, (name, exported.get(name))
+    values = parse(metrics)
+    label = (("model_name", "m1"),)
+    assert values[("deepinfer:num_requests_running", label)] == 0
+    for reason in ("stop", "length", "abort", "error"):  # exported at 0 before any request finishes
+        assert values[("deepinfer:request_success_total", (("finished_reason", reason), ("model_name", "m1")))] == 0
+
+
+def test_counters_sum_steps_and_gauges_keep_the_last_step():
+    metrics = EngineMetrics("m")
+    steps = [
+        IterationStats(num_running=3, num_waiting=5, kv_cache_usage=0.25, prefix_cache_queries=64,
+                       prefix_cache_hits=32, num_prompt_tokens=32, num_generation_tokens=3,
+                       time_to_first_tokens_s=[0.003, 0.2, 0.2]),
+        IterationStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, num_preemptions=1,
+                       num_generation_tokens=2, inter_token_latencies_s=[0.02, 0.03],
+                       finished_requests=[FinishedRequestStats("stop", 10, 2, 0.4, 0.003, 0.001)]),
+        IterationStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_generation_tokens=1,
+                       inter_token_latencies_s=[0.5],
+                       finished_requests=[FinishedRequestStats("length", 20, 2, 1.2, 0.2),
+                                          FinishedRequestStats("abort", 2, 1, 2.0, 0.2)]),
+    ]
+    for step in steps:
+        metrics.record(step)
+    v = parse(metrics)
+    m = (("model_name", "m"),)
+
+    def reason(r):
+        return (("finished_reason", r), ("model_name", "m"))
+
+    assert v[("deepinfer:num_requests_running", m)] == 0
+    assert v[("deepinfer:kv_cache_usage_perc", m)] == 0.0
+    assert v[("deepinfer:prefix_cache_queries_total", m)] == 64
+    assert v[("deepinfer:prefix_cache_hits_total", m)] == 32
+    assert v[("deepinfer:num_preemptions_total", m)] == 1
+    assert v[("deepinfer:prompt_tokens_total", m)] == 32
+    assert v[("deepinfer:generation_tokens_total", m)] == 3 + 2 + 1  # per step, never again at finish
+    assert v[("deepinfer:request_success_total", reason("stop"))] == 1
+    assert v[("deepinfer:request_success_total", reason("length"))] == 1
+    assert v[("deepinfer:request_success_total", reason("abort"))] == 1
+    assert v[("deepinfer:request_success_total", reason("error"))] == 0
+    assert v[("deepinfer:time_to_first_token_seconds_count", m)] == 3
+    assert math.isclose(v[("deepinfer:time_to_first_token_seconds_sum", m)], 0.403)
+    # cumulative buckets: 0.003 falls in le=0.005, the two 0.2s in le=0.25
+    assert v[("deepinfer:time_to_first_token_seconds_bucket", (("le", "0.001"), ("model_name", "m")))] == 0
+    assert v[("deepinfer:time_to_first_token_seconds_bucket", (("le", "0.005"), ("model_name", "m")))] == 1
+    assert v[("deepinfer:time_to_first_token_seconds_bucket", (("le", "0.1"), ("model_name", "m")))] == 1
+    assert v[("deepinfer:time_to_first_token_seconds_bucket", (("le", "0.25"), ("model_name", "m")))] == 3
+    assert v[("deepinfer:inter_token_latency_seconds_count", m)] == 3
+    assert math.isclose(v[("deepinfer:inter_token_latency_seconds_sum", m)], 0.55)
+    assert v[("deepinfer:e2e_request_latency_seconds_count", m)] == 3
+    assert math.isclose(v[("deepinfer:e2e_request_latency_seconds_sum", m)], 3.6)
+    assert v[("deepinfer:e2e_request_latency_seconds_bucket", (("le", "0.5"), ("model_name", "m")))] == 1
+
+
+def test_buckets_are_vllms():
+    metrics = EngineMetrics("m")
+    les = [float(labels[0][1]) for (name, labels) in parse(metrics)
+           if name == "deepinfer:time_to_first_token_seconds_bucket"]
+    assert les == TTFT_BUCKETS + [math.inf]
+    assert TTFT_BUCKETS[:3] == [0.001, 0.005, 0.01] and TTFT_BUCKETS[-1] == 2560.0
+
+
+def test_each_app_has_its_own_registry():
+    # Two servers in one process (or two tests) must not share or collide on counters.
+    first, second = EngineMetrics("same"), EngineMetrics("same")
+    first.record(IterationStats(num_generation_tokens=7))
+    assert parse(first)[("deepinfer:generation_tokens_total", (("model_name", "same"),))] == 7
+    assert parse(second)[("deepinfer:generation_tokens_total", (("model_name", "same"),))] == 0
