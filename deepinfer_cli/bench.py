@@ -2,20 +2,191 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Annotated
+
 import typer
 
-from deepinfer_cli.errors import not_landed
+from deepinfer_cli.errors import fail
+from deepinfer_cli.options import (
+    AttentionBackendOpt,
+    BlockSizeOpt,
+    DeviceOpt,
+    DtypeOpt,
+    DummyWeightsOpt,
+    EnforceEagerOpt,
+    GpuMemUtilOpt,
+    KvCacheDtypeOpt,
+    KvCacheMemoryOpt,
+    MaxBatchedTokensOpt,
+    MaxModelLenOpt,
+    MaxNumSeqsOpt,
+    MaxVramOpt,
+    ModelOpt,
+    PrefixCachingOpt,
+    ReserveMbOpt,
+    SeedOpt,
+    ShapeOpt,
+    engine_config,
+)
 
 app = typer.Typer(help="Benchmarks (JSON under results/, Rich tables).", no_args_is_help=True)
 
+QuantizationOpt = Annotated[str | None, typer.Option(
+    "--quantization", "--quant", help="w4a16 | w3a16: round-to-nearest weight quantization at load.")]
+OutputOpt = Annotated[str | None, typer.Option(
+    "--output", "-o", help="JSON path (default results/bench_<kind>_<model>_<gpu>_<time>.json).")]
+RepeatsOpt = Annotated[int, typer.Option("--repeats", help="Runs per point; tables show mean ± std.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show engine and progress logs.")]
+
 
 @app.command("concurrency")
-def concurrency() -> None:
+def concurrency(
+    concurrency_levels: Annotated[str, typer.Option(
+        "--concurrency", "-c", help="Comma-separated client counts; 1 is the serial baseline.")] = "1,4,8,32,64",
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens per request.")] = 512,
+    output_len: Annotated[int, typer.Option("--output-len", help="Output tokens per request (EOS ignored).")] = 128,
+    num_requests: Annotated[int | None, typer.Option(
+        "--num-requests", "-n", help="Requests per level (default max(2 x concurrency, 8)).")] = None,
+    shared_prefix_len: Annotated[int, typer.Option(
+        "--shared-prefix-len", help="Leading prompt tokens all requests of a level share (prefix cache).")] = 0,
+    peer: Annotated[str | None, typer.Option(
+        "--peer", help="hf: also run HF transformers model.generate (static batches) on the same prompts.")] = None,
+    repeats: RepeatsOpt = 1,
+    output: OutputOpt = None,
+    model: ModelOpt = None,
+    dummy_weights: DummyWeightsOpt = False,
+    shape: ShapeOpt = None,
+    quantization: QuantizationOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    block_size: BlockSizeOpt = 16,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    prefix_caching: PrefixCachingOpt = True,
+    max_num_seqs: MaxNumSeqsOpt = 64,
+    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
+    max_model_len: MaxModelLenOpt = None,
+    gpu_memory_utilization: GpuMemUtilOpt = 0.90,
+    reserve_memory_mb: ReserveMbOpt = 0,
+    kv_cache_memory: KvCacheMemoryOpt = None,
+    max_vram: MaxVramOpt = None,
+    enforce_eager: EnforceEagerOpt = False,
+    attention_backend: AttentionBackendOpt = "auto",
+    seed: SeedOpt = 0,
+    verbose: VerboseOpt = False,
+) -> None:
     """Serial vs concurrent sweep: TTFT, TPOT, ITL percentiles and throughput."""
-    not_landed("bench concurrency", 7)
+    _setup_logging(verbose)
+    from core.bench.concurrency import ConcurrencyWorkload, run_concurrency_benchmark
+    from core.bench.report import concurrency_table
+
+    if peer not in (None, "hf"):
+        fail(f"--peer must be hf, got {peer!r}")
+    config = engine_config(
+        model=model, dummy_weights=dummy_weights, shape=shape, quantization=quantization, dtype=dtype, device=device,
+        block_size=block_size, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
+        kv_cache_memory=kv_cache_memory, max_vram=max_vram, enforce_eager=enforce_eager,
+        attention_backend=attention_backend, seed=seed)
+    workload = ConcurrencyWorkload(
+        concurrency_levels=_int_list(concurrency_levels, "--concurrency"), prompt_len=prompt_len,
+        output_len=output_len, num_requests=num_requests, shared_prefix_len=shared_prefix_len, repeats=repeats,
+        seed=seed)
+    peer_source = None
+    if peer == "hf":
+        from core.bench.engine_client import cuda_device_of
+        from core.bench.hf_peer import peer_source as hf_peer_source
+
+        peer_source = hf_peer_source(config, cuda_device_of(config) or "cpu")
+    payload = run_concurrency_benchmark(config, workload, peer_source)
+    _finish("concurrency", config, payload, concurrency_table(payload), output)
 
 
 @app.command("jitter")
-def jitter() -> None:
-    """Long-prompt insertion: the running stream's ITL against its baseline."""
-    not_landed("bench jitter", 7)
+def jitter(
+    token_budgets: Annotated[str, typer.Option(
+        "--token-budgets", help="Comma-separated max_num_batched_tokens values (the prefill chunk size).")
+    ] = "64,128,256,512,1024,2048",
+    long_prompt_len: Annotated[int, typer.Option("--long-prompt-len", help="Tokens of the inserted prompt.")] = 2048,
+    long_output_len: Annotated[int, typer.Option("--long-output-len", help="Output tokens of the long prompt.")] = 4,
+    stream_prompt_len: Annotated[int, typer.Option("--stream-prompt-len", help="Prompt tokens of the stream.")] = 32,
+    stream_output_len: Annotated[int | None, typer.Option(
+        "--stream-output-len", help="Stream output tokens (default: enough to outlast the insertion).")] = None,
+    insert_after: Annotated[int, typer.Option(
+        "--insert-after", help="Stream tokens received before the long prompt is sent.")] = 16,
+    itl_slo_ms: Annotated[float | None, typer.Option(
+        "--itl-slo-ms", help="Pick the largest budget whose worst insertion ITL stays within this.")] = None,
+    repeats: RepeatsOpt = 1,
+    output: OutputOpt = None,
+    model: ModelOpt = None,
+    dummy_weights: DummyWeightsOpt = False,
+    shape: ShapeOpt = None,
+    quantization: QuantizationOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    block_size: BlockSizeOpt = 16,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    prefix_caching: PrefixCachingOpt = True,
+    max_num_seqs: MaxNumSeqsOpt = 64,
+    max_model_len: MaxModelLenOpt = None,
+    gpu_memory_utilization: GpuMemUtilOpt = 0.90,
+    reserve_memory_mb: ReserveMbOpt = 0,
+    kv_cache_memory: KvCacheMemoryOpt = None,
+    max_vram: MaxVramOpt = None,
+    enforce_eager: EnforceEagerOpt = False,
+    attention_backend: AttentionBackendOpt = "auto",
+    seed: SeedOpt = 0,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Long-prompt insertion: the running stream's ITL against its baseline, per token budget."""
+    _setup_logging(verbose)
+    from core.bench.jitter import JitterWorkload, run_jitter_benchmark
+    from core.bench.report import jitter_table
+
+    budgets = _int_list(token_budgets, "--token-budgets")
+    config = engine_config(
+        model=model, dummy_weights=dummy_weights, shape=shape, quantization=quantization, dtype=dtype, device=device,
+        block_size=block_size, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budgets), max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
+        kv_cache_memory=kv_cache_memory, max_vram=max_vram, enforce_eager=enforce_eager,
+        attention_backend=attention_backend, seed=seed)
+    workload = JitterWorkload(
+        token_budgets=budgets, long_prompt_len=long_prompt_len, long_output_len=long_output_len,
+        stream_prompt_len=stream_prompt_len, stream_output_len=stream_output_len, insert_after=insert_after,
+        repeats=repeats, itl_slo_ms=itl_slo_ms, seed=seed)
+    payload = run_jitter_benchmark(config, workload)
+    _finish("jitter", config, payload, jitter_table(payload), output)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fail(f"{flag} takes comma-separated integers, got {text!r}")
+    if not values:
+        fail(f"{flag} is empty")
+    return values
+
+
+def _finish(benchmark: str, config, payload: dict, table, output: str | None) -> None:
+    """Print the table, write the JSON with the environment, say where it went."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from core.bench.env_info import collect_env_info
+    from core.bench.report import results_path, write_json
+
+    env = collect_env_info()
+    subject = config.shape or Path(config.model or payload.get("model_name") or "default").name
+    path = write_json(results_path(benchmark, subject, env.get("gpu_name") or "cpu", output), payload, env)
+    console = Console()
+    console.print(table)
+    console.print(f"wrote {path}")
