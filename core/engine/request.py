@@ -1,0 +1,98 @@
+"""Request: one sequence the scheduler moves from the waiting queue to finished.
+
+There is no prefill phase: a request is `num_computed_tokens` catching up to `num_tokens`
+(prompt + generated). A step computes some of the missing tokens; when it reaches the last one,
+the logits of that token are sampled and the new token is appended. Preemption drops the computed
+K/V (`num_computed_tokens = 0`) and the same loop recomputes prompt and generated tokens.
+
+With `SamplingParams.n > 1` the engine makes n Requests (`sample_index` 0..n-1) sharing one
+`parent_id`; the later siblings wait for the first one's prompt blocks to land in the prefix cache
+(`wait_for`), so they share those blocks instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from core.engine.outputs import RequestMetrics, TokenLogprob
+from core.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, K/V dropped
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        cache_salt: str | None = None,
+        parent_id: str | None = None,
+        sample_index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.sample_index = sample_index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, what the model computes
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
+        self.max_computed_prompt_tokens = 0  # high-water mark, so recomputed prompt tokens are counted once
+        self.block_hashes: list[int] = []  # chained hashes of the full prompt blocks, set by the KV manager
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.wait_for: Request | None = None  # sibling whose prompt blocks this one waits to share
+        self.sampling_state: Any = None  # per-request sampler state (seeded generator), survives preemption
+        self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, prompt={self.num_prompt_tokens})")

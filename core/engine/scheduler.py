@@ -1,0 +1,245 @@
+"""Scheduler: which requests compute how many tokens in the next forward. Python lists and ints only.
+
+Each step (vLLM v1's policy, FCFS):
+
+1. Running requests, oldest first, each get the tokens they are missing (1 for a decode, a
+   chunk for a prompt still being computed), within the step's token budget
+   (`max_num_batched_tokens`). When the pool has no block for one, the newest running request is
+   preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue.
+   The oldest request therefore always progresses, so preemption cannot livelock.
+2. If nothing was preempted, waiting requests are admitted in order while the budget, the block
+   pool and `max_num_seqs` allow, starting from their longest prefix-cache hit. A request that
+   needs more blocks than the whole pool holds can never run: it fails alone (seed 001's
+   infinite loop came from waiting for blocks that no running request would ever free).
+
+So prefill chunks and decodes of different requests share one flat batch.
+`update` then advances `num_computed_tokens`, appends sampled tokens and applies the stop rules
+that need no text (EOS, stop token ids, max_tokens, max_model_len); stop strings are the
+detokenizer's, applied by the engine through `finish_requests`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from core.engine.request import Request, RequestStatus
+from core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from core.errors import QueueFullError
+from core.kv.kv_manager import KVCacheManager
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_waiting_requests: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting_requests = max_waiting_requests
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions_total = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_room(self, num_requests: int = 1) -> bool:
+        """Whether `num_requests` new requests fit in the bounded waiting queue now."""
+        return len(self.waiting) + num_requests <= self.max_waiting_requests
+
+    def add_request(self, request: Request) -> None:
+        if not self.has_room():
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break  # it was the newest, so nothing after it is left to schedule
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget, now)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self._waits_for_sibling(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            blocks_needed = self.kv.blocks_needed(request.num_tokens)
+            if blocks_needed > self.kv.num_blocks:
+                self._finish(request, RequestStatus.FINISHED_ERROR, error=(
+                    f"request {request.request_id!r} needs {blocks_needed} KV blocks for its {request.num_tokens} "
+                    f"tokens but the whole KV pool has {self.kv.num_blocks}; shorten the prompt or give the KV "
+                    f"cache more memory"))
+                out.failed.append(request)
+                continue
+            cached_blocks = self.kv.find_cached_blocks(request)
+            num_cached = len(cached_blocks) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+                break
+            if self.kv.prefix_cache is not None:
+                out.prefix_cache_queries += request.num_tokens
+                out.prefix_cache_hits += num_cached
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _waits_for_sibling(self, request: Request) -> bool:
+        """Later samples of an n > 1 request wait until the first sample's prompt blocks are cached."""
+        leader = request.wait_for
+        if leader is None:
+            return False
+        if leader.is_finished or leader.max_computed_prompt_tokens >= leader.num_prompt_tokens:
+            request.wait_for = None
+            return False
+        return True
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request=request, start_pos=start, num_tokens=num_new,
+                              block_table=self.kv.block_table(request.request_id),
+                              sample=start + num_new == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply a finished forward: advance computed tokens, append sampled ones, stop finished requests.
+        Returns the requests that got a new token, in chunk order."""
+        sampled: list[Request] = []
+        finished = False
+        now = time.monotonic()
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            request.max_computed_prompt_tokens = max(
+                request.max_computed_prompt_tokens, min(request.num_computed_tokens, request.num_prompt_tokens))
+            self.kv.cache_computed_blocks(request)
+            if not chunk.sample:
+                continue
+            token_id = runner_output.sampled_token_ids[request.request_id]
+            request.append_output_token(token_id)
+            if request.logprobs is not None:
+                request.logprobs.append(runner_output.logprobs[request.request_id])
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            status, stop_reason = self._stop_status(request, token_id)
+            if status is not None:
+                request.stop_reason = stop_reason
+                self._finish(request, status, remove_from_running=False)
+                finished = True
+            sampled.append(request)
+        if finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return sampled
+
+    def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus, error: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> list[Request]:
+        """Finish unfinished requests now (abort, stop string, error) and free their blocks.
+        Unknown or already finished ids are ignored; returns the requests it finished."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if stop_reason is not None:
+                request.stop_reason = stop_reason
+            self._finish(request, status, error=error)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None,
+                remove_from_running: bool = True) -> None:
+        if request.status is RequestStatus.RUNNING:
+            if remove_from_running:
+                self.running.remove(request)
+        elif not request.is_finished:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.error = error
+        request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+
+    def check_invariants(self) -> None:
+        """Scheduler and KV state agree. O(requests + blocks): for tests and debugging."""
+        self.kv.check_invariants()
+        assert len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs"
+        assert all(r.status is RequestStatus.RUNNING for r in self.running), "a non-running request in running"
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
+        assert len(self.running) + len(self.waiting) == len(self.requests), "a request is lost or duplicated"
+        for request in self.waiting:
+            assert not self.kv.block_table(request.request_id), f"waiting {request} holds blocks"
+        for request in self.running:
+            table = self.kv.block_table(request.request_id)
+            assert len(table) >= self.kv.blocks_needed(request.num_computed_tokens), f"{request} lacks blocks"

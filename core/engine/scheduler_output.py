@@ -1,0 +1,55 @@
+"""The plain-data contract between the scheduler and the model runner, both ways.
+
+SchedulerOutput says which requests compute which tokens this step; the runner turns it into
+tensors. ModelRunnerOutput carries back the sampled token of each request that sampled.
+Neither holds a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.engine.outputs import TokenLogprob
+from core.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start_pos: int  # first position computed this step (the request's num_computed_tokens before it)
+    num_tokens: int  # how many tokens it computes this step (1 for a decode)
+    block_table: list[int]  # the request's whole block table, covering start_pos + num_tokens positions
+    sample: bool  # the chunk reaches the request's last token, so that token's logits are sampled
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_tokens]
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step's tokens."""
+        return self.start_pos + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # in running order; the runner reorders
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # requests that can never fit, failed while scheduling
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request_id -> token, sampling chunks only
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for requests that asked for logprobs

@@ -1,0 +1,108 @@
+"""KVCacheManager: the block table of every running request, on top of the block pool and prefix cache.
+
+The scheduler is its only caller. A request's block table lists the physical blocks of its token
+positions in order: position `p` lives in `block_table[p // block_size]` at offset `p % block_size`.
+Tables only grow while a request runs; `free` gives all blocks back (tail first, so a chain's
+last blocks are evicted before its prefix).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from core.kv.block_pool import BlockPool
+from core.kv.prefix_cache import PrefixCache, hash_full_blocks
+
+if TYPE_CHECKING:
+    from core.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self._block_tables: dict[str, list[int]] = {}
+        self._num_registered_blocks: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._block_tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """Blocks of the request's longest cached prompt prefix (not retained yet). Empty without a cache."""
+        if self.prefix_cache is None:
+            return []
+        if not request.block_hashes:
+            request.block_hashes = hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
+        return self.prefix_cache.lookup(request.all_token_ids, request.block_hashes, request.cache_salt)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones (plus `cached_blocks`,
+        a prefix-cache hit for a request that holds no blocks yet). False, with nothing changed, when
+        the pool cannot supply the blocks now."""
+        table = self._block_tables.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(table) - len(cached_blocks)
+        # A hit on an unreferenced cached block takes it out of the evictable set, so it counts here too.
+        num_revived = sum(1 for block_id in cached_blocks if self.pool.ref_count(block_id) == 0)
+        if num_new_blocks + num_revived > self.pool.num_available_blocks:
+            return False
+        self.pool.retain(cached_blocks)
+        table.extend(cached_blocks)
+        if num_new_blocks > 0:
+            table.extend(self.pool.allocate(num_new_blocks))
+        self._block_tables[request.request_id] = table
+        if cached_blocks:
+            self._num_registered_blocks[request.request_id] = len(cached_blocks)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's newly computed full prompt blocks to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        start = self._num_registered_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        if not request.block_hashes:
+            request.block_hashes = hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
+        table = self._block_tables[request.request_id]
+        for index in range(start, num_full):
+            parent_hash = request.block_hashes[index - 1] if index > 0 else None
+            tokens = request.prompt_token_ids[index * self.block_size:(index + 1) * self.block_size]
+            self.prefix_cache.insert(table[index], request.block_hashes[index], parent_hash, tokens,
+                                     request.cache_salt)
+        self._num_registered_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Give back every block the request holds (a no-op when it holds none)."""
+        table = self._block_tables.pop(request.request_id, None)
+        self._num_registered_blocks.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def check_invariants(self) -> None:
+        """Each block's ref count equals the number of block tables holding it, and every other block is
+        free or cached-unreferenced (no leaks). O(num_blocks): for tests and debugging."""
+        self.pool.check_invariants()
+        holders = Counter(block_id for table in self._block_tables.values() for block_id in table)
+        for block_id in range(self.pool.num_blocks):
+            if self.pool.ref_count(block_id) != holders[block_id]:
+                raise AssertionError(f"block {block_id}: ref_count {self.pool.ref_count(block_id)} but "
+                                     f"{holders[block_id]} block tables hold it")
