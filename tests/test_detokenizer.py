@@ -1,0 +1,127 @@
+"""IncrementalDetokenizer against the tokenizer's own full decode (SmolLM2's byte-level BPE)."""
+
+from pathlib import Path
+
+import pytest
+
+from core.engine.detokenizer import IncrementalDetokenizer
+from core.engine.sampling_params import SamplingParams
+
+GGUF_PATH = Path("/root/.cache/deepinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not GGUF_PATH.exists():
+        pytest.skip(f"{GGUF_PATH} not present")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name)
+
+
+def stream(tokenizer, token_ids, params, prompt="Write something:"):
+    """Feeds token_ids until finished; returns (deltas, last step, detokenizer)."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params, {tokenizer.eos_token_id})
+    deltas = []
+    for token_id in token_ids:
+        step = detok.append(token_id)
+        deltas.append(step.delta_text)
+        if step.finished:
+            break
+    return deltas, step, detok
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Héllo wörld, naïve café — Ångström",
+        "你好世界！这是一个测试。日本語もテスト",
+        "Party 🎉🎉 time 👩‍👩‍👧 and 🇫🇷 flags",
+        " leading space and\nnew lines\t tabs",
+    ],
+)
+def test_streamed_deltas_join_to_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids) or text.startswith(" leading")
+    deltas, step, detok = stream(tokenizer, ids, SamplingParams(max_tokens=len(ids)))
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids) == detok.text
+    assert (step.finished, step.finish_reason, step.stop_reason) == (True, "length", None)
+    assert detok.output_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("The quick brown fox jumps over the lazy dog.", "umps ov", "The quick brown fox j"),
+        ("The quick brown fox jumps over the lazy dog.", "lazy dog", "The quick brown fox jumps over the "),
+        ("你好世界，再见世界", "世界", "你好"),
+        ("Ok, stop at the very start", "Ok, st", ""),
+    ],
+)
+def test_stop_string_split_across_tokens_never_leaks(tokenizer, text, stop, expected):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert not any(stop in tokenizer.decode([i]) for i in ids)  # the stop string spans tokens
+    deltas, step, detok = stream(tokenizer, ids, SamplingParams(max_tokens=100, stop=["never here", stop]))
+    assert "".join(deltas) == expected == detok.text
+    assert (step.finished, step.finish_reason, step.stop_reason) == (True, "stop", stop)
+    with pytest.raises(RuntimeError, match="after finish"):
+        detok.append(ids[0])
+
+
+def test_earliest_stop_string_wins_and_unresolved_prefix_is_released(tokenizer):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    _, step, detok = stream(tokenizer, ids, SamplingParams(max_tokens=100, stop=["four", "two"]))
+    assert (detok.text, step.stop_reason) == ("one ", "two")
+    # The token " three" completes all three at once; the one that starts first wins.
+    _, step, detok = stream(tokenizer, ids, SamplingParams(max_tokens=100, stop=["ree", "thr", "hree"]))
+    assert (detok.text, step.stop_reason) == ("one two ", "thr")
+    # "thr" could start the stop string "three!", so it is held until the request ends by length.
+    ids = tokenizer.encode("one two thr", add_special_tokens=False)
+    deltas, step, detok = stream(tokenizer, ids, SamplingParams(max_tokens=len(ids), stop=["three!"]))
+    assert not "".join(deltas[:-1]).endswith("thr")
+    assert "".join(deltas) == "one two thr"
+    assert step.finish_reason == "length"
+
+
+def test_stop_token_and_eos_finish_without_their_text(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    params = SamplingParams(max_tokens=100, stop_token_ids=[ids[2]], skip_special_tokens=False)
+    _, step, detok = stream(tokenizer, ids, params)
+    assert detok.text == tokenizer.decode(ids[:2])
+    assert (step.finish_reason, step.stop_reason) == ("stop", ids[2])
+    assert detok.output_token_ids == ids[:3]
+
+    eos = tokenizer.eos_token_id
+    with_eos = ids[:2] + [eos] + ids[2:]
+    _, step, detok = stream(tokenizer, with_eos, SamplingParams(max_tokens=100, skip_special_tokens=False))
+    assert (detok.text, step.finish_reason, step.stop_reason) == (tokenizer.decode(ids[:2]), "stop", None)
+
+    ignoring = SamplingParams(max_tokens=len(with_eos), ignore_eos=True, skip_special_tokens=False)
+    _, step, detok = stream(tokenizer, with_eos, ignoring)
+    assert detok.text == tokenizer.decode(with_eos) and tokenizer.eos_token in detok.text
+    assert step.finish_reason == "length"
+
+
+def test_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("<|im_start|>assistant\nHi there", add_special_tokens=False)
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert special in ids
+    for skip in (True, False):
+        _, _, detok = stream(tokenizer, ids, SamplingParams(max_tokens=len(ids), skip_special_tokens=skip))
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert ("<|im_start|>" in detok.text) is not skip
+
+
+def test_first_token_keeps_leading_space_from_prompt_context():
+    """A SentencePiece-style decoder drops a leading space at the start of what it decodes."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "!": 2, "<unk>": 3}, unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert tokenizer.decode([1]) == "world"  # what decoding the new token alone would give
+    detok = IncrementalDetokenizer(tokenizer, [0], SamplingParams(max_tokens=2), set())
+    assert [detok.append(1).delta_text, detok.append(2).delta_text] == [" world", "!"]
