@@ -30,15 +30,21 @@ async def send_request(engine, prompt: list[int], output_len: int, request_id: s
     """
     timing = RequestTiming(request_id, len(prompt), time.perf_counter())
     stream = engine.add_request(prompt, bench_sampling_params(output_len), request_id=request_id)
-    async for out in stream:
-        received = time.perf_counter()
-        completion = out.outputs[0]
-        timing.record(received, len(completion.delta_token_ids))
-        timing.num_cached_tokens = out.num_cached_tokens
-        if out.error is not None or completion.finish_reason in ("error", "abort"):
-            timing.error = out.error or f"finished with {completion.finish_reason}"
-        if on_delivery is not None:
-            on_delivery(timing)
+    finished = False
+    try:
+        async for out in stream:
+            received = time.perf_counter()
+            completion = out.outputs[0]
+            timing.record(received, len(completion.delta_token_ids))
+            timing.num_cached_tokens = out.num_cached_tokens
+            if out.error is not None or completion.finish_reason in ("error", "abort"):
+                timing.error = out.error or f"finished with {completion.finish_reason}"
+            finished = out.finished
+            if on_delivery is not None:
+                on_delivery(timing)
+    finally:
+        if not finished:  # cancelled or failed on our side: free the request's blocks in the engine
+            stream.abort()
     if timing.error is None and timing.output_len != output_len:
         timing.error = f"produced {timing.output_len} tokens, expected {output_len}"
     return timing
