@@ -59,7 +59,10 @@ class SamplerOutput:
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """The request's random generator, seeded from params.seed; None when it has no seed."""
+    """The request's random generator, seeded from params.seed; None when it has no seed.
+
+    `device` must be the device the logits will be on (a CUDA generator cannot fill CPU noise).
+    """
     if params.seed is None:
         return None
     generator = torch.Generator(device=device)
@@ -123,7 +126,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 def _token_counts(histories: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[len(histories), V] float32: how often each token occurs in each history."""
+    """[len(histories), V] float32: how often each token occurs in each history.
+
+    Ids must be < V: the engine checks prompt ids at admission (on CUDA a bad id is a device assert).
+    """
     lengths = torch.tensor([len(h) for h in histories])
     flat_tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
     row_of_token = torch.repeat_interleave(torch.arange(len(histories)), lengths)
