@@ -1,0 +1,155 @@
+"""Building blocks of the generic decoder: RMSNorm, rotary embedding, gated MLP, attention, one layer.
+
+Every projection is a separate `nn.Linear` with HF's name (q_proj, k_proj, v_proj, o_proj,
+gate_proj, up_proj, down_proj), so the quantization pass can swap any of them for a
+`QuantLinear` with the same in/out features. Norms follow HF's numerics: Llama normalizes in
+fp32 then casts back before the weight; Gemma computes `x * (1 + weight)` entirely in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.models.spec import ModelSpec, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, weight_offset: float, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight_offset = weight_offset
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (normed * (self.weight_offset + self.weight.float())).type_as(x)  # Gemma: all fp32
+        return self.weight * normed.to(x.dtype)  # Llama: cast back, then scale in model dtype
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """[head_dim // 2] float32, as HF's ROPE_INIT_FUNCTIONS compute them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths divided by factor, short kept, the band between smoothly interpolated
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed once on the device; indexed by positions."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int, device: Any) -> None:
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling).to(device)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2] float32
+        # Buffers follow model.to(dtype); HF also casts the fp32 cos/sin to the activation dtype.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim // 2] in `dtype` (broadcast over heads)."""
+        return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] with HF's rotate-half layout; same roundings as `x*cos + rotate_half(x)*sin`."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        hidden, inner, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
+        self.hidden_act = spec.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate = self.gate_proj(x)  # [T, inner]
+        if self.hidden_act == "silu":
+            gate = F.silu(gate)
+        elif self.hidden_act == "gelu_tanh":
+            gate = F.gelu(gate, approximate="tanh")
+        else:
+            gate = F.gelu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.qkv_bias, dtype=dtype, device=device)
+        self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype, device=device)
+        self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype, device=device)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype, device=device)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_weight_offset, dtype, device)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_weight_offset, dtype, device)
+        self.scale = spec.attention_scale
+        self.sliding_window = spec.sliding_windows[layer_idx]
+        self.softcap = spec.attn_logit_softcap
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+                attn_metadata: Any, kv_cache: Any) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        query = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        out = backend.forward(self.layer_idx, query, key, value, attn_metadata, kv_cache,
+                              self.scale, self.sliding_window, self.softcap)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block. With `sandwich_norm` (Gemma 2) HF's `post_attention_layernorm`
+    normalizes the attention output and `pre/post_feedforward_layernorm` wrap the MLP; without it
+    `post_attention_layernorm` is the pre-MLP norm (Llama naming)."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        norm_args = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight_offset, dtype, device)
+        self.self_attn = Attention(spec, layer_idx, dtype, device)
+        self.mlp = GatedMLP(spec, dtype, device)
+        self.input_layernorm = RMSNorm(*norm_args)
+        self.post_attention_layernorm = RMSNorm(*norm_args)
+        self.sandwich_norm = spec.sandwich_norm
+        if spec.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(*norm_args)
+            self.post_feedforward_layernorm = RMSNorm(*norm_args)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+                attn_metadata: Any, kv_cache: Any) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, backend, attn_metadata, kv_cache)
+        if self.sandwich_norm:
+            hidden = hidden + self.post_attention_layernorm(attn_out)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

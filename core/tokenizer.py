@@ -1,0 +1,100 @@
+"""Tokenizer: one interface over an HF fast tokenizer (from tokenizer.json or built from GGUF vocab).
+
+Chat templates are code from the model file: they are rendered by transformers'
+`apply_chat_template`, which uses `jinja2.sandbox.ImmutableSandboxedEnvironment`. A model without
+a chat template has no fallback: `apply_chat_template` raises InvalidRequestError (the caller
+should send a plain completion prompt instead).
+
+A rendered chat prompt already carries its special tokens (BOS included), so `encode_chat`
+tokenizes it with `add_special_tokens=False`.
+
+`ByteTokenizer` is the last resort for dummy-weight runs when no real tokenizer is around:
+one id per UTF-8 byte, no special tokens, no chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from core.errors import InvalidRequestError, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = (), bos_token_id: int | None = None) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: set[int] = eos
+        self.bos_token_id: int | None = bos_token_id if bos_token_id is not None else hf_tokenizer.bos_token_id
+
+    @classmethod
+    def from_pretrained(cls, path: Path, gguf_file: str | None = None, eos_token_ids: Iterable[int] = (),
+                        bos_token_id: int | None = None) -> Tokenizer:
+        """Load from an HF directory, or from `path/gguf_file` (vocab, merges and template inside the GGUF)."""
+        from transformers import AutoTokenizer
+
+        where = path / gguf_file if gguf_file else path
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+        except Exception as err:  # noqa: BLE001 - transformers raises many types for a broken or absent tokenizer
+            raise ModelLoadError(f"cannot load the tokenizer from {where}: {type(err).__name__}: {err}") from None
+        return cls(hf_tokenizer, eos_token_ids, bos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf_tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return self.hf_tokenizer.convert_ids_to_tokens(ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own template (sandboxed Jinja2) -> prompt text."""
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model has no chat template; send a plain completion prompt instead")
+        try:
+            return self.hf_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - jinja2 errors (SecurityError too) and template-raised ones
+            raise InvalidRequestError(f"the chat template failed on these messages: {type(err).__name__}: {err}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class ByteTokenizer:
+    """Ids 0..255 are the UTF-8 bytes of the text; ids beyond decode to nothing. For dummy weights only."""
+
+    has_chat_template = False
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids: set[int] = set()  # dummy runs stop on max_tokens only
+        self.bos_token_id: int | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) if 0 <= i < 256 else f"<{i}>" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        raise InvalidRequestError("the byte tokenizer of a dummy model has no chat template")
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

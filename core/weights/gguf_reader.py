@@ -1,0 +1,185 @@
+"""Read a GGUF file (llama.cpp's format) with gguf-py: metadata -> HF-style config, tensors -> HF names.
+
+This is the reference path: every tensor is dequantized to float32 with `gguf.quants.dequantize`
+and loaded into the plain decoder. Two conventions of llama.cpp's converter are undone here,
+as transformers' GGUF loader does (`modeling_gguf_pytorch_utils.py`):
+
+- llama-arch Q and K rows are permuted (interleaved rotary pairs); `_unpermute_rows` restores
+  HF's rotate-half order.
+- Gemma / Gemma 2 RMSNorm weights are stored as `1 + weight`; we subtract the 1 back because
+  the decoder adds it (norm_weight_offset).
+
+Every tensor's byte range is checked against the file size before any data is touched, so a
+truncated download is a one-line ModelLoadError, not a numpy reshape error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.errors import ModelLoadError, UnsupportedModelError
+from core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+
+GGUF_MAGIC = b"GGUF"
+
+# general.architecture -> HF model_type
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+}
+# The norm after attention is named by role, which differs between plain and sandwich layers.
+_PLAIN_NORMS = {"ffn_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
+
+
+def open_gguf(path: Path) -> Any:
+    """A `gguf.GGUFReader` over `path`, with the file checked to hold every tensor it declares."""
+    import gguf
+
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {path}: {err}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as err:  # noqa: BLE001 - gguf-py raises ValueError, IndexError... on a damaged header
+        raise ModelLoadError(f"cannot read GGUF file {path} (truncated or damaged?): {type(err).__name__}: {err}") from None
+    file_size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > file_size or tensor.data.nbytes != int(tensor.n_bytes):
+            raise ModelLoadError(f"GGUF file {path} is truncated: tensor {tensor.name!r} needs bytes up to {end}, "
+                                 f"the file has {file_size}")
+    return reader
+
+
+def read_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
+    """The HF config.json the GGUF's metadata describes (what transformers' GGUF loader builds)."""
+    arch = read_field(reader, "general.architecture")
+    model_type = _ARCH_TO_MODEL_TYPE.get(arch)
+    if model_type is None:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}")
+    names = {tensor.name for tensor in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError("GGUF with per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) is not supported")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return read_field(reader, f"{arch}.{key}", default)
+
+    num_heads = meta("attention.head_count")
+    hidden_size = meta("embedding_length")
+    num_layers = meta("block_count")
+    if None in (num_heads, hidden_size, num_layers):
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.attention.head_count / embedding_length / block_count")
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden_size // num_heads
+    tokens = read_field(reader, "tokenizer.ggml.tokens") or []
+    vocab_size = meta("vocab_size") or len(tokens) or _embedding_rows(reader)
+    eos_ids = [read_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")]
+
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [SUPPORTED_MODEL_TYPES[model_type]],
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden_size,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": meta("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": read_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": [int(e) for e in dict.fromkeys(eos_ids) if e is not None],
+    }
+    scaling_type = meta("rope.scaling.type", "none")
+    if scaling_type == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    elif scaling_type != "none":
+        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling_type!r}; supported: none, linear")
+    if model_type == "gemma2":
+        config["sliding_window"] = meta("attention.sliding_window")
+        config["attn_logit_softcapping"] = meta("attn_logit_softcapping", 50.0)
+        config["final_logit_softcapping"] = meta("final_logit_softcapping", 30.0)
+        # llama.cpp's rule: Gemma 2 27B (46 layers) scales by hidden/heads, the others by head_dim.
+        config["query_pre_attn_scalar"] = hidden_size // num_heads if num_layers == 46 else head_dim
+    return config
+
+
+def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+    from gguf.quants import dequantize
+
+    layer_norm_names = _SANDWICH_NORMS if spec.sandwich_norm else _PLAIN_NORMS
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name, layer_norm_names)
+        try:
+            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except NotImplementedError as err:
+            raise UnsupportedModelError(f"GGUF tensor {tensor.name!r}: {err}") from None
+        values = values.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF shapes are innermost-first
+        if spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = spec.num_heads if ".attn_q." in tensor.name else spec.num_kv_heads
+            values = _unpermute_rows(values, heads)
+        if spec.norm_weight_offset and hf_name.endswith("norm.weight"):
+            values = values - spec.norm_weight_offset
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
+
+
+def gguf_to_hf_name(name: str, layer_norm_names: dict[str, str] = _PLAIN_NORMS) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match:
+        layer, part, kind = match.groups()
+        hf_part = _LAYER_NAMES.get(part) or layer_norm_names.get(part)
+        if hf_part is not None:
+            return f"model.layers.{layer}.{hf_part}.{kind}"
+    raise UnsupportedModelError(f"GGUF tensor {name!r} has no counterpart in the supported architectures")
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation: per head, rows (pair, 2) -> (2, pair). weight: [heads * head_dim, ...]."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
+
+
+def _embedding_rows(reader: Any) -> int:
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])
+    raise ModelLoadError("GGUF file has no token_embd.weight")
