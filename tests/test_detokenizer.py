@@ -125,3 +125,16 @@ def test_first_token_keeps_leading_space_from_prompt_context():
     assert tokenizer.decode([1]) == "world"  # what decoding the new token alone would give
     detok = IncrementalDetokenizer(tokenizer, [0], SamplingParams(max_tokens=2), set())
     assert [detok.append(1).delta_text, detok.append(2).delta_text] == [" world", "!"]
+
+
+def test_byte_tokenizer_of_dummy_models_streams_whole_characters():
+    from core.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer(vocab_size=300)
+    text = "héllo 🎉 世界 stop here"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(max_tokens=100, stop=[" stop"]), set())
+    deltas = [detok.append(i).delta_text for i in ids[: text.encode().index(b" here")]]
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == "héllo 🎉 世界" == detok.text
+    assert detok.finish_reason == "stop"
