@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from core.engine.outputs import RequestOutput
 from core.engine.sampling_params import SamplingParams
@@ -135,6 +136,22 @@ def check_finished(output: RequestOutput) -> None:
     if output.error is not None or any(c.finish_reason == "error" for c in output.outputs):
         raise APIError(500, f"the request failed in the engine: {output.error or 'unknown error'}",
                        code="engine_error")
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that closes its event generator however the response ends. Starlette cancels the
+    sending task when the client disconnects but leaves the generator suspended; closing it here runs
+    its `finally` (the abort) now rather than whenever the generator is garbage-collected."""
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def stream_events(stream, chunks_of: Callable[[RequestOutput], list[dict]],

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from core.engine.outputs import CompletionOutput, RequestOutput
 from core.server.chat_format import render_chat_prompt
 from core.server.logprobs import chat_logprobs
 from core.server.protocol import ChatCompletionRequest
 from core.server.serving import (
+    EventStreamResponse,
     ServingEngine,
     check_finished,
     final_output,
@@ -83,5 +84,4 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         return [{"id": request_id, "object": "chat.completion.chunk", "created": created,
                  "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(output)}]
 
-    return StreamingResponse(stream_events(stream, chunks_of, final_chunks), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStreamResponse(stream_events(stream, chunks_of, final_chunks))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from core.engine.outputs import CompletionOutput, RequestOutput
 from core.server.logprobs import completion_logprobs
 from core.server.protocol import CompletionRequest
 from core.server.serving import (
+    EventStreamResponse,
     ServingEngine,
     check_finished,
     final_output,
@@ -80,5 +81,4 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
         return [{"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
                  "system_fingerprint": None, "choices": [], "usage": usage(output)}]
 
-    return StreamingResponse(stream_events(stream, chunks_of, final_chunks), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStreamResponse(stream_events(stream, chunks_of, final_chunks))
