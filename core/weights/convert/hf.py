@@ -1,0 +1,77 @@
+"""Plain HF fp16/bf16/fp32 safetensors checkpoints -> round-to-nearest W4A16/W3A16 (core/quant/rtn.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import ConversionError
+from core.quant.rtn import quantization_error, quantize_rtn
+from core.weights.convert.safetensors_dir import SafetensorsDir, keep_tensors, linear_module_of
+from core.weights.convert.source import (
+    ConversionSource,
+    ConvertedLayer,
+    ConvertOptions,
+    packed_nbytes,
+    target_type,
+)
+from core.weights.convert.summary import REQUANTIZED, ConversionSummary, TensorRecord
+
+DEFAULT_GROUP_SIZE = 128
+
+
+class HFSource(ConversionSource):
+    kind = "hf"
+
+    def __init__(self, path: Path, options: ConvertOptions) -> None:
+        self.files = SafetensorsDir(path)
+        self.bits = options.rtn_bits
+        self.group_size = DEFAULT_GROUP_SIZE if options.group_size is None else options.group_size
+        self.sym = options.sym
+        if self.bits not in (3, 4):
+            raise ConversionError(f"--bits {self.bits} is not supported: deepinfer stores 3- and 4-bit weights")
+        if self.group_size not in (32, 64, 128, -1):
+            raise ConversionError(f"--group-size {self.group_size} is not supported: use 32, 64, 128 or -1")
+        if options.keep_8bit:
+            raise ConversionError("--keep-8bit applies to GGUF sources only")
+        self._scheme = {"method": "rtn", "bits": self.bits, "group_size": self.group_size, "sym": self.sym,
+                        "source_dtype": str(self.files.config.get("torch_dtype", self.files.config.get("dtype")))}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self.files.config)
+
+    @property
+    def quant_scheme(self) -> dict[str, Any]:
+        return self._scheme
+
+    def save_tokenizer(self, directory: Path) -> None:
+        self.files.copy_tokenizer(directory)
+
+    def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
+        return keep_tensors(self.files, self.files.other_names, summary)
+
+    def convert_layer(self, index: int, summary: ConversionSummary) -> ConvertedLayer:
+        names = self.files.layer_names.get(index, [])
+        weights = [n for n in names if n.endswith(".weight") and linear_module_of(n) and len(self.files.shape(n)) == 2]
+        modules = {linear_module_of(n) for n in weights}
+        packed = {}
+        for name in weights:
+            module = linear_module_of(name)
+            weight = self.files.get(name)
+            bias = self.files.get(f"{module}.bias") if f"{module}.bias" in self.files else None
+            try:
+                packed[module] = quantize_rtn(weight, self.bits, self.group_size, self.sym, bias=bias)
+            except ValueError as err:
+                raise ConversionError(f"{name}: {err}") from None
+            max_error, mean_error = quantization_error(weight, packed[module])
+            before = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+            summary.add(TensorRecord(name, REQUANTIZED, self.files.dtype_name(name), target_type(packed[module]),
+                                     weight.numel(), before, packed_nbytes(packed[module]), max_error, mean_error))
+        others = [n for n in names if n.rpartition(".")[0] not in modules]
+        return ConvertedLayer(dense=keep_tensors(self.files, others, summary), packed=packed)
+
+    def close(self) -> None:
+        self.files.close()

@@ -1,0 +1,63 @@
+"""convert_checkpoint: any supported source -> a deepinfer layered checkpoint, one layer at a time."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from core.models.spec import ModelSpec
+from core.weights.convert.awq import AWQSource
+from core.weights.convert.detect import detect_source
+from core.weights.convert.gguf import GGUFSource
+from core.weights.convert.gptq import GPTQSource
+from core.weights.convert.hf import HFSource
+from core.weights.convert.source import ConversionSource, ConvertOptions
+from core.weights.convert.summary import ConversionSummary
+from core.weights.layered import CONFIG_FILE, LayeredWriter
+
+_SOURCES: dict[str, type[ConversionSource]] = {"gptq": GPTQSource, "awq": AWQSource, "gguf": GGUFSource,
+                                               "hf": HFSource}
+
+# progress(done, total, what): called before the first step and after each one
+ProgressCallback = Callable[[int, int, str], None]
+
+
+def open_source(src: str | os.PathLike, options: ConvertOptions) -> ConversionSource:
+    kind, path = detect_source(Path(src))
+    return _SOURCES[kind](path, options)
+
+
+def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, options: ConvertOptions | None = None,
+                       progress: ProgressCallback | None = None) -> ConversionSummary:
+    """Convert `src` into the new directory `out`; on any error nothing is left at `out`."""
+    report = progress or (lambda done, total, what: None)
+    with LayeredWriter(out) as writer:  # refuses an existing `out` before any source is read
+        source = open_source(src, options or ConvertOptions())
+        try:
+            spec = ModelSpec.from_hf_config(source.config)  # an unsupported model fails before any work
+            summary = ConversionSummary(source.kind)
+            total = spec.num_layers + 2
+            report(0, total, "config and tokenizer")
+            writer.write_json(CONFIG_FILE, source.config)
+            source.save_tokenizer(writer.directory)
+            report(1, total, "embeddings")
+            writer.write_embeddings(source.convert_embeddings(summary))
+            for index in range(spec.num_layers):
+                report(2 + index, total, f"layer {index}")
+                layer = source.convert_layer(index, summary)
+                writer.write_layer(index, layer.dense, layer.packed)
+            report(total, total, "done")
+            writer.finish({
+                "num_layers": spec.num_layers,
+                "architecture": (source.config.get("architectures") or [spec.family])[0],
+                "source": {"kind": source.kind, "path": str(Path(src).absolute()), "quant_scheme": source.quant_scheme},
+                "tokenizer": (writer.directory / "tokenizer.json").is_file()
+                or (writer.directory / "tokenizer_config.json").is_file(),
+                "bytes_before": summary.bytes_before,
+                "bytes_after": summary.bytes_after,
+                "tensors": summary.to_manifest(),
+            })
+        finally:
+            source.close()
+    return summary

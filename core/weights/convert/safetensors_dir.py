@@ -1,0 +1,169 @@
+"""An HF checkpoint directory (config.json + one or more safetensors shards), read lazily by tensor name.
+
+The GPTQ, AWQ and plain-HF sources all read their tensors through this.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from core.errors import ModelLoadError, UnsupportedModelError
+from core.quant.packed import PackedWeight
+from core.weights.convert.source import LINEAR_NAMES, packed_nbytes, target_type
+from core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+
+
+class SafetensorsDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.config = read_json(path / "config.json")
+        index_path = path / "model.safetensors.index.json"
+        if index_path.is_file():
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index_path}: no 'weight_map'")
+            shard_names = sorted(set(weight_map.values()))
+        else:
+            shard_names = sorted(p.name for p in path.glob("*.safetensors"))
+            if not shard_names:
+                raise ModelLoadError(f"{path}: no *.safetensors files")
+        self._handles = {}
+        self._file_of: dict[str, str] = {}
+        for shard in shard_names:
+            try:
+                handle = safe_open(str(path / shard), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise ModelLoadError(f"{path / shard}: unreadable safetensors file (truncated?): {err}") from None
+            self._handles[shard] = handle
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                self._file_of[name] = shard
+        self.layer_names: dict[int, list[str]] = defaultdict(list)
+        self.other_names: list[str] = []
+        for name in sorted(self._file_of):
+            match = _LAYER_NAME.match(name)
+            if match:
+                self.layer_names[int(match.group(1))].append(name)
+            else:
+                self.other_names.append(name)
+        num_layers = int(self.config.get("num_hidden_layers", 0))
+        extra = sorted(i for i in self.layer_names if i >= num_layers)
+        if extra:
+            raise ModelLoadError(f"{path}: tensors of layer {extra[0]} but config.json says {num_layers} layers")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self._file_of.get(name)
+        if shard is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        try:
+            return self._handles[shard].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise ModelLoadError(f"{self.path / shard}: cannot read tensor {name!r} (truncated file?): {err}") from None
+
+    def names_under(self, module: str) -> list[str]:
+        return [name for name in self._file_of if name.startswith(module + ".")]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handles[self._file_of[name]].get_slice(name).get_shape())
+
+    def nbytes(self, name: str) -> int:
+        numel = 1
+        for dim in self.shape(name):
+            numel *= dim
+        return numel * _DTYPE_BYTES.get(self.dtype_name(name), 4)
+
+    def dtype_name(self, name: str) -> str:
+        return self._handles[self._file_of[name]].get_slice(name).get_dtype()
+
+    def copy_tokenizer(self, directory: Path) -> None:
+        for file_name in TOKENIZER_FILES:
+            if (self.path / file_name).is_file():
+                shutil.copyfile(self.path / file_name, directory / file_name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path.parent}: no {path.name}") from None
+    except (ValueError, OSError) as err:
+        raise ModelLoadError(f"{path}: unreadable JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return value
+
+
+def linear_module_of(name: str) -> str | None:
+    """`model.layers.3.mlp.up_proj.qweight` -> `model.layers.3.mlp.up_proj`, or None for a non-linear."""
+    module, _, _ = name.rpartition(".")
+    return module if module.rpartition(".")[2] in LINEAR_NAMES else None
+
+
+def unquantized_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The source config.json without its quantization_config: the layered dir records that itself."""
+    return {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+def read_quant_config(files: SafetensorsDir, method: str, legacy_file: str) -> dict[str, Any]:
+    """config.json's `quantization_config`, or the quantizer's own legacy file beside it."""
+    quant_config = files.config.get("quantization_config")
+    if quant_config is None and (files.path / legacy_file).is_file():
+        quant_config = read_json(files.path / legacy_file)
+        quant_config.setdefault("quant_method", method)
+    if not isinstance(quant_config, dict):
+        raise ModelLoadError(f"{files.path}: no {method.upper()} quantization config (config.json "
+                             f"'quantization_config' or {legacy_file})")
+    found = str(quant_config.get("quant_method", "")).lower()
+    if found != method:
+        raise UnsupportedModelError(f"{files.path}: quantization config says quant_method {found!r}, "
+                                    f"expected {method!r}")
+    return quant_config
+
+
+def split_layer(files: SafetensorsDir, index: int, marker: str) -> tuple[list[str], list[str]]:
+    """(quantized linear modules, i.e. those with a `<module>.<marker>` tensor; every other tensor name)."""
+    names = files.layer_names.get(index, [])
+    modules = sorted(name[: -len(marker) - 1] for name in names if name.endswith("." + marker))
+    module_set = set(modules)
+    others = [name for name in names if name.rpartition(".")[0] not in module_set]
+    return modules, others
+
+
+def keep_tensors(files: SafetensorsDir, names: list[str], summary: ConversionSummary) -> dict[str, torch.Tensor]:
+    """Tensors copied unchanged in their source dtype (norms, embeddings, unquantized linears)."""
+    kept = {}
+    for name in names:
+        tensor = files.get(name)
+        kept[name] = tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        summary.add(TensorRecord(name, KEPT, files.dtype_name(name), str(tensor.dtype).removeprefix("torch."),
+                                 tensor.numel(), nbytes, nbytes))
+    return kept
+
+
+def record_packed(summary: ConversionSummary, files: SafetensorsDir, module: str, packed: PackedWeight,
+                  source_type: str) -> None:
+    before = sum(files.nbytes(name) for name in files.names_under(module))
+    summary.add(TensorRecord(f"{module}.weight", EXACT, source_type, target_type(packed),
+                             packed.in_features * packed.out_features, before, packed_nbytes(packed)))
