@@ -96,6 +96,16 @@ def save_tiny_model(family: str, directory: Path, tokenizer=None, seed: int = 0,
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def single_torch_thread():
+    """CPU tests use tiny models, where thread-pool overhead dominates; on a busy 2-core box torch's
+    default 2 threads also oversubscribe and run 5-10x slower (measured on the SmolLM2 greedy test)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()
