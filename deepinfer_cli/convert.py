@@ -2,9 +2,82 @@
 
 from __future__ import annotations
 
-from deepinfer_cli.errors import not_landed
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+SrcArg = Annotated[Path, typer.Argument(
+    help="GPTQ, AWQ or HF safetensors directory, or a .gguf file; the kind is detected.", show_default=False)]
+OutArg = Annotated[Path, typer.Argument(help="New directory for the layered checkpoint (must not exist).",
+                                        show_default=False)]
+BitsOpt = Annotated[int | None, typer.Option(
+    "--bits", help="Round-to-nearest bits, 4 or 3, for HF sources and re-quantized GGUF tensors [default: 4].")]
+GroupSizeOpt = Annotated[int | None, typer.Option(
+    "--group-size", help="Round-to-nearest group: 32, 64, 128, or -1 per-channel [default: 128 HF, 32 GGUF].")]
+SymOpt = Annotated[bool, typer.Option("--sym", help="Symmetric round-to-nearest (zero point 2**(bits-1)).")]
+Keep8bitOpt = Annotated[bool, typer.Option(
+    "--keep-8bit", help="GGUF: keep Q5_K/Q6_K/Q8_0/F16 projections unquantized (fp16) instead of re-quantizing.")]
 
 
-def convert() -> None:
-    """Convert a GPTQ, AWQ, GGUF or HF checkpoint to deepinfer's W4A16/W3A16 layered format."""
-    not_landed("convert", 5)
+def convert(src: SrcArg, out: OutArg, bits: BitsOpt = None, group_size: GroupSizeOpt = None, sym: SymOpt = False,
+            keep_8bit: Keep8bitOpt = False) -> None:
+    """Convert a GPTQ, AWQ, GGUF or HF checkpoint to deepinfer's W4A16/W3A16 layered format.
+
+    GPTQ, AWQ and GGUF Q4_0/Q4_1/Q4_K weights are re-packed exactly; HF weights and other GGUF
+    types are round-to-nearest quantized, with the error reported per tensor. The result is
+    written beside OUT and moved into place only when complete.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from core.weights.convert.run import convert_checkpoint
+    from core.weights.convert.source import ConvertOptions
+
+    options = ConvertOptions(bits=bits, group_size=group_size, sym=sym, keep_8bit=keep_8bit)
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("reading source", total=None)
+
+        def report(done: int, total: int, what: str) -> None:
+            progress.update(task, completed=done, total=total, description=what)
+
+        summary = convert_checkpoint(src, out, options, progress=report)
+    _print_summary(Console(), summary, out)
+
+
+def _print_summary(console, summary, out: Path) -> None:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"deepinfer convert: {summary.source_kind} -> {out} (errors: max / mean abs vs the source)")
+    for column in ("method", "source", "stored as", "count", "before", "after", "max err", "mean err"):
+        table.add_column(column, justify="left" if column in ("method", "source", "stored as") else "right",
+                         no_wrap=True)
+    for row in summary.rows():
+        table.add_row(row.method, row.source_type, row.target_type, str(row.tensors), _size(row.bytes_before),
+                      _size(row.bytes_after), _error(row.max_abs_error), _error(row.mean_abs_error))
+    table.add_section()
+    table.add_row("total", "", "", str(len(summary.records)), _size(summary.bytes_before),
+                  _size(summary.bytes_after), "", "")
+    console.print(table)
+    worst = summary.worst_requantized()
+    if worst:
+        errors = Table(box=box.SIMPLE_HEAD, title="largest errors (every tensor's is in manifest.json)")
+        for column in ("tensor", "source", "stored as", "max err", "mean err"):
+            errors.add_column(column, justify="left" if column in ("tensor", "source", "stored as") else "right",
+                              no_wrap=column != "tensor")
+        for record in worst:
+            errors.add_row(record.name, record.source_type, record.target_type, _error(record.max_abs_error),
+                           _error(record.mean_abs_error))
+        console.print(errors)
+    console.print(f"wrote {out}")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f}M"
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"

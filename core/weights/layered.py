@@ -111,6 +111,9 @@ class LayeredWriter:
             files[rel] = {"sha256": sha256_of_file(path), "bytes": path.stat().st_size}
         manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest, "files": files}
         self.write_json(MANIFEST_FILE, manifest)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp made it private; the result is an ordinary directory
         try:
             os.rename(self.tmp, self.out)  # atomic on one filesystem; fails if `out` appeared meanwhile
         except OSError as err:

@@ -82,6 +82,7 @@ class AWQSource(ConversionSource):
     kind = "awq"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
+        options.reject_for(self.kind)
         self.files = SafetensorsDir(path)
         quant_config = read_quant_config(self.files, "awq", "quant_config.json")
         bits = int(quant_config.get("bits", quant_config.get("w_bit", 0)))

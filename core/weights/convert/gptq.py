@@ -104,6 +104,7 @@ class GPTQSource(ConversionSource):
     kind = "gptq"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
+        options.reject_for(self.kind)
         self.files = SafetensorsDir(path)
         quant_config = read_quant_config(self.files, "gptq", "quantize_config.json")
         self.bits = int(quant_config.get("bits", 0))

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from core.errors import ConversionError
 from core.quant.packed import PackedWeight
 from core.weights.convert.summary import ConversionSummary
 
@@ -26,6 +27,14 @@ class ConvertOptions:
     @property
     def rtn_bits(self) -> int:
         return 4 if self.bits is None else self.bits
+
+    def reject_for(self, kind: str) -> None:
+        """GPTQ and AWQ are re-packed exactly as stored: round-to-nearest options make no sense there."""
+        given = [flag for flag, is_set in (("--bits", self.bits is not None), ("--group-size", self.group_size is not None),
+                                           ("--sym", self.sym), ("--keep-8bit", self.keep_8bit)) if is_set]
+        if given:
+            raise ConversionError(f"{', '.join(given)}: not for {kind.upper()} sources, whose weights are "
+                                  f"re-packed exactly as quantized")
 
 
 @dataclass
