@@ -88,7 +88,8 @@ def run_all(scheduler, runner, max_steps=2000):
         step(scheduler, runner)
         steps += 1
         assert steps < max_steps, "the scheduler does not make progress"
-    assert scheduler.kv.pool.num_free_blocks + scheduler.kv.pool.num_evictable_blocks == scheduler.kv.num_blocks
+    pool = scheduler.kv.pool
+    assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
     return steps
 
 
@@ -231,7 +232,8 @@ def test_stop_rules():
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_at)
     assert by_length.output_token_ids == expected[:3] and by_length.finish_reason == "length"
     assert by_eos.output_token_ids == reference_output(eos_prompt, 8, ignore_eos=False)
-    assert by_eos.output_token_ids[-1] == EOS and by_eos.finish_reason == "stop" and by_eos.stop_reason is None
+    assert by_eos.output_token_ids[-1] == EOS
+    assert (by_eos.finish_reason, by_eos.stop_reason) == ("stop", None)
     assert ignoring.output_token_ids == reference_output(eos_prompt, 8) and ignoring.finish_reason == "length"
 
 

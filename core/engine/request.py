@@ -66,7 +66,7 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.wait_for: Request | None = None  # sibling whose prompt blocks this one waits to share
-        self.sampling_state: Any = None  # per-request sampler state (seeded generator), survives preemption
+        self.generator: Any = None  # torch.Generator of a seeded request; kept across preemption
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     @property

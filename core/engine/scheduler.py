@@ -66,7 +66,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if not self.has_room():
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -108,9 +109,9 @@ class Scheduler:
             blocks_needed = self.kv.blocks_needed(request.num_tokens)
             if blocks_needed > self.kv.num_blocks:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error=(
-                    f"request {request.request_id!r} needs {blocks_needed} KV blocks for its {request.num_tokens} "
-                    f"tokens but the whole KV pool has {self.kv.num_blocks}; shorten the prompt or give the KV "
-                    f"cache more memory"))
+                    f"request {request.request_id!r} needs {blocks_needed} KV blocks for its "
+                    f"{request.num_tokens} tokens but the whole KV pool has {self.kv.num_blocks}; "
+                    f"shorten the prompt or give the KV cache more memory"))
                 out.failed.append(request)
                 continue
             cached_blocks = self.kv.find_cached_blocks(request)
@@ -125,6 +126,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
+            request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
@@ -163,14 +165,13 @@ class Scheduler:
         Returns the requests that got a new token, in chunk order."""
         sampled: list[Request] = []
         finished = False
-        now = time.monotonic()
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.is_finished:
                 continue
             request.num_computed_tokens += chunk.num_tokens
-            request.max_computed_prompt_tokens = max(
-                request.max_computed_prompt_tokens, min(request.num_computed_tokens, request.num_prompt_tokens))
+            computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
+            request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, computed_prompt)
             self.kv.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
@@ -178,9 +179,6 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.logprobs is not None:
                 request.logprobs.append(runner_output.logprobs[request.request_id])
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
             status, stop_reason = self._stop_status(request, token_id)
             if status is not None:
                 request.stop_reason = stop_reason
@@ -235,7 +233,7 @@ class Scheduler:
         """Scheduler and KV state agree. O(requests + blocks): for tests and debugging."""
         self.kv.check_invariants()
         assert len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs"
-        assert all(r.status is RequestStatus.RUNNING for r in self.running), "a non-running request in running"
+        assert all(r.status is RequestStatus.RUNNING for r in self.running), "a non-running request runs"
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting)
         assert len(self.running) + len(self.waiting) == len(self.requests), "a request is lost or duplicated"
         for request in self.waiting:

@@ -40,7 +40,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # in running order; the runner reorders
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # requests that can never fit, failed while scheduling
+    failed: list[Request] = field(default_factory=list)  # requests that can never fit, failed here
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0
 
@@ -51,5 +51,5 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request_id -> token, sampling chunks only
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request_id -> token (sampling chunks)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for requests that asked for logprobs

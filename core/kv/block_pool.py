@@ -89,7 +89,8 @@ class BlockPool:
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 if block_id not in self._evictable:
-                    raise BlockPoolError(f"block {block_id} is free; only used or cached blocks can be retained")
+                    raise BlockPoolError(
+                        f"block {block_id} is free; only used or cached blocks can be retained")
                 del self._evictable[block_id]
             self._ref_counts[block_id] += 1
 

@@ -48,8 +48,7 @@ class KVCacheManager:
         """Blocks of the request's longest cached prompt prefix (not retained yet). Empty without a cache."""
         if self.prefix_cache is None:
             return []
-        if not request.block_hashes:
-            request.block_hashes = hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
+        self._hash_prompt(request)
         return self.prefix_cache.lookup(request.all_token_ids, request.block_hashes, request.cache_salt)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
@@ -80,8 +79,7 @@ class KVCacheManager:
         start = self._num_registered_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
-        if not request.block_hashes:
-            request.block_hashes = hash_full_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
+        self._hash_prompt(request)
         table = self._block_tables[request.request_id]
         for index in range(start, num_full):
             parent_hash = request.block_hashes[index - 1] if index > 0 else None
@@ -89,6 +87,11 @@ class KVCacheManager:
             self.prefix_cache.insert(table[index], request.block_hashes[index], parent_hash, tokens,
                                      request.cache_salt)
         self._num_registered_blocks[request.request_id] = num_full
+
+    def _hash_prompt(self, request: Request) -> None:
+        if not request.block_hashes:
+            request.block_hashes = hash_full_blocks(request.prompt_token_ids, self.block_size,
+                                                    request.cache_salt)
 
     def free(self, request: Request) -> None:
         """Give back every block the request holds (a no-op when it holds none)."""

@@ -1,0 +1,201 @@
+"""AsyncEngine: the LLMEngine in a background thread, feeding asyncio streams (server, chat, bench).
+
+    engine = AsyncEngine(EngineConfig(...))          # loads the model (blocking)
+    await engine.start()                             # starts the engine thread
+    stream = engine.add_request(prompt, params)      # raises QueueFullError / PromptTooLongError /
+                                                     # InvalidRequestError at once
+    async for out in stream: ...                     # RequestOutput snapshots; the last has finished=True
+    stream.abort()                                   # frees the request's blocks within one engine step
+    await engine.shutdown()
+
+The engine thread owns the LLMEngine. Callers only validate and tokenize on their own thread
+(`make_request_group`) and hand requests and aborts over through an inbox; the thread takes the
+inbox before each step and posts each step's outputs to the streams with
+`loop.call_soon_threadsafe`. A failing step fails its own requests (see LLMEngine.step); the
+thread itself survives any exception and logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from core.config import EngineConfig
+from core.engine.llm_engine import LLMEngine
+from core.engine.outputs import RequestOutput
+from core.engine.sampling_params import SamplingParams
+from core.engine.stats import IterationStats
+from core.errors import EngineDeadError, InvalidRequestError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ends after the output with finished=True."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop generating; the stream still ends with a finish_reason "abort" output."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.spec = self.engine.spec
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: list = []  # RequestGroups to add, in arrival order
+        self._aborts: list[str] = []
+        self._wakeup = threading.Condition()
+        self._listeners: list[Callable[[IterationStats], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> RequestStream:
+        if self._thread is None or self._stopping:
+            raise EngineDeadError("the engine is not running; call `await engine.start()` first")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._dead}")
+        group = self.engine.make_request_group(prompt, params, request_id, cache_salt)
+        with self._wakeup:
+            if group.request_id in self._streams:
+                raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+            queued = self.engine.scheduler.num_waiting + sum(len(g.samples) for g in self._inbox)
+            if queued + len(group.samples) > self.config.max_waiting_requests:
+                raise QueueFullError(
+                    f"the waiting queue is full ({self.config.max_waiting_requests} requests); retry later")
+            stream = RequestStream(group.request_id, self)
+            self._streams[group.request_id] = stream
+            self._inbox.append(group)
+            self._wakeup.notify()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; leaving the loop early (break, cancel) aborts the request."""
+        stream = self.add_request(prompt, params, request_id, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        with self._wakeup:
+            self._aborts.append(request_id)
+            self._wakeup.notify()
+
+    def add_stats_listener(self, listener: Callable[[IterationStats], None]) -> None:
+        """`listener(IterationStats)` is called from the engine thread after every step."""
+        self._listeners.append(listener)
+
+    def health(self) -> dict:
+        health = self.engine.health()
+        health["engine_alive"] = self._thread is not None and self._thread.is_alive() and self._dead is None
+        return health
+
+    async def shutdown(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        for stream in list(self._streams.values()):
+            stream._put(EngineDeadError("the engine was shut down"))
+        self._streams.clear()
+
+    # The engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    while not (self._inbox or self._aborts or self._stopping
+                               or self.engine.has_unfinished_requests()):
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                try:
+                    self._iterate(inbox, aborts)
+                except Exception:  # a bug outside any one step: log it and keep serving
+                    logger.exception("engine loop iteration failed")
+        except BaseException as err:  # the thread is going down: fail every waiting stream
+            self._dead = err
+            logger.exception("the engine thread died")
+            self._post_all(EngineDeadError(f"the engine loop stopped: {type(err).__name__}: {err}"))
+            raise
+
+    def _iterate(self, inbox: list, aborts: list[str]) -> None:
+        outputs: list[RequestOutput] = []
+        for group in inbox:
+            try:
+                self.engine.add_request_group(group)
+            except (QueueFullError, InvalidRequestError) as err:
+                self._post(group.request_id, err)
+        for request_id in aborts:
+            outputs += self.engine.abort(request_id)
+        step_outputs, stats = self.engine.step()
+        outputs += step_outputs
+        for output in outputs:
+            self._post(output.request_id, output)
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:  # a listener's bug must not stop the engine
+                logger.exception("stats listener %r failed", listener)
+
+    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._wakeup:
+            stream = self._streams.get(request_id)
+            if stream is not None and (isinstance(item, BaseException) or item.finished):
+                del self._streams[request_id]
+        if stream is not None:
+            self._loop.call_soon_threadsafe(stream._put, item)
+
+    def _post_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            try:
+                self._post(request_id, error)
+            except RuntimeError:  # the event loop is already closed
+                pass

@@ -1,0 +1,304 @@
+"""LLMEngine: the synchronous engine. Load the model, size the KV pool, then `step()` forever:
+
+    scheduler_output = scheduler.schedule()
+    runner_output = runner.execute(scheduler_output)
+    scheduler.update(scheduler_output, runner_output)   -> detokenize, stop strings, RequestOutputs
+
+Every step is exception-safe: a failed forward fails the requests of that step alone (finish
+reason "error", blocks freed) and the next step goes on; a request whose detokenization fails
+fails alone. Bad input is refused when the request is made (`make_request_group`), never in a step.
+
+Not thread-safe: `LLM` calls it from one thread, `AsyncEngine` from its engine thread. Only
+`make_request_group` (validation and tokenization) may run on another thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from core.config import EngineConfig
+from core.engine.memory import DeviceMemory, KVBudget, log_kv_budget, plan_kv_budget
+from core.engine.model_runner import ModelRunner, warmup_requests
+from core.engine.output_processor import OutputProcessor, RequestGroup
+from core.engine.outputs import RequestOutput
+from core.engine.request import Request, RequestStatus
+from core.engine.sampler import make_generator
+from core.engine.sampling_params import SamplingParams
+from core.engine.scheduler import Scheduler
+from core.engine.stats import IterationStats
+from core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
+from core.kv.cache import KVCache
+from core.kv.kv_manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeepInferError(f"device {name!r} asked for, but torch sees no CUDA GPU")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded_model=None) -> None:
+        """`loaded_model`: a core.models.loader.LoadedModel to use instead of loading `config.model`."""
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.attention_backend == "native":
+            raise DeepInferError(
+                "attention_backend 'native' is not available in this build; use 'auto' or 'torch'")
+        if loaded_model is None:
+            from core.models.loader import load_model
+
+            loaded_model = load_model(config, self.device, self.dtype)
+        self.spec = loaded_model.spec
+        self.model = loaded_model.model
+        self.tokenizer = loaded_model.tokenizer
+        self.model_name = loaded_model.name
+        self.source_kind = loaded_model.source_kind
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.spec.eos_token_ids)
+
+        max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        self.kv_quantized = config.kv_cache_dtype == "int8"
+        self.kv_dtype = _DTYPES.get(config.kv_cache_dtype, self.dtype)  # "auto" and "int8": the model's dtype
+        block_bytes = KVCache.bytes_per_block(self.spec.num_layers, config.block_size, self.spec.num_kv_heads,
+                                              self.spec.head_dim, self.kv_dtype, self.kv_quantized)
+        memory = None
+        if self.device.type == "cuda" and config.num_gpu_blocks is None and config.kv_cache_memory is None:
+            memory = self._measure_warmup(max_model_len, block_bytes)
+        self.kv_budget: KVBudget = plan_kv_budget(config, block_bytes, memory)
+        log_kv_budget(self.kv_budget, config.block_size)
+        pool_tokens = self.kv_budget.num_blocks * config.block_size
+        self.max_model_len = self._fit_max_model_len(max_model_len, pool_tokens)
+
+        self.kv_cache = self._make_kv_cache(self.kv_budget.num_blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, block_size=config.block_size,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(
+            KVCacheManager(self.kv_budget.num_blocks, config.block_size, config.enable_prefix_caching),
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_waiting_requests=config.max_waiting_requests, max_model_len=self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending_stats = IterationStats()  # finishes outside a step (aborts), reported by the next
+        self._ids = itertools.count()
+
+    def _make_kv_cache(self, num_blocks: int) -> KVCache:
+        return KVCache(self.spec.num_layers, num_blocks, self.config.block_size, self.spec.num_kv_heads,
+                       self.spec.head_dim, self.kv_dtype, self.device, quantized=self.kv_quantized)
+
+    def _measure_warmup(self, max_model_len: int, block_bytes: int) -> DeviceMemory:
+        """Peak torch memory of the largest step (weights included), with scratch KV blocks of its own."""
+        num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
+        step, num_blocks = warmup_requests(num_tokens, self.config.max_num_seqs, self.config.block_size)
+        scratch = self._make_kv_cache(num_blocks)
+        runner = ModelRunner(self.model, scratch, self.device, block_size=self.config.block_size,
+                             max_num_batched_tokens=num_tokens, max_num_seqs=self.config.max_num_seqs,
+                             max_model_len=max_model_len)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute(step)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * block_bytes
+        del runner, scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return DeviceMemory(total=total, free=free, torch_reserved=torch.cuda.memory_reserved(self.device),
+                            torch_allocated=torch.cuda.memory_allocated(self.device), peak_allocated=peak)
+
+    def _fit_max_model_len(self, max_model_len: int, pool_tokens: int) -> int:
+        """One request must always fit the pool alone, or it could never finish."""
+        if max_model_len <= pool_tokens:
+            return max_model_len
+        if self.config.max_model_len is not None:
+            raise DeepInferError(
+                f"max_model_len {max_model_len} does not fit the KV pool, which holds {pool_tokens} tokens; "
+                f"lower max_model_len or give the KV cache more memory")
+        logger.warning("max_model_len lowered from the model's %d to %d tokens, what the KV pool holds",
+                       max_model_len, pool_tokens)
+        return pool_tokens
+
+    # Requests ------------------------------------------------------------------------------------
+
+    def make_request_group(self, prompt: str | list[int], params: SamplingParams,
+                           request_id: str | None = None, cache_salt: str | None = None) -> RequestGroup:
+        """Validate and tokenize one request (thread-safe). Raises InvalidRequestError, PromptTooLongError."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            prompt_text, token_ids = None, list(prompt)
+            vocab_size = self.spec.vocab_size
+            bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
+                        or not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt token {bad!r} is not a token id in [0, {vocab_size})")
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(token_ids) + params.max_tokens} tokens exceed max_model_len {self.max_model_len}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string")
+        request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        now = time.monotonic()
+        samples = []
+        for index in range(params.n):
+            sample_params = params
+            if params.n > 1 and params.seed is not None:
+                sample_params = replace(params, seed=params.seed + index)  # vLLM: each sample its own seed
+            sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            sample = Request(sample_id, token_ids, sample_params, eos_token_ids=self.eos_token_ids,
+                             cache_salt=cache_salt, parent_id=request_id, sample_index=index,
+                             arrival_time=now)
+            sample.generator = make_generator(sample_params, self.device)
+            if index > 0 and self.config.enable_prefix_caching:
+                sample.wait_for = samples[0]  # share the first sample's prompt blocks
+            samples.append(sample)
+        return RequestGroup(request_id, prompt_text, token_ids, params, samples)
+
+    def add_request_group(self, group: RequestGroup) -> None:
+        """Queue a validated request. Raises QueueFullError or InvalidRequestError (id in use)."""
+        if group.request_id in self.output_processor.groups or any(
+                s.request_id in self.scheduler.requests for s in group.samples):
+            raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+        if not self.scheduler.has_room(len(group.samples)):
+            raise QueueFullError(
+                f"the waiting queue is full ({self.scheduler.max_waiting_requests} requests); retry later")
+        for sample in group.samples:
+            self.scheduler.add_request(sample)
+        self.output_processor.add(group)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        group = self.make_request_group(prompt, params, request_id, cache_salt)
+        self.add_request_group(group)
+        return group.request_id
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish a request and free its blocks now; returns its final output (none if unknown or done)."""
+        group = self.output_processor.groups.get(request_id)
+        if group is None:
+            return []
+        aborted = self.scheduler.finish_requests([s.request_id for s in group.samples],
+                                                 RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.make_outputs(aborted or group.samples, self._pending_stats)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # The step ------------------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[RequestOutput], IterationStats]:
+        stats, self._pending_stats = self._pending_stats, IterationStats()
+        touched: list[Request] = []
+        try:
+            scheduler_output = self.scheduler.schedule()
+        except Exception as err:  # an engine bug must not kill the loop; fail what was running
+            logger.exception("scheduling failed; failing the %d running requests", self.scheduler.num_running)
+            touched += self._fail(list(self.scheduler.running), err)
+            scheduler_output = None
+        if scheduler_output is not None:
+            touched += scheduler_output.failed
+            stats.num_preemptions = len(scheduler_output.preempted)
+            stats.prefix_cache_queries = scheduler_output.prefix_cache_queries
+            stats.prefix_cache_hits = scheduler_output.prefix_cache_hits
+            if not scheduler_output.is_empty:
+                touched += self._run(scheduler_output, stats)
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_cache_usage = self.scheduler.kv.usage
+        return self.output_processor.make_outputs(touched, stats), stats
+
+    def _run(self, scheduler_output, stats: IterationStats) -> list[Request]:
+        requests = [chunk.request for chunk in scheduler_output.chunks]
+        new_prompt_tokens = sum(  # prompt tokens computed for the first time
+            max(0, min(c.seq_len, c.request.num_prompt_tokens) - c.request.max_computed_prompt_tokens)
+            for c in scheduler_output.chunks)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+            sampled = self.scheduler.update(scheduler_output, runner_output)
+        except Exception as err:  # fail this step's requests only; the engine goes on
+            logger.exception("a step of %d requests failed; failing them", len(requests))
+            return self._fail(requests, err)
+        stats.num_prompt_tokens += new_prompt_tokens
+        stats.num_generation_tokens += len(sampled)
+        stopped, failed = self.output_processor.append_tokens(sampled, stats)
+        for request, stop in stopped:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED,
+                                           stop_reason=stop)
+        for request, message in failed:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR, error=message)
+        return sampled + [request for request, _ in failed]
+
+    def _fail(self, requests: list[Request], err: Exception) -> list[Request]:
+        message = f"{type(err).__name__}: {err}"
+        return self.scheduler.finish_requests([r.request_id for r in requests if not r.is_finished],
+                                              RequestStatus.FINISHED_ERROR, error=message)
+
+    # Introspection -------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        kv = self.scheduler.kv
+        pool, prefix = kv.pool, kv.prefix_cache
+        backend = self.model.attention_backend
+        return {
+            "model": self.model_name,
+            "source_kind": self.source_kind,
+            "family": self.spec.family,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": "int8" if self.kv_quantized else str(self.kv_dtype).removeprefix("torch."),
+            "attention_backend": getattr(backend, "name", type(backend).__name__),
+            "max_model_len": self.max_model_len,
+            "scheduler": {
+                "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting,
+                "max_num_seqs": self.scheduler.max_num_seqs,
+                "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+                "max_waiting_requests": self.scheduler.max_waiting_requests,
+                "num_preemptions": self.scheduler.num_preemptions_total,
+            },
+            "blocks": {
+                "block_size": kv.block_size,
+                "num_blocks": pool.num_blocks,
+                "num_used": pool.num_used_blocks,
+                "num_free": pool.num_free_blocks,
+                "num_cached_unused": pool.num_evictable_blocks,
+                "usage": pool.usage,
+            },
+            "kv_budget": self.kv_budget.as_dict(),
+            "prefix_cache": {
+                "enabled": prefix is not None,
+                "num_cached_blocks": prefix.num_cached_blocks if prefix else 0,
+                "queried_tokens": prefix.num_queried_tokens if prefix else 0,
+                "hit_tokens": prefix.num_hit_tokens if prefix else 0,
+                "hit_rate": (prefix.num_hit_tokens / prefix.num_queried_tokens
+                             if prefix and prefix.num_queried_tokens else 0.0),
+            },
+        }

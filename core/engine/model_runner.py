@@ -1,0 +1,166 @@
+"""ModelRunner: owns the tensors of a step. SchedulerOutput in, sampled tokens out.
+
+Per step:
+1. `prepare_inputs` orders the chunks decodes first (query length 1, what AttentionMetadata
+   expects), then fills host buffers (pinned on CUDA, allocated once at the largest step size)
+   with input ids, positions, slot mapping, block tables, and copies them to the device
+   non_blocking. All input preparation lives here, so persistent device buffers (CUDA graphs)
+   can be added in one place.
+2. `model.forward` over the flat batch; the hidden rows of each sampling chunk's last token go
+   through `compute_logits` (a prefill chunk that stops short of the prompt's end samples nothing).
+3. The sampler draws one token per sampling chunk; its `.tolist()` is the step's one GPU->CPU sync
+   (plus one for logprobs when a request asked for them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.attention.metadata import AttentionMetadata
+from core.engine.request import Request
+from core.engine.sampler import Sampler, SamplingRow
+from core.engine.sampling_params import SamplingParams
+from core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from core.kv.cache import KVCache
+from core.kv.kv_manager import cdiv
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: hidden rows whose logits are sampled
+    sampling_chunks: list[ScheduledChunk]  # [N], the requests of those rows, same order
+
+
+class _HostBuffers:
+    """Host staging tensors sized for the largest step, with numpy views for fast filling."""
+
+    def __init__(self, max_tokens: int, max_requests: int, max_blocks: int, pin: bool) -> None:
+        def make(shape, dtype):
+            tensor = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return tensor, tensor.numpy()
+
+        self.input_ids, self.input_ids_np = make(max_tokens, torch.int64)
+        self.positions, self.positions_np = make(max_tokens, torch.int64)
+        self.slot_mapping, self.slot_mapping_np = make(max_tokens, torch.int64)
+        self.query_start_loc, self.query_start_loc_np = make(max_requests + 1, torch.int32)
+        self.seq_lens, self.seq_lens_np = make(max_requests, torch.int32)
+        self.logits_indices, self.logits_indices_np = make(max_requests, torch.int64)
+        self.block_tables, self.block_tables_np = make((max_requests, max_blocks), torch.int32)
+
+
+class ModelRunner:
+    def __init__(
+        self, model, kv_cache: KVCache, device: torch.device, *, block_size: int, max_num_batched_tokens: int,
+        max_num_seqs: int, max_model_len: int, sampler: Sampler | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = block_size
+        self.sampler = sampler or Sampler()
+        self._non_blocking = device.type == "cuda"
+        self._host = _HostBuffers(max_num_batched_tokens, max_num_seqs, cdiv(max_model_len, block_size),
+                                  pin=device.type == "cuda")
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = self.prepare_inputs(scheduler_output)
+        # [T, hidden]
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
+        if not inputs.sampling_chunks:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, vocab] float32
+        rows = [sampling_row(chunk.request) for chunk in inputs.sampling_chunks]
+        sampled = self.sampler.sample(logits, rows)
+        out = ModelRunnerOutput()
+        for chunk, token_id, logprob in zip(inputs.sampling_chunks, sampled.token_ids, sampled.logprobs):
+            out.sampled_token_ids[chunk.request_id] = token_id
+            if logprob is not None:
+                out.logprobs[chunk.request_id] = logprob
+        return out
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        chunks = sorted(scheduler_output.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        host, bs = self._host, self.block_size
+        num_requests = len(chunks)
+        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        max_blocks = max(cdiv(c.seq_len, bs) for c in chunks)
+        host.block_tables_np[:num_requests, :max_blocks] = 0
+        query_lens, seq_lens, sampling_chunks = [], [], []
+        token = 0
+        host.query_start_loc_np[0] = 0
+        for i, chunk in enumerate(chunks):
+            start, n = chunk.start_pos, chunk.num_tokens
+            table = chunk.block_table[:cdiv(start + n, bs)]
+            host.block_tables_np[i, :len(table)] = table
+            if n == 1:
+                host.input_ids_np[token] = chunk.request.all_token_ids[start]
+                host.positions_np[token] = start
+                host.slot_mapping_np[token] = table[start // bs] * bs + start % bs
+            else:
+                positions = np.arange(start, start + n)
+                host.input_ids_np[token:token + n] = chunk.token_ids
+                host.positions_np[token:token + n] = positions
+                slots = np.asarray(table)[positions // bs] * bs + positions % bs
+                host.slot_mapping_np[token:token + n] = slots
+            token += n
+            host.query_start_loc_np[i + 1] = token
+            host.seq_lens_np[i] = start + n
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if chunk.sample:
+                host.logits_indices_np[len(sampling_chunks)] = token - 1
+                sampling_chunks.append(chunk)
+
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(host.slot_mapping[:token]),
+            query_start_loc=self._to_device(host.query_start_loc[:num_requests + 1]),
+            seq_lens=self._to_device(host.seq_lens[:num_requests]),
+            block_tables=self._to_device(host.block_tables[:num_requests, :max_blocks]),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return StepInputs(
+            input_ids=self._to_device(host.input_ids[:token]),
+            positions=self._to_device(host.positions[:token]),
+            attn_metadata=metadata,
+            logits_indices=self._to_device(host.logits_indices[:len(sampling_chunks)]),
+            sampling_chunks=sampling_chunks,
+        )
+
+    def _to_device(self, host_tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host_tensor.clone()  # the host buffers are refilled next step
+        return host_tensor.to(self.device, non_blocking=self._non_blocking)
+
+
+def sampling_row(request: Request) -> SamplingRow:
+    return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
+                       output_token_ids=request.output_token_ids, generator=request.generator)
+
+
+def warmup_requests(num_tokens: int, max_num_seqs: int, block_size: int) -> tuple[SchedulerOutput, int]:
+    """The largest step the engine will run: one prefill chunk plus single-token requests, max_num_seqs
+    requests in all, `num_tokens` tokens, every one sampling. -> (step, blocks its scratch cache needs)."""
+    num_requests = max(1, min(max_num_seqs, num_tokens))
+    prefill_len = num_tokens - (num_requests - 1)
+    out = SchedulerOutput()
+    next_block = 0
+    for i in range(num_requests):
+        length = prefill_len if i == 0 else 1
+        request = Request(f"warmup-{i}", [0] * length, SamplingParams(temperature=0.0, max_tokens=1))
+        num_blocks = cdiv(length, block_size)
+        table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        out.chunks.append(ScheduledChunk(request, 0, length, table, sample=True))
+    out.num_batched_tokens = num_tokens
+    return out, next_block

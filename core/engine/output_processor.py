@@ -1,0 +1,165 @@
+"""OutputProcessor: sampled tokens -> text deltas, stop strings, RequestOutputs and token timings.
+
+One RequestGroup per user request: its `n` samples are separate scheduler Requests, each with an
+IncrementalDetokenizer. The detokenizer finds stop strings (the scheduler applies the token
+rules, EOS / stop token ids / max_tokens, and finishes the request itself); the engine finishes a
+request whose stop string appeared. Every RequestOutput is a snapshot: cumulative fields plus
+the deltas since the previous snapshot of that request.
+
+Timings go into the step's IterationStats exactly once: a TTFT when a sample's first token
+arrives, an inter-token latency for every later token, and one FinishedRequestStats when the
+whole group is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from core.engine.detokenizer import IncrementalDetokenizer
+from core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from core.engine.request import Request
+from core.engine.sampling_params import SamplingParams
+from core.engine.stats import FinishedRequestStats, IterationStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]  # index i is sample i
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+    completions: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.completions:
+            want_logprobs = self.params.logprobs is not None
+            self.completions = [CompletionOutput(index=i, logprobs=[] if want_logprobs else None)
+                                for i in range(len(self.samples))]
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.is_finished for sample in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+
+    def add(self, group: RequestGroup) -> None:
+        group.detokenizers = [IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params,
+                                                     set(sample.eos_token_ids)) for sample in group.samples]
+        self.groups[group.request_id] = group
+
+    def append_tokens(
+        self, sampled: list[Request], stats: IterationStats
+    ) -> tuple[list[tuple[Request, str]], list[tuple[Request, str]]]:
+        """Detokenize each request's newest token. Returns (requests whose stop string appeared, with it)
+        and (requests whose detokenization failed, with the error); the engine finishes both."""
+        now = time.monotonic()
+        stopped, failed = [], []
+        for request in sampled:
+            group = self.groups[request.parent_id]
+            completion = group.completions[request.sample_index]
+            token_id = request.output_token_ids[-1]
+            completion.token_ids.append(token_id)
+            completion.delta_token_ids.append(token_id)
+            if completion.logprobs is not None:
+                completion.logprobs.append(request.logprobs[-1])
+                completion.delta_logprobs = (completion.delta_logprobs or []) + [request.logprobs[-1]]
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                stats.time_to_first_tokens_s.append(now - metrics.arrival_time)
+            else:
+                stats.inter_token_latencies_s.append(now - metrics.last_token_time)
+            metrics.last_token_time = now
+            try:
+                step = group.detokenizers[request.sample_index].append(token_id)
+            except Exception as err:  # one request's decoding error fails that request only
+                logger.exception("detokenizing request %s failed", request.request_id)
+                failed.append((request, f"detokenization failed: {type(err).__name__}: {err}"))
+                continue
+            completion.delta_text += step.delta_text
+            completion.text += step.delta_text
+            if step.finished and not request.is_finished and isinstance(step.stop_reason, str):
+                stopped.append((request, step.stop_reason))
+        return stopped, failed
+
+    def make_outputs(self, requests: list[Request], stats: IterationStats) -> list[RequestOutput]:
+        """A snapshot for each group that one of `requests` belongs to; finished groups are dropped."""
+        outputs = []
+        for parent_id in dict.fromkeys(request.parent_id for request in requests):
+            group = self.groups.get(parent_id)
+            if group is None:
+                continue
+            for sample, completion in zip(group.samples, group.completions):
+                completion.finish_reason = sample.finish_reason
+                completion.stop_reason = sample.stop_reason
+            outputs.append(self._snapshot(group))
+            for completion in group.completions:
+                completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
+            if group.finished:
+                del self.groups[parent_id]
+                stats.finished_requests.append(_finished_stats(group))
+        return outputs
+
+    def _snapshot(self, group: RequestGroup) -> RequestOutput:
+        samples = group.samples
+        completions = [
+            replace(c, token_ids=list(c.token_ids), delta_token_ids=list(c.delta_token_ids),
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None)
+            for c in group.completions]
+        error = next((s.error for s in samples if s.error), None)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            num_cached_tokens=max(s.num_cached_tokens for s in samples),
+            metrics=_group_metrics(samples),
+            error=error,
+        )
+
+
+def _earliest(values):
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def _latest(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _group_metrics(samples: list[Request]) -> RequestMetrics:
+    metrics = [s.metrics for s in samples]
+    finished = all(s.is_finished for s in samples)
+    return RequestMetrics(
+        arrival_time=metrics[0].arrival_time,
+        first_scheduled_time=_earliest(m.first_scheduled_time for m in metrics),
+        first_token_time=_earliest(m.first_token_time for m in metrics),
+        last_token_time=_latest(m.last_token_time for m in metrics),
+        finished_time=_latest(m.finished_time for m in metrics) if finished else None,
+    )
+
+
+def _finished_stats(group: RequestGroup) -> FinishedRequestStats:
+    metrics = _group_metrics(group.samples)
+    end = metrics.finished_time if metrics.finished_time is not None else time.monotonic()
+    return FinishedRequestStats(
+        finish_reason=group.samples[0].finish_reason,
+        num_prompt_tokens=len(group.prompt_token_ids),
+        num_generation_tokens=sum(s.num_output_tokens for s in group.samples),
+        e2e_latency_s=end - metrics.arrival_time,
+        ttft_s=None if metrics.first_token_time is None else metrics.first_token_time - metrics.arrival_time,
+        queue_time_s=(None if metrics.first_scheduled_time is None
+                      else metrics.first_scheduled_time - metrics.arrival_time),
+    )
