@@ -69,7 +69,7 @@ def open_gguf(path: Path) -> Any:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as err:  # noqa: BLE001 - gguf-py raises ValueError, IndexError... on a damaged header
-        raise ModelLoadError(f"cannot read GGUF file {path} (truncated or damaged?): {type(err).__name__}: {err}") from None
+        raise ModelLoadError(f"GGUF file {path} is truncated or damaged ({type(err).__name__}: {err})") from None
     file_size = path.stat().st_size
     for tensor in reader.tensors:
         end = int(tensor.data_offset) + int(tensor.n_bytes)
