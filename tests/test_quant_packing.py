@@ -1,0 +1,148 @@
+"""PackedWeight packing, dequantization, round-to-nearest and QuantLinear against hand-computed references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_packers import autogptq_pack_rows
+
+from core.ops.quant_matmul import quant_matmul
+from core.quant.packed import PackedWeight
+from core.quant.packing import dequantize, pack_codes, pack_weight, unpack_codes
+from core.quant.quant_linear import QuantLinear
+from core.quant.rtn import quantization_error, quantize_rtn
+
+
+def bit_stream_words(codes: list[int], bits: int) -> list[int]:
+    """The little-endian bit stream of `codes` (code j at bit bits*j) cut into 32-bit words, as ints."""
+    stream = sum(code << (bits * j) for j, code in enumerate(codes))
+    num_words = len(codes) * bits // 32
+    return [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(num_words)]
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_pack_codes_is_the_documented_bit_stream(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (3, 64), generator=gen)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 64 * bits // 32)
+    for row in range(3):
+        expected = bit_stream_words(codes[row].tolist(), bits)
+        assert [w & 0xFFFFFFFF for w in packed[row].tolist()] == expected
+    assert torch.equal(unpack_codes(packed, bits), codes.to(torch.int32))
+
+
+def test_three_bit_codes_straddle_words():
+    """Codes 10 and 21 of a 3-bit run cross word boundaries: all-ones there lights bits 30-32 and 63-65."""
+    codes = torch.zeros(1, 32, dtype=torch.int64)
+    codes[0, 10] = 7
+    codes[0, 21] = 7
+    words = [w & 0xFFFFFFFF for w in pack_codes(codes, 3)[0].tolist()]
+    assert words == [0xC0000000, 0x80000001, 0x00000003]
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_same_stream_as_autogptq_rows(bits):
+    """GPTQ packs along K with the same stream: our packing of W.T's rows equals AutoGPTQ's loop."""
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 2**bits, (64, 16), generator=gen)  # [K, N]
+    reference = torch.from_numpy(autogptq_pack_rows(codes.numpy(), bits))  # [K*bits/32, N]
+    assert torch.equal(pack_codes(codes.T, bits), reference.T)
+
+
+def test_pack_rejects_out_of_range_codes_and_lengths():
+    with pytest.raises(ValueError, match="must lie in"):
+        pack_codes(torch.full((1, 8), 16), 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_codes(torch.zeros(1, 16, dtype=torch.int64), 3)
+
+
+def test_dequantize_zero_and_min_modes_by_hand():
+    codes = torch.arange(64).remainder(16).reshape(1, 64)
+    scales = torch.tensor([[0.5, 0.25]], dtype=torch.float16)
+    zeros = torch.tensor([[8.0, 3.0]], dtype=torch.float16)
+    zero_mode = dequantize(pack_weight(codes, scales, zeros, 4, "zero"))
+    min_mode = dequantize(pack_weight(codes, scales, zeros, 4, "min"))
+    k = torch.arange(64)
+    q = (k % 16).float()
+    s = torch.where(k < 32, 0.5, 0.25)
+    z = torch.where(k < 32, 8.0, 3.0)
+    assert torch.equal(zero_mode[0], (q - z) * s)
+    assert torch.equal(min_mode[0], q * s + z)
+
+
+def test_dequantize_undoes_input_perm():
+    """Stored column j multiplies x[input_perm[j]]: dequantize returns W in the original column order."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(8, 64, generator=gen)
+    perm = torch.randperm(64, generator=gen)
+    plain = quantize_rtn(weight, 4, 32)
+    stored_codes = unpack_codes(plain.qweight, 4)
+    permuted = pack_weight(stored_codes, plain.scales, plain.zeros, 4, input_perm=perm)
+    original = torch.empty_like(weight)
+    original[:, perm] = dequantize(plain)
+    assert torch.equal(dequantize(permuted), original)
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(quant_matmul(x, permuted), x[:, perm] @ dequantize(plain).T)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym", [False, True])
+def test_rtn_error_is_within_half_a_step(bits, group_size, sym):
+    gen = torch.Generator().manual_seed(bits * 100 + group_size)
+    weight = torch.randn(48, 256, generator=gen) * 0.05
+    packed = quantize_rtn(weight, bits, group_size, sym)
+    group = 256 if group_size == -1 else group_size
+    assert packed.group_size == group and packed.scales.dtype == torch.float16
+    assert packed.scales.shape == (48, 256 // group)
+    codes = unpack_codes(packed.qweight, bits)
+    assert int(codes.min()) >= 0 and int(codes.max()) < 2**bits
+    if sym:
+        assert torch.all(packed.zeros == 2 ** (bits - 1))
+    step = packed.scales.float().repeat_interleave(group, dim=1)
+    error = (dequantize(packed) - weight).abs()
+    # half a step, plus what rounding the scale to fp16 (2**-11 relative) moves the far end of the grid
+    assert torch.all(error <= step * (0.5 + 2**bits * 2**-11))
+    assert float((error / step).max()) > 0.4  # and the bound is not loose
+    max_error, mean_error = quantization_error(weight, packed)
+    assert max_error == pytest.approx(float(error.max())) and mean_error == pytest.approx(float(error.mean()))
+
+
+def test_rtn_four_bits_beat_three():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    assert quantization_error(weight, quantize_rtn(weight, 4, 32))[1] < quantization_error(
+        weight, quantize_rtn(weight, 3, 32))[1]
+
+
+def test_rtn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="3 or 4 bits"):
+        quantize_rtn(torch.zeros(4, 64), 8, 32)
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_rtn(torch.zeros(4, 96), 4, 64)
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_rtn(torch.full((4, 64), float("nan")), 4, 32)
+
+
+def test_packed_weight_checks_shapes():
+    good = quantize_rtn(torch.randn(8, 64), 4, 32)
+    with pytest.raises(ValueError, match="scales has shape"):
+        PackedWeight(good.qweight, good.scales[:, :1], good.zeros, 4, 32, 64, 8)
+    with pytest.raises(ValueError, match="bits must be 3 or 4"):
+        PackedWeight(good.qweight, good.scales, good.zeros, 8, 32, 64, 8)
+
+
+def test_quant_linear_matches_dequantized_matmul_and_keeps_scale_dtype():
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(24, 128, generator=gen), torch.randn(24, generator=gen)
+    layer = QuantLinear(quantize_rtn(weight, 4, 64, bias=bias))
+    x = torch.randn(2, 5, 128, generator=gen)  # [..., K]
+    reference = x @ dequantize(layer.packed).T + bias
+    assert torch.equal(layer(x), reference)
+    assert set(layer.state_dict()) == {"qweight", "scales", "zeros", "bias"}
+    layer.to(torch.bfloat16)  # the model's dtype: scales must not be rounded to bf16
+    assert layer.scales.dtype == torch.float16 and layer.zeros.dtype == torch.float16
+    assert layer.bias.dtype == torch.bfloat16 and layer.qweight.dtype == torch.int32
+    out = layer(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 24)
+    torch.testing.assert_close(out.float(), reference, atol=0.3, rtol=0.02)
