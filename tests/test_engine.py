@@ -224,6 +224,8 @@ def test_bad_requests_are_refused_when_added(loaded):
         engine.add_request([], greedy())
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
         engine.add_request([1, 2], {"max_tokens": 3})
+    with pytest.raises(InvalidRequestError, match="n=3 samples exceed max_waiting_requests 2"):
+        engine.add_request([5, 6], SamplingParams(n=3))
     engine.add_request([5, 6], greedy(), "a")
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request([5, 6], greedy(), "a")
@@ -413,3 +415,17 @@ def test_runner_builds_one_flat_batch_decodes_first(loaded):
     assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len) == (1, 12, 20)
     assert inputs.logits_indices.tolist() == [0, 12]  # the decode and the prefill's last token; not "q"
     assert [c.request_id for c in inputs.sampling_chunks] == ["d", "p"]
+
+
+def test_warmup_step_is_the_largest_step_and_runs(loaded):
+    from core.engine.model_runner import ModelRunner, warmup_requests
+    from core.kv.cache import KVCache
+
+    step, num_blocks = warmup_requests(num_tokens=40, max_num_seqs=6, block_size=8)
+    assert [c.num_tokens for c in step.chunks] == [35, 1, 1, 1, 1, 1]
+    assert num_blocks == 5 + 5 and all(c.sample for c in step.chunks)
+    spec = loaded.spec
+    cache = KVCache(spec.num_layers, num_blocks, 8, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(loaded.model, cache, torch.device("cpu"), block_size=8, max_num_batched_tokens=40,
+                         max_num_seqs=6, max_model_len=40)
+    assert len(runner.execute(step).sampled_token_ids) == 6

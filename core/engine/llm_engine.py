@@ -163,6 +163,9 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
                 f"{len(token_ids) + params.max_tokens} tokens exceed max_model_len {self.max_model_len}")
+        if params.n > self.config.max_waiting_requests:
+            raise InvalidRequestError(f"n={params.n} samples exceed max_waiting_requests "
+                                      f"{self.config.max_waiting_requests}; they could never be queued")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
         request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"

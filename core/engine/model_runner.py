@@ -64,9 +64,11 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sampler = sampler or Sampler()
-        self._non_blocking = device.type == "cuda"
         self._host = _HostBuffers(max_num_batched_tokens, max_num_seqs, cdiv(max_model_len, block_size),
                                   pin=device.type == "cuda")
+        # Set after each step's host->device copies; refilling the host buffers waits for it, since a
+        # step that samples nothing has no sync that would order the copies before the next fill.
+        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -88,6 +90,8 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         chunks = sorted(scheduler_output.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
         host, bs = self._host, self.block_size
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         num_requests = len(chunks)
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
         max_blocks = max(cdiv(c.seq_len, bs) for c in chunks)
@@ -129,18 +133,21 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=self._to_device(host.input_ids[:token]),
             positions=self._to_device(host.positions[:token]),
             attn_metadata=metadata,
             logits_indices=self._to_device(host.logits_indices[:len(sampling_chunks)]),
             sampling_chunks=sampling_chunks,
         )
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        return inputs
 
     def _to_device(self, host_tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             return host_tensor.clone()  # the host buffers are refilled next step
-        return host_tensor.to(self.device, non_blocking=self._non_blocking)
+        return host_tensor.to(self.device, non_blocking=True)
 
 
 def sampling_row(request: Request) -> SamplingRow:
@@ -150,14 +157,16 @@ def sampling_row(request: Request) -> SamplingRow:
 
 def warmup_requests(num_tokens: int, max_num_seqs: int, block_size: int) -> tuple[SchedulerOutput, int]:
     """The largest step the engine will run: one prefill chunk plus single-token requests, max_num_seqs
-    requests in all, `num_tokens` tokens, every one sampling. -> (step, blocks its scratch cache needs)."""
+    requests in all, `num_tokens` tokens, every one sampling with top-k/top-p (the sampler's costliest
+    path). -> (step, blocks its scratch cache needs)."""
     num_requests = max(1, min(max_num_seqs, num_tokens))
     prefill_len = num_tokens - (num_requests - 1)
     out = SchedulerOutput()
     next_block = 0
     for i in range(num_requests):
         length = prefill_len if i == 0 else 1
-        request = Request(f"warmup-{i}", [0] * length, SamplingParams(temperature=0.0, max_tokens=1))
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        request = Request(f"warmup-{i}", [0] * length, params)
         num_blocks = cdiv(length, block_size)
         table = list(range(next_block, next_block + num_blocks))
         next_block += num_blocks
