@@ -78,7 +78,7 @@ def concurrency(
     """Serial vs concurrent sweep: TTFT, TPOT, ITL percentiles and throughput."""
     _setup_logging(verbose)
     from core.bench.concurrency import ConcurrencyWorkload, run_concurrency_benchmark
-    from core.bench.report import concurrency_table
+    from core.bench.report import concurrency_tables
 
     if peer not in (None, "hf"):
         fail(f"--peer must be hf, got {peer!r}")
@@ -100,7 +100,7 @@ def concurrency(
 
         peer_source = hf_peer_source(config, cuda_device_of(config) or "cpu")
     payload = run_concurrency_benchmark(config, workload, peer_source)
-    _finish("concurrency", config, payload, concurrency_table(payload), output)
+    _finish("concurrency", config, payload, concurrency_tables(payload), output)
 
 
 @app.command("jitter")
@@ -142,7 +142,7 @@ def jitter(
     """Long-prompt insertion: the running stream's ITL against its baseline, per token budget."""
     _setup_logging(verbose)
     from core.bench.jitter import JitterWorkload, run_jitter_benchmark
-    from core.bench.report import jitter_table
+    from core.bench.report import jitter_tables
 
     budgets = _int_list(token_budgets, "--token-budgets")
     config = engine_config(
@@ -157,7 +157,7 @@ def jitter(
         stream_prompt_len=stream_prompt_len, stream_output_len=stream_output_len, insert_after=insert_after,
         repeats=repeats, itl_slo_ms=itl_slo_ms, seed=seed)
     payload = run_jitter_benchmark(config, workload)
-    _finish("jitter", config, payload, jitter_table(payload), output)
+    _finish("jitter", config, payload, jitter_tables(payload), output)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -175,18 +175,24 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _finish(benchmark: str, config, payload: dict, table, output: str | None) -> None:
-    """Print the table, write the JSON with the environment, say where it went."""
+def _finish(benchmark: str, config, payload: dict, tables: list, output: str | None) -> None:
+    """Print the tables, write the JSON with the environment, say where it went."""
+    import sys
     from pathlib import Path
 
     from rich.console import Console
 
-    from core.bench.env_info import collect_env_info
+    from core.bench.env_info import env_info, gpu_slug
     from core.bench.report import results_path, write_json
 
-    env = collect_env_info()
-    subject = config.shape or Path(config.model or payload.get("model_name") or "default").name
-    path = write_json(results_path(benchmark, subject, env.get("gpu_name") or "cpu", output), payload, env)
+    env = env_info(["deepinfer", *sys.argv[1:]])
+    subject = Path(config.shape or config.model or payload.get("model_name") or "default").stem
+    if config.quantization:
+        subject += f"-{config.quantization}"
+    path = write_json(results_path(benchmark, subject, gpu_slug(env), output), payload, env)
     console = Console()
-    console.print(table)
+    if not console.is_terminal:  # logs and pipes: keep rows whole instead of wrapping at 80 columns
+        console = Console(width=200)
+    for table in tables:
+        console.print(table)
     console.print(f"wrote {path}")

@@ -12,7 +12,7 @@ OUT_DIR="${OUT:-results}"
 mkdir -p "$OUT_DIR"
 DEEPINFER=(python3 -m deepinfer_cli.main)
 MODEL=(--dummy-weights --shape qwen2.5-3b --quantization w4a16 --max-model-len 4096)
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr -cs 'A-Za-z0-9.' '-' | sed 's/-$//' | tr 'A-Z' 'a-z')
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/^_//; s/_$//')
 GPU=${GPU:-gpu}
 STAMP=$(date +%Y%m%d-%H%M%S)
 LOG="$OUT_DIR/gpu_bench.log"

@@ -122,3 +122,80 @@ def test_hf_peer_runs_static_batches_of_the_concurrency(tmp_path):
     assert timings[0].sent_s == timings[1].sent_s and timings[0].token_times_s() == timings[1].token_times_s()
     assert timings[2].sent_s >= timings[1].last_token_s and timings[4].sent_s >= timings[3].last_token_s
     assert sum(t.e2e_s for t in timings[::2]) <= wall_s
+
+
+def _run_cli(args: list[str], monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.main import app
+
+    monkeypatch.setattr("sys.argv", ["deepinfer", *args])  # what env info records as the command
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+
+
+def test_concurrency_command_end_to_end_with_hf_peer(tmp_path, tiny_llama_dir, monkeypatch):
+    output = tmp_path / "concurrency.json"
+    _run_cli(["bench", "concurrency", "--model", str(tiny_llama_dir), "--concurrency", "1,3", "--prompt-len", "20",
+              "--output-len", "5", "--num-requests", "6", "--peer", "hf", "--output", str(output)], monkeypatch)
+    data = json.loads(output.read_text())
+    assert data["benchmark"] == "concurrency"
+    assert "bench concurrency" in data["env"]["command"] and data["env"]["git_commit"] and data["env"]["torch"]
+    assert data["workload"]["prompt_len"] == 20 and data["workload"]["output_len"] == 5
+    assert [level["concurrency"] for level in data["levels"]] == [1, 3]
+    for level in data["levels"]:
+        (run,) = level["repeats"]
+        assert run["num_failed"] == 0 and run["num_requests"] == 6
+        assert [r["output_len"] for r in run["requests"]] == [5] * 6  # EOS ignored: fixed lengths
+        assert run["output_tokens"] == 30
+        assert run["output_tokens_per_s"] == pytest.approx(30 / run["wall_s"])
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert run[metric]["p50"] <= run[metric]["p95"] <= run[metric]["p99"] <= run[metric]["max"]
+        assert {"peak_allocated_bytes", "peak_reserved_bytes"} <= run.keys()  # None on the CPU
+        # Closed loop: exactly `concurrency` requests run at once, so the engine's batch peaks there.
+        assert run["max_running"] == level["concurrency"]
+        peer_run = level["peer"]["repeats"][0]
+        assert peer_run["output_tokens"] == 30 and peer_run["num_failed"] == 0
+        assert level["vs_peer"]["output_tokens_per_s_ratio"] == pytest.approx(
+            run["output_tokens_per_s"] / peer_run["output_tokens_per_s"])
+    assert data["levels"][0]["speedup_vs_serial"] == pytest.approx(1.0)
+    serial, concurrent = (level["mean_std"]["output_tokens_per_s"]["mean"] for level in data["levels"])
+    assert data["levels"][1]["speedup_vs_serial"] == pytest.approx(concurrent / serial)
+    assert data["peer"]["kind"] == "hf" and data["peer"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_shared_prefix_is_served_from_the_prefix_cache(tmp_path, tiny_llama_dir, prefix_caching, monkeypatch):
+    # 40-token prompts behind a 32-token shared prefix, blocks of 16: once the first request has run,
+    # every later one (serial, concurrency 1) finds exactly the prefix's 2 full blocks = 32 tokens.
+    output = tmp_path / "prefix.json"
+    flag = "--prefix-caching" if prefix_caching else "--no-prefix-caching"
+    _run_cli(["bench", "concurrency", "--model", str(tiny_llama_dir), "--concurrency", "1", "--prompt-len", "40",
+              "--shared-prefix-len", "32", "--block-size", "16", "--output-len", "2", "--num-requests", "4", flag,
+              "--output", str(output)], monkeypatch)
+    (run,) = json.loads(output.read_text())["levels"][0]["repeats"]
+    expected = [0, 32, 32, 32] if prefix_caching else [0, 0, 0, 0]
+    assert [r["cached_prompt_tokens"] for r in run["requests"]] == expected
+    assert run["cached_prompt_tokens"] == sum(expected)
+
+
+def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatch):
+    output = tmp_path / "jitter.json"
+    _run_cli(["bench", "jitter", "--model", str(tiny_llama_dir), "--token-budgets", "8,32", "--long-prompt-len", "48",
+              "--stream-prompt-len", "6", "--insert-after", "3", "--itl-slo-ms", "100000", "--output", str(output)], monkeypatch)
+    data = json.loads(output.read_text())
+    assert data["benchmark"] == "jitter" and "bench jitter" in data["env"]["command"]
+    workload = data["workload"]
+    assert workload["stream_output_len"] == 3 + math.ceil(48 / 7) + 16
+    assert [b["token_budget"] for b in data["budgets"]] == [8, 32]
+    for result in data["budgets"]:
+        assert result["insertion_window_complete"]
+        assert result["insertion_window_num_itls"] >= 1
+        # The engine honours the budget: no step computes more prompt tokens than the budget allows.
+        assert 1 <= result["insertion_window_max_prompt_tokens_per_step"] <= result["token_budget"]
+        for key in ("baseline_itl_ms", "insertion_window_itl_ms"):
+            assert result[key]["p50"] <= result[key]["p95"] <= result[key]["max"]
+        assert result["long_ttft_alone_ms"]["mean"] > 0 and result["long_ttft_inserted_ms"]["mean"] > 0
+    # Budget 8 needs ceil(48 / 7) = 7 prefill steps for the long prompt; budget 32 needs 2.
+    assert data["budgets"][0]["insertion_window_engine_steps"] > data["budgets"][1]["insertion_window_engine_steps"]
+    assert data["slo"]["chosen_token_budget"] == 32  # every budget meets a 100 s SLO: the largest wins

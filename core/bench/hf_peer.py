@@ -32,13 +32,39 @@ def resolve_peer_dtype(dtype: str, device: str):
     return torch.float32
 
 
+def shape_config_path(shape: str) -> Path:
+    """The config.json behind `--shape` (a name under configs/shapes/ or a .json path), as the loader reads it."""
+    from core.models.loader import SHAPES_DIR
+
+    candidate = Path(shape).expanduser()
+    path = candidate if candidate.suffix == ".json" else SHAPES_DIR / f"{shape}.json"
+    if not path.is_file():
+        raise InvalidRequestError(f"unknown shape {shape!r}: {path} does not exist")
+    return path
+
+
+def peer_source(config, device: str) -> dict:
+    """What the HF peer loads for an engine config: the same config.json, random weights for dummy runs."""
+    if config.dummy_weights and config.shape is not None:
+        return {"device": device, "dtype": config.dtype, "config_json": str(shape_config_path(config.shape))}
+    model_dir = Path(config.model).expanduser() if config.model is not None else None
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        raise InvalidRequestError(
+            "--peer hf needs --dummy-weights --shape NAME or an HF model directory (with config.json); "
+            f"got model {config.model!r}")
+    if config.dummy_weights:
+        return {"device": device, "dtype": config.dtype, "config_json": str(model_dir / "config.json")}
+    return {"device": device, "dtype": config.dtype, "model_dir": str(model_dir)}
+
+
 def load_hf_peer(config_json: str | Path | None, model_dir: str | Path | None, device: str, dtype):
-    """An HF causal LM: random weights from `config_json`, or the checkpoint in `model_dir`."""
+    """An HF causal LM: random weights from `config_json`, else the checkpoint in `model_dir`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if config_json is not None:
         fields = json.loads(Path(config_json).read_text())
+        fields = {k: v for k, v in fields.items() if not k.startswith("_")}  # notes like "_source"
         model_type = fields.pop("model_type", None)
         if model_type is None:
             raise InvalidRequestError(f"{config_json}: no model_type, cannot build the HF peer")
@@ -46,12 +72,8 @@ def load_hf_peer(config_json: str | Path | None, model_dir: str | Path | None, d
         # Building on the device skips a CPU init + copy of every weight (minutes for a 7B body).
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    elif model_dir is not None and (Path(model_dir) / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     else:
-        raise InvalidRequestError(
-            "--peer hf needs --dummy-weights --shape NAME or an HF model directory (with config.json); "
-            f"got model {model_dir!r}")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     return model.eval()
 
 

@@ -23,7 +23,7 @@ def results_path(benchmark: str, subject: str, device_name: str, output: str | N
     if output is not None:
         return Path(output)
     def slug(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower() or "unknown"
+        return re.sub(r"[^A-Za-z0-9._]+", "-", text).strip("-").lower() or "unknown"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(results_dir) / f"bench_{benchmark}_{slug(subject)}_{slug(device_name)}_{stamp}.json"
 
@@ -66,19 +66,23 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def concurrency_table(payload: dict) -> Table:
+def concurrency_tables(payload: dict) -> list[Table]:
+    """Two tables: throughput and memory per level, then latency percentiles per level."""
     workload = payload["workload"]
     title = (f"deepinfer bench concurrency: {payload.get('model_name')}  prompt {workload['prompt_len']}, "
              f"output {workload['output_len']}, shared prefix {workload['shared_prefix_len']}, "
              f"repeats {workload['repeats']}")
-    table = Table(title=title, title_justify="left")
     has_peer = payload.get("peer") is not None
-    columns = ["c", "reqs", "out tok/s", "req/s", "vs c=1", "TTFT ms p50/p95/p99", "TPOT ms p50/p95/p99",
-               "ITL ms p50/p95/p99", "peak alloc / reserved GiB", "prefix hit", "preempt"]
+    throughput = Table(title=title, title_justify="left")
+    latency = Table(title="latency, ms (p50 / p95 / p99)", title_justify="left")
+    columns = ["c", "reqs", "out tok/s", "req/s", "vs c=1", "peak alloc GiB", "peak reserved GiB", "prefix hit",
+               "preempt"]
     if has_peer:
-        columns += ["HF tok/s", "HF TTFT p50", "HF TPOT p50", "tok/s vs HF"]
+        columns += ["HF tok/s", "vs HF"]
     for name in columns:
-        table.add_column(name, justify="right")
+        throughput.add_column(name, justify="right", no_wrap=True)
+    for name in ["c", "TTFT", "TPOT", "ITL"] + (["HF TTFT", "HF TPOT"] if has_peer else []):
+        latency.add_column(name, justify="right", no_wrap=True)
     for level in payload["levels"]:
         stats = level["mean_std"]
         hit = stats.get("prefix_cache_hit_rate", {}).get("mean")
@@ -86,26 +90,28 @@ def concurrency_table(payload: dict) -> Table:
             str(level["concurrency"]), str(level["num_requests"]),
             format_mean_std(stats.get("output_tokens_per_s")), format_mean_std(stats.get("requests_per_s"), 2),
             _ratio(level.get("speedup_vs_serial")),
-            _triplet(stats, "ttft_ms"), _triplet(stats, "tpot_ms", digits=2), _triplet(stats, "itl_ms", digits=2),
-            f"{format_mean_std(stats.get('peak_allocated_bytes'), 2, 1 / GIB)} / "
-            f"{format_mean_std(stats.get('peak_reserved_bytes'), 2, 1 / GIB)}",
+            format_mean_std(stats.get("peak_allocated_bytes"), 2, 1 / GIB),
+            format_mean_std(stats.get("peak_reserved_bytes"), 2, 1 / GIB),
             "-" if hit is None else f"{hit:.0%}",
             format_mean_std(stats.get("num_preemptions"), 0),
         ]
+        latency_row = [str(level["concurrency"]), _triplet(stats, "ttft_ms"), _triplet(stats, "tpot_ms", digits=2),
+                       _triplet(stats, "itl_ms", digits=2)]
         if has_peer:
             peer = level.get("peer", {}).get("mean_std", {})
-            row += [format_mean_std(peer.get("output_tokens_per_s")), format_mean_std(peer.get("ttft_ms.p50")),
-                    format_mean_std(peer.get("tpot_ms.p50"), 2),
+            row += [format_mean_std(peer.get("output_tokens_per_s")),
                     _ratio(level.get("vs_peer", {}).get("output_tokens_per_s_ratio"))]
-        table.add_row(*row)
-    return table
+            latency_row += [_triplet(peer, "ttft_ms"), _triplet(peer, "tpot_ms", digits=2)]
+        throughput.add_row(*row)
+        latency.add_row(*latency_row)
+    return [throughput, latency]
 
 
 def _pct(stats: dict, keys: tuple[str, ...] = ("p50", "p95", "max")) -> str:
     return " / ".join("-" if stats.get(k) is None else f"{stats[k]:.1f}" for k in keys)
 
 
-def jitter_table(payload: dict) -> Table:
+def jitter_tables(payload: dict) -> list[Table]:
     workload = payload["workload"]
     slo = payload.get("slo")
     title = (f"deepinfer bench jitter: {payload.get('model_name')}  stream {workload['stream_prompt_len']}+"
@@ -117,7 +123,7 @@ def jitter_table(payload: dict) -> Table:
     if slo is not None:
         columns.append(f"max ITL <= {slo['itl_slo_ms']:g} ms")
     for name in columns:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", no_wrap=True)
     for result in payload["budgets"]:
         window = result["insertion_window_itl_ms"]
         row = [
@@ -136,4 +142,4 @@ def jitter_table(payload: dict) -> Table:
         table.caption = (f"SLO max ITL <= {slo['itl_slo_ms']:g} ms: " + (
             f"token budget {slo['chosen_token_budget']}, long-prompt TTFT {slo['long_ttft_inserted_ms']:.1f} ms"
             if slo["chosen_token_budget"] is not None else slo["note"]))
-    return table
+    return [table]
