@@ -421,11 +421,15 @@ def test_warmup_step_is_the_largest_step_and_runs(loaded):
     from core.engine.model_runner import ModelRunner, warmup_requests
     from core.kv.cache import KVCache
 
-    step, num_blocks = warmup_requests(num_tokens=40, max_num_seqs=6, block_size=8)
-    assert [c.num_tokens for c in step.chunks] == [35, 1, 1, 1, 1, 1]
-    assert num_blocks == 5 + 5 and all(c.sample for c in step.chunks)
+    step, num_blocks = warmup_requests(num_tokens=40, max_num_seqs=6, block_size=8, max_model_len=100)
+    assert [(c.start_pos, c.num_tokens) for c in step.chunks] == [(65, 35)] + [(0, 1)] * 5
+    assert num_blocks == 6 + 5 and all(c.sample for c in step.chunks)
+    prefill_table = step.chunks[0].block_table  # 13 logical blocks cycling over 6 physical ones
+    assert prefill_table == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0]
+    written = {prefill_table[p // 8] for p in range(65, 100)}
+    assert len(written) == 5  # the chunk's logical blocks 8..12 land on distinct physical blocks
     spec = loaded.spec
     cache = KVCache(spec.num_layers, num_blocks, 8, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
     runner = ModelRunner(loaded.model, cache, torch.device("cpu"), block_size=8, max_num_batched_tokens=40,
-                         max_num_seqs=6, max_model_len=40)
+                         max_num_seqs=6, max_model_len=100)
     assert len(runner.execute(step).sampled_token_ids) == 6

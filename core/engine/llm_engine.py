@@ -109,7 +109,8 @@ class LLMEngine:
     def _measure_warmup(self, max_model_len: int, block_bytes: int) -> DeviceMemory:
         """Peak torch memory of the largest step (weights included), with scratch KV blocks of its own."""
         num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
-        step, num_blocks = warmup_requests(num_tokens, self.config.max_num_seqs, self.config.block_size)
+        step, num_blocks = warmup_requests(num_tokens, self.config.max_num_seqs, self.config.block_size,
+                                           max_model_len)
         scratch = self._make_kv_cache(num_blocks)
         runner = ModelRunner(self.model, scratch, self.device, block_size=self.config.block_size,
                              max_num_batched_tokens=num_tokens, max_num_seqs=self.config.max_num_seqs,
