@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import math
 
+import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import ServerThread
 
+from core.config import EngineConfig
 from core.engine.stats import FinishedRequestStats, IterationStats
+from core.server.config import ServerConfig
 from core.server.metrics import TTFT_BUCKETS, EngineMetrics
 
 REQUIRED = [
@@ -115,3 +120,52 @@ def test_each_app_has_its_own_registry():
     first.record(IterationStats(num_generation_tokens=7))
     assert parse(first)[("deepinfer:generation_tokens_total", (("model_name", "same"),))] == 7
     assert parse(second)[("deepinfer:generation_tokens_total", (("model_name", "same"),))] == 0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    model_dir, _ = tiny_models["llama"]
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks=64)
+    running = ServerThread(config, ServerConfig(served_model_name="metered")).start()
+    yield running
+    running.stop()
+
+
+def test_server_metrics_add_up_to_what_clients_received(server):
+    before = server.metrics()
+    shared_prefix = list(range(30, 70))  # 40 tokens: a repeat reuses (40 - 1) // 16 = 2 blocks
+    prompts = [shared_prefix, shared_prefix, list(range(100, 120)), shared_prefix + [5, 6]]
+    usages = []
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        for i, prompt in enumerate(prompts):
+            body = {"prompt": prompt, "temperature": 0, "max_tokens": 3 + i, "ignore_eos": True}
+            usages.append(http.post("/v1/completions", json=body).json()["usage"])
+        stopped = http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 4, "stop_token_ids": [],
+                                                      "ignore_eos": False, "temperature": 0}).json()
+    server.wait_idle()
+    after = server.metrics()
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    usages.append(stopped["usage"])
+    num_requests = len(usages)
+    generated = sum(u["completion_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert cached == 32 + 32  # the second and fourth prompt reuse the first one's two full blocks
+    assert delta("deepinfer:generation_tokens_total") == generated
+    assert delta("deepinfer:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages) - cached
+    assert delta("deepinfer:prefix_cache_hits_total") == cached
+    assert delta("deepinfer:prefix_cache_queries_total") >= cached
+    assert delta("deepinfer:time_to_first_token_seconds_count") == num_requests
+    assert delta("deepinfer:inter_token_latency_seconds_count") == generated - num_requests
+    assert delta("deepinfer:e2e_request_latency_seconds_count") == num_requests
+    finished_by_length = 4 + (stopped["choices"][0]["finish_reason"] == "length")
+    assert delta("deepinfer:request_success_total", finished_reason="length") == finished_by_length
+    assert delta("deepinfer:request_success_total", finished_reason="stop") == num_requests - finished_by_length
+    assert after[("deepinfer:num_requests_running", ())] == 0
+    assert after[("deepinfer:num_requests_waiting", ())] == 0
+    assert after[("deepinfer:kv_cache_usage_perc", ())] == 0
+    text = httpx.get(server.base_url + "/metrics").text
+    assert 'deepinfer:generation_tokens_total{model_name="metered"}' in text

@@ -57,8 +57,10 @@ def completion_logprobs(entries: list[TokenLogprob], num_top: int, token_text: T
         tokens.append(text)
         token_logprobs.append(_finite(entry.logprob))
         # The sampled token is always listed, as in OpenAI's and vLLM's answers, even when outside the top k.
+        # Keys are token texts, so two tokens with one text (e.g. two byte fragments shown as "\ufffd")
+        # share an entry; the sampled token's own value wins.
         top = {token_text(tid): _finite(lp) for tid, lp in entry.top[:num_top]}
-        top.setdefault(text, _finite(entry.logprob))
+        top[text] = _finite(entry.logprob)
         top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(text)

@@ -122,7 +122,10 @@ async def final_output(stream, request: Request) -> RequestOutput:
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if consumer.done():
-            return consumer.result()
+            try:
+                return consumer.result()
+            except DeepInferError as err:  # refused inside the engine thread (a full queue raced us), or it died
+                raise engine_error_to_api(err) from None
         raise APIError(499, "client disconnected")
     finally:
         watcher.cancel()

@@ -1,0 +1,81 @@
+"""A real deepinfer HTTP server for tests: uvicorn in a background thread on a free loopback port.
+
+Each test module starts one server (module-scoped fixture) around a real AsyncEngine and talks to
+it over TCP with the `openai` client or httpx, exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from core.config import EngineConfig
+from core.server.app import create_app
+from core.server.config import ServerConfig
+
+
+class ServerThread:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None, **app_kwargs):
+        self.app = create_app(engine_config, server_config or ServerConfig(), **app_kwargs)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))  # the OS picks a free port; no race with other tests
+        self.port = self._socket.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def state(self):
+        return self.app.state.deepinfer
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    def start(self, wait_ready: bool = True, timeout_s: float = 180.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        if wait_ready:
+            while self.state.status == "loading":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the model did not load in time")
+                time.sleep(0.05)
+            if self.state.status != "ready":
+                raise RuntimeError(f"the model failed to load: {self.state.error}")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics parsed: {(sample name, sorted labels without model_name): value}."""
+        text = httpx.get(self.base_url + "/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                values[(sample.name, labels)] = sample.value
+        return values
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Poll until no request is running or waiting; returns the engine's last health()."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            health = self.engine.health()
+            scheduler = health["scheduler"]
+            if scheduler["num_running"] == 0 and scheduler["num_waiting"] == 0:
+                return health
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy after {timeout_s}s: {scheduler}")
+            time.sleep(0.02)
+
