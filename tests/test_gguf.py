@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,88 @@ def test_greedy_matches_transformers(ours, reference):
                                     pad_token_id=hf_tokenizer.pad_token_id)
         assert tokens == out[0, len(prompt):].tolist(), hf_tokenizer.decode(out[0, len(prompt):])
     assert ours.tokenizer.decode(ours_tokens[0]) == "The capital of France is Paris."
+
+
+# --- GGUF files of other architectures, written the way llama.cpp's convert_hf_to_gguf.py does ---
+
+_GGUF_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA", "gemma2": "GEMMA2"}
+
+
+def write_gguf_like_llama_cpp(hf_model, family: str, path) -> None:
+    """F32 GGUF of `hf_model`: gguf-py's own HF->GGUF tensor names, llama Q/K rows permuted and
+    Gemma norms stored as 1 + weight (both as convert_hf_to_gguf.py does), llama.cpp's metadata keys."""
+    import gguf
+
+    config = hf_model.config
+    arch = getattr(gguf.MODEL_ARCH, _GGUF_ARCH[family])
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, kind = name.rpartition(".")
+        data = tensor.float().numpy().copy()
+        if family == "llama" and base.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
+            data = data.reshape(tensor.shape)
+        if family in ("gemma", "gemma2") and base.endswith("norm"):
+            data = data + 1
+        writer.add_tensor(f"{names.get_name(base)}.{kind}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "tie_word_embeddings": False}),
+    ("qwen2", {"use_sliding_window": False}),  # llama.cpp keeps no Qwen2 window in GGUF
+    ("qwen3", {}),
+    ("gemma", {}),
+    ("gemma2", {"query_pre_attn_scalar": 16}),  # GGUF carries no scalar; llama.cpp uses head_dim
+])
+def test_converted_gguf_matches_hf_logits(family, overrides, tmp_path):
+    from conftest import tiny_hf_config
+    from transformers import AutoModelForCausalLM
+
+    from core.models.decoder import DecoderModel
+    from core.models.spec import ModelSpec
+    from core.weights.gguf_reader import iter_gguf_weights
+
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+    write_gguf_like_llama_cpp(hf_model, family, tmp_path / "tiny.gguf")
+
+    reader = open_gguf(tmp_path / "tiny.gguf")
+    spec = ModelSpec.from_gguf(reader)
+    hf_spec = ModelSpec.from_hf_config(hf_model.config.to_dict())
+    assert spec.rms_norm_eps == pytest.approx(hf_spec.rms_norm_eps)  # GGUF stores float32
+    assert replace(spec, rms_norm_eps=0.0) == replace(hf_spec, rms_norm_eps=0.0, torch_dtype=None)
+    model = DecoderModel(spec)
+    model.load_weights(iter_gguf_weights(reader, spec))
+    tokens = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    (logits,) = PagedRunner(model).step([("a", tokens)])
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)

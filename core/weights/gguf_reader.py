@@ -157,6 +157,8 @@ def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch
             values = _unpermute_rows(values, heads)
         if spec.norm_weight_offset and hf_name.endswith("norm.weight"):
             values = values - spec.norm_weight_offset
+        if not values.flags.writeable:  # F32 tensors are views of the read-only memory map
+            values = values.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
 
 
