@@ -160,6 +160,49 @@ def jitter(
     _finish("jitter", config, payload, jitter_tables(payload), output)
 
 
+
+@app.command("gemv")
+def gemv(
+    shapes: Annotated[str, typer.Option(
+        "--shapes", help="Comma-separated in x out feature pairs.")] = "2048x2048,2048x11008,4096x4096,4096x14336,"
+                                                                      "14336x4096,8192x8192",
+    batches: Annotated[str, typer.Option("--batches", help="Comma-separated token counts.")] = "1,2,4,8,16,32,64",
+    bits: Annotated[str, typer.Option("--bits", help="Comma-separated weight bit widths (4, 3).")] = "4,3",
+    attention: Annotated[bool, typer.Option(help="Also time paged decode attention.")] = True,
+    repeats: RepeatsOpt = 5,
+    device: Annotated[int, typer.Option("--device", help="CUDA device index.")] = 0,
+    output: OutputOpt = None,
+) -> None:
+    """W4A16/W3A16 kernels and paged decode attention: achieved bandwidth vs device copy bandwidth."""
+    import sys
+
+    import torch
+    from rich.console import Console
+
+    from core.bench.env_info import env_info, gpu_slug
+    from core.bench.gemv_bench import gemv_tables, run_gemv_benchmark
+    from core.bench.report import results_path, write_json
+    from kernels import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        fail(f"bench gemv needs a CUDA GPU with CuPy: {reason}")
+    try:
+        pairs = [tuple(int(side) for side in item.split("x")) for item in shapes.split(",") if item.strip()]
+    except ValueError:
+        fail(f"--shapes takes pairs like 4096x4096, got {shapes!r}")
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        fail(f"--shapes takes pairs like 4096x4096, got {shapes!r}")
+    torch.cuda.set_device(device)
+    env = env_info(["deepinfer", *sys.argv[1:]])
+    payload = run_gemv_benchmark(torch.device("cuda", device), pairs, _int_list(batches, "--batches"),
+                                 _int_list(bits, "--bits"), attention, repeats)
+    path = write_json(results_path("gemv", "w4a16-w3a16-attention", gpu_slug(env), output), payload, env)
+    console = Console(width=200)
+    for table in gemv_tables(payload):
+        console.print(table)
+    console.print(f"wrote {path}")
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

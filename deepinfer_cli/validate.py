@@ -2,9 +2,58 @@
 
 from __future__ import annotations
 
-from deepinfer_cli.errors import not_landed
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deepinfer_cli.errors import fail
 
 
-def validate_kernels() -> None:
+def _format(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def validate_kernels(
+    output: Annotated[Path | None, typer.Option(help="JSON report path (default: results/kernel_validation_<gpu>.json)")] = None,
+    device: Annotated[int, typer.Option(help="CUDA device index.")] = 0,
+    workers: Annotated[int, typer.Option(help="Processes compiling kernels in parallel.")] = 8,
+    seed: Annotated[int | None, typer.Option(help="Seed of the random inputs (default: from the clock).")] = None,
+    show_passed: Annotated[bool, typer.Option(help="List passing checks too, not only failures.")] = True,
+) -> None:
     """Check each CUDA kernel against its torch reference and write results/kernel_validation_<gpu>.json."""
-    not_landed("validate-kernels", 6)
+    from rich.console import Console
+    from rich.table import Table
+
+    from core.bench.env_info import gpu_slug
+    from kernels import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        fail(f"validate-kernels needs a CUDA GPU with CuPy: {reason}")
+    from core.bench.kernel_validation import run_validation
+
+    report = run_validation(device, workers, seed, command=["deepinfer", *sys.argv[1:]])
+    console = Console()
+    table = Table(title=f"Kernel validation on {report['env'].get('gpu')} (seed {report['seed']})")
+    for column in ("op", "case", "rel err", "cosine", "max abs", "result"):
+        table.add_column(column, justify="left" if column in ("op", "case") else "right")
+    for result in report["results"]:
+        if result["ok"] and not show_passed:
+            continue
+        status = "[green]pass[/green]" if result["ok"] else f"[red]FAIL[/red] {result['detail'] or ''}"
+        table.add_row(result["op"], result["case"], _format(result["rel_err"], ".2e"),
+                      _format(result["cosine"], ".7f"), _format(result["max_abs"], ".3g"), status)
+    console.print(table)
+    compile_info = report["compile"]
+    summary = report["summary"]
+    console.print(f"compiled {compile_info['kernels']} kernels in {compile_info['wall_seconds']} s; "
+                  f"{summary['checks']} checks, {summary['failed']} failed")
+    path = output or Path("results") / f"kernel_validation_{gpu_slug(report['env'])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    console.print(f"wrote {path}")
+    if not report["passed"]:
+        raise typer.Exit(1)

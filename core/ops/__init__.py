@@ -1,1 +1,12 @@
-"""Op dispatch: each op runs a CUDA kernel when one can serve the case, its torch reference otherwise."""
+"""Op dispatch: each op runs a CUDA kernel when one can serve the case, its torch reference otherwise.
+
+Public ops (each module also exports its `*_reference`):
+    quant_matmul(x, packed)                                             core/ops/quant_matmul.py
+    rms_norm(x, weight, eps, weight_offset=0.0, residual=None)          core/ops/norm.py
+    rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slots)  core/ops/rotary.py
+    write_kv_cache(k, v, k_cache, v_cache, slots)                       core/ops/rotary.py
+    act_and_mul(gate, up, activation)                                   core/ops/activation.py
+    paged_decode_attention(q, k_cache, v_cache, block_tables, ...)     core/ops/paged_attention.py
+The path each op takes is logged once per (op, reason) on the "deepinfer.ops" logger;
+DEEPINFER_FORCE_REFERENCE=1 forces every op onto its reference (core/ops/dispatch.py).
+"""

@@ -1,17 +1,41 @@
-"""quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16 PackedWeight; every QuantLinear routes here."""
+"""quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16 PackedWeight; every QuantLinear routes here.
+
+On CUDA with fp16/bf16 activations the kernels in kernels/quant_matmul.cu read the packed weight
+directly (the act-order permutation is gathered on the activation side first); anywhere else, or with
+DEEPINFER_FORCE_REFERENCE=1, the torch reference dequantizes the whole weight and multiplies.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from core.ops import dispatch
 from core.quant.packed import PackedWeight
 from core.quant.packing import dequantize
 
 
-def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+def quant_matmul_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype. The torch reference: dequantize the whole weight, then matmul."""
     weight = dequantize(packed, x.dtype)  # [N, K], original input order
     out = x @ weight.T
     if packed.bias is not None:
         out = out + packed.bias.to(x.dtype)
     return out
+
+
+def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: the CUDA kernel when it serves the case, else the reference."""
+    from kernels import registry
+
+    op = registry.get("quant_matmul")
+    reason = (dispatch.kernel_blocker(x, packed.qweight)
+              or op.unsupported_reason(x, packed.qweight, packed.scales, packed.zeros, packed.bits,
+                                       packed.group_size))
+    if not dispatch.use_kernel(op.name, reason):
+        return quant_matmul_reference(x, packed)
+    rows = x.reshape(-1, packed.in_features)  # [M, K]
+    if packed.input_perm is not None:
+        rows = rows.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
+    out = op.launch(rows, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
+                    packed.zero_mode, packed.bias)  # [M, N]
+    return out.view(*x.shape[:-1], packed.out_features)

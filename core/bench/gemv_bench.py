@@ -1,0 +1,261 @@
+"""`deepinfer bench gemv`: achieved bandwidth of the W4A16/W3A16 kernels and of paged decode attention.
+
+Both are memory-bound at decode, so each is timed against the bytes it must move, divided by the
+device-to-device copy bandwidth measured in the same run (bytes read + written):
+- quant matmul: packed weights + scales + zeros + activations in + outputs;
+- paged decode attention: the K/V rows (and int8 scales) of every context token + queries + outputs.
+Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
+the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
+`repeats` such timings give mean ± std per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from core.bench.kernel_checks import random_paged_kv
+
+SHAPES = ((2048, 2048), (2048, 11008), (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192))  # (K in, N out)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ATTENTION_BATCHES = (1, 4, 16, 64)
+ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
+ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
+TARGET_REPEAT_SECONDS = 0.02
+
+
+def _events_ms(fn: Callable[[], None], count: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def copy_bandwidth(device, nbytes: int = 2**30, repeats: int = 5) -> dict:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    samples = [2 * nbytes * 10 / (_events_ms(lambda: dst.copy_(src), 10) * 1e-3) / 1e9 for _ in range(repeats)]
+    return {"bytes": nbytes, "gbps_mean": statistics.mean(samples), "gbps_std": statistics.stdev(samples)}
+
+
+def time_graph(launch_all: Callable[[], None], calls: int, repeats: int, device) -> tuple[float, float]:
+    """Capture `launch_all` (which makes `calls` launches) in a CUDA graph; (mean, std) microseconds per call."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        launch_all()
+        launch_all()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_all()
+    for _ in range(3):
+        graph.replay()
+    once_ms = _events_ms(graph.replay, 3) / 3
+    replays = max(3, min(500, int(TARGET_REPEAT_SECONDS * 1e3 / max(once_ms, 1e-3))))
+    samples = [_events_ms(graph.replay, replays) * 1e3 / (replays * calls) for _ in range(repeats)]
+    del graph
+    return statistics.mean(samples), statistics.stdev(samples)
+
+
+def _random_weight(in_features: int, out_features: int, bits: int, group_size: int, device) -> dict:
+    """Random packed words (every bit pattern is a valid code), fp16 scales, integer zeros."""
+    words = in_features * bits // 32
+    groups = in_features // group_size
+    return {
+        "qweight": torch.randint(-2**31, 2**31 - 1, (out_features, words), dtype=torch.int32, device=device),
+        "scales": (torch.rand(out_features, groups, device=device) * 0.02 + 0.005).half(),
+        "zeros": torch.randint(0, 2**bits, (out_features, groups), device=device).half(),
+    }
+
+
+def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
+                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5,
+                       compare_kernels_up_to: int = 4) -> list[dict]:
+    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul
+
+    records = []
+    for in_features, out_features in shapes:
+        for bits in bits_list:
+            weight_bytes = out_features * in_features * bits // 8 + 2 * out_features * (in_features // group_size) * 2
+            copies = max(1, min(128, -(-ROTATE_BYTES // weight_bytes)))
+            weights = [_random_weight(in_features, out_features, bits, group_size, device) for _ in range(copies)]
+            for num_tokens in batches:
+                x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
+                outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
+                kernels = ["gemv", "mma"] if num_tokens <= compare_kernels_up_to else [pick_kernel(num_tokens)]
+                for kernel in kernels:
+                    launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
+                    mean_us, std_us = time_graph(launch_all, copies, repeats, device)
+                    moved = weight_bytes + x.nbytes + outs[0].nbytes
+                    records.append({
+                        "in_features": in_features, "out_features": out_features, "bits": bits,
+                        "group_size": group_size, "tokens": num_tokens, "kernel": kernel,
+                        "tile": default_tile(kernel, num_tokens), "auto": kernel == pick_kernel(num_tokens),
+                        "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
+                        "gbps": moved / (mean_us * 1e-6) / 1e9,
+                        "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
+                    })
+    return records
+
+
+def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: list[torch.Tensor], bits: int,
+                    group_size: int, kernel: str) -> Callable[[], None]:
+    def launch_all() -> None:
+        for weight, out in zip(weights, outs):
+            quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
+                         kernel=kernel, out=out)
+    return launch_all
+
+
+def _torch_decode(query, k_cache, v_cache, tables, seq_lens, max_seq_len: int, scale: float) -> torch.Tensor:
+    """The torch path the reference backend takes for decodes: gather blocks, then SDPA (GQA) with a mask."""
+    num_seqs, _, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    num_blocks = -(-max_seq_len // block_size)
+    blocks = tables[:, :num_blocks].long()
+    keys = k_cache[blocks].transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks * block_size, head_dim)
+    values = v_cache[blocks].transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks * block_size, head_dim)
+    mask = torch.arange(num_blocks * block_size, device=query.device)[None, :] < seq_lens[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, contexts=ATTENTION_CONTEXTS,
+                          heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
+                          dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
+                          torch_baseline_max_bytes: int = 4 * 2**30) -> list[dict]:
+    from kernels.paged_attention import paged_decode_attention, split_plan
+
+    records = []
+    element = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
+    for num_seqs in batches:
+        for context in contexts:
+            kv_bytes = 2 * num_seqs * context * kv_heads * (head_dim * element + (2 if int8 else 0))
+            copies = max(1, min(256, -(-ROTATE_BYTES // kv_bytes)))
+            lengths = [context] * (num_seqs * copies)
+            k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
+                lengths, kv_heads, head_dim, block_size, dtype, int8, device, spare_blocks=0)
+            seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+            query = torch.randn(num_seqs, heads, head_dim, dtype=dtype, device=device)
+            outs = [torch.empty_like(query) for _ in range(copies)]
+            table_sets = [tables[i * num_seqs:(i + 1) * num_seqs] for i in range(copies)]
+            scale = head_dim**-0.5
+
+            def launch_all(caches=(k_cache, v_cache, k_scales, v_scales), query=query, seq_lens=seq_lens, outs=outs,
+                           table_sets=table_sets, context=context, scale=scale):
+                for table, out in zip(table_sets, outs):
+                    paged_decode_attention(query, caches[0], caches[1], table, seq_lens, context, scale,
+                                           key_scales=caches[2], value_scales=caches[3], out=out)
+
+            mean_us, std_us = time_graph(launch_all, copies, repeats, device)
+            moved = kv_bytes + 2 * query.nbytes
+            splits, per_split = split_plan(num_seqs, heads, kv_heads, context, device.index)
+            record = {
+                "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",
+                "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
+                "bytes": moved, "gbps": moved / (mean_us * 1e-6) / 1e9,
+                "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
+                "torch_us_mean": None, "speedup_vs_torch": None,
+            }
+            gathered = 2 * num_seqs * context * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+            if not int8 and gathered <= torch_baseline_max_bytes:
+                baseline = functools.partial(_torch_decode, query, k_cache, v_cache, table_sets[0], seq_lens,
+                                             context, scale)
+                for _ in range(2):
+                    baseline()
+                samples = [_events_ms(baseline, 5) * 1e3 / 5 for _ in range(3)]
+                record["torch_us_mean"] = statistics.mean(samples)
+                record["speedup_vs_torch"] = record["torch_us_mean"] / mean_us
+            records.append(record)
+    return records
+
+
+def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
+    """The issue's targets: W4 batch-1 >= 70% of copy BW on >= 4096x4096; batch 16 <= 1.5x batch 1;
+    decode attention >= 60% of copy BW at batch 16 and 4k+ context."""
+    auto = [r for r in quant if r["auto"] and r["bits"] == 4]
+    by_shape = {}
+    for r in auto:
+        by_shape.setdefault((r["in_features"], r["out_features"]), {})[r["tokens"]] = r
+    batch1, ratio16 = [], []
+    for (k, n), rows in by_shape.items():
+        if 1 in rows and k * n >= 4096 * 4096:
+            batch1.append({"shape": f"{k}x{n}", "fraction_of_copy": rows[1]["fraction_of_copy"],
+                           "met": rows[1]["fraction_of_copy"] >= 0.70})
+        if 1 in rows and 16 in rows:
+            ratio = rows[16]["us_mean"] / rows[1]["us_mean"]
+            ratio16.append({"shape": f"{k}x{n}", "batch16_over_batch1": ratio, "met": ratio <= 1.5})
+    attn = [{"batch": r["batch"], "context": r["context"], "kv": r["kv"], "fraction_of_copy": r["fraction_of_copy"],
+             "met": r["fraction_of_copy"] >= 0.60}
+            for r in attention if r["batch"] == 16 and r["context"] >= 4096]
+    return {"w4_batch1_bandwidth": batch1, "w4_batch16_cost": ratio16, "decode_attention_bandwidth": attn}
+
+
+def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3), attention: bool = True,
+                       repeats: int = 5) -> dict:
+    """Copy bandwidth, quant-matmul sweep, decode-attention sweep and the targets, as one JSON payload."""
+    copy = copy_bandwidth(device)
+    quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, repeats=repeats)
+    attention_records = []
+    if attention:
+        attention_records = bench_paged_attention(device, copy["gbps_mean"], repeats=repeats)
+        attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096, 16384),
+                                                   int8=True, repeats=repeats)
+        attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096,),
+                                                   heads=9, kv_heads=3, head_dim=64, repeats=repeats)
+    return {"copy_bandwidth": copy, "quant_matmul": quant, "paged_attention": attention_records,
+            "targets": summarize_targets(quant, attention_records)}
+
+
+def gemv_tables(payload: dict) -> list:
+    """Rich tables of a run_gemv_benchmark payload: quant matmul, decode attention, targets."""
+    from rich.table import Table
+
+    copy = payload["copy_bandwidth"]
+    quant = Table(title=f"W4A16/W3A16 matmul, fp16 activations, G128 (copy bandwidth "
+                        f"{copy['gbps_mean']:.0f} ± {copy['gbps_std']:.0f} GB/s)")
+    for column in ("in x out", "bits", "tokens", "kernel", "us / call", "GB/s", "% copy BW"):
+        quant.add_column(column, justify="right")
+    for r in payload["quant_matmul"]:
+        kernel = f"{r['kernel']}/{r['tile']}" + ("" if r["auto"] else " (alt)")
+        quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), kernel,
+                      f"{r['us_mean']:.2f} ± {r['us_std']:.2f}", f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}")
+    tables = [quant]
+    if payload["paged_attention"]:
+        attn = Table(title="Paged decode attention (one query token per sequence)")
+        for column in ("batch", "context", "H/KVH x D", "KV", "splits", "us / call", "GB/s", "% copy BW",
+                       "torch us", "speedup"):
+            attn.add_column(column, justify="right")
+        for r in payload["paged_attention"]:
+            torch_us = "-" if r["torch_us_mean"] is None else f"{r['torch_us_mean']:.1f}"
+            speedup = "-" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.1f}x"
+            attn.add_row(str(r["batch"]), str(r["context"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
+                         f"{r['dtype']}/{r['kv']}", str(r["splits"]), f"{r['us_mean']:.1f} ± {r['us_std']:.1f}",
+                         f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}", torch_us, speedup)
+        tables.append(attn)
+    targets = Table(title="Targets")
+    for column in ("target", "point", "value", "met"):
+        targets.add_column(column)
+    for row in payload["targets"]["w4_batch1_bandwidth"]:
+        targets.add_row("W4 batch 1 >= 70% copy BW", row["shape"], f"{100 * row['fraction_of_copy']:.1f}%",
+                        "yes" if row["met"] else "NO")
+    for row in payload["targets"]["w4_batch16_cost"]:
+        targets.add_row("W4 batch 16 <= 1.5x batch 1", row["shape"], f"{row['batch16_over_batch1']:.2f}x",
+                        "yes" if row["met"] else "NO")
+    for row in payload["targets"]["decode_attention_bandwidth"]:
+        targets.add_row("attention >= 60% copy BW", f"batch {row['batch']} ctx {row['context']} {row['kv']} KV",
+                        f"{100 * row['fraction_of_copy']:.1f}%", "yes" if row["met"] else "NO")
+    tables.append(targets)
+    return tables

@@ -1,0 +1,325 @@
+"""Each CUDA kernel against its torch reference, on fresh random inputs at several shapes.
+
+Every check poisons the kernel's output with NaN (int8 caches with -128, a code the kernel never
+writes) before the launch, so an element the kernel fails to write fails the check. Metrics are
+computed in float64: relative error ||out - ref|| / ||ref||, cosine similarity, max abs error.
+Used by `deepinfer validate-kernels` and by tests/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from core.ops.activation import act_and_mul_reference
+from core.ops.norm import rms_norm_reference
+from core.ops.paged_attention import paged_decode_attention_reference
+from core.ops.rotary import apply_rotary_reference, write_kv_cache_reference
+from core.quant.packing import dequantize, pack_weight
+
+# relative-error bounds per activation dtype; cosine must be >= 1 - rel_tol**2
+REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class CheckResult:
+    op: str
+    case: str
+    ok: bool
+    rel_err: float | None = None
+    cosine: float | None = None
+    max_abs: float | None = None
+    rel_tol: float | None = None
+    detail: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(op: str, case: str, out: torch.Tensor, ref: torch.Tensor, rel_tol: float) -> CheckResult:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    bad = int((~torch.isfinite(out64)).sum())
+    if bad:
+        return CheckResult(op, case, False, rel_tol=rel_tol, detail=f"{bad} non-finite outputs (unwritten?)")
+    diff = out64 - ref64
+    ref_norm = float(ref64.norm())
+    rel = float(diff.norm()) / max(ref_norm, 1e-30)
+    cosine = float((out64 * ref64).sum()) / max(float(out64.norm()) * ref_norm, 1e-30)
+    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+    ok = rel <= rel_tol and cosine >= 1.0 - rel_tol**2
+    return CheckResult(op, case, ok, rel, cosine, max_abs, rel_tol)
+
+
+def guarded(op: str, case: str, fn: Callable[[], CheckResult | list[CheckResult]]) -> list[CheckResult]:
+    """Run one check; an exception becomes a failed result instead of ending the run."""
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - every failure is reported, the run goes on
+        return [CheckResult(op, case, False, detail=f"{type(err).__name__}: {err}")]
+    return result if isinstance(result, list) else [result]
+
+
+def _nan(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# ---- quantized matmul ----------------------------------------------------------------------------
+
+def random_packed(out_features: int, in_features: int, group_size: int, bits: int, zero_mode: str,
+                  scale_dtype: torch.dtype, device, act_order: bool = False, bias_dtype: torch.dtype | None = None):
+    """A PackedWeight with uniform random codes, positive scales, integer ("zero") or float ("min") zeros."""
+    groups = in_features // group_size
+    codes = torch.randint(0, 2**bits, (out_features, in_features), device=device)
+    scales = (torch.rand(out_features, groups, device=device) * 0.02 + 0.005).to(scale_dtype)
+    if zero_mode == "zero":
+        zeros = torch.randint(0, 2**bits, (out_features, groups), device=device).to(scale_dtype)
+    else:
+        zeros = (-(2 ** (bits - 1)) * scales.float() * (0.5 + torch.rand_like(scales.float()))).to(scale_dtype)
+    perm = torch.randperm(in_features, device=device) if act_order else None
+    bias = torch.randn(out_features, device=device).to(bias_dtype) if bias_dtype is not None else None
+    return pack_weight(codes, scales, zeros, bits, zero_mode, input_perm=perm, bias=bias)
+
+
+# (tokens, out_features, in_features, group size, kernel, tile, splits, fp32 scales, bias)
+QUANT_CASES = (
+    (1, 4096, 4096, 128, "gemv", 1, None, False, False),
+    (1, 4096, 4096, 128, "mma", 1, None, False, True),
+    (3, 1536, 576, 32, "gemv", 4, None, False, False),
+    (3, 1536, 576, 64, "mma", 1, None, True, False),
+    (2, 1000, 4096, 4096, "gemv", 2, None, False, True),
+    (16, 1000, 11008, 128, "mma", 2, None, False, False),
+    (64, 768, 2048, 64, "mma", 8, 1, False, True),
+    (300, 512, 1024, 128, "mma", 8, None, False, False),
+)
+
+
+def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUANT_CASES) -> list[CheckResult]:
+    from kernels.quant_matmul import quant_matmul
+
+    results = []
+    for index, (m, n, k, g, kernel, tile, splits, f32_scales, with_bias) in enumerate(cases):
+        for dtype in dtypes:
+            for bits in (4, 3):
+                zero_mode = "zero" if (index + bits) % 2 else "min"
+                case = (f"{_DTYPE_NAMES[dtype]} W{bits} {zero_mode} M={m} N={n} K={k} G={g} {kernel}/{tile}"
+                        + (f" splits={splits}" if splits else "") + (" fp32-scales" if f32_scales else "")
+                        + (" bias" if with_bias else ""))
+
+                def run(m=m, n=n, k=k, g=g, kernel=kernel, tile=tile, splits=splits, f32_scales=f32_scales,
+                        with_bias=with_bias, dtype=dtype, bits=bits, zero_mode=zero_mode, case=case):
+                    packed = random_packed(n, k, g, bits, zero_mode, torch.float32 if f32_scales else torch.float16,
+                                           device, bias_dtype=dtype if with_bias else None)
+                    x = torch.randn(m, k, device=device, dtype=dtype)
+                    out = _nan((m, n), dtype, device)
+                    quant_matmul(x, packed.qweight, packed.scales, packed.zeros, bits, g, zero_mode, packed.bias,
+                                 kernel=kernel, tile=tile, splits=splits, out=out)
+                    ref = x.float() @ dequantize(packed, torch.float32).T
+                    if packed.bias is not None:
+                        ref = ref + packed.bias.float()
+                    return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
+
+                results += guarded("quant_matmul", case, run)
+    for dtype in dtypes:  # act-order permutation and bias through core.ops dispatch
+        case = f"{_DTYPE_NAMES[dtype]} W4 act-order via core.ops M=5 N=640 K=1024 G=128"
+
+        def run_dispatch(dtype=dtype, case=case):
+            from core.ops.quant_matmul import quant_matmul as op_quant_matmul
+
+            packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
+            x = torch.randn(5, 1024, device=device, dtype=dtype)
+            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
+
+        results += guarded("quant_matmul", case, run_dispatch)
+    return results
+
+
+# ---- paged decode attention -----------------------------------------------------------------------
+
+# (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split)
+ATTENTION_CASES = (
+    (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None),
+    (torch.bfloat16, False, 32, 8, 128, 16, (1, 17, 300, 5000), 256, 50.0, None),
+    (torch.float16, True, 9, 3, 64, 16, (5, 700, 2049), None, None, None),
+    (torch.bfloat16, True, 16, 2, 256, 32, (3, 129, 1500), 100, 50.0, None),
+    (torch.float16, False, 40, 2, 128, 8, (33, 1000), None, None, None),
+    (torch.bfloat16, False, 4, 4, 96, 64, (65, 129), None, None, None),
+    (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 2000), None, None, 1 << 20),
+)
+
+
+def random_paged_kv(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                    int8: bool, device, spare_blocks: int = 7):
+    """Caches with random contents and block tables that scatter each sequence over shuffled blocks."""
+    needed = [-(-length // block_size) for length in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    order = torch.randperm(num_blocks).tolist()
+    max_blocks = max(needed) + 2
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(needed):
+        tables[row, :count] = torch.tensor(order[start:start + count], dtype=torch.int32)
+        start += count
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if int8:
+        caches = [torch.randint(-127, 128, shape, dtype=torch.int8, device=device) for _ in range(2)]
+        scales = [(torch.rand(shape[:3], device=device) * 0.015 + 0.005).half() for _ in range(2)]
+    else:
+        caches = [torch.randn(shape, dtype=dtype, device=device) for _ in range(2)]
+        scales = [None, None]
+    return caches[0], caches[1], scales[0], scales[1], tables.to(device)
+
+
+def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
+    from kernels.paged_attention import paged_decode_attention
+
+    results = []
+    for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split in cases:
+        case = (f"{_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} D={head_dim} "
+                f"bs={block_size} ctx={list(lengths)}" + (f" window={window}" if window else "")
+                + (f" softcap={softcap}" if softcap else "") + (" one-split" if per_split else ""))
+
+        def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                lengths=lengths, window=window, softcap=softcap, per_split=per_split, case=case):
+            k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
+                lengths, kv_heads, head_dim, block_size, dtype, int8, device)
+            seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+            query = torch.randn(len(lengths), heads, head_dim, dtype=dtype, device=device)
+            scale = head_dim**-0.5
+            out = _nan(query.shape, dtype, device)
+            paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, max(lengths), scale, window, softcap,
+                                   k_scales, v_scales, out=out, tokens_per_split=per_split)
+            ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale, window,
+                                                   softcap, k_scales, v_scales, max(lengths))
+            return compare("paged_decode_attention", case, out, ref, REL_TOL[dtype])
+
+        results += guarded("paged_decode_attention", case, run)
+    return results
+
+
+# ---- small fused ops -------------------------------------------------------------------------------
+
+def check_rms_norm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    from kernels.rms_norm import rms_norm
+
+    results = []
+    for dtype in dtypes:
+        for rows, hidden in ((5, 576), (64, 4096), (3, 5120)):
+            for with_residual in (False, True):
+                for offset in (0.0, 1.0):
+                    case = f"{_DTYPE_NAMES[dtype]} T={rows} hidden={hidden} residual={with_residual} offset={offset}"
+
+                    def run(dtype=dtype, rows=rows, hidden=hidden, with_residual=with_residual, offset=offset,
+                            case=case):
+                        x = torch.randn(rows, hidden, dtype=dtype, device=device) * 3
+                        residual = torch.randn_like(x) if with_residual else None
+                        weight = torch.randn(hidden, dtype=dtype, device=device) * 0.5 + (0.0 if offset else 1.0)
+                        out, summed = _nan(x.shape, dtype, device), _nan(x.shape, dtype, device)
+                        out, summed = rms_norm(x, weight, 1e-6, offset, residual, out=out, residual_out=summed)
+                        ref, ref_sum = rms_norm_reference(x, weight, 1e-6, offset, residual)
+                        result = compare("rms_norm", case, out, ref, REL_TOL[dtype])
+                        if with_residual and not torch.equal(summed, ref_sum):
+                            result.ok, result.detail = False, "residual sum differs from x + residual"
+                        return result
+
+                    results += guarded("rms_norm", case, run)
+    return results
+
+
+def check_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    from kernels.act_and_mul import act_and_mul
+
+    results = []
+    for dtype in dtypes:
+        for activation in ("silu", "gelu_tanh"):
+            for rows, inner, merged in ((5, 1536, False), (64, 11008, True)):
+                case = f"{_DTYPE_NAMES[dtype]} {activation} T={rows} I={inner}" + (" merged" if merged else "")
+
+                def run(dtype=dtype, activation=activation, rows=rows, inner=inner, merged=merged, case=case):
+                    if merged:
+                        fused = torch.randn(rows, 2 * inner, dtype=dtype, device=device) * 3
+                        gate, up = fused[:, :inner], fused[:, inner:]
+                    else:
+                        gate = torch.randn(rows, inner, dtype=dtype, device=device) * 3
+                        up = torch.randn_like(gate)
+                    out = act_and_mul(gate, up, activation, out=_nan((rows, inner), dtype, device))
+                    return compare("act_and_mul", case, out, act_and_mul_reference(gate, up, activation),
+                                   REL_TOL[dtype])
+
+                results += guarded("act_and_mul", case, run)
+    return results
+
+
+def _rope_tables(num_tokens: int, head_dim: int, dtype: torch.dtype, device):
+    positions = torch.randint(0, 4096, (num_tokens,), device=device).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = positions[:, None] * inv_freq[None, :]  # [T, D/2]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    from kernels.rope_cache import rope_and_cache_write
+
+    results = []
+    num_tokens, num_blocks, block_size = 11, 20, 16
+    for dtype in dtypes:
+        for int8 in (False, True):
+            for heads, kv_heads, head_dim, rope in ((32, 8, 128, True), (9, 3, 64, True), (8, 4, 256, True),
+                                                    (32, 8, 128, False)):
+                case = (f"{_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
+                        f"D={head_dim} " + ("rope+write" if rope else "write only"))
+
+                def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim, rope=rope,
+                        case=case):
+                    query = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
+                    key = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+                    value = torch.randn_like(key)
+                    cos, sin = _rope_tables(num_tokens, head_dim, dtype, device)
+                    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+                    shape = (num_blocks, kv_heads, block_size, head_dim)
+                    if int8:
+                        caches = [torch.full(shape, -128, dtype=torch.int8, device=device) for _ in range(4)]
+                        scales = [_nan(shape[:3], torch.float16, device) for _ in range(4)]
+                    else:
+                        caches = [_nan(shape, dtype, device) for _ in range(4)]
+                        scales = [None] * 4
+                    q_out, k_out = _nan(query.shape, dtype, device), _nan(key.shape, dtype, device)
+                    rope_and_cache_write(query if rope else None, key, value, cos if rope else None,
+                                         sin if rope else None, caches[0], caches[1], slots, scales[0], scales[1],
+                                         query_out=q_out, key_out=k_out)
+                    ref_q, ref_k = query, key
+                    if rope:
+                        ref_q, ref_k = apply_rotary_reference(query, cos, sin), apply_rotary_reference(key, cos, sin)
+                    write_kv_cache_reference(ref_k, value, caches[2], caches[3], slots, scales[2], scales[3])
+                    checks = []
+                    if rope:
+                        checks.append(compare("rope_cache_write", case + " q", q_out, ref_q, REL_TOL[dtype]))
+                        checks.append(compare("rope_cache_write", case + " k", k_out, ref_k, REL_TOL[dtype]))
+                    blocks, offsets = slots // block_size, slots % block_size
+                    for name, got, want, got_s, want_s in (("k cache", caches[0], caches[2], scales[0], scales[2]),
+                                                           ("v cache", caches[1], caches[3], scales[1], scales[3])):
+                        got_rows, want_rows = got[blocks, :, offsets].float(), want[blocks, :, offsets].float()
+                        if int8:
+                            got_rows = got_rows * got_s[blocks, :, offsets].float().unsqueeze(-1)
+                            want_rows = want_rows * want_s[blocks, :, offsets].float().unsqueeze(-1)
+                        result = compare("rope_cache_write", f"{case} {name}", got_rows, want_rows, REL_TOL[dtype])
+                        untouched = got.clone()
+                        untouched[blocks, :, offsets] = want[blocks, :, offsets]
+                        same = torch.equal(untouched.view(torch.uint8), want.view(torch.uint8))
+                        if not same:
+                            result.ok, result.detail = False, "slots outside slot_mapping were written"
+                        checks.append(result)
+                    return checks
+
+                results += guarded("rope_cache_write", case, run)
+    return results
+
+
+def summarize(results: list[CheckResult]) -> dict:
+    failed = [r for r in results if not r.ok]
+    worst = max((r.rel_err for r in results if r.rel_err is not None and not math.isnan(r.rel_err)), default=None)
+    return {"checks": len(results), "failed": len(failed), "worst_rel_err": worst}

@@ -1,0 +1,96 @@
+"""`deepinfer validate-kernels`: compile every registered kernel, check each against its torch
+reference (core/bench/kernel_checks.py), replay a CUDA graph of the kernels, and compare a tiny
+model's logits on the native and reference paths (core/bench/model_validation.py).
+
+The report is JSON-ready: the environment, compile times and errors, one record per check, and a
+summary; any failed check (or compile error) makes `passed` false.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from core.bench import kernel_checks
+from core.bench.env_info import env_info
+from core.bench.kernel_checks import CheckResult, guarded
+from core.bench.model_validation import check_tiny_model
+
+
+def check_cuda_graph(device) -> CheckResult:
+    """Capture quant_matmul (split-K) -> rms_norm, and a split decode attention, through core.ops;
+    replay on new inputs written into the captured buffers; the replay must equal an eager run bit for bit."""
+    from core.ops.norm import rms_norm
+    from core.ops.paged_attention import paged_decode_attention
+    from core.ops.quant_matmul import quant_matmul
+
+    dtype = torch.float16
+    packed = kernel_checks.random_packed(4096, 4096, 128, 4, "zero", torch.float16, device)
+    norm_weight = torch.randn(4096, dtype=dtype, device=device)
+    lengths = (1000, 517, 64, 1024)
+    k_cache, v_cache, _, _, tables = kernel_checks.random_paged_kv(lengths, 8, 128, 16, dtype, False, device)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    x = torch.randn(4, 4096, dtype=dtype, device=device)
+    query = torch.randn(4, 32, 128, dtype=dtype, device=device)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        normed, _ = rms_norm(quant_matmul(x, packed), norm_weight, 1e-6)
+        attended = paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 128**-0.5, max_seq_len=1024)
+        return normed, attended
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()  # compile, load and allocate everything outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x.copy_(torch.randn_like(x))
+    query.copy_(torch.randn_like(query))
+    graph.replay()
+    torch.cuda.synchronize(device)
+    eager = step()
+    same = all(torch.equal(a, b) for a, b in zip(captured, eager))
+    case = "capture quant_matmul(split-K)+rms_norm, paged attention(split); replay on new inputs"
+    result = kernel_checks.compare("cuda_graph", case, captured[1], eager[1], kernel_checks.REL_TOL[dtype])
+    result.ok = result.ok and same
+    result.detail = "replay equals eager bit for bit" if same else "replay differs from eager"
+    return result
+
+
+def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = None,
+                   command: list[str] | None = None) -> dict:
+    """Compile, check and summarize on cuda:<device_index>; returns the JSON-ready report."""
+    from kernels import registry
+    from kernels.compiler import precompile
+
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    seed = int(time.time()) % 2**31 if seed is None else seed
+    torch.manual_seed(seed)
+    report = {"env": env_info(command), "seed": seed}
+
+    start = time.perf_counter()
+    compiled = precompile(registry.all_instantiations(), device_index, workers)
+    report["compile"] = {"kernels": len(compiled), "wall_seconds": round(time.perf_counter() - start, 2),
+                         "workers": workers, "records": compiled}
+    results = [CheckResult("compile", rec["kernel"], False, detail=rec["error"]) for rec in compiled if rec["error"]]
+
+    results += kernel_checks.check_quant_matmul(device)
+    results += kernel_checks.check_paged_attention(device)
+    results += kernel_checks.check_rms_norm(device)
+    results += kernel_checks.check_act_and_mul(device)
+    results += kernel_checks.check_rope_cache_write(device)
+    results += guarded("cuda_graph", "capture + replay", lambda: check_cuda_graph(device))
+    for dtype, bits, group, int8_kv, tol in ((torch.float16, 4, 64, False, 5e-3),
+                                             (torch.bfloat16, 3, 64, True, 3e-2)):
+        results += guarded("end_to_end", f"tiny Llama {dtype} W{bits}",
+                           lambda dtype=dtype, bits=bits, group=group, int8_kv=int8_kv, tol=tol:
+                           check_tiny_model(device, dtype, bits, group, int8_kv, tol))
+
+    report["results"] = [result.to_dict() for result in results]
+    report["summary"] = kernel_checks.summarize(results)
+    report["passed"] = report["summary"]["failed"] == 0
+    return report

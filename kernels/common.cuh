@@ -1,0 +1,136 @@
+// Shared device helpers for deepinfer's kernels. No CUDA headers are included: 16-bit floats
+// travel as raw `u16` bits and every conversion or packed op is one PTX instruction, so the
+// sources compile the same under any NVRTC (no cuda_fp16.h / cuda_bf16.h include paths needed).
+//
+// DT selects the activation type: 0 = float16, 1 = bfloat16. A "pair" is a u32 holding two
+// 16-bit values of type DT (low half = first element), the operand type of mma.sync.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+template <int DT> struct Num;
+
+template <> struct Num<0> {  // float16
+  static __device__ __forceinline__ float to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+  }
+  static __device__ __forceinline__ u16 from_float(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
+  // (lo, hi) floats -> one pair, rounded to nearest even
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 p;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(hi), "f"(lo));
+    return p;
+  }
+  // (1024 + c) for a code c < 1024 placed in the low mantissa bits of each half
+  static constexpr u32 MAGIC = 0x64006400u;
+  static __device__ __forceinline__ u32 sub(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  static __device__ __forceinline__ u32 fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  static __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct Num<1> {  // bfloat16
+  static __device__ __forceinline__ float to_float(u16 h) { return __uint_as_float(((u32)h) << 16); }
+  static __device__ __forceinline__ u16 from_float(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 p;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(hi), "f"(lo));
+    return p;
+  }
+  // (128 + c) for a code c < 128
+  static constexpr u32 MAGIC = 0x43004300u;
+  // sub.bf16x2 needs sm_90; a - b = fma(a, 1, -b) is exact wherever the difference is representable
+  static __device__ __forceinline__ u32 sub(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0x3F803F80u), "r"(b ^ 0x80008000u));
+    return d;
+  }
+  static __device__ __forceinline__ u32 fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+  static __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// the two elements of a pair as floats
+template <int DT>
+__device__ __forceinline__ float pair_lo(u32 p) { return Num<DT>::to_float((u16)(p & 0xFFFFu)); }
+template <int DT>
+__device__ __forceinline__ float pair_hi(u32 p) { return Num<DT>::to_float((u16)(p >> 16)); }
+
+__device__ __forceinline__ float half_bits_to_float(u16 h) { return Num<0>::to_float(h); }
+
+// Pairs (a.lo, b.lo) and (a.hi, b.hi) of two pairs: the element-wise interleave mma operands need.
+__device__ __forceinline__ u32 pair_of_los(u32 a, u32 b) { return __byte_perm(a, b, 0x5410); }
+__device__ __forceinline__ u32 pair_of_his(u32 a, u32 b) { return __byte_perm(a, b, 0x7632); }
+
+// Four signed int8 values (one u32, byte i = element i) -> pairs (e0, e1) and (e2, e3), exact.
+template <int DT> __device__ __forceinline__ void int8x4_to_pairs(u32 w, u32& p01, u32& p23);
+
+template <>
+__device__ __forceinline__ void int8x4_to_pairs<0>(u32 w, u32& p01, u32& p23) {
+  // flip the sign bit: byte u = e + 128; half (0x64 << 8 | u) = 1024 + u; minus 1152 = e
+  const u32 u = w ^ 0x80808080u;
+  p01 = Num<0>::sub(__byte_perm(u, 0x64646464u, 0x4140), 0x64806480u);
+  p23 = Num<0>::sub(__byte_perm(u, 0x64646464u, 0x4342), 0x64806480u);
+}
+
+template <>
+__device__ __forceinline__ void int8x4_to_pairs<1>(u32 w, u32& p01, u32& p23) {
+  // bf16 has too few mantissa bits for a 256-value magic; go through exact fp32 values
+  const u32 u = w ^ 0x80808080u;
+  float e[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(0x4B000000u | ((u >> (8 * i)) & 0xFFu)) - 8388736.0f;
+  p01 = Num<1>::pack(e[0], e[1]);
+  p23 = Num<1>::pack(e[2], e[3]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  return v;
+}

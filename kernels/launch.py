@@ -1,0 +1,60 @@
+"""Launching a compiled kernel on torch's current CUDA stream, with exactly typed scalars.
+
+Every argument goes through one of `ptr`, `i32`, `i64`, `f32`: CuPy turns a bare Python float into
+a double and a bare int into an int64, which silently corrupts a kernel that declares `float` or
+`int` (seed 003: scale read as 0, softcap as garbage). Launches use torch's current stream, so
+they order correctly with torch ops and are recorded by torch.cuda.graph captures; nothing here
+allocates device memory or synchronizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_streams: dict[tuple[int, int], object] = {}
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def ptr(tensor: torch.Tensor | None) -> np.uint64:
+    """Device address of a tensor's first element (0 for None), as a 64-bit kernel argument."""
+    return np.uint64(0 if tensor is None else tensor.data_ptr())
+
+
+def i32(value: int) -> np.int32:
+    value = int(value)
+    if not _INT32_MIN <= value <= _INT32_MAX:
+        raise ValueError(f"{value} does not fit a 32-bit kernel argument")
+    return np.int32(value)
+
+
+def i64(value: int) -> np.int64:
+    return np.int64(int(value))
+
+
+def f32(value: float) -> np.float32:
+    return np.float32(float(value))
+
+
+def _torch_stream(device_index: int):
+    import cupy
+
+    handle = torch.cuda.current_stream(device_index).cuda_stream
+    stream = _streams.get((device_index, handle))
+    if stream is None:
+        stream = cupy.cuda.ExternalStream(handle, device_index)
+        _streams[(device_index, handle)] = stream
+    return stream
+
+
+def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int,
+           shared_mem: int = 0) -> None:
+    """Launch on torch's current stream of `device_index`. args: only ptr/i32/i64/f32 values."""
+    for arg in args:
+        if not isinstance(arg, (np.uint64, np.int32, np.int64, np.float32)):
+            raise TypeError(f"kernel argument {arg!r} must be typed with ptr/i32/i64/f32")
+    import cupy
+
+    with cupy.cuda.Device(device_index), _torch_stream(device_index):
+        kernel(grid, block, args, shared_mem=shared_mem)

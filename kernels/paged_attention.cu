@@ -1,0 +1,308 @@
+// Paged decode attention (one new query token per sequence) reading the block table directly.
+//
+// KV cache per layer: [num_blocks, num_kv_heads, block_size, D], fp16/bf16 (DT) or int8 with fp16
+// per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale).
+//
+// One warp (one CTA) per (kv head, 16-head tile of its query heads, sequence, split of the context):
+// the query heads that share a KV head are the 16 rows of the mma A operand, so each K/V row is read
+// once for all of them. The split's tokens are walked in tiles of 16 with an online softmax (flash
+// decoding); Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
+//
+// Operand permutations (any permutation of a reduction axis is fine if both operands share it):
+//   Q.K^T, reduction over d: thread t takes d = 32c + 8t + {0..7} of each 32-wide chunk c; k-step
+//     (c, s) pairs are d = 32c + 8t + 4s + {0,1} (a0/b0) and + {2,3} (a2/b1).
+//   P.V, output columns: in each 32-wide d block, n-tile j column g is d = 32*vb + 4g + j, so a
+//     thread loads 4 consecutive d of a V row and ends with 8 consecutive outputs d = 32*vb + 8t + {0..7}.
+// With splits > 1 each CTA writes its unnormalized output and (max, sum) for paged_reduce_kernel.
+#include "common.cuh"
+
+template <int DT, int KV_INT8>
+struct KvRow {
+  // 8 consecutive elements (d .. d+7) of a K row -> 4 pairs
+  static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32* p) {
+    if constexpr (KV_INT8) {
+      uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
+                      : make_uint2(0, 0);
+      int8x4_to_pairs<DT>(v.x, p[0], p[1]);
+      int8x4_to_pairs<DT>(v.y, p[2], p[3]);
+    } else {
+      uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
+                      : make_uint4(0, 0, 0, 0);
+      p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
+    }
+  }
+  // 4 consecutive elements (d .. d+3) of a V row -> 2 pairs
+  static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32* p) {
+    if constexpr (KV_INT8) {
+      u32 v = valid ? __ldg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
+      int8x4_to_pairs<DT>(v, p[0], p[1]);
+    } else {
+      uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
+                      : make_uint2(0, 0);
+      p[0] = v.x; p[1] = v.y;
+    }
+  }
+};
+
+template <int DT, int D, int KV_INT8>
+__global__ void __launch_bounds__(32) paged_decode_kernel(
+    const u16* __restrict__ query,          // [B, H, D]
+    const void* __restrict__ key_cache,     // [NB, KVH, BS, D]
+    const void* __restrict__ value_cache,   // [NB, KVH, BS, D]
+    const u16* __restrict__ key_scales,     // [NB, KVH, BS] fp16 (int8 only)
+    const u16* __restrict__ value_scales,   // [NB, KVH, BS] fp16 (int8 only)
+    const int* __restrict__ block_tables,   // [B, max_blocks]
+    const int* __restrict__ seq_lens,       // [B]
+    u16* __restrict__ out,                  // [B, H, D] (one split)
+    float* __restrict__ part_out,           // [B, H, splits, D] (several splits)
+    float* __restrict__ part_stats,         // [B, H, splits, 2]: running max, sum of exp
+    int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, int tokens_per_split,
+    float scale, float softcap, int window) {
+  static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
+  constexpr int CHUNKS = D / 32;
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const int group = num_heads / num_kv_heads;
+  const int head_tiles = (group + 15) / 16;
+  const int kv_head = blockIdx.x / head_tiles;
+  const int head_lo = kv_head * group + (blockIdx.x % head_tiles) * 16;  // first query head of the tile
+  const int heads_here = min(16, kv_head * group + group - head_lo);
+  const int seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int block_size = 1 << log2_block_size;
+  const int seq_len = seq_lens[seq];
+  const int* table = block_tables + (i64)seq * max_blocks;
+
+  const int window_start = window > 0 ? max(0, seq_len - window) : 0;
+  const int begin = max(split * tokens_per_split, window_start);
+  const int end = min(seq_len, (split + 1) * tokens_per_split);
+
+  // Up to D = 128 the Q fragments live in registers and a tile's K and V rows are all loaded before
+  // any use (more bytes in flight); wider heads re-read Q (L1 hits) and load K/V chunk by chunk
+  // inside the products, to stay within the register file.
+  constexpr bool PRELOAD = D <= 128;
+  constexpr int KV_CHUNKS = PRELOAD ? CHUNKS : 1;
+  // Q fragments for rows g and g+8 (zero beyond the tile's heads): per chunk, 4 pairs each
+  const u16* qrows[2];
+  bool qvalid[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    qvalid[r] = g + 8 * r < heads_here;
+    qrows[r] = query + ((i64)seq * num_heads + head_lo + (qvalid[r] ? g + 8 * r : 0)) * D + 8 * t;
+  }
+  u32 qf[KV_CHUNKS][2][4];
+  auto load_q = [&](int c, u32 (*dst)[4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint4 v = qvalid[r] ? __ldg(reinterpret_cast<const uint4*>(qrows[r] + 32 * c)) : make_uint4(0, 0, 0, 0);
+      dst[r][0] = v.x; dst[r][1] = v.y; dst[r][2] = v.z; dst[r][3] = v.w;
+    }
+  };
+  if constexpr (PRELOAD) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) load_q(c, qf[c]);
+  }
+
+  float o[CHUNKS][4][4];  // [d block][n-tile j][c0..c3]
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[c][j][0] = o[c][j][1] = o[c][j][2] = o[c][j][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  const i64 head_stride = (i64)block_size * D;  // elements between kv heads of one block
+  for (int tile = begin; tile < end; tile += 16) {
+    // K rows: token tile + 8*nt + g; V rows: tokens tile + 2t, 2t+1, 2t+8, 2t+9 (index e)
+    i64 krow[2], vrow[4];
+    bool kvalid[2], vvalid[4];
+    float kscale[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
+    float vscale[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int tok = tile + 8 * nt + g;
+      kvalid[nt] = tok < end;
+      const int blk = kvalid[nt] ? table[tok >> log2_block_size] : 0;
+      krow[nt] = ((i64)blk * num_kv_heads + kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
+      if constexpr (KV_INT8) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {  // scales of this thread's score columns: tokens 2t, 2t+1
+          const int ctok = tile + 8 * nt + 2 * t + e;
+          if (ctok < end) {
+            const int cblk = table[ctok >> log2_block_size];
+            kscale[nt][e] = half_bits_to_float(
+                key_scales[((i64)cblk * num_kv_heads + kv_head) * block_size + (ctok & (block_size - 1))]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = tile + 2 * t + (e & 1) + 8 * (e >> 1);
+      vvalid[e] = tok < end;
+      const int blk = vvalid[e] ? table[tok >> log2_block_size] : 0;
+      const i64 slot = (i64)blk * num_kv_heads + kv_head;
+      vrow[e] = slot * head_stride + (i64)(tok & (block_size - 1)) * D;
+      if constexpr (KV_INT8) {
+        if (vvalid[e]) vscale[e] = half_bits_to_float(value_scales[slot * block_size + (tok & (block_size - 1))]);
+      }
+    }
+    u32 kf[2][KV_CHUNKS][4];  // elements 32c + 8t .. +7 of the two K rows
+    u32 vf[4][KV_CHUNKS][2];  // elements 32c + 4g .. +3 of the four V rows
+    if constexpr (PRELOAD) {
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) KvRow<DT, KV_INT8>::load8(key_cache, krow[nt] + 32 * c + 8 * t, kvalid[nt], kf[nt][c]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) KvRow<DT, KV_INT8>::load4(value_cache, vrow[e] + 32 * c + 4 * g, vvalid[e], vf[e][c]);
+      }
+    }
+
+    // --- scores S = Q K^T: s[nt][c0..c3] = (row g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int kc = PRELOAD ? c : 0;
+        if constexpr (!PRELOAD) {
+          load_q(c, qf[0]);
+          KvRow<DT, KV_INT8>::load8(key_cache, krow[nt] + 32 * c + 8 * t, kvalid[nt], kf[nt][0]);
+        }
+        Num<DT>::mma(s[nt], qf[kc][0][0], qf[kc][1][0], qf[kc][0][1], qf[kc][1][1], kf[nt][kc][0], kf[nt][kc][1]);
+        Num<DT>::mma(s[nt], qf[kc][0][2], qf[kc][1][2], qf[kc][0][3], qf[kc][1][3], kf[nt][kc][2], kf[nt][kc][3]);
+      }
+    }
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = tile + 8 * nt + 2 * t + (e & 1);
+        float v = s[nt][e] * scale * kscale[nt][e & 1];
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        v = (tok >= begin && tok < end) ? v : -INFINITY;
+        s[nt][e] = v;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
+      const float new_max = fmaxf(row_max[r], tile_max[r]);
+      const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing seen yet
+      alpha[r] = __expf(row_max[r] - base);
+      row_max[r] = new_max;
+      row_sum[r] *= alpha[r];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = __expf(s[nt][2 * r + e] - base);
+          row_sum[r] += p;
+          s[nt][2 * r + e] = p;
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[c][j][0] *= alpha[0]; o[c][j][1] *= alpha[0];
+        o[c][j][2] *= alpha[1]; o[c][j][3] *= alpha[1];
+      }
+    // P as the A operand (k = the tile's 16 tokens); int8 V scales fold into P
+    const u32 pa0 = Num<DT>::pack(s[0][0] * vscale[0], s[0][1] * vscale[1]);  // row g, tok 2t, 2t+1
+    const u32 pa1 = Num<DT>::pack(s[0][2] * vscale[0], s[0][3] * vscale[1]);  // row g+8
+    const u32 pa2 = Num<DT>::pack(s[1][0] * vscale[2], s[1][1] * vscale[3]);  // row g, tok 2t+8, 2t+9
+    const u32 pa3 = Num<DT>::pack(s[1][2] * vscale[2], s[1][3] * vscale[3]);  // row g+8
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const int vc = PRELOAD ? c : 0;
+      if constexpr (!PRELOAD) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) KvRow<DT, KV_INT8>::load4(value_cache, vrow[e] + 32 * c + 4 * g, vvalid[e], vf[e][0]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // b0 = (V[2t][d], V[2t+1][d]), b1 = (V[2t+8][d], V[2t+9][d]), d = 32c + 4g + j
+        const int w = j >> 1;
+        const u32 b0 = (j & 1) ? pair_of_his(vf[0][vc][w], vf[1][vc][w]) : pair_of_los(vf[0][vc][w], vf[1][vc][w]);
+        const u32 b1 = (j & 1) ? pair_of_his(vf[2][vc][w], vf[3][vc][w]) : pair_of_los(vf[2][vc][w], vf[3][vc][w]);
+        Num<DT>::mma(o[c][j], pa0, pa1, pa2, pa3, b0, b1);
+      }
+    }
+  }
+
+  // full row sums across the quad (the 4 threads of a row share its running max)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[r], 2);
+  }
+  // o[c][j]: c0 = (row g, d = 32c + 8t + j), c1 = (row g, d = 32c + 8t + 4 + j), c2/c3 the same for row g+8
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if (row >= heads_here) continue;
+    const int head = head_lo + row;
+    if (splits == 1) {
+      const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        u32 packed[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // elements 2w, 2w+1 of d = 32c + 8t + 0..7
+          const int i0 = 2 * w, i1 = 2 * w + 1;
+          const float v0 = (i0 < 4 ? o[c][i0][2 * r] : o[c][i0 - 4][2 * r + 1]) * inv;
+          const float v1 = (i1 < 4 ? o[c][i1][2 * r] : o[c][i1 - 4][2 * r + 1]) * inv;
+          packed[w] = Num<DT>::pack(v0, v1);
+        }
+        *reinterpret_cast<uint4*>(out + ((i64)seq * num_heads + head) * D + 32 * c + 8 * t) =
+            make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
+    } else {
+      const i64 base = ((i64)seq * num_heads + head) * splits + split;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        float* dst = part_out + base * D + 32 * c + 8 * t;
+        *reinterpret_cast<float4*>(dst) = make_float4(o[c][0][2 * r], o[c][1][2 * r], o[c][2][2 * r], o[c][3][2 * r]);
+        *reinterpret_cast<float4*>(dst + 4) =
+            make_float4(o[c][0][2 * r + 1], o[c][1][2 * r + 1], o[c][2][2 * r + 1], o[c][3][2 * r + 1]);
+      }
+      if (t == 0) {
+        part_stats[base * 2] = row_max[r];
+        part_stats[base * 2 + 1] = row_sum[r];
+      }
+    }
+  }
+}
+
+// Combine the splits of each (sequence, head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+// grid (num_heads, num_seqs), block 128 threads striding over D.
+template <int DT>
+__global__ void __launch_bounds__(128) paged_reduce_kernel(
+    const float* __restrict__ part_out,    // [B, H, splits, D]
+    const float* __restrict__ part_stats,  // [B, H, splits, 2]
+    u16* __restrict__ out,                 // [B, H, D]
+    int num_heads, int splits, int head_dim) {
+  const i64 base = (i64)blockIdx.y * num_heads + blockIdx.x;
+  const float* stats = part_stats + base * splits * 2;
+  float global_max = -INFINITY;
+  for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, stats[2 * s]);
+  float total = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float m = stats[2 * s];
+    total += m == -INFINITY ? 0.0f : __expf(m - global_max) * stats[2 * s + 1];
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = stats[2 * s];
+      if (m != -INFINITY) acc += __expf(m - global_max) * part_out[(base * splits + s) * head_dim + d];
+    }
+    out[base * head_dim + d] = Num<DT>::from_float(acc * inv);
+  }
+}

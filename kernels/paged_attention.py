@@ -1,0 +1,105 @@
+"""Launcher of the paged decode attention kernels in paged_attention.cu.
+
+One warp per (kv head, 16-query-head tile, sequence, context split). The context is split so the
+launch has about 16 warps per SM; with more than one split, paged_reduce_kernel combines the
+splits' partial outputs. For CUDA-graph capture pass a fixed `max_seq_len` (the longest context
+the graph must serve): the split count, hence the grid, depends only on it, and splits past a
+sequence's end write an empty partial.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from kernels.compiler import get_kernel
+from kernels.launch import f32, i32, launch, ptr
+
+SOURCE = "paged_attention.cu"
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 256
+TILE_TOKENS = 16
+MIN_TOKENS_PER_SPLIT = 64
+WARPS_PER_SM = 16
+
+
+def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> str | None:
+    """Why the kernel cannot serve this decode batch (None when it can)."""
+    if query.dtype not in _DTYPE_CODES:
+        return f"query dtype {query.dtype} (kernel takes float16/bfloat16)"
+    head_dim = query.shape[-1]
+    if head_dim % 32 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (kernel needs a multiple of 32, at most {MAX_HEAD_DIM})"
+    if key_cache.dtype not in (query.dtype, torch.int8):
+        return f"KV cache dtype {key_cache.dtype} with query {query.dtype}"
+    block_size = key_cache.shape[2]
+    if block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two"
+    if query.shape[1] % num_kv_heads:
+        return f"{query.shape[1]} query heads over {num_kv_heads} KV heads"
+    return None
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
+               tokens_per_split: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split) of the context so the grid fills the GPU."""
+    if tokens_per_split is None:
+        group = num_heads // num_kv_heads
+        units = num_seqs * num_kv_heads * ((group + 15) // 16)
+        wanted = -(-WARPS_PER_SM * _num_sms(device_index) // units)
+        most = max(1, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
+        splits = max(1, min(wanted, most))
+        tokens_per_split = -(-max_seq_len // splits)
+    tokens_per_split = -(-tokens_per_split // TILE_TOKENS) * TILE_TOKENS
+    return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, tokens_per_split: int | None = None) -> torch.Tensor:
+    """query [B, H, D] (one token per sequence) -> [B, H, D].
+
+    key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
+    key_scales/value_scales [num_blocks, KVH, block_size]); block_tables [B, max_blocks] int32;
+    seq_lens [B] int32 (context length including this token); max_seq_len >= every seq_len.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    device = query.device
+    index = device.index
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    dt = _DTYPE_CODES[query.dtype]
+    int8 = int(key_cache.dtype == torch.int8)
+    splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len, index, tokens_per_split)
+    group = num_heads // num_kv_heads
+    head_tiles = (group + 15) // 16
+    part_out = part_stats = None
+    if splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)
+        part_stats = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=device)
+    fn = get_kernel(SOURCE, f"paged_decode_kernel<{dt},{head_dim},{int8}>", index)
+    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32, 1, 1), (
+        ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
+        ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
+        ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
+        i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0)),
+        index)
+    if splits > 1:
+        reduce = get_kernel(SOURCE, f"paged_reduce_kernel<{dt}>", index)
+        launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (
+            ptr(part_out), ptr(part_stats), ptr(out), i32(num_heads), i32(splits), i32(head_dim)), index)
+    return out

@@ -1,0 +1,305 @@
+// W4A16 / W3A16 matmul: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) with W in deepinfer's
+// PackedWeight layout (core/quant/packed.py): qweight int32 [N, K*BITS/32] packed along K, group
+// scales/zeros [N, K/G] (fp16, or fp32 when SCALE_F32), W = (q - z) * s ("zero") or q * s + z ("min").
+//
+// Both kernels dequantize a thread's 32-code chunk (one group, since G is a multiple of 32) into 16
+// pairs of DT values. The pair order is a permutation of the chunk chosen to make unpacking cheap;
+// the matching activations are permuted the same way, so the dot product is unchanged:
+//   BITS 4: word c holds codes 8c..8c+7; pair 4c+r = codes (8c+r, 8c+r+4)  (mask 0x000F000F, shift 4r)
+//   BITS 3: pair i = codes (i, i+16) of the 96-bit chunk
+// A pair's value is exact (magic-number conversion, then one fused multiply-add with s and b).
+#include "common.cuh"
+
+template <int BITS> struct Chunk;
+template <> struct Chunk<4> { static constexpr int WORDS = 4; };
+template <> struct Chunk<3> { static constexpr int WORDS = 3; };
+
+// Chunk positions (0..31) of the low and high element of pair p.
+template <int BITS> __device__ __forceinline__ constexpr int pair_pos_lo(int p) {
+  return BITS == 4 ? 8 * (p / 4) + (p % 4) : p;
+}
+template <int BITS> __device__ __forceinline__ constexpr int pair_pos_hi(int p) {
+  return BITS == 4 ? 8 * (p / 4) + (p % 4) + 4 : p + 16;
+}
+
+// Raw codes of a chunk -> 16 pairs of integer-valued DT (q exact), before scale and zero.
+template <int DT, int BITS>
+__device__ __forceinline__ void unpack_codes(const u32* w, u32* q) {
+  const u32 magic = Num<DT>::MAGIC;
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) q[4 * c + r] = Num<DT>::sub(((w[c] >> (4 * r)) & 0x000F000Fu) | magic, magic);
+    }
+  } else {
+    const u64 lo = (u64)w[0] | ((u64)w[1] << 32);  // bits 0..63 of the chunk
+    const u64 hi = (u64)w[1] | ((u64)w[2] << 32);  // bits 32..95
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const u32 a = (u32)(lo >> (3 * i)) & 7u;         // code i at bit 3i
+      const u32 b = (u32)(hi >> (16 + 3 * i)) & 7u;    // code i+16 at bit 48+3i
+      q[i] = Num<DT>::sub(a | (b << 16) | magic, magic);
+    }
+  }
+}
+
+// Load the raw words of one chunk (row `row`, codes [kc, kc+32)); zeros when out of range.
+template <int BITS>
+__device__ __forceinline__ void load_chunk(const u32* __restrict__ qweight, int words_per_row, int row, int kc,
+                                           bool valid, u32* w) {
+  if constexpr (BITS == 4) {
+    if (valid) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(qweight + (i64)row * words_per_row + kc / 8));
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else {
+      w[0] = w[1] = w[2] = w[3] = 0u;
+    }
+  } else {
+    const u32* p = qweight + (i64)row * words_per_row + (kc / 32) * 3;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) w[i] = valid ? __ldg(p + i) : 0u;
+  }
+}
+
+// Group scale s and offset b (W = q * s + b) of (row, group) as DT pairs (s, s), (b, b).
+template <int DT, int SCALE_F32>
+__device__ __forceinline__ void load_scale(const void* __restrict__ scales, const void* __restrict__ zeros,
+                                           i64 index, int zero_mode, bool valid, u32& s2, u32& b2) {
+  float s = 0.0f, z = 0.0f;
+  if (valid) {
+    if constexpr (SCALE_F32) {
+      s = __ldg(reinterpret_cast<const float*>(scales) + index);
+      z = __ldg(reinterpret_cast<const float*>(zeros) + index);
+    } else {
+      s = half_bits_to_float(__ldg(reinterpret_cast<const u16*>(scales) + index));
+      z = half_bits_to_float(__ldg(reinterpret_cast<const u16*>(zeros) + index));
+    }
+  }
+  const float b = zero_mode == 0 ? -z * s : z;
+  s2 = Num<DT>::pack(s, s);
+  b2 = Num<DT>::pack(b, b);
+}
+
+// Activations of one chunk for one token, permuted like the weight pairs: 16 pairs.
+template <int DT, int BITS>
+__device__ __forceinline__ void load_x_pairs(const u16* __restrict__ x, bool valid, u32* xp) {
+  uint4 u[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) u[c] = valid ? __ldg(reinterpret_cast<const uint4*>(x) + c) : make_uint4(0, 0, 0, 0);
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // x[8c..8c+7] = (h0,h1) (h2,h3) (h4,h5) (h6,h7)
+      xp[4 * c + 0] = pair_of_los(u[c].x, u[c].z);  // (h0, h4)
+      xp[4 * c + 1] = pair_of_his(u[c].x, u[c].z);  // (h1, h5)
+      xp[4 * c + 2] = pair_of_los(u[c].y, u[c].w);  // (h2, h6)
+      xp[4 * c + 3] = pair_of_his(u[c].y, u[c].w);  // (h3, h7)
+    }
+  } else {
+    const u32 words[16] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w,
+                           u[2].x, u[2].y, u[2].z, u[2].w, u[3].x, u[3].y, u[3].z, u[3].w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // (x[i], x[i+16]): word i/2 of x[0..15], word i/2 of x[16..31]
+      const u32 a = words[i / 2], b = words[8 + i / 2];
+      xp[i] = (i % 2 == 0) ? pair_of_los(a, b) : pair_of_his(a, b);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernel (mma.sync m16n8k16, fp32 accumulate) for any number of tokens.
+// CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` 128-code segments.
+// Warp w: rows [64*bx + 16w, +16) as the mma A operand (weights), tokens as the n=8 operand.
+// Thread (g = lane/4, t = lane%4): rows +g and +g+8, the chunk [128*seg + 32t, +32) of each segment,
+// token +g of each 8-token tile. With gridDim.z > 1 splits, each CTA writes fp32 partials and the
+// last CTA of an output tile (a counter per tile) sums them in split order and resets the counter.
+template <int DT, int BITS, int TT, int SCALE_F32>
+__global__ void __launch_bounds__(128) quant_mma_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
+  constexpr int WORDS = Chunk<BITS>::WORDS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 64 + warp * 16 + g;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int words_per_row = K * BITS / 32;
+  const int num_groups = K / group_size;
+  const int num_segs = (K + 127) / 128;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(num_segs, seg_begin + segs_per_split);
+
+  float acc[TT][4];
+#pragma unroll
+  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  for (int seg = seg_begin; seg < seg_end; seg += 2) {
+    // issue every weight load of two segments before any use
+    u32 raw[2][2][WORDS], s2[2][2], b2[2][2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int kc = (seg + u) * 128 + 32 * t;
+      const bool in_k = seg + u < seg_end && kc < K;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        const bool valid = in_k && row < N;
+        load_chunk<BITS>(qweight, words_per_row, row, kc, valid, raw[u][r]);
+        load_scale<DT, SCALE_F32>(scales, zeros, (i64)row * num_groups + kc / group_size, zero_mode, valid,
+                                  s2[u][r], b2[u][r]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (seg + u >= seg_end) break;  // uniform across the CTA
+      const int kc = (seg + u) * 128 + 32 * t;
+      u32 a[2][16];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        unpack_codes<DT, BITS>(raw[u][r], a[r]);
+#pragma unroll
+        for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], s2[u][r], b2[u][r]);
+      }
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        const int tok = tok0 + tt * 8 + g;
+        u32 xp[16];
+        load_x_pairs<DT, BITS>(x + (i64)tok * K + kc, tok < M && kc < K, xp);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+      }
+    }
+  }
+
+  // acc[tt]: c0 = (row0, tok 2t), c1 = (row0, tok 2t+1), c2 = (row0+8, tok 2t), c3 = (row0+8, tok 2t+1)
+  const int splits = gridDim.z;
+  if (splits > 1) {
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+        if (row < N && tok < M) partials[((i64)blockIdx.z * M + tok) * N + row] = acc[tt][e];
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int is_last;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+        float sum = 0.0f;
+        if (row < N && tok < M) {
+          for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((i64)s * M + tok) * N + row);
+        }
+        acc[tt][e] = sum;
+      }
+    }
+    if (threadIdx.x == 0) counters[tile] = 0;
+  }
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+      if (row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(acc[tt][e] + b);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-core GEMV for a few tokens (MT <= 4): each weight chunk is read once for all MT tokens.
+// CTA = 4 warps; warp w owns rows 8*bx + 2w and +1; lanes stride over the 32-code chunks of K.
+template <int DT, int BITS, int MT, int SCALE_F32>
+__global__ void __launch_bounds__(128) quant_gemv_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    int M, int N, int K, int group_size, int zero_mode) {
+  constexpr int WORDS = Chunk<BITS>::WORDS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.x * 8 + warp * 2;
+  const int tok0 = blockIdx.y * MT;
+  const int words_per_row = K * BITS / 32;
+  const int num_groups = K / group_size;
+  const int num_chunks = K / 32;
+
+  float acc[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = 0.0f;
+
+  for (int chunk = lane; chunk < num_chunks; chunk += 32) {
+    const int kc = chunk * 32;
+    u32 raw[2][WORDS], s2[2], b2[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const bool valid = row0 + r < N;
+      load_chunk<BITS>(qweight, words_per_row, row0 + r, kc, valid, raw[r]);
+      load_scale<DT, SCALE_F32>(scales, zeros, (i64)(row0 + r) * num_groups + kc / group_size, zero_mode, valid,
+                                s2[r], b2[r]);
+    }
+    float w[2][32];  // dequantized weights of the chunk, in chunk order
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      u32 q[16];
+      unpack_codes<DT, BITS>(raw[r], q);
+#pragma unroll
+      for (int p = 0; p < 16; ++p) {
+        const u32 v = Num<DT>::fma(q[p], s2[r], b2[r]);
+        w[r][pair_pos_lo<BITS>(p)] = pair_lo<DT>(v);
+        w[r][pair_pos_hi<BITS>(p)] = pair_hi<DT>(v);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (tok0 + m >= M) break;
+      const uint4* xv = reinterpret_cast<const uint4*>(x + (i64)(tok0 + m) * K + kc);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint4 u = __ldg(xv + c);
+        const u32 words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float lo = pair_lo<DT>(words[i]), hi = pair_hi<DT>(words[i]);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            acc[m][r] = fmaf(w[r][8 * c + 2 * i], lo, acc[m][r]);
+            acc[m][r] = fmaf(w[r][8 * c + 2 * i + 1], hi, acc[m][r]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = warp_sum(acc[m][r]);
+      const int row = row0 + r, tok = tok0 + m;
+      if (lane == 0 && row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
+      }
+    }
+  }
+}

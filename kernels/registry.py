@@ -1,0 +1,66 @@
+"""The op registry: every kernel-backed op, its source, launcher and capability check.
+
+`core/ops` dispatches through this table (`get(name)`), and `deepinfer validate-kernels` walks it,
+so an op is either registered here with a check of what it serves, or it does not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kernels import act_and_mul, paged_attention, quant_matmul, rms_norm, rope_cache
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    name: str
+    source: str  # kernels/<source>
+    summary: str
+    launch: Callable  # the launcher (torch tensors in, torch tensors out)
+    unsupported_reason: Callable[..., str | None]  # None when the kernel serves the case
+    instantiations: tuple[str, ...]  # the template instantiations common models use (compiled ahead)
+
+
+def _names(template: str, **axes: tuple) -> tuple[str, ...]:
+    """Every combination of the axes: _names("k<{a},{b}>", a=(0, 1), b=(4,)) -> ("k<0,4>", "k<1,4>")."""
+    names = [template]
+    for axis, values in axes.items():
+        names = [name.replace("{" + axis + "}", str(value)) for name in names for value in values]
+    return tuple(names)
+
+
+_DT = (0, 1)  # float16, bfloat16
+
+
+_OPS = (
+    KernelOp("quant_matmul", quant_matmul.SOURCE,
+             "W4A16/W3A16 matmul: CUDA-core GEMV (1-4 tokens), mma.sync tensor-core tiles (more tokens)",
+             quant_matmul.quant_matmul, quant_matmul.unsupported_reason,
+             _names("quant_mma_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8), f32=(0, 1))
+             + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
+    KernelOp("paged_decode_attention", paged_attention.SOURCE,
+             "paged GQA decode attention over the block table, split-K + reduce, fp16/bf16/int8 KV",
+             paged_attention.paged_decode_attention, paged_attention.unsupported_reason,
+             _names("paged_decode_kernel<{dt},{d},{int8}>", dt=_DT, d=(64, 128, 256), int8=(0, 1))
+             + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
+    KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
+             rms_norm.rms_norm, rms_norm.unsupported_reason,
+             _names("rms_norm_kernel<{dt},{res},{offset}>", dt=_DT, res=(0, 1), offset=(0, 1))),
+    KernelOp("rope_cache_write", rope_cache.SOURCE, "RoPE on q/k + paged KV-cache write (fp16/bf16/int8)",
+             rope_cache.rope_and_cache_write, rope_cache.unsupported_reason,
+             _names("rope_cache_kernel<{dt},{int8},{rope}>", dt=_DT, int8=(0, 1), rope=(0, 1))),
+    KernelOp("act_and_mul", act_and_mul.SOURCE, "SiLU / GeLU-tanh gate times up",
+             act_and_mul.act_and_mul, act_and_mul.unsupported_reason,
+             _names("act_and_mul_kernel<{dt},{act}>", dt=_DT, act=(0, 1))),
+)
+OPS: dict[str, KernelOp] = {op.name: op for op in _OPS}
+
+
+def get(name: str) -> KernelOp:
+    return OPS[name]
+
+
+def all_instantiations() -> list[tuple[str, str]]:
+    """(source, name expression) of every registered instantiation."""
+    return [(op.source, name) for op in _OPS for name in op.instantiations]

@@ -1,0 +1,113 @@
+// Rotary embedding (HF rotate-half layout) on q and k, fused with the paged KV-cache write of the
+// rotated k and of v at `slot_mapping`. With HAS_ROPE == 0 only the cache write happens.
+// Roundings follow the torch reference (core/layers.apply_rope): x1*cos and x2*sin are each rounded
+// to DT, then their difference (sum) is rounded. An int8 cache stores round(x / s) with the fp16
+// per-token, per-head scale s = DT-rounded amax / 127 (core/kv/cache.quantize_int8).
+// grid: one CTA per token; each warp walks heads (q heads, then k heads, then v heads); lanes walk
+// the D/2 rotation pairs (i, i + D/2) of a head.
+#include "common.cuh"
+
+template <int DT, int KV_INT8>
+__device__ __forceinline__ void store_head(void* cache, u16* scales, i64 row, i64 scale_index, const float* vals,
+                                           int lane, int half_dim) {
+  // vals: this lane's elements i = lane + 32*p and i + half_dim (already DT-rounded), up to 4 pairs
+  if constexpr (KV_INT8) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (lane + 32 * p < half_dim) amax = fmaxf(amax, fmaxf(fabsf(vals[2 * p]), fabsf(vals[2 * p + 1])));
+    }
+    amax = warp_max(amax);
+    const u16 scale_bits = Num<0>::from_float(fmaxf(amax, 1e-8f) / 127.0f);
+    const float scale = half_bits_to_float(scale_bits);
+    signed char* dst = reinterpret_cast<signed char*>(cache) + row;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int i = lane + 32 * p;
+      if (i < half_dim) {
+        dst[i] = (signed char)fminf(fmaxf(rintf(vals[2 * p] / scale), -127.0f), 127.0f);
+        dst[i + half_dim] = (signed char)fminf(fmaxf(rintf(vals[2 * p + 1] / scale), -127.0f), 127.0f);
+      }
+    }
+    if (lane == 0) scales[scale_index] = scale_bits;
+  } else {
+    u16* dst = reinterpret_cast<u16*>(cache) + row;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int i = lane + 32 * p;
+      if (i < half_dim) {
+        dst[i] = Num<DT>::from_float(vals[2 * p]);
+        dst[i + half_dim] = Num<DT>::from_float(vals[2 * p + 1]);
+      }
+    }
+  }
+}
+
+template <int DT, int KV_INT8, int HAS_ROPE>
+__global__ void __launch_bounds__(128) rope_cache_kernel(
+    const u16* __restrict__ query,   // [T, H, D], token stride q_stride
+    const u16* __restrict__ key,     // [T, KVH, D], token stride k_stride
+    const u16* __restrict__ value,   // [T, KVH, D], token stride v_stride
+    const u16* __restrict__ cos,     // [T, D/2]
+    const u16* __restrict__ sin,     // [T, D/2]
+    u16* __restrict__ query_out,     // [T, H, D] contiguous (HAS_ROPE)
+    u16* __restrict__ key_out,       // [T, KVH, D] contiguous (HAS_ROPE)
+    void* __restrict__ key_cache,    // [NB, KVH, BS, D]
+    void* __restrict__ value_cache,  // [NB, KVH, BS, D]
+    u16* __restrict__ key_scales,    // [NB, KVH, BS] (int8)
+    u16* __restrict__ value_scales,  // [NB, KVH, BS] (int8)
+    const i64* __restrict__ slot_mapping,  // [T]
+    int num_heads, int num_kv_heads, int head_dim, int log2_block_size,
+    i64 q_stride, i64 k_stride, i64 v_stride) {
+  const i64 tok = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int half_dim = head_dim / 2;
+  const i64 slot = slot_mapping[tok];
+  const int block_size = 1 << log2_block_size;
+  const i64 blk = slot >> log2_block_size, off = slot & (block_size - 1);
+
+  const int first_head = HAS_ROPE ? 0 : num_heads;  // without rope q is untouched
+  for (int head = first_head + warp; head < num_heads + 2 * num_kv_heads; head += warps) {
+    const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
+    const int kv_head = is_q ? 0 : (is_k ? head - num_heads : head - num_heads - num_kv_heads);
+    const u16* src = is_q ? query + tok * q_stride + (i64)head * head_dim
+                          : (is_k ? key + tok * k_stride : value + tok * v_stride) + (i64)kv_head * head_dim;
+    float vals[8];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int i = lane + 32 * p;
+      float x1 = 0.0f, x2 = 0.0f;
+      if (i < half_dim) {
+        x1 = Num<DT>::to_float(src[i]);
+        x2 = Num<DT>::to_float(src[i + half_dim]);
+        if (HAS_ROPE && (is_q || is_k)) {
+          const float c = Num<DT>::to_float(cos[tok * half_dim + i]);
+          const float s = Num<DT>::to_float(sin[tok * half_dim + i]);
+          const float x1c = Num<DT>::to_float(Num<DT>::from_float(x1 * c));
+          const float x2s = Num<DT>::to_float(Num<DT>::from_float(x2 * s));
+          const float x2c = Num<DT>::to_float(Num<DT>::from_float(x2 * c));
+          const float x1s = Num<DT>::to_float(Num<DT>::from_float(x1 * s));
+          x1 = Num<DT>::to_float(Num<DT>::from_float(x1c - x2s));
+          x2 = Num<DT>::to_float(Num<DT>::from_float(x2c + x1s));
+        }
+      }
+      vals[2 * p] = x1;
+      vals[2 * p + 1] = x2;
+    }
+    if (HAS_ROPE && (is_q || is_k)) {
+      u16* dst = is_q ? query_out + (tok * num_heads + head) * head_dim : key_out + (tok * num_kv_heads + kv_head) * head_dim;
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int i = lane + 32 * p;
+        if (i < half_dim) {
+          dst[i] = Num<DT>::from_float(vals[2 * p]);
+          dst[i + half_dim] = Num<DT>::from_float(vals[2 * p + 1]);
+        }
+      }
+    }
+    if (is_q || slot < 0) continue;
+    const i64 slot_row = (blk * num_kv_heads + kv_head) * block_size + off;
+    store_head<DT, KV_INT8>(is_k ? key_cache : value_cache, is_k ? key_scales : value_scales, slot_row * head_dim,
+                            slot_row, vals, lane, half_dim);
+  }
+}

@@ -1,0 +1,83 @@
+"""The CUDA kernels against their torch references on a real GPU (marker `gpu`).
+
+Skipped cleanly where there is no CUDA device or no CuPy. The checks are the ones
+`deepinfer validate-kernels` runs (core/bench/kernel_checks.py): fresh random inputs, outputs
+poisoned with NaN before each launch, relative error / cosine / max abs error against the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from kernels import cuda_unavailable_reason, device_unsupported_reason
+
+    return cuda_unavailable_reason() or device_unsupported_reason(torch.cuda.current_device())
+
+
+_REASON = _skip_reason()
+if _REASON is not None:
+    pytest.skip(f"GPU kernels need CUDA and CuPy: {_REASON}", allow_module_level=True)
+
+from core.bench import kernel_checks  # imported after the skip: CPU runs never load it
+from core.bench.kernel_validation import check_cuda_graph
+from core.bench.model_validation import check_tiny_model
+
+DEVICE = torch.device("cuda", torch.cuda.current_device())
+
+
+def _assert_all_ok(results):
+    failed = [f"{r.op} | {r.case} | rel={r.rel_err} cos={r.cosine} | {r.detail}" for r in results if not r.ok]
+    assert results and not failed, "\n".join(failed)
+
+
+def test_quant_matmul_kernels():
+    _assert_all_ok(kernel_checks.check_quant_matmul(DEVICE))
+
+
+def test_paged_decode_attention_kernel():
+    _assert_all_ok(kernel_checks.check_paged_attention(DEVICE))
+
+
+def test_rms_norm_kernel():
+    _assert_all_ok(kernel_checks.check_rms_norm(DEVICE))
+
+
+def test_act_and_mul_kernel():
+    _assert_all_ok(kernel_checks.check_act_and_mul(DEVICE))
+
+
+def test_rope_cache_write_kernel():
+    _assert_all_ok(kernel_checks.check_rope_cache_write(DEVICE))
+
+
+def test_kernels_capture_and_replay_in_a_cuda_graph():
+    _assert_all_ok([check_cuda_graph(DEVICE)])
+
+
+@pytest.mark.parametrize("dtype,bits,int8_kv,tol", [(torch.float16, 4, False, 5e-3), (torch.bfloat16, 3, True, 3e-2)])
+def test_tiny_model_native_matches_reference(dtype, bits, int8_kv, tol):
+    _assert_all_ok([check_tiny_model(DEVICE, dtype, bits, 64, int8_kv, tol)])
+
+
+def test_dispatch_takes_the_kernel_on_gpu(caplog, monkeypatch):
+    from core.ops import dispatch
+    from core.ops.norm import rms_norm
+
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
+    dispatch.reset_log()
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    x = torch.randn(4, 64, dtype=torch.float16, device=DEVICE)
+    rms_norm(x, torch.ones(64, dtype=torch.float16, device=DEVICE), 1e-6)
+    rms_norm(x.float(), torch.ones(64, device=DEVICE), 1e-6)  # fp32: no kernel
+    messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
+    assert messages == ["rms_norm: CUDA kernel",
+                        "rms_norm: torch reference (dtype torch.float32 (kernel takes float16/bfloat16))"]

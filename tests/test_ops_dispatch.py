@@ -1,0 +1,252 @@
+"""core/ops dispatch on the CPU: every op falls back to its torch reference, says why once per
+(op, reason), and DEEPINFER_FORCE_REFERENCE=1 wins over everything. The references themselves are
+checked against independent implementations (the decoder's layers, KVCache.write,
+TorchPagedAttention, hand formulas), since the GPU kernels are validated against them."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from core.attention.native_backend import NativePagedAttention
+from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+from core.attention.torch_backend import TorchPagedAttention
+from core.kv.cache import KVCache
+from core.ops import dispatch
+from core.ops.activation import act_and_mul
+from core.ops.norm import rms_norm
+from core.ops.paged_attention import paged_decode_attention
+from core.ops.quant_matmul import quant_matmul, quant_matmul_reference
+from core.ops.rotary import rotary_and_cache_write, write_kv_cache
+from core.quant.rtn import quantize_rtn
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
+    dispatch.reset_log()
+    yield
+    dispatch.reset_log()
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
+
+
+def test_cpu_falls_back_and_logs_once_per_op_and_reason(caplog):
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    x, weight = torch.randn(3, 16), torch.randn(16)
+    for _ in range(3):
+        rms_norm(x, weight, 1e-6)
+    act_and_mul(torch.randn(2, 8), torch.randn(2, 8), "silu")
+    act_and_mul(torch.randn(2, 8), torch.randn(2, 8), "silu")
+    assert _messages(caplog) == ["rms_norm: torch reference (tensors are not on a CUDA device)",
+                                 "act_and_mul: torch reference (tensors are not on a CUDA device)"]
+
+
+def test_force_reference_env_is_the_reason(caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
+    assert dispatch.force_reference()
+    assert dispatch.kernel_blocker(torch.randn(2)) == "DEEPINFER_FORCE_REFERENCE=1"
+    rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6)
+    assert _messages(caplog) == ["rms_norm: torch reference (DEEPINFER_FORCE_REFERENCE=1)"]
+    monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "0")
+    assert not dispatch.force_reference()
+
+
+def test_use_kernel_logs_the_kernel_path_once(caplog):
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    assert dispatch.use_kernel("some_op", None) and dispatch.use_kernel("some_op", None)
+    assert not dispatch.use_kernel("some_op", "head_dim 80")
+    assert _messages(caplog) == ["some_op: CUDA kernel", "some_op: torch reference (head_dim 80)"]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_reference_matches_decoder_norm_and_formula(offset):
+    from core.models.layers import RMSNorm
+
+    hidden, dtype = 24, torch.bfloat16
+    x, residual = torch.randn(5, hidden).to(dtype), torch.randn(5, hidden).to(dtype)
+    norm = RMSNorm(hidden, 1e-6, offset, dtype, "cpu")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    out, summed = rms_norm(x, norm.weight, 1e-6, offset, residual)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(out, norm(x + residual))
+    s = (x + residual).double()
+    by_hand = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + norm.weight.double())
+    torch.testing.assert_close(out.double(), by_hand, rtol=2e-2, atol=2e-2)
+
+
+def test_act_and_mul_reference_formulas():
+    gate, up = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    torch.testing.assert_close(act_and_mul(gate, up, "silu"), gate * torch.sigmoid(gate) * up)
+    tanh_gelu = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
+    torch.testing.assert_close(act_and_mul(gate, up, "gelu_tanh"), tanh_gelu * up)
+    with pytest.raises(ValueError):
+        act_and_mul(gate, up, "relu")
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_rotary_and_cache_write_matches_decoder_rope_and_kv_cache(quantized):
+    from core.models.layers import apply_rope
+
+    tokens, heads, kv_heads, head_dim, block_size = 6, 4, 2, 16, 4
+    query, key = torch.randn(tokens, heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    value = torch.randn(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 10
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 17, 4, 9, 30, 0])
+    expected = KVCache(1, 8, block_size, kv_heads, head_dim, torch.float32, "cpu", quantized)
+    got = KVCache(1, 8, block_size, kv_heads, head_dim, torch.float32, "cpu", quantized)
+    rotated_q, rotated_k = rotary_and_cache_write(
+        query, key, value, cos.unsqueeze(1), sin.unsqueeze(1), got.key_caches[0], got.value_caches[0], slots,
+        got.key_scales[0] if quantized else None, got.value_scales[0] if quantized else None)
+    torch.testing.assert_close(rotated_q, apply_rope(query, cos.unsqueeze(1), sin.unsqueeze(1)))
+    torch.testing.assert_close(rotated_k, apply_rope(key, cos.unsqueeze(1), sin.unsqueeze(1)))
+    expected.write(0, rotated_k, value, slots)
+    for name in ("key_caches", "value_caches") + (("key_scales", "value_scales") if quantized else ()):
+        assert torch.equal(getattr(got, name)[0], getattr(expected, name)[0]), name
+    # the cache write alone, on other slots
+    write_kv_cache(key, value, got.key_caches[0], got.value_caches[0], slots + 1,
+                   got.key_scales[0] if quantized else None, got.value_scales[0] if quantized else None)
+    expected.write(0, key, value, slots + 1)
+    assert torch.equal(got.value_caches[0], expected.value_caches[0])
+
+
+@pytest.mark.parametrize("window,softcap,quantized", [(None, None, False), (5, None, False), (None, 20.0, True)])
+def test_paged_decode_reference_matches_torch_backend(window, softcap, quantized):
+    heads, kv_heads, head_dim, block_size = 6, 2, 8, 4
+    cache = KVCache(1, 16, block_size, kv_heads, head_dim, torch.float32, "cpu", quantized)
+    tables = [[5, 2, 9], [0, 11], [7, 3, 14, 1]]
+    lengths = [10, 6, 13]
+    for table, length in zip(tables, lengths):  # fill the contexts
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
+        cache.write(0, torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim), slots)
+    chunks = [SequenceChunk(table, length - 1, 1) for table, length in zip(tables, lengths)]
+    metadata, _ = build_attention_metadata(chunks, block_size, "cpu")
+    query = torch.randn(3, heads, head_dim)
+    last_key, last_value = torch.randn(3, kv_heads, head_dim), torch.randn(3, kv_heads, head_dim)
+    expected = TorchPagedAttention().forward(0, query, last_key, last_value, metadata, cache, 0.3, window, softcap)
+    got = paged_decode_attention(query, cache.key_caches[0], cache.value_caches[0], metadata.block_tables,
+                                 metadata.seq_lens, 0.3, window, softcap,
+                                 cache.key_scales[0] if quantized else None,
+                                 cache.value_scales[0] if quantized else None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_backend_on_cpu_equals_torch_backend():
+    block_size, kv_heads, head_dim = 4, 2, 8
+    chunks = [SequenceChunk([3, 1], 5, 1), SequenceChunk([0, 2, 6], 0, 9)]
+    metadata, _ = build_attention_metadata(chunks, block_size, "cpu")
+    query, key, value = torch.randn(10, 4, head_dim), torch.randn(10, kv_heads, head_dim), torch.randn(10, 2, 8)
+    outputs = []
+    for backend in (TorchPagedAttention(), NativePagedAttention()):
+        torch.manual_seed(0)
+        cache = KVCache(1, 8, block_size, kv_heads, head_dim, torch.float32, "cpu")
+        cache.key_caches[0].normal_()
+        cache.value_caches[0].normal_()
+        outputs.append(backend.forward(0, query, key, value, metadata, cache, 0.35, None, None))
+    torch.testing.assert_close(outputs[1], outputs[0])
+
+
+def test_quant_matmul_on_cpu_is_the_reference():
+    packed = quantize_rtn(torch.randn(48, 64), bits=4, group_size=32, bias=torch.randn(48))
+    x = torch.randn(3, 64)
+    assert torch.equal(quant_matmul(x, packed), quant_matmul_reference(x, packed))
+
+
+def test_kernel_arguments_are_exactly_typed():
+    from kernels.launch import f32, i32, i64, launch, ptr
+
+    assert f32(0.125).dtype == np.float32 and f32(0.125).itemsize == 4
+    assert i32(7).dtype == np.int32 and i64(7).dtype == np.int64
+    assert ptr(None) == 0 and ptr(torch.zeros(2)).dtype == np.uint64
+    with pytest.raises(ValueError):
+        i32(2**31)
+    with pytest.raises(TypeError, match="must be typed"):
+        launch(None, (1, 1, 1), (32, 1, 1), (np.float32(1.0), 0.5), 0)  # a bare float is refused
+
+
+def test_registry_instantiations_name_templates_of_their_sources():
+    from kernels import registry
+    from kernels.compiler import source_hash, source_text
+
+    for op in registry.OPS.values():
+        text = source_text(op.source)
+        assert text.count("struct Num<0>") == 1  # common.cuh inlined exactly once
+        assert "#include" not in text
+        assert len(source_hash(op.source)) == 16
+        for name in op.instantiations:
+            template = name.split("<")[0]
+            assert re.search(rf"__global__ void (__launch_bounds__\(\d+\) )?{template}\(", text), name
+
+
+def test_split_and_tile_choices(monkeypatch):
+    from kernels import paged_attention
+    from kernels import quant_matmul as kq
+
+    monkeypatch.setattr(paged_attention, "_num_sms", lambda index: 132)
+    splits, per_split = paged_attention.split_plan(16, 32, 8, 4096, 0)
+    assert per_split % paged_attention.TILE_TOKENS == 0 and splits * per_split >= 4096
+    assert splits > 1 and (splits - 1) * per_split < 4096  # no empty split
+    assert paged_attention.split_plan(1, 32, 8, 4096, 0, tokens_per_split=1 << 20)[0] == 1
+    assert [kq.default_tile("mma", m) for m in (1, 8, 9, 16, 17, 33, 500)] == [1, 1, 2, 2, 4, 8, 8]
+    assert [kq.default_tile("gemv", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+
+
+def _kernel_parameters(source: str, template: str) -> list[str]:
+    """C types of a kernel's parameters, read from its source: 'ptr', 'int', 'i64' or 'float'."""
+    from kernels.compiler import source_text
+
+    text = source_text(source)
+    match = re.search(rf"__global__ void (?:__launch_bounds__\(\d+\) )?{template}\((.*?)\)\s*{{", text, re.DOTALL)
+    kinds = []
+    for param in re.sub(r"//[^\n]*", "", match.group(1)).split(","):
+        param = param.strip()
+        kinds.append("ptr" if "*" in param else param.split()[0])
+    return kinds
+
+
+_ARG_KIND = {np.uint64: "ptr", np.int32: "int", np.int64: "i64", np.float32: "float"}
+
+
+def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
+    """Every launcher's argument list matches its kernel's C signature, in count and exact type."""
+    from kernels import act_and_mul as ka
+    from kernels import paged_attention as kp
+    from kernels import quant_matmul as kq
+    from kernels import rms_norm as kr
+    from kernels import rope_cache as krc
+
+    launches = []
+    for module in (ka, kp, kq, kr, krc):
+        monkeypatch.setattr(module, "get_kernel", lambda source, name, index: (source, name))
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+    monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kp, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
+    half = torch.float16
+    packed = quantize_rtn(torch.randn(256, 512), bits=4, group_size=128)
+    for kernel in ("gemv", "mma"):
+        kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
+                        kernel=kernel)
+    cache = torch.zeros(40, 2, 16, 64, dtype=half)
+    kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
+                              torch.tensor([300, 5], dtype=torch.int32), 300, 0.125)
+    kr.rms_norm(torch.randn(2, 64, dtype=half), torch.randn(64, dtype=half), 1e-6, 1.0, torch.randn(2, 64, dtype=half))
+    ka.act_and_mul(torch.randn(2, 64, dtype=half), torch.randn(2, 64, dtype=half), "silu")
+    krc.rope_and_cache_write(torch.randn(3, 8, 64, dtype=half), torch.randn(3, 2, 64, dtype=half),
+                             torch.randn(3, 2, 64, dtype=half), torch.randn(3, 32, dtype=half),
+                             torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
+    names = {name.split("<")[0] for (_, name), _ in launches}
+    assert names == {"quant_gemv_kernel", "quant_mma_kernel", "paged_decode_kernel", "paged_reduce_kernel",
+                     "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
+    for (source, name), args in launches:
+        assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name
