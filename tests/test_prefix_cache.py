@@ -161,8 +161,11 @@ def test_disabled_prefix_cache_never_hits():
     assert kv.pool.num_free_blocks == 4
 
 
-def test_lookup_counts_queried_and_hit_tokens():
+def test_lookup_changes_nothing():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
-    compute(kv, make_request("a", list(range(9))), 9)
-    kv.find_cached_blocks(make_request("b", list(range(9))))
-    assert (kv.prefix_cache.num_queried_tokens, kv.prefix_cache.num_hit_tokens) == (9, 8)
+    a = make_request("a", list(range(9)))
+    compute(kv, a, 9)
+    kv.free(a)
+    assert kv.find_cached_blocks(make_request("b", list(range(9)))) == [0, 1]
+    assert kv.pool.evictable_block_ids() == [1, 0] and kv.pool.ref_count(0) == 0
+    assert (kv.prefix_cache.num_queried_tokens, kv.prefix_cache.num_hit_tokens) == (0, 0)  # admissions count

@@ -120,6 +120,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached_blocks):
                 break
             if self.kv.prefix_cache is not None:
+                self.kv.prefix_cache.count_lookup(request.num_tokens, num_cached)
                 out.prefix_cache_queries += request.num_tokens
                 out.prefix_cache_hits += num_cached
             self.waiting.popleft()

@@ -57,7 +57,7 @@ class PrefixCache:
         self._by_hash: dict[BlockHash, CachedBlock] = {}
         self._hash_of_block: dict[int, BlockHash] = {}
         pool.on_evict = self._forget
-        # Lifetime counters for /health, in tokens.
+        # Lifetime counters for /health, in tokens, of the lookups whose requests were admitted.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -84,9 +84,11 @@ class PrefixCache:
                 break
             block_ids.append(entry.block_id)
             parent_hash = block_hashes[index]
-        self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += len(block_ids) * self.block_size
         return block_ids
+
+    def count_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_queried_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     def insert(
         self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash | None,
