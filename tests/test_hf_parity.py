@@ -123,3 +123,24 @@ def test_half_precision_runs_close_to_fp32(loaded, dtype):
     assert logits.dtype == torch.float32
     reference = hf_logits(hf_model, tokens)
     assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_mixed_batch_matches_hf(loaded, family, dtype):
+    """Same model on the GPU: a batch of one prefill chunk and a decode, vs HF fp32 on the CPU."""
+    result, hf_model = loaded[family]
+    model = DecoderModel(result.spec, dtype=dtype, device="cuda")
+    model.load_weights(hf_model.state_dict().items())
+    first, second = random_tokens(26, seed=20), random_tokens(19, seed=21)
+    runner = PagedRunner(model, seed=8)
+    runner.step([("a", first[:20])])
+    decode, prefill = runner.step([("a", first[20:21]), ("b", second)])
+    logits = torch.cat([decode, prefill]).cpu()
+    expected = torch.cat([hf_logits(hf_model, first[:21])[-1:], hf_logits(hf_model, second)])
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+    else:
+        assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
