@@ -175,15 +175,14 @@ def gguf_quantized(weight: np.ndarray, type_name: str, rng: np.random.Generator)
     """
     import gguf
 
-    qtype = gguf.GGMLQuantizationType[type_name]
-    rows, cols = weight.shape
-    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
-        return random_k_blocks(type_name, rows * cols // 256, rng).reshape(rows, -1)
     if type_name == "F32":
         return weight.astype(np.float32).view(np.uint8)
     if type_name == "F16":
         return weight.astype(np.float16).view(np.uint8)
-    return gguf.quants.quantize(weight.astype(np.float32), qtype)
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+        rows, cols = weight.shape
+        return random_k_blocks(type_name, rows * cols // 256, rng).reshape(rows, -1)
+    return gguf.quants.quantize(weight.astype(np.float32), gguf.GGMLQuantizationType[type_name])
 
 
 def gguf_dequantize(data: np.ndarray, type_name: str) -> np.ndarray:

@@ -39,6 +39,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits}) for {bits}-bit packing")
     runs = codes.reshape(*codes.shape[:-1], length // run_codes, run_codes)  # [..., R, run_codes]
+    if run_words == 1:  # codes never straddle words: shift each into place and add (bits are disjoint)
+        shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)
+        return _to_int32((runs << shifts).sum(dim=-1))
     words = torch.zeros(*runs.shape[:-1], run_words, dtype=torch.int64, device=codes.device)  # [..., R, run_words]
     for j in range(run_codes):
         word, shift = divmod(bits * j, 32)

@@ -151,8 +151,11 @@ class GGUFSource(ConversionSource):
         return self._scheme
 
     def save_tokenizer(self, directory: Path) -> None:
-        """The HF tokenizer transformers builds from the GGUF vocab, merges and chat template."""
+        """The HF tokenizer transformers builds from the GGUF vocab, merges and chat template (if it has a vocab)."""
         from transformers import AutoTokenizer
+
+        if read_field(self.reader, "tokenizer.ggml.model") is None:
+            return
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)

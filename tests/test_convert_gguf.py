@@ -1,0 +1,179 @@
+"""GGUF -> layered: Q4_0/Q4_1/Q4_K bit-exact against gguf-py's dequantize, other types re-quantized with their
+error reported, logits of tiny llama GGUFs against HF, and the real SmolLM2 Q4_1 giving the GGUF path's tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import PagedRunner, save_tiny_model
+from reference_packers import (
+    LINEARS,
+    gguf_dequantize,
+    gguf_quantized,
+    llama_cpp_permute,
+    reference_with_weights,
+    write_tiny_llama_gguf,
+)
+
+from core.config import EngineConfig
+from core.errors import ConversionError, ModelLoadError
+from core.quant.packing import dequantize
+from core.weights.convert.gguf import gguf_exact_to_packed, qk_row_order
+from core.weights.convert.run import convert_checkpoint
+from core.weights.convert.source import ConvertOptions
+from core.weights.layered import load_layered, read_layer, read_manifest
+
+TOLERANCE = 1e-4
+EXACT = {"self_attn.q_proj": "Q4_0", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
+         "self_attn.o_proj": "Q4_1", "mlp.gate_proj": "Q4_K", "mlp.up_proj": "Q4_K", "mlp.down_proj": "Q4_K"}
+REQUANTIZED = {"self_attn.q_proj": "Q8_0", "self_attn.k_proj": "Q6_K", "self_attn.v_proj": "Q5_K",
+               "self_attn.o_proj": "F16", "mlp.gate_proj": "Q4_0", "mlp.up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_exact_types_dequantize_exactly(type_name):
+    rng = np.random.default_rng(1)
+    weight = rng.normal(0, 0.05, size=(48, 512)).astype(np.float32)
+    data = gguf_quantized(weight, type_name, rng)
+    reference = torch.from_numpy(gguf_dequantize(data, type_name).reshape(48, 512))
+    packed = gguf_exact_to_packed(data, type_name, 48, 512)
+    assert torch.equal(dequantize(packed), reference)
+    assert packed.group_size == 32 and packed.zero_mode == ("zero" if type_name == "Q4_0" else "min")
+    if type_name == "Q4_K":  # d * sub-scale is not fp16-exact, which is why the scales are fp32
+        assert packed.scales.dtype == torch.float32
+        assert not torch.equal(packed.scales.half().float(), packed.scales)
+    order = qk_row_order(48, 4)
+    assert torch.equal(dequantize(gguf_exact_to_packed(data, type_name, 48, 512, row_order=order)), reference[order])
+
+
+def test_qk_row_order_undoes_llama_cpp_permutation():
+    weight = np.arange(24 * 3).reshape(24, 3)
+    for heads in (1, 2, 3):
+        permuted = torch.from_numpy(llama_cpp_permute(weight, heads))
+        assert torch.equal(permuted[qk_row_order(24, heads)], torch.from_numpy(weight))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """Hidden 256 and intermediate 512 (Q4_K blocks hold 256 weights), GQA 4/2 heads of 64."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("gguf_hf") / "llama", seed=8, hidden_size=256,
+                           intermediate_size=512, head_dim=64,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def logits_of(model, tokens):
+    (logits,) = PagedRunner(model, seed=5).step([("a", tokens)])
+    return logits
+
+
+TOKENS = list(range(6, 45))
+
+
+def test_exact_types_model_logits(tiny_llama, tmp_path):
+    weights = write_tiny_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT, seed=2)
+    summary = convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out")
+    assert {(r.source_type, r.method) for r in summary.records} == {
+        ("Q4_0", "exact"), ("Q4_1", "exact"), ("Q4_K", "exact"), ("F32", "kept")}
+    manifest = read_manifest(tmp_path / "out")
+    assert manifest["tokenizer"] is False  # the tiny GGUF has no vocabulary
+    for layer in range(manifest["num_layers"]):  # weights equal gguf-py's, Q/K rows un-permuted
+        _, packed = read_layer(tmp_path / "out", layer, manifest)
+        for linear in LINEARS:
+            name = f"model.layers.{layer}.{linear}"
+            assert torch.equal(dequantize(packed[name]), torch.from_numpy(weights[f"{name}.weight"]))
+    loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    reference = reference_with_weights(tiny_llama, {k: torch.from_numpy(v) for k, v in weights.items()})
+    with torch.no_grad():
+        expected = reference(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model, TOKENS), expected, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("keep_8bit", [False, True])
+def test_other_types_requantized_or_kept(tiny_llama, tmp_path, keep_8bit):
+    weights = write_tiny_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", REQUANTIZED, seed=3, embedding_type="Q8_0")
+    summary = convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(keep_8bit=keep_8bit))
+    records = {r.name: r for r in summary.records}
+    manifest = read_manifest(tmp_path / "out")
+    converted = {}
+    for layer in range(manifest["num_layers"]):
+        dense, packed = read_layer(tmp_path / "out", layer, manifest)
+        for linear, type_name in REQUANTIZED.items():
+            name = f"model.layers.{layer}.{linear}.weight"
+            source = torch.from_numpy(weights[name])
+            record = records[name]
+            assert record.source_type == type_name
+            if type_name == "Q4_0":
+                assert record.method == "exact"
+                converted[name] = dequantize(packed[name.removesuffix(".weight")])
+                continue
+            if keep_8bit:
+                assert record.method == "kept" and dense[name].dtype == torch.float16
+                converted[name] = dense[name].float()
+            else:
+                assert record.method == "requantized" and record.target_type == "int4-g32"
+                converted[name] = dequantize(packed[name.removesuffix(".weight")])
+            error = (converted[name] - source).abs()
+            assert record.max_abs_error == pytest.approx(float(error.max()))
+            assert record.mean_abs_error == pytest.approx(float(error.mean()))
+            # fp16 rounds by at most 2**-11 relative; 4-bit RTN by half a step of (max - min) / 15
+            bound = float(source.abs().max()) * (2**-11 if keep_8bit else 1 / 14)
+            assert record.max_abs_error <= bound
+            assert (record.max_abs_error == 0) == (keep_8bit and type_name == "F16")  # F16 is kept losslessly
+    embedding = records["model.embed_tokens.weight"]
+    assert (embedding.method, embedding.source_type, embedding.target_type) == ("kept", "Q8_0", "float16")
+    converted["model.embed_tokens.weight"] = torch.from_numpy(weights["model.embed_tokens.weight"]).half().float()
+    loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    kept_type = "Linear" if keep_8bit else "QuantLinear"
+    assert type(loaded.model.model.layers[0].self_attn.k_proj).__name__ == kept_type
+    all_weights = {k: torch.from_numpy(v) for k, v in weights.items()} | converted
+    with torch.no_grad():
+        expected = reference_with_weights(tiny_llama, all_weights)(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model, TOKENS), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_bad_gguf_input(tiny_llama, tmp_path):
+    write_tiny_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT)
+    with pytest.raises(ConversionError, match="--bits 8 is not supported"):
+        convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(bits=8))
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 4096])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        convert_checkpoint(tmp_path / "cut.gguf", tmp_path / "out")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        convert_checkpoint(tmp_path / "junk.gguf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "junk.gguf", "tiny.gguf"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_layered(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "layered"
+    summary = convert_checkpoint(smollm2_gguf, out)
+    return out, summary
+
+
+def test_smollm2_q4_1_converts_exactly(smollm2_layered):
+    out, summary = smollm2_layered
+    rows = {(row.method, row.source_type): row for row in summary.rows()}
+    assert rows[("exact", "Q4_1")].tensors == 30 * 7
+    assert rows[("kept", "Q8_0")].tensors == 1  # the (tied) embedding, kept in fp16
+    manifest = read_manifest(out)
+    assert manifest["num_layers"] == 30 and manifest["tokenizer"] is True
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_smollm2_greedy_tokens_match_the_gguf_path(smollm2_layered, smollm2_gguf):
+    from core import LLM, SamplingParams
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=9)
+    answers = {}
+    for name, model in (("gguf", smollm2_gguf), ("layered", smollm2_layered[0])):
+        llm = LLM(model=str(model), dtype="float32", device="cpu")
+        prompt = llm.tokenizer.encode_chat(messages)
+        answers[name] = (prompt, llm.generate([prompt], params)[0].outputs[0])
+    (gguf_prompt, gguf_out), (layered_prompt, layered_out) = answers["gguf"], answers["layered"]
+    assert layered_prompt == gguf_prompt  # the saved HF tokenizer and chat template match the GGUF's
+    assert layered_out.token_ids == gguf_out.token_ids
+    assert layered_out.text.startswith("The capital of France is Paris")
