@@ -346,16 +346,34 @@ def test_async_engine_streams_aborts_and_counts_every_token_once(model_dir, load
                 victim.abort()
         await asyncio.sleep(0.05)
         health = engine.health()
+
+        real_execute = engine.engine.runner.execute
+
+        def broken_execute(scheduler_output):
+            engine.engine.runner.execute = real_execute  # fails once
+            raise RuntimeError("device fell over")
+
+        engine.engine.runner.execute = broken_execute
+        failed = [out async for out in engine.add_request(p_stream, greedy(3))]
+        recovered = [out async for out in engine.generate(p_stream, greedy(12))]
         await engine.shutdown()
+        with pytest.raises(DeepInferError, match="shutting down"):
+            engine.add_request(p_stream, greedy(3))
+        assert failed[-1].finish_reason == "error" and "device fell over" in failed[-1].error
+        assert recovered[-1].token_ids == expected
         return stats, deltas, last, victim_outputs, health
 
     stats, deltas, last, victim_outputs, health = asyncio.run(scenario())
     assert last.finished and last.token_ids == expected
     assert [t for d in deltas for t in d] == expected  # deltas add up to the whole, none repeated
     assert victim_outputs[-1].finish_reason == "abort" and victim_outputs[-1].finished
-    assert sum(s.num_generation_tokens for s in stats) == len(expected) + len(victim_outputs[-1].token_ids)
-    assert sorted(f.finish_reason for s in stats for f in s.finished_requests) == ["abort", "length"]
-    assert sum(s.num_prompt_tokens for s in stats) == len(p_stream) + len(p_abort)
+    # Counted once each: tokens of "s", "v" and the recovered run (the failed request sampled none).
+    num_tokens = 2 * len(expected) + len(victim_outputs[-1].token_ids)
+    assert sum(s.num_generation_tokens for s in stats) == num_tokens
+    assert sorted(f.finish_reason for s in stats for f in s.finished_requests) == [
+        "abort", "error", "length", "length"]
+    # The recovered run hits the prefix cache: (11 - 1) // 8 blocks were not computed again.
+    assert sum(s.num_prompt_tokens for s in stats) == len(p_stream) + len(p_abort) + 3
     assert health["blocks"]["num_used"] == 0 and health["engine_alive"]
     assert set(health) >= {"model", "attention_backend", "max_model_len", "scheduler", "blocks", "kv_budget",
                            "prefix_cache"}

@@ -91,10 +91,12 @@ class AsyncEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> RequestStream:
-        if self._thread is None or self._stopping:
-            raise EngineDeadError("the engine is not running; call `await engine.start()` first")
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        if self._thread is None:
+            raise EngineDeadError("the engine is not running; call `await engine.start()` first")
         group = self.engine.make_request_group(prompt, params, request_id, cache_salt)
         with self._wakeup:
             if group.request_id in self._streams:
