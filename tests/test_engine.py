@@ -73,10 +73,15 @@ def solo(loaded, prompt_ids, params):
     return run(make_engine(loaded), [(prompt_ids, params)])[0].token_ids
 
 
-def test_greedy_matches_hf_generate(loaded, model_dir):
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_greedy_matches_hf_generate(loaded, hf_model):
+    hf = hf_model
     engine = make_engine(loaded)
     text = "What is the capital of France?"
     prompts = [engine.tokenizer.encode(text), prompt(23, 1)]
@@ -197,6 +202,26 @@ def test_sampling_parameters_are_wired_through(loaded):
     (again,) = run(make_engine(loaded), [(p, seeded)])
     assert a.token_ids == again.token_ids != alone_other_seed.token_ids
     assert a.token_ids != tokens[:12]
+
+
+def test_penalties_see_the_prompt_and_output_history(loaded, hf_model):
+    # Reference: HF logits of each context, penalized by hand (repetition over prompt + output,
+    # frequency and presence over the output), then argmax.
+    p = prompt(6, 42)[:3] * 3  # a repetitive prompt, so the repetition penalty has work to do
+    params = greedy(10, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.4)
+    (out,) = run(make_engine(loaded), [(p, params)])
+    context, expected = list(p), []
+    for _ in range(10):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([context])).logits[0, -1].clone()
+        for token in set(context):
+            logits[token] = logits[token] / 1.8 if logits[token] > 0 else logits[token] * 1.8
+        for token in set(expected):
+            logits[token] -= 0.7 * expected.count(token) + 0.4
+        expected.append(int(logits.argmax()))
+        context.append(expected[-1])
+    assert out.token_ids == expected
+    assert out.token_ids != solo(loaded, p, greedy(10))
 
 
 def test_n_samples_share_the_prompt_blocks(loaded):
