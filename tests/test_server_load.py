@@ -153,3 +153,20 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
         reasons = [f.finish_reason for f in recorder.finished]
         tokens = [f.num_generation_tokens for f in recorder.finished]
     assert reasons == ["abort"] and tokens[0] < 400
+
+
+def test_streaming_client_that_leaves_is_aborted(server):
+    recorder = FinishedRecorder()
+    server.engine.add_stats_listener(recorder)
+    body = request_body(2) | {"max_tokens": 400, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        first = [json.loads(next(events)[len("data: "):]) for _ in range(3)]
+        assert all(chunk["choices"][0]["finish_reason"] is None for chunk in first)
+    health = server.wait_idle(timeout_s=10)
+    assert health["blocks"]["num_used"] == 0
+    with recorder.lock:
+        finished = list(recorder.finished)
+    assert [f.finish_reason for f in finished] == ["abort"]
+    assert 3 <= finished[0].num_generation_tokens < 400

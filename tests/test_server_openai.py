@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import math
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import openai
 import pytest
 import torch
@@ -235,8 +241,6 @@ def test_user_selects_the_prefix_cache_tenant(tiny):
 
 def test_health_reports_engine_state(tiny):
     server, _, _, _ = tiny
-    import httpx
-
     health = httpx.get(server.base_url + "/health").json()
     assert health["status"] == "ok" and health["served_model_name"] == NAME
     for key in ("model", "scheduler", "blocks", "prefix_cache"):
@@ -256,3 +260,47 @@ def test_smollm2_answers_paris(smol):
     reply = smol.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12)
     assert reply.choices[0].message.content == "The capital of France is Paris."
     assert reply.choices[0].finish_reason == "stop"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_deepinfer_serve_command(tiny_models):
+    """The CLI end to end: binds loopback, loads in the background, needs the key, stops on SIGINT."""
+    port = free_port()
+    command = [sys.executable, "-m", "deepinfer_cli.main", "serve", "--model", str(tiny_models["llama"][0]),
+               "--port", str(port), "--api-key", "k", "--served-model-name", "cli-model", "--device", "cpu",
+               "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "4MiB", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        reply = client.chat.completions.create(model="cli-model", messages=QUESTION, max_tokens=3)
+        assert reply.model == "cli-model" and reply.usage.completion_tokens <= 3
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr  # 130: stopped by SIGINT, cleanly
+
+
+def test_deepinfer_serve_exits_when_the_model_cannot_load(tmp_path):
+    command = [sys.executable, "-m", "deepinfer_cli.main", "serve", "--model", str(tmp_path / "absent"),
+               "--port", str(free_port()), "--device", "cpu", "--log-level", "error"]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "error: cannot serve:" in result.stderr and "absent" in result.stderr
+    assert "Traceback" not in result.stderr
