@@ -204,24 +204,30 @@ def test_sampling_parameters_are_wired_through(loaded):
     assert a.token_ids != tokens[:12]
 
 
-def test_penalties_see_the_prompt_and_output_history(loaded, hf_model):
-    # Reference: HF logits of each context, penalized by hand (repetition over prompt + output,
-    # frequency and presence over the output), then argmax.
-    p = prompt(6, 42)[:3] * 3  # a repetitive prompt, so the repetition penalty has work to do
-    params = greedy(10, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.4)
-    (out,) = run(make_engine(loaded), [(p, params)])
-    context, expected = list(p), []
-    for _ in range(10):
+def penalized_greedy(hf_model, prompt_ids, num_tokens, prompt_counts=True):
+    """HF logits of each context, penalized by hand (repetition 1.8 over prompt + output, frequency 0.7
+    and presence 0.4 over the output), then argmax."""
+    context, output = list(prompt_ids), []
+    for _ in range(num_tokens):
         with torch.no_grad():
             logits = hf_model(torch.tensor([context])).logits[0, -1].clone()
-        for token in set(context):
+        for token in set(context if prompt_counts else output):
             logits[token] = logits[token] / 1.8 if logits[token] > 0 else logits[token] * 1.8
-        for token in set(expected):
-            logits[token] -= 0.7 * expected.count(token) + 0.4
-        expected.append(int(logits.argmax()))
-        context.append(expected[-1])
-    assert out.token_ids == expected
-    assert out.token_ids != solo(loaded, p, greedy(10))
+        for token in set(output):
+            logits[token] -= 0.7 * output.count(token) + 0.4
+        output.append(int(logits.argmax()))
+        context.append(output[-1])
+    return output
+
+
+def test_penalties_see_the_prompt_and_output_history(loaded, hf_model):
+    params = greedy(8, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.4)
+    # A prompt where penalizing its own tokens changes the answer, so the prompt history must arrive.
+    p = next(p for p in (prompt(12, seed) for seed in range(100))
+             if penalized_greedy(hf_model, p, 8) != penalized_greedy(hf_model, p, 8, prompt_counts=False))
+    (out,) = run(make_engine(loaded), [(p, params)])
+    assert out.token_ids == penalized_greedy(hf_model, p, 8)
+    assert out.token_ids != solo(loaded, p, greedy(8))
 
 
 def test_n_samples_share_the_prompt_blocks(loaded):
