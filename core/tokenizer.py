@@ -80,6 +80,8 @@ class ByteTokenizer:
     has_chat_template = False
 
     def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 256:
+            raise ModelLoadError(f"a byte tokenizer needs a vocabulary of at least 256 ids, the model has {vocab_size}")
         self.vocab_size = vocab_size
         self.eos_token_ids: set[int] = set()  # dummy runs stop on max_tokens only
         self.bos_token_id: int | None = None

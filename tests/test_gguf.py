@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -147,6 +148,8 @@ def write_gguf_like_llama_cpp(hf_model, family: str, path) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    if config.rope_parameters["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(config))
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -165,7 +168,28 @@ def write_gguf_like_llama_cpp(hf_model, family: str, path) -> None:
     writer.close()
 
 
+def llama_cpp_rope_factors(config) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3 scaling as one factor per frequency."""
+    params = config.rope_parameters
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    dim = config.head_dim
+    freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 @pytest.mark.parametrize(("family", "overrides"), [
+    ("llama", {}),  # llama3 RoPE scaling -> rope_freqs tensor
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "tie_word_embeddings": False}),
     ("qwen2", {"use_sliding_window": False}),  # llama.cpp keeps no Qwen2 window in GGUF
     ("qwen3", {}),
@@ -177,6 +201,7 @@ def test_converted_gguf_matches_hf_logits(family, overrides, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from core.models.decoder import DecoderModel
+    from core.models.layers import rope_inverse_frequencies
     from core.models.spec import ModelSpec
     from core.weights.gguf_reader import iter_gguf_weights
 
@@ -192,7 +217,10 @@ def test_converted_gguf_matches_hf_logits(family, overrides, tmp_path):
     spec = ModelSpec.from_gguf(reader)
     hf_spec = ModelSpec.from_hf_config(hf_model.config.to_dict())
     assert spec.rms_norm_eps == pytest.approx(hf_spec.rms_norm_eps)  # GGUF stores float32
-    assert replace(spec, rms_norm_eps=0.0) == replace(hf_spec, rms_norm_eps=0.0, torch_dtype=None)
+    assert replace(spec, rms_norm_eps=0.0, rope_scaling=None) == replace(
+        hf_spec, rms_norm_eps=0.0, rope_scaling=None, torch_dtype=None)
+    torch.testing.assert_close(rope_inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling),
+                               rope_inverse_frequencies(spec.head_dim, spec.rope_theta, hf_spec.rope_scaling))
     model = DecoderModel(spec)
     model.load_weights(iter_gguf_weights(reader, spec))
     tokens = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(1)).tolist()

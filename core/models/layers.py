@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.errors import ModelLoadError
 from core.models.spec import ModelSpec, RopeScaling
 
 
@@ -40,6 +41,10 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "freq_factors":
+        if len(scaling.freq_factors) != inv_freq.numel():
+            raise ModelLoadError(f"{len(scaling.freq_factors)} RoPE frequency factors for head_dim {head_dim}")
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     # llama3: long wavelengths divided by factor, short kept, the band between smoothly interpolated
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor

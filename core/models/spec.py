@@ -66,13 +66,15 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `kind`: "linear" (inv_freq / factor) or "llama3" (Llama 3.1 smoothing)."""
+    """RoPE frequency scaling. `kind`: "linear" (inv_freq / factor), "llama3" (Llama 3.1 smoothing), or
+    "freq_factors" (inv_freq / freq_factors[i]: how llama.cpp's GGUF stores Llama 3 scaling, `rope_freqs`)."""
 
     kind: str
-    factor: float
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,8 @@ def _read_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=int(
                 params.get("original_max_position_embeddings", cfg["max_position_embeddings"])),
         )
+    if kind == "freq_factors":  # not an HF type: only the GGUF reader produces it
+        return theta, RopeScaling(kind="freq_factors", freq_factors=tuple(float(f) for f in params["freq_factors"]))
     raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
 
 

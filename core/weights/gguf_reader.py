@@ -8,6 +8,8 @@ as transformers' GGUF loader does (`modeling_gguf_pytorch_utils.py`):
   HF's rotate-half order.
 - Gemma / Gemma 2 RMSNorm weights are stored as `1 + weight`; we subtract the 1 back because
   the decoder adds it (norm_weight_offset).
+- Llama 3 RoPE scaling is stored as a `rope_freqs.weight` tensor of per-frequency divisors; it
+  becomes ModelSpec.rope_scaling ("freq_factors"), not a weight.
 
 Every tensor's byte range is checked against the file size before any data is touched, so a
 truncated download is a one-line ModelLoadError, not a numpy reshape error.
@@ -27,6 +29,7 @@ from core.errors import ModelLoadError, UnsupportedModelError
 from core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"
 
 # general.architecture -> HF model_type
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2"}
@@ -92,8 +95,6 @@ def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}")
     names = {tensor.name for tensor in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise UnsupportedModelError("GGUF with per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) is not supported")
 
     def meta(key: str, default: Any = None) -> Any:
         return read_field(reader, f"{arch}.{key}", default)
@@ -127,7 +128,9 @@ def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
         "eos_token_id": [int(e) for e in dict.fromkeys(eos_ids) if e is not None],
     }
     scaling_type = meta("rope.scaling.type", "none")
-    if scaling_type == "linear":
+    if ROPE_FREQS in names:  # Llama 3.x: HF's llama3 scaling, baked into one factor per frequency
+        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(reader)}
+    elif scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
     elif scaling_type != "none":
         raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling_type!r}; supported: none, linear")
@@ -146,6 +149,8 @@ def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch
 
     layer_norm_names = _SANDWICH_NORMS if spec.sandwich_norm else _PLAIN_NORMS
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # read into ModelSpec.rope_scaling
         hf_name = gguf_to_hf_name(tensor.name, layer_norm_names)
         try:
             values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -178,6 +183,13 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K permutation: per head, rows (pair, 2) -> (2, pair). weight: [heads * head_dim, ...]."""
     half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
+
+
+def _rope_freq_factors(reader: Any) -> list[float]:
+    from gguf.quants import dequantize
+
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    return [float(f) for f in np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)]
 
 
 def _embedding_rows(reader: Any) -> int:
