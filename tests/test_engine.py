@@ -191,6 +191,12 @@ def test_sampling_parameters_are_wired_through(loaded):
     assert by_string.text == text[:text.index(stop)] and stop not in by_string.text
     assert (by_string.finish_reason, by_string.outputs[0].stop_reason) == ("stop", stop)
 
+    (six,) = run(engine, [(p, greedy(6))])
+    last_stop = six.text[-2:]  # completed by the 6th token, the one that also reaches max_tokens
+    (at_the_end,) = run(engine, [(p, greedy(6, stop=[last_stop]))])
+    assert (at_the_end.finish_reason, at_the_end.outputs[0].stop_reason) == ("stop", last_stop)
+    assert at_the_end.text == six.text[:six.text.index(last_stop)]
+
     (with_logprobs,) = run(engine, [(p, greedy(4, logprobs=3))])
     entries = with_logprobs.outputs[0].logprobs
     assert [e.token_id for e in entries] == tokens[:4]

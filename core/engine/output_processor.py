@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from core.engine.detokenizer import IncrementalDetokenizer
 from core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from core.engine.request import Request
+from core.engine.request import Request, RequestStatus
 from core.engine.sampling_params import SamplingParams
 from core.engine.stats import FinishedRequestStats, IterationStats
 
@@ -88,8 +88,11 @@ class OutputProcessor:
                 continue
             completion.delta_text += step.delta_text
             completion.text += step.delta_text
-            if step.finished and not request.is_finished and isinstance(step.stop_reason, str):
-                stopped.append((request, step.stop_reason))
+            if step.finished and isinstance(step.stop_reason, str):
+                if not request.is_finished:
+                    stopped.append((request, step.stop_reason))
+                elif request.status is RequestStatus.FINISHED_LENGTH:  # the last token also completed a stop
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, step.stop_reason
         return stopped, failed
 
     def make_outputs(self, requests: list[Request], stats: IterationStats) -> list[RequestOutput]:
