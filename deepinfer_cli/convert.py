@@ -14,7 +14,8 @@ OutArg = Annotated[Path, typer.Argument(help="New directory for the layered chec
 BitsOpt = Annotated[int | None, typer.Option(
     "--bits", help="Round-to-nearest bits, 4 or 3, for HF sources and re-quantized GGUF tensors [default: 4].")]
 GroupSizeOpt = Annotated[int | None, typer.Option(
-    "--group-size", help="Round-to-nearest group: 32, 64, 128, or -1 per-channel [default: 128 HF, 32 GGUF].")]
+    "--group-size", help="Round-to-nearest group: 32, 64, 128, or -1 per-channel [default: 128 for HF "
+                         "(64 or 32 where 128 does not divide a layer's inputs), 32 for GGUF].")]
 SymOpt = Annotated[bool, typer.Option("--sym", help="Symmetric round-to-nearest (zero point 2**(bits-1)).")]
 Keep8bitOpt = Annotated[bool, typer.Option(
     "--keep-8bit", help="GGUF: keep Q5_K/Q6_K/Q8_0/F16 projections unquantized (fp16) instead of re-quantizing.")]

@@ -97,6 +97,17 @@ def test_group_that_does_not_divide_the_features(tmp_path, tiny_tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_default_group_fits_each_projection(tmp_path, tiny_tokenizer):
+    """Hidden 64 and intermediate 96 are no multiples of 128: the default falls back to 64 (all of a
+    64-wide input: per-channel) and 32."""
+    save_tiny_model("llama", tmp_path / "src", tiny_tokenizer)
+    summary = convert_checkpoint(tmp_path / "src", tmp_path / "out")
+    groups = {r.name.rsplit(".", 2)[-2]: r.target_type for r in summary.records if r.method == "requantized"}
+    assert groups == {"q_proj": "int4-channel", "k_proj": "int4-channel", "v_proj": "int4-channel",
+                      "o_proj": "int4-channel", "gate_proj": "int4-channel", "up_proj": "int4-channel",
+                      "down_proj": "int4-g32"}
+
+
 def test_quantized_tensors_without_config_are_not_taken_for_hf(hf_dirs, tmp_path):
     from safetensors.torch import save_file
 

@@ -59,6 +59,14 @@ def quantize_rtn(
     )
 
 
+def default_group_size(in_features: int, preferred: int = 128) -> int:
+    """The largest of `preferred`, 64 and 32 that divides `in_features` (576 -> 64 for preferred 128)."""
+    for group_size in (preferred, 64, 32):
+        if group_size <= preferred and in_features % group_size == 0:
+            return group_size
+    raise ValueError(f"{in_features} input features are not a multiple of 32, which packing needs")
+
+
 def quantization_error(reference: torch.Tensor, packed: PackedWeight) -> tuple[float, float]:
     """(max, mean) absolute difference between `reference` [N, K] and the dequantized `packed`."""
     diff = (dequantize(packed, torch.float32) - reference.to(torch.float32)).abs()

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from core.errors import ConversionError
-from core.quant.rtn import quantization_error, quantize_rtn
+from core.quant.rtn import default_group_size, quantization_error, quantize_rtn
 from core.weights.convert.safetensors_dir import SafetensorsDir, keep_tensors, linear_module_of
 from core.weights.convert.source import (
     ConversionSource,
@@ -28,15 +28,16 @@ class HFSource(ConversionSource):
     def __init__(self, path: Path, options: ConvertOptions) -> None:
         self.files = SafetensorsDir(path)
         self.bits = options.rtn_bits
-        self.group_size = DEFAULT_GROUP_SIZE if options.group_size is None else options.group_size
+        self.group_size = options.group_size  # None: DEFAULT_GROUP_SIZE, or the largest smaller one that divides
         self.sym = options.sym
         if self.bits not in (3, 4):
             raise ConversionError(f"--bits {self.bits} is not supported: deepinfer stores 3- and 4-bit weights")
-        if self.group_size not in (32, 64, 128, -1):
+        if self.group_size not in (None, 32, 64, 128, -1):
             raise ConversionError(f"--group-size {self.group_size} is not supported: use 32, 64, 128 or -1")
         if options.keep_8bit:
             raise ConversionError("--keep-8bit applies to GGUF sources only")
-        self._scheme = {"method": "rtn", "bits": self.bits, "group_size": self.group_size, "sym": self.sym,
+        self._scheme = {"method": "rtn", "bits": self.bits, "group_size": self.group_size or DEFAULT_GROUP_SIZE,
+                        "sym": self.sym,
                         "source_dtype": str(self.files.config.get("torch_dtype", self.files.config.get("dtype")))}
 
     @property
@@ -63,7 +64,8 @@ class HFSource(ConversionSource):
             weight = self.files.get(name)
             bias = self.files.get(f"{module}.bias") if f"{module}.bias" in self.files else None
             try:
-                packed[module] = quantize_rtn(weight, self.bits, self.group_size, self.sym, bias=bias)
+                group_size = self.group_size or default_group_size(weight.shape[1], DEFAULT_GROUP_SIZE)
+                packed[module] = quantize_rtn(weight, self.bits, group_size, self.sym, bias=bias)
             except ValueError as err:
                 raise ConversionError(f"{name}: {err}") from None
             max_error, mean_error = quantization_error(weight, packed[module])
