@@ -13,8 +13,6 @@ Sources, in the order they are recognized:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +47,8 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     path = Path(config.model).expanduser() if config.model else default_model_path()
     kind = detect_source(path)
     if kind == "layered":
-        load_layered = None
-        if importlib.util.find_spec("core.weights.layered") is not None:
-            load_layered = getattr(importlib.import_module("core.weights.layered"), "load_layered", None)
-        if load_layered is None:
-            raise UnsupportedModelError(f"{path} is a deepinfer layered checkpoint, which this build cannot load yet")
+        from core.weights.layered import load_layered
+
         return load_layered(path, config, device, dtype)
     if kind == "gguf":
         return _load_gguf(_gguf_file(path), config, device, dtype)
