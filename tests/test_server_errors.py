@@ -101,8 +101,23 @@ def test_wrong_types_and_ranges_are_400_naming_the_field(client, fields, param):
     assert param in error["message"]
 
 
+def test_values_json_allows_but_sampling_cannot_take_are_400(client):
+    base = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, '
+    for raw, param in [(base + '"temperature": NaN}', "temperature"), (base + '"top_p": Infinity}', "top_p"),
+                       (base + '"seed": 100000000000000000000000}', "seed"),
+                       (base + '"stop_token_ids": [99999999]}', "stop_token_ids"),
+                       (base + '"stop": ' + json.dumps(["x"] * 17) + "}", "stop")]:
+        response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert assert_error(response, 400)["param"] == param, raw
+    lone_surrogate = '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    response = client.post("/v1/chat/completions", content=lone_surrogate, headers={"content-type": "application/json"})
+    assert_error(response, 400, "not valid Unicode")
+
+
 def test_body_that_is_not_an_object_is_400(client):
-    assert_error(client.post("/v1/chat/completions", json=[1, 2]), 400)
+    assert_error(client.post("/v1/chat/completions", json=[1, 2]), 400, "must be a JSON object")
+    assert_error(client.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"}),
+                 400, "must be a JSON object")
     assert_error(client.post("/v1/completions", json={"model": "tiny"}), 400, "prompt")
 
 

@@ -83,6 +83,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(location)
         first_param = first_param or where or None
         message = item.get("msg", "invalid value")
+        if not where and item.get("type") in ("missing", "model_attributes_type", "dict_type"):
+            return "the request body must be a JSON object", None
         if item.get("type") == "json_invalid":
             return "request body is not valid JSON: " + str(item.get("ctx", {}).get("error", message)), None
         parts.append(f"{where}: {message}" if where else message)

@@ -18,6 +18,8 @@ from core.server.errors import InvalidParameter
 
 MAX_N = 128  # samples per request; each holds its own KV blocks after the shared prompt
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # each is checked against the new text after every token, on the engine thread
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds become torch generator seeds (int64)
 
 
 class StreamOptions(BaseModel):
@@ -39,9 +41,10 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share; strict on types, so "abc" for a number is a 400, not a guess."""
+    """Fields both endpoints share; strict on types, so "abc" for a number is a 400, not a guess,
+    and NaN or Infinity (which Python's JSON reader accepts) never reach the sampler."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -49,8 +52,8 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

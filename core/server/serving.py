@@ -67,6 +67,11 @@ class ServingEngine:
 
     def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:  # JSON "\ud800": a lone surrogate the tokenizer cannot take
+                raise InvalidParameter(f"{param} is not valid Unicode text: {err.reason} at position {err.start}",
+                                       param=param) from None
             return list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
@@ -81,6 +86,10 @@ class ServingEngine:
         if num_prompt > self.max_prompt_tokens:
             raise APIError(400, f"The prompt has {num_prompt} tokens; this server accepts at most "
                                 f"{self.max_prompt_tokens} prompt tokens.", code="context_length_exceeded")
+        bad_stop = next((t for t in request.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
+        if bad_stop is not None:
+            raise InvalidParameter(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})",
+                                   param="stop_token_ids")
         if request.n > self.max_num_seqs:
             raise InvalidParameter(f"n={request.n} exceeds this server's max_num_seqs={self.max_num_seqs}",
                                    param="n")
