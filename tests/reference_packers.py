@@ -203,19 +203,21 @@ _GGUF_LINEAR_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k"
                       "mlp.down_proj": "ffn_down"}
 
 
-def write_tiny_llama_gguf(hf_model, path: Path, linear_types: dict[str, str], seed: int = 0,
-                          embedding_type: str = "F32") -> dict[str, np.ndarray]:
-    """Write `hf_model` (a tiny LlamaForCausalLM) as a llama-arch GGUF without a vocabulary.
+def write_tiny_gguf(hf_model, path: Path, linear_types: dict[str, str], seed: int = 0,
+                    embedding_type: str = "F32") -> dict[str, np.ndarray]:
+    """Write `hf_model` (a tiny Llama or Qwen2 ForCausalLM) as a GGUF of its architecture, without a vocabulary.
 
-    linear_types: HF linear name (e.g. "self_attn.q_proj") -> GGUF type, for every layer.
+    linear_types: HF linear name (e.g. "self_attn.q_proj") -> GGUF type, for every layer. Llama's Q/K
+    rows are permuted as llama.cpp does; Qwen2's q/k/v biases are stored as F32.
     Returns HF name -> the weights the GGUF holds, dequantized by gguf-py (Q/K rows un-permuted),
     i.e. what a correct reader must load.
     """
     import gguf
 
     config = hf_model.config
+    arch = config.model_type
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -251,10 +253,14 @@ def write_tiny_llama_gguf(hf_model, path: Path, linear_types: dict[str, str], se
         add(f"blk.{i}.ffn_norm.weight", prefix + "post_attention_layernorm.weight",
             state[prefix + "post_attention_layernorm.weight"], "F32")
         for hf_linear, gguf_linear in _GGUF_LINEAR_NAMES.items():
-            heads = {"self_attn.q_proj": config.num_attention_heads,
-                     "self_attn.k_proj": config.num_key_value_heads}.get(hf_linear)
+            heads = None
+            if arch == "llama":
+                heads = {"self_attn.q_proj": config.num_attention_heads,
+                         "self_attn.k_proj": config.num_key_value_heads}.get(hf_linear)
             add(f"blk.{i}.{gguf_linear}.weight", f"{prefix}{hf_linear}.weight", state[f"{prefix}{hf_linear}.weight"],
                 linear_types[hf_linear], heads)
+            if f"{prefix}{hf_linear}.bias" in state:
+                add(f"blk.{i}.{gguf_linear}.bias", f"{prefix}{hf_linear}.bias", state[f"{prefix}{hf_linear}.bias"], "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

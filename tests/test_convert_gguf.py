@@ -13,7 +13,7 @@ from reference_packers import (
     gguf_quantized,
     llama_cpp_permute,
     reference_with_weights,
-    write_tiny_llama_gguf,
+    write_tiny_gguf,
 )
 
 from core.config import EngineConfig
@@ -55,11 +55,19 @@ def test_qk_row_order_undoes_llama_cpp_permutation():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """Hidden 256 and intermediate 512 (Q4_K blocks hold 256 weights), GQA 4/2 heads of 64."""
-    return save_tiny_model("llama", tmp_path_factory.mktemp("gguf_hf") / "llama", seed=8, hidden_size=256,
-                           intermediate_size=512, head_dim=64,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+def tiny_models(tmp_path_factory):
+    """Llama and Qwen2 (q/k/v biases) of hidden 256 and intermediate 512 (Q4_K blocks hold 256
+    weights), GQA 4/2 heads of 64, plain RoPE and no sliding window, as their GGUF metadata says."""
+    root = tmp_path_factory.mktemp("gguf_hf")
+    dims = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    return {"llama": save_tiny_model("llama", root / "llama", seed=8, **dims),
+            "qwen2": save_tiny_model("qwen2", root / "qwen2", seed=9, use_sliding_window=False, **dims)}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models):
+    return tiny_models["llama"]
 
 
 def logits_of(model, tokens):
@@ -70,8 +78,10 @@ def logits_of(model, tokens):
 TOKENS = list(range(6, 45))
 
 
-def test_exact_types_model_logits(tiny_llama, tmp_path):
-    weights = write_tiny_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT, seed=2)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_exact_types_model_logits(tiny_models, tmp_path, family):
+    hf_model = tiny_models[family]
+    weights = write_tiny_gguf(hf_model, tmp_path / "tiny.gguf", EXACT, seed=2)
     summary = convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out")
     assert {(r.source_type, r.method) for r in summary.records} == {
         ("Q4_0", "exact"), ("Q4_1", "exact"), ("Q4_K", "exact"), ("F32", "kept")}
@@ -83,16 +93,22 @@ def test_exact_types_model_logits(tiny_llama, tmp_path):
             name = f"model.layers.{layer}.{linear}"
             assert torch.equal(dequantize(packed[name]), torch.from_numpy(weights[f"{name}.weight"]))
     loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
-    reference = reference_with_weights(tiny_llama, {k: torch.from_numpy(v) for k, v in weights.items()})
+    assert loaded.spec.family == family
+    reference = reference_with_weights(hf_model, {k: torch.from_numpy(v) for k, v in weights.items()})
     with torch.no_grad():
         expected = reference(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits_of(loaded.model, TOKENS), expected, atol=TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("keep_8bit", [False, True])
-def test_other_types_requantized_or_kept(tiny_llama, tmp_path, keep_8bit):
-    weights = write_tiny_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", REQUANTIZED, seed=3, embedding_type="Q8_0")
-    summary = convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(keep_8bit=keep_8bit))
+@pytest.mark.parametrize(("options", "target"), [
+    (ConvertOptions(), "int4-g32"),
+    (ConvertOptions(bits=3, group_size=64, sym=True), "int3-g64"),
+    (ConvertOptions(keep_8bit=True), "float16"),
+])
+def test_other_types_requantized_or_kept(tiny_llama, tmp_path, options, target):
+    keep_8bit = options.keep_8bit
+    weights = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", REQUANTIZED, seed=3, embedding_type="Q8_0")
+    summary = convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", options)
     records = {r.name: r for r in summary.records}
     manifest = read_manifest(tmp_path / "out")
     converted = {}
@@ -111,21 +127,22 @@ def test_other_types_requantized_or_kept(tiny_llama, tmp_path, keep_8bit):
                 assert record.method == "kept" and dense[name].dtype == torch.float16
                 converted[name] = dense[name].float()
             else:
-                assert record.method == "requantized" and record.target_type == "int4-g32"
+                assert record.method == "requantized" and record.target_type == target
                 converted[name] = dequantize(packed[name.removesuffix(".weight")])
             error = (converted[name] - source).abs()
             assert record.max_abs_error == pytest.approx(float(error.max()))
             assert record.mean_abs_error == pytest.approx(float(error.mean()))
-            # fp16 rounds by at most 2**-11 relative; 4-bit RTN by half a step of (max - min) / 15
-            bound = float(source.abs().max()) * (2**-11 if keep_8bit else 1 / 14)
+            # fp16 rounds by at most 2**-11 relative; 4-bit RTN by half a step of (max - min) / 15,
+            # 3-bit symmetric by half a step of absmax / 3
+            bound = float(source.abs().max()) * (2**-11 if keep_8bit else 1 / 14 if options.rtn_bits == 4 else 1 / 5)
             assert record.max_abs_error <= bound
             assert (record.max_abs_error == 0) == (keep_8bit and type_name == "F16")  # F16 is kept losslessly
     embedding = records["model.embed_tokens.weight"]
     assert (embedding.method, embedding.source_type, embedding.target_type) == ("kept", "Q8_0", "float16")
     converted["model.embed_tokens.weight"] = torch.from_numpy(weights["model.embed_tokens.weight"]).half().float()
     loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
-    kept_type = "Linear" if keep_8bit else "QuantLinear"
-    assert type(loaded.model.model.layers[0].self_attn.k_proj).__name__ == kept_type
+    k_proj = loaded.model.model.layers[0].self_attn.k_proj
+    assert type(k_proj).__name__ == ("Linear" if keep_8bit else "QuantLinear")
     all_weights = {k: torch.from_numpy(v) for k, v in weights.items()} | converted
     with torch.no_grad():
         expected = reference_with_weights(tiny_llama, all_weights)(torch.tensor([TOKENS])).logits[0]
@@ -133,7 +150,7 @@ def test_other_types_requantized_or_kept(tiny_llama, tmp_path, keep_8bit):
 
 
 def test_bad_gguf_input(tiny_llama, tmp_path):
-    write_tiny_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT)
+    write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT)
     with pytest.raises(ConversionError, match="--bits 8 is not supported"):
         convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(bits=8))
     data = (tmp_path / "tiny.gguf").read_bytes()
