@@ -12,8 +12,8 @@ always excluded by the causal test, because p < seq_len. With a softcap (Gemma 2
 `tanh(s / cap) * cap` before the mask, computed explicitly as HF's eager path does.
 
 Index tensors that depend only on the step (which rows, which blocks, which positions) are built
-on the host from the metadata's host lists once per step and reused by every layer: no
-GPU->CPU sync happens here.
+once per step from the metadata's device tensors, with shapes from its host lists, and reused by
+every layer: no GPU->CPU sync and no host->device copy happens here.
 """
 
 from __future__ import annotations
@@ -57,12 +57,9 @@ class TorchPagedAttention:
         if self._step_metadata is not attn_metadata:
             self._groups = _build_groups(attn_metadata, kv_cache.block_size, query.device)
             self._step_metadata = attn_metadata
-        out = torch.empty_like(query)
-        for group in self._groups:
-            out[group.token_start:group.token_end] = self._attend_group(
-                group, layer_idx, query[group.token_start:group.token_end], kv_cache, scale,
-                sliding_window, softcap)
-        return out
+        outputs = [self._attend_group(group, layer_idx, query[group.token_start:group.token_end], kv_cache, scale,
+                                      sliding_window, softcap) for group in self._groups]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # groups are consecutive token slices
 
     @staticmethod
     def _attend_group(group: _RequestGroup, layer_idx: int, query: torch.Tensor, kv_cache, scale: float,
@@ -128,30 +125,29 @@ def _build_groups(meta: AttentionMetadata, block_size: int, device: torch.device
 
 def _build_group(meta: AttentionMetadata, first: int, last: int, token_start: int, block_size: int,
                  device: torch.device) -> _RequestGroup:
-    query_lens = torch.tensor(meta.query_lens[first:last], dtype=torch.int64)  # [R]
-    seq_lens = torch.tensor(meta.seq_lens_host[first:last], dtype=torch.int64)  # [R]
+    # Shapes come from the host lists; values from the metadata's device tensors (no copy, no sync).
     num_requests = last - first
-    num_tokens = int(query_lens.sum())
-    max_query_len = int(query_lens.max())
-    num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    num_tokens = sum(meta.query_lens[first:last])
+    max_query_len = max(meta.query_lens[first:last])
+    num_blocks = (max(meta.seq_lens_host[first:last]) + block_size - 1) // block_size
 
-    offsets = torch.cumsum(query_lens, 0) - query_lens  # [R]: first token of each request in the slice
-    steps = torch.arange(max_query_len)  # [Qmax]
-    query_valid = steps[None, :] < query_lens[:, None]  # [R, Qmax]
-    query_index = (offsets[:, None] + steps[None, :]).clamp(max=num_tokens - 1)
-    query_positions = (seq_lens - query_lens)[:, None] + steps[None, :]
-    request_of_token = torch.repeat_interleave(torch.arange(num_requests), query_lens)  # [Tg]
-    unpad_index = request_of_token * max_query_len + (torch.arange(num_tokens) - offsets[request_of_token])
-    block_ids = meta.block_tables[first:last, :num_blocks].reshape(-1)
+    starts = meta.query_start_loc[first:last + 1].to(torch.int64)  # [R + 1]
+    query_lens = starts[1:] - starts[:-1]  # [R]
+    offsets = starts[:-1] - starts[0]  # [R]: first token of each request within the group's slice
+    seq_lens = meta.seq_lens[first:last].to(torch.int64)  # [R]
+    steps = torch.arange(max_query_len, device=device)  # [Qmax]
+    request_of_token = torch.repeat_interleave(
+        torch.arange(num_requests, device=device), query_lens, output_size=num_tokens)  # [Tg]
 
     return _RequestGroup(
         token_start=token_start,
         token_end=token_start + num_tokens,
         max_query_len=max_query_len,
         num_blocks=num_blocks,
-        query_index=query_index.to(device),
-        query_positions=query_positions.to(device),
-        query_valid=query_valid.to(device),
-        unpad_index=unpad_index.to(device),
-        block_ids=block_ids.to(device=device, dtype=torch.int64),
+        query_index=(offsets[:, None] + steps[None, :]).clamp(max=num_tokens - 1),
+        query_positions=(seq_lens - query_lens)[:, None] + steps[None, :],
+        query_valid=steps[None, :] < query_lens[:, None],
+        unpad_index=request_of_token * max_query_len + torch.arange(num_tokens, device=device)
+        - offsets[request_of_token],
+        block_ids=meta.block_tables[first:last, :num_blocks].reshape(-1).to(torch.int64),
     )
