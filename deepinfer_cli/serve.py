@@ -95,6 +95,9 @@ def serve(
         attention_backend=attention_backend, dummy_weights=dummy_weights, shape=shape, seed=seed)
     server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                                  max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("deepinfer.server").warning(
+            "serving on %s without --api-key: anyone who can reach this address can use the model", host)
     load_errors: list[Exception] = []
 
     def stop_on_load_failure(err: Exception) -> None:
