@@ -169,35 +169,44 @@ class AsyncEngine:
             raise
 
     def _iterate(self, inbox: list, aborts: list[str]) -> None:
-        outputs: list[RequestOutput] = []
+        deliveries: list[tuple[str, RequestOutput | BaseException]] = []
         for group in inbox:
             try:
                 self.engine.add_request_group(group)
             except (QueueFullError, InvalidRequestError) as err:
-                self._post(group.request_id, err)
+                deliveries.append((group.request_id, err))
         for request_id in aborts:
-            outputs += self.engine.abort(request_id)
-        step_outputs, stats = self.engine.step()
-        outputs += step_outputs
-        for output in outputs:
-            self._post(output.request_id, output)
+            deliveries += [(out.request_id, out) for out in self.engine.abort(request_id)]
+        outputs, stats = self.engine.step()
+        deliveries += [(out.request_id, out) for out in outputs]
+        self._post(deliveries)
         for listener in self._listeners:
             try:
                 listener(stats)
             except Exception:  # a listener's bug must not stop the engine
                 logger.exception("stats listener %r failed", listener)
 
-    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _post(self, deliveries: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams with one event-loop wake-up per step."""
+        puts = []
         with self._wakeup:
-            stream = self._streams.get(request_id)
-            if stream is not None and (isinstance(item, BaseException) or item.finished):
-                del self._streams[request_id]
-        if stream is not None:
-            self._loop.call_soon_threadsafe(stream._put, item)
+            for request_id, item in deliveries:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[request_id]
+                puts.append((stream, item))
+        if puts:
+            self._loop.call_soon_threadsafe(_put_all, puts)
 
     def _post_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
-            try:
-                self._post(request_id, error)
-            except RuntimeError:  # the event loop is already closed
-                pass
+        try:
+            self._post([(request_id, error) for request_id in list(self._streams)])
+        except RuntimeError:  # the event loop is already closed
+            pass
+
+
+def _put_all(puts: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in puts:
+        stream._put(item)
