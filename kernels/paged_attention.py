@@ -1,8 +1,9 @@
 """Launcher of the paged decode attention kernels in paged_attention.cu.
 
-One warp per (kv head, 16-query-head tile, sequence, context split). The context is split so the
-launch has about 16 warps per SM; with more than one split, paged_reduce_kernel combines the
-splits' partial outputs. For CUDA-graph capture pass a fixed `max_seq_len` (the longest context
+One warp per (kv head, 16-query-head tile, sequence, context split). The context is split into
+pieces of about 256 tokens, rounded so the grid fills whole waves of the CTAs the GPU holds at
+once (a partial last wave would leave SMs idle at the end); with more than one split,
+paged_reduce_kernel combines the splits' partial outputs. For CUDA-graph capture pass a fixed `max_seq_len` (the longest context
 the graph must serve): the split count, hence the grid, depends only on it, and splits past a
 sequence's end write an empty partial.
 """
@@ -21,7 +22,9 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
 MIN_TOKENS_PER_SPLIT = 64
-WARPS_PER_SM = 16
+TARGET_TOKENS_PER_SPLIT = 256
+# cudaDeviceGetAttribute numbers
+_ATTR_MULTIPROCESSORS, _ATTR_THREADS_PER_SM, _ATTR_REGISTERS_PER_SM, _ATTR_BLOCKS_PER_SM = 16, 39, 82, 106
 
 
 def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> str | None:
@@ -42,22 +45,47 @@ def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num_kv_head
 
 
 @cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_limits(device_index: int) -> tuple[int, int, int, int]:
+    """(multiprocessors, threads, registers, blocks) per device / per SM."""
+    import cupy
+
+    return tuple(cupy.cuda.runtime.deviceGetAttribute(attr, device_index) for attr in (
+        _ATTR_MULTIPROCESSORS, _ATTR_THREADS_PER_SM, _ATTR_REGISTERS_PER_SM, _ATTR_BLOCKS_PER_SM))
 
 
-def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
+def resident_ctas(registers_per_thread: int, device_index: int) -> int:
+    """How many one-warp CTAs of a kernel using this many registers the whole GPU holds at once."""
+    sms, threads, registers, blocks = _device_limits(device_index)
+    per_warp = -(-registers_per_thread // 8) * 8 * 32
+    return sms * max(1, min(blocks, threads // 32, registers // per_warp))
+
+
+def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
                tokens_per_split: int | None = None) -> tuple[int, int]:
-    """(splits, tokens per split) of the context so the grid fills the GPU."""
+    """(splits, tokens per split): pieces of ~TARGET_TOKENS_PER_SPLIT tokens, their count rounded to
+    whole waves of `resident` CTAs."""
     if tokens_per_split is None:
         group = num_heads // num_kv_heads
         units = num_seqs * num_kv_heads * ((group + 15) // 16)
-        wanted = -(-WARPS_PER_SM * _num_sms(device_index) // units)
+        waves = max(1, round(units * -(-max_seq_len // TARGET_TOKENS_PER_SPLIT) / resident))
         most = max(1, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
-        splits = max(1, min(wanted, most))
+        splits = max(1, min(most, waves * resident // units))
         tokens_per_split = -(-max_seq_len // splits)
     tokens_per_split = -(-tokens_per_split // TILE_TOKENS) * TILE_TOKENS
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
+
+
+def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor) -> str:
+    return f"paged_decode_kernel<{_DTYPE_CODES[query.dtype]},{query.shape[-1]},{int(key_cache.dtype == torch.int8)}>"
+
+
+def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
+             tokens_per_split: int | None = None) -> tuple[int, int]:
+    """The (splits, tokens per split) paged_decode_attention uses for this batch."""
+    index = query.device.index
+    kernel = get_kernel(SOURCE, _kernel_name(query, key_cache), index)
+    return split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
+                      resident_ctas(kernel.num_regs, index), tokens_per_split)
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -84,14 +112,15 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len, index, tokens_per_split)
+    fn = get_kernel(SOURCE, _kernel_name(query, key_cache), index)
+    splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                   resident_ctas(fn.num_regs, index), tokens_per_split)
     group = num_heads // num_kv_heads
     head_tiles = (group + 15) // 16
     part_out = part_stats = None
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_stats = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=device)
-    fn = get_kernel(SOURCE, f"paged_decode_kernel<{dt},{head_dim},{int8}>", index)
     launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32, 1, 1), (
         ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
         ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),

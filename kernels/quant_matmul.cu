@@ -107,12 +107,107 @@ __device__ __forceinline__ void load_x_pairs(const u16* __restrict__ x, bool val
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core kernel (mma.sync m16n8k16, fp32 accumulate) for any number of tokens.
-// CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` 128-code segments.
-// Warp w: rows [64*bx + 16w, +16) as the mma A operand (weights), tokens as the n=8 operand.
-// Thread (g = lane/4, t = lane%4): rows +g and +g+8, the chunk [128*seg + 32t, +32) of each segment,
-// token +g of each 8-token tile. With gridDim.z > 1 splits, each CTA writes fp32 partials and the
-// last CTA of an output tile (a counter per tile) sums them in split order and resets the counter.
+// Tensor-core path (mma.sync m16n8k16, fp32 accumulate). A warp owns 16 output rows as the mma A
+// operand (weights) and 8*TT tokens as the n=8 operand. Thread (g = lane/4, t = lane%4) holds rows
+// +g and +g+8 and, of each 128-code K segment, the chunk [128*seg + 32t, +32).
+// Weight words are software-pipelined: a warp loads the next two segments into one register set
+// while it dequantizes and multiplies the two in the other.
+
+template <int BITS>
+struct SegmentPair {  // raw words, scales and offsets of two segments of the thread's two rows
+  u32 raw[2][2][Chunk<BITS>::WORDS];
+  u32 s2[2][2], b2[2][2];
+};
+
+// Load segments seg and seg + stride (those < seg_end) of rows row0 and row0 + 8.
+template <int DT, int BITS, int SCALE_F32>
+__device__ __forceinline__ void load_segment_pair(SegmentPair<BITS>& d, int seg, int stride, int seg_end,
+                                                  const u32* __restrict__ qweight, const void* __restrict__ scales,
+                                                  const void* __restrict__ zeros, int row0, int t, int N, int K,
+                                                  int group_size, int zero_mode) {
+  const int words_per_row = K * BITS / 32, num_groups = K / group_size;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int kc = (seg + u * stride) * 128 + 32 * t;
+    const bool in_k = seg + u * stride < seg_end && kc < K;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      const bool valid = in_k && row < N;
+      load_chunk<BITS>(qweight, words_per_row, row, kc, valid, d.raw[u][r]);
+      load_scale<DT, SCALE_F32>(scales, zeros, (i64)row * num_groups + (valid ? kc / group_size : 0), zero_mode, valid,
+                                d.s2[u][r], d.b2[u][r]);
+    }
+  }
+}
+
+// Multiply the two loaded segments into acc[tt] (c0..c3 = (row0, tok 2t), (row0, 2t+1), (row0+8, 2t), (row0+8, 2t+1)).
+template <int DT, int BITS, int TT>
+__device__ __forceinline__ void mma_segment_pair(const SegmentPair<BITS>& d, int seg, int stride, int seg_end,
+                                                 const u16* __restrict__ x, int tok0, int g, int t, int M, int K,
+                                                 float (&acc)[TT][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    if (seg + u * stride >= seg_end) break;  // uniform across the warp
+    const int kc = (seg + u * stride) * 128 + 32 * t;
+    u32 a[2][16];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      unpack_codes<DT, BITS>(d.raw[u][r], a[r]);
+#pragma unroll
+      for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], d.s2[u][r], d.b2[u][r]);
+    }
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      const int tok = tok0 + tt * 8 + g;
+      u32 xp[16];
+      load_x_pairs<DT, BITS>(x + (i64)tok * K + kc, tok < M && kc < K, xp);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+    }
+  }
+}
+
+// Walk segments first, first + stride, ... (< seg_end) with two register sets in flight.
+template <int DT, int BITS, int TT, int SCALE_F32>
+__device__ __forceinline__ void mma_segments(int first, int stride, int seg_end, const u16* __restrict__ x,
+                                             const u32* __restrict__ qweight, const void* __restrict__ scales,
+                                             const void* __restrict__ zeros, int row0, int tok0, int g, int t, int M,
+                                             int N, int K, int group_size, int zero_mode, float (&acc)[TT][4]) {
+  SegmentPair<BITS> cur, nxt;
+  load_segment_pair<DT, BITS, SCALE_F32>(cur, first, stride, seg_end, qweight, scales, zeros, row0, t, N, K,
+                                         group_size, zero_mode);
+  for (int seg = first; seg < seg_end; seg += 4 * stride) {
+    load_segment_pair<DT, BITS, SCALE_F32>(nxt, seg + 2 * stride, stride, seg_end, qweight, scales, zeros, row0, t,
+                                           N, K, group_size, zero_mode);
+    mma_segment_pair<DT, BITS, TT>(cur, seg, stride, seg_end, x, tok0, g, t, M, K, acc);
+    load_segment_pair<DT, BITS, SCALE_F32>(cur, seg + 4 * stride, stride, seg_end, qweight, scales, zeros, row0, t,
+                                           N, K, group_size, zero_mode);
+    mma_segment_pair<DT, BITS, TT>(nxt, seg + 2 * stride, stride, seg_end, x, tok0, g, t, M, K, acc);
+  }
+}
+
+template <int DT, int TT>
+__device__ __forceinline__ void store_tile(const float (&acc)[TT][4], const u16* __restrict__ bias,
+                                           u16* __restrict__ out, int row0, int tok0, int t, int M, int N) {
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+      if (row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(acc[tt][e] + b);
+      }
+    }
+  }
+}
+
+// CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` segments; the 4 warps
+// read the same activations (L1 hits after the first). With gridDim.z > 1 splits, each CTA writes
+// fp32 partials and the last CTA of an output tile (a counter per tile) sums them in split order,
+// then resets the counter.
 template <int DT, int BITS, int TT, int SCALE_F32>
 __global__ void __launch_bounds__(128) quant_mma_kernel(
     const u16* __restrict__ x,          // [M, K]
@@ -124,13 +219,10 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
     float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
     int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
     int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
-  constexpr int WORDS = Chunk<BITS>::WORDS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 64 + warp * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
-  const int words_per_row = K * BITS / 32;
-  const int num_groups = K / group_size;
   const int num_segs = (K + 127) / 128;
   const int seg_begin = blockIdx.z * segs_per_split;
   const int seg_end = min(num_segs, seg_begin + segs_per_split);
@@ -138,47 +230,9 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
   float acc[TT][4];
 #pragma unroll
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  mma_segments<DT, BITS, TT, SCALE_F32>(seg_begin, 1, seg_end, x, qweight, scales, zeros, row0, tok0, g, t, M, N, K,
+                                        group_size, zero_mode, acc);
 
-  for (int seg = seg_begin; seg < seg_end; seg += 2) {
-    // issue every weight load of two segments before any use
-    u32 raw[2][2][WORDS], s2[2][2], b2[2][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int kc = (seg + u) * 128 + 32 * t;
-      const bool in_k = seg + u < seg_end && kc < K;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        const bool valid = in_k && row < N;
-        load_chunk<BITS>(qweight, words_per_row, row, kc, valid, raw[u][r]);
-        load_scale<DT, SCALE_F32>(scales, zeros, (i64)row * num_groups + kc / group_size, zero_mode, valid,
-                                  s2[u][r], b2[u][r]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      if (seg + u >= seg_end) break;  // uniform across the CTA
-      const int kc = (seg + u) * 128 + 32 * t;
-      u32 a[2][16];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        unpack_codes<DT, BITS>(raw[u][r], a[r]);
-#pragma unroll
-        for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], s2[u][r], b2[u][r]);
-      }
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        const int tok = tok0 + tt * 8 + g;
-        u32 xp[16];
-        load_x_pairs<DT, BITS>(x + (i64)tok * K + kc, tok < M && kc < K, xp);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
-      }
-    }
-  }
-
-  // acc[tt]: c0 = (row0, tok 2t), c1 = (row0, tok 2t+1), c2 = (row0+8, tok 2t), c3 = (row0+8, tok 2t+1)
   const int splits = gridDim.z;
   if (splits > 1) {
 #pragma unroll
@@ -211,17 +265,52 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
     }
     if (threadIdx.x == 0) counters[tile] = 0;
   }
+  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+}
+
+// Few tokens: CTA = 8 warps on the same 16 output rows, warp w taking segments w, w+8, w+16, ... of
+// the whole K, so a CTA streams its rows front to back and no split-K pass over global memory is
+// needed; the warps' partial sums meet in shared memory.
+template <int DT, int BITS, int TT, int SCALE_F32>
+__global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    int M, int N, int K, int group_size, int zero_mode) {
+  constexpr int WARPS = 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16 + g;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int num_segs = (K + 127) / 128;
+
+  float acc[TT][4];
+#pragma unroll
+  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  mma_segments<DT, BITS, TT, SCALE_F32>(warp, WARPS, num_segs, x, qweight, scales, zeros, row0, tok0, g, t, M, N, K,
+                                        group_size, zero_mode, acc);
+
+  __shared__ float partial[WARPS][TT * 4][32];
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
+  __syncthreads();
+  if (warp != 0) return;
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
-      if (row < N && tok < M) {
-        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
-        out[(i64)tok * N + row] = Num<DT>::from_float(acc[tt][e] + b);
-      }
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += partial[w][tt * 4 + e][lane];
+      acc[tt][e] = sum;
     }
   }
+  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
 }
 
 // ---------------------------------------------------------------------------------------------

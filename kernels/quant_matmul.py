@@ -1,10 +1,12 @@
 """Launchers of the W4A16/W3A16 kernels in quant_matmul.cu.
 
-Two kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
+Three kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
 - "gemv": CUDA cores, up to 4 tokens per weight read (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
-- "mma": tensor cores (mma.sync m16n8k16), a tile of 8/16/32/64 tokens per weight read, split
-  along K when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`).
-`pick_kernel` chooses between them by the number of tokens; `kernel=` forces one (benchmarks).
+- "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share
+  16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens;
+- "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
+  along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`).
+`pick_kernel` chooses by the number of tokens (from `bench gemv` on an H200); `kernel=` forces one.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from kernels.launch import i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-# The GEMV kernel serves M <= GEMV_MAX_TOKENS tokens, the mma kernel the rest.
-GEMV_MAX_TOKENS = 1
+# (largest token count, kernel): the first entry whose bound covers M serves it.
+AUTO_KERNELS = ((1, "gemv"), (8, "ksplit"), (1 << 30, "mma"))
+MAX_TILE = {"gemv": 4, "ksplit": 2, "mma": 8}
 MMA_ROWS_PER_CTA = 64
+KSPLIT_ROWS_PER_CTA = 16
 MMA_SEGMENT = 128  # codes of K per thread-quad step
 _COUNTER_SLOTS = 1 << 14
 
@@ -46,13 +50,14 @@ def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def default_tile(kernel: str, num_tokens: int) -> int:
-    """Tokens per CTA of the gemv kernel (1, 2, 4) or 8-token tiles per CTA of the mma kernel (1..8)."""
-    sizes, unit = ((1, 2, 4), 1) if kernel == "gemv" else ((1, 2, 4, 8), 8)
+    """Tokens per CTA of the gemv kernel (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2) / mma (1..8)."""
+    sizes = tuple(size for size in (1, 2, 4, 8) if size <= MAX_TILE[kernel])
+    unit = 1 if kernel == "gemv" else 8
     return next((size for size in sizes if num_tokens <= size * unit), sizes[-1])
 
 
 def pick_kernel(num_tokens: int) -> str:
-    return "gemv" if num_tokens <= GEMV_MAX_TOKENS else "mma"
+    return next(kernel for bound, kernel in AUTO_KERNELS if num_tokens <= bound)
 
 
 @cache
@@ -78,8 +83,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
-    kernel: "auto" | "gemv" | "mma"; tile: tokens per CTA (gemv: 1/2/4) or 8-token tiles (mma:
-    1/2/4/8); splits: the mma kernel's K splits (default: enough CTAs for 4 per SM);
+    kernel: "auto" | "gemv" | "ksplit" | "mma"; tile: tokens per CTA (gemv: 1/2/4) or 8-token tiles
+    (ksplit: 1/2, mma: 1/2/4/8); splits: the mma kernel's K splits (default: enough CTAs for 4 per SM);
     out: a contiguous [M, N] buffer to write into.
     """
     num_tokens, in_features = x.shape
@@ -105,6 +110,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         fn = get_kernel(SOURCE, f"quant_gemv_kernel<{dt},{bits},{tile},{scale_f32}>", index)
         grid = ((out_features + 7) // 8, (num_tokens + tile - 1) // tile, 1)
         launch(fn, grid, (128, 1, 1), (
+            ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out),
+            i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode)), index)
+        return out
+    if name == "ksplit":
+        fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel<{dt},{bits},{tile},{scale_f32}>", index)
+        grid = ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA, (num_tokens + 8 * tile - 1) // (8 * tile), 1)
+        launch(fn, grid, (256, 1, 1), (
             ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out),
             i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode)), index)
         return out

@@ -192,12 +192,20 @@ def test_split_and_tile_choices(monkeypatch):
     from kernels import paged_attention
     from kernels import quant_matmul as kq
 
-    monkeypatch.setattr(paged_attention, "_num_sms", lambda index: 132)
-    splits, per_split = paged_attention.split_plan(16, 32, 8, 4096, 0)
-    assert per_split % paged_attention.TILE_TOKENS == 0 and splits * per_split >= 4096
-    assert splits > 1 and (splits - 1) * per_split < 4096  # no empty split
-    assert paged_attention.split_plan(1, 32, 8, 4096, 0, tokens_per_split=1 << 20)[0] == 1
+    monkeypatch.setattr(paged_attention, "_device_limits", lambda index: (132, 2048, 65536, 32))
+    resident = paged_attention.resident_ctas(168, 0)
+    assert resident == 132 * 12  # 168 registers: 12 one-warp CTAs per SM
+    for batch, context in ((16, 4096), (64, 16384), (1, 512), (3, 1000)):
+        splits, per_split = paged_attention.split_plan(batch, 32, 8, context, resident)
+        assert per_split % paged_attention.TILE_TOKENS == 0 and splits * per_split >= context
+        assert (splits - 1) * per_split < context  # no empty split
+        ctas = batch * 8 * splits
+        if ctas > resident:  # several waves: the last one is mostly full
+            assert ctas % resident == 0 or ctas % resident > resident // 2, (batch, context, splits)
+    assert paged_attention.split_plan(16, 32, 8, 4096, resident) == (12, 352)  # one full wave of 1536 CTAs
+    assert paged_attention.split_plan(1, 32, 8, 4096, resident, tokens_per_split=1 << 20)[0] == 1
     assert [kq.default_tile("mma", m) for m in (1, 8, 9, 16, 17, 33, 500)] == [1, 1, 2, 2, 4, 8, 8]
+    assert [kq.default_tile("ksplit", m) for m in (1, 8, 9, 16, 17)] == [1, 1, 2, 2, 2]
     assert [kq.default_tile("gemv", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
 
 
@@ -225,16 +233,19 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     from kernels import rms_norm as kr
     from kernels import rope_cache as krc
 
+    class _Kernel(tuple):  # (source, name), with the register count the split plan reads
+        num_regs = 168
+
     launches = []
     for module in (ka, kp, kq, kr, krc):
-        monkeypatch.setattr(module, "get_kernel", lambda source, name, index: (source, name))
+        monkeypatch.setattr(module, "get_kernel", lambda source, name, index: _Kernel((source, name)))
         monkeypatch.setattr(module, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kp, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
     half = torch.float16
     packed = quantize_rtn(torch.randn(256, 512), bits=4, group_size=128)
-    for kernel in ("gemv", "mma"):
+    for kernel in ("gemv", "ksplit", "mma"):
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
@@ -246,7 +257,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                              torch.randn(3, 2, 64, dtype=half), torch.randn(3, 32, dtype=half),
                              torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
     names = {name.split("<")[0] for (_, name), _ in launches}
-    assert names == {"quant_gemv_kernel", "quant_mma_kernel", "paged_decode_kernel", "paged_reduce_kernel",
+    assert names == {"quant_gemv_kernel", "quant_mma_ksplit_kernel", "quant_mma_kernel", "paged_decode_kernel",
+                     "paged_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name

@@ -79,8 +79,8 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
 
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
-                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5,
-                       compare_kernels_up_to: int = 4) -> list[dict]:
+                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
+    """Every kernel that suits each token count: gemv up to 4 tokens, ksplit up to 16, mma always."""
     from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul
 
     records = []
@@ -92,7 +92,8 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
             for num_tokens in batches:
                 x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
-                kernels = ["gemv", "mma"] if num_tokens <= compare_kernels_up_to else [pick_kernel(num_tokens)]
+                kernels = [kernel for kernel, most in (("gemv", 4), ("ksplit", 16), ("mma", 1 << 30))
+                           if num_tokens <= most]
                 for kernel in kernels:
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
                     mean_us, std_us = time_graph(launch_all, copies, repeats, device)
@@ -135,7 +136,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
                           torch_baseline_max_bytes: int = 4 * 2**30) -> list[dict]:
-    from kernels.paged_attention import paged_decode_attention, split_plan
+    from kernels.paged_attention import paged_decode_attention, plan_for
 
     records = []
     element = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
@@ -160,7 +161,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
 
             mean_us, std_us = time_graph(launch_all, copies, repeats, device)
             moved = kv_bytes + 2 * query.nbytes
-            splits, per_split = split_plan(num_seqs, heads, kv_heads, context, device.index)
+            splits, per_split = plan_for(query, k_cache, context)
             record = {
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                 "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",

@@ -88,6 +88,9 @@ def random_packed(out_features: int, in_features: int, group_size: int, bits: in
 QUANT_CASES = (
     (1, 4096, 4096, 128, "gemv", 1, None, False, False),
     (1, 4096, 4096, 128, "mma", 1, None, False, True),
+    (1, 4096, 4096, 128, "ksplit", 1, None, False, True),
+    (3, 1536, 576, 32, "ksplit", 1, None, False, False),
+    (16, 1000, 11008, 128, "ksplit", 2, None, True, False),
     (3, 1536, 576, 32, "gemv", 4, None, False, False),
     (3, 1536, 576, 64, "mma", 1, None, True, False),
     (2, 1000, 4096, 4096, "gemv", 2, None, False, True),
