@@ -108,6 +108,22 @@ def test_default_group_fits_each_projection(tmp_path, tiny_tokenizer):
                       "down_proj": "int4-g32"}
 
 
+def test_sharded_checkpoint_converts_like_a_single_file(hf_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    directory, hf_model = hf_dirs["llama"]
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    single = convert_checkpoint(directory, tmp_path / "single_out")
+    sharded = convert_checkpoint(tmp_path / "sharded", tmp_path / "sharded_out")
+    assert [(r.name, r.max_abs_error) for r in sharded.records] == [(r.name, r.max_abs_error) for r in single.records]
+    for name in ("embeddings.safetensors", "layers/layer_00001.safetensors"):
+        single_tensors = load_file(str(tmp_path / "single_out" / name))
+        sharded_tensors = load_file(str(tmp_path / "sharded_out" / name))
+        assert single_tensors.keys() == sharded_tensors.keys()
+        assert all(torch.equal(single_tensors[key], sharded_tensors[key]) for key in single_tensors)
+
+
 def test_quantized_tensors_without_config_are_not_taken_for_hf(hf_dirs, tmp_path):
     from safetensors.torch import save_file
 
