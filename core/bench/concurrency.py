@@ -82,7 +82,7 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload) -> tuple[dict, li
     device = engine_client.cuda_device_of(engine.config)
     vocab_size = engine.spec.vocab_size
     info = {"model_name": engine.model_name, "vocab_size": vocab_size, "engine_config": asdict(engine.config),
-            "health": engine.health()}
+            "weights": engine_client.weight_summary(engine), "health": engine.health()}
     levels = []
     try:
         await engine_client.warm_up(engine, vocab_size, workload.prompt_len)

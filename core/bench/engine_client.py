@@ -132,12 +132,35 @@ def peak_memory(device: str | None) -> dict:
 
 
 async def start_engine(config):
-    """Build (loads the model, blocking) and start an AsyncEngine."""
+    """Build (loads the model, blocking) and start an AsyncEngine.
+
+    A quantized run whose model holds no quantized linear would publish bf16 numbers under a W4A16
+    label, so that is an error here rather than a footnote.
+    """
     from core.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(config)
     await engine.start()
+    weights = weight_summary(engine)
+    if config.quantization is not None and weights["quantized_linears"] == 0:
+        await engine.shutdown()
+        raise RuntimeError(f"--quantization {config.quantization} was asked for, but the loaded model has no "
+                           "quantized linear layers; refusing to report unquantized numbers under that label")
     return engine
+
+
+def weight_summary(engine) -> dict:
+    """How the loaded model holds its weights: quantized linears (and their bit widths), bytes on the device."""
+    from core.quant.quant_linear import QuantLinear
+
+    model = engine.engine.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    tensors = [*model.parameters(), *model.buffers()]
+    return {
+        "quantized_linears": len(quantized),
+        "quantized_bits": sorted({m.bits for m in quantized}),
+        "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
+    }
 
 
 async def warm_up(engine, vocab_size: int, prompt_len: int, output_len: int = 4) -> None:

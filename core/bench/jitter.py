@@ -111,7 +111,9 @@ def _mean_std_ms(values: list[float]) -> dict:
 
 async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_info: dict) -> dict:
     engine = await engine_client.start_engine(replace(config, max_num_batched_tokens=budget))
-    engine_info.setdefault("model_name", engine.model_name)
+    if not engine_info:
+        engine_info.update(model_name=engine.model_name, weights=engine_client.weight_summary(engine),
+                           health=engine.health())
     recorder = engine_client.StepRecorder()
     engine.add_stats_listener(recorder)
     vocab_size = engine.spec.vocab_size
