@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import FAMILIES, PagedRunner, save_tiny_model
 from reference_packers import LINEARS
 from safetensors import safe_open
 
@@ -150,3 +150,22 @@ def test_failed_conversion_leaves_nothing(converted, tmp_path, tiny_tokenizer, m
     with pytest.raises(RuntimeError, match="disk full"):
         convert_checkpoint(tmp_path / "src", tmp_path / "out", ConvertOptions(group_size=32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_from_a_layered_checkpoint(tiny_models, tmp_path, family):
+    """Each family's own layers (qk-norm, sandwich norms, Gemma's scaled embedding, sliding windows)
+    survive conversion: logits equal HF's with the dequantized projections swapped in."""
+    directory, hf_model = tiny_models[family]
+    convert_checkpoint(directory, tmp_path / "out", ConvertOptions(bits=3, group_size=32))
+    manifest = read_manifest(tmp_path / "out")
+    reference = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for layer in range(manifest["num_layers"]):
+            for name, packed in read_layer(tmp_path / "out", layer, manifest)[1].items():
+                reference.get_submodule(name).weight.copy_(dequantize(packed))
+        tokens = list(range(3, 33))
+        expected = reference(torch.tensor([tokens])).logits[0].float()
+    loaded = load_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
+    (logits,) = PagedRunner(loaded.model, seed=6).step([("a", tokens)])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
