@@ -8,14 +8,15 @@ from typing import Annotated
 import typer
 
 SrcArg = Annotated[Path, typer.Argument(
-    help="GPTQ, AWQ or HF safetensors directory, or a .gguf file; the kind is detected.", show_default=False)]
-OutArg = Annotated[Path, typer.Argument(help="New directory for the layered checkpoint (must not exist).",
+    help="GPTQ, AWQ or HF safetensors directory, or a .gguf file; the kind is detected.", metavar="SRC",
+    show_default=False)]
+OutArg = Annotated[Path, typer.Argument(help="New directory for the layered checkpoint (must not exist).", metavar="OUT",
                                         show_default=False)]
 BitsOpt = Annotated[int | None, typer.Option(
-    "--bits", help="Round-to-nearest bits, 4 or 3, for HF sources and re-quantized GGUF tensors [default: 4].")]
+    "--bits", help="Round-to-nearest bits, 4 or 3, for HF sources and re-quantized GGUF tensors (default 4).")]
 GroupSizeOpt = Annotated[int | None, typer.Option(
-    "--group-size", help="Round-to-nearest group: 32, 64, 128, or -1 per-channel [default: 128 for HF "
-                         "(64 or 32 where 128 does not divide a layer's inputs), 32 for GGUF].")]
+    "--group-size", help="Round-to-nearest group: 32, 64, 128, or -1 per-channel (default 128 for HF, "
+                         "or 64 / 32 where 128 does not divide a layer's inputs; 32 for GGUF).")]
 SymOpt = Annotated[bool, typer.Option("--sym", help="Symmetric round-to-nearest (zero point 2**(bits-1)).")]
 Keep8bitOpt = Annotated[bool, typer.Option(
     "--keep-8bit", help="GGUF: keep Q5_K/Q6_K/Q8_0/F16 projections unquantized (fp16) instead of re-quantizing.")]
@@ -25,9 +26,9 @@ def convert(src: SrcArg, out: OutArg, bits: BitsOpt = None, group_size: GroupSiz
             keep_8bit: Keep8bitOpt = False) -> None:
     """Convert a GPTQ, AWQ, GGUF or HF checkpoint to deepinfer's W4A16/W3A16 layered format.
 
-    GPTQ, AWQ and GGUF Q4_0/Q4_1/Q4_K weights are re-packed exactly; HF weights and other GGUF
-    types are round-to-nearest quantized, with the error reported per tensor. The result is
-    written beside OUT and moved into place only when complete.
+    GPTQ, AWQ and GGUF Q4_0/Q4_1/Q4_K weights are re-packed exactly, bit for bit.
+    HF weights and other GGUF types are round-to-nearest quantized; each tensor's error is reported.
+    The result is written beside OUT and moved into place only when complete.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
