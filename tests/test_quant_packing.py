@@ -146,3 +146,27 @@ def test_quant_linear_matches_dequantized_matmul_and_keeps_scale_dtype():
     out = layer(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 24)
     torch.testing.assert_close(out.float(), reference, atol=0.3, rtol=0.02)
+
+
+def test_quantize_projections_rtn_swaps_only_projections(tiny_models):
+    from conftest import PagedRunner
+
+    from core.models.decoder import DecoderModel
+    from core.models.spec import ModelSpec
+    from core.quant.quantize_model import quantize_projections_rtn
+
+    _, hf_model = tiny_models["qwen2"]  # q/k/v biases
+    model = DecoderModel(ModelSpec.from_hf_config(hf_model.config.to_dict()), max_positions=128)
+    model.load_weights(hf_model.state_dict().items())
+    embedding = model.model.embed_tokens.weight.clone()
+    assert quantize_projections_rtn(model, bits=3) == 7 * hf_model.config.num_hidden_layers
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert {(q.bits, q.group_size) for q in quantized} == {(3, 64), (3, 32)}  # K = 64 and K = 96
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 64)
+    reference = x @ dequantize(q_proj.packed).T + hf_model.model.layers[0].self_attn.q_proj.bias
+    torch.testing.assert_close(q_proj(x), reference)
+    (logits,) = PagedRunner(model, seed=1).step([("a", [5, 6, 7])])
+    assert torch.isfinite(logits).all()
