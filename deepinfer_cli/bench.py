@@ -239,3 +239,5 @@ def _finish(benchmark: str, config, payload: dict, tables: list, output: str | N
     for table in tables:
         console.print(table)
     console.print(f"wrote {path}")
+    if payload.get("interrupted"):
+        fail(f"interrupted; what finished before it is in {path}", code=130)

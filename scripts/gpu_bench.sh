@@ -2,8 +2,8 @@
 # Issue #7 benchmarks on one GPU; about 8 minutes on an H200. JSON goes to $OUT (default results/),
 # the console output (Rich tables) to gpu_bench.log next to it.
 #   1. Qwen2.5-3B body, W4A16 (dummy weights), concurrency 1,4,8,32,64, with the HF transformers peer
-#   2. the same model: long-document insertion jitter over six token budgets, ITL SLO 50 ms
-#   3. the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
+#   2. the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
+#   3. the same model: long-document insertion jitter over six token budgets (one engine each), ITL SLO 50 ms
 # A section that fails or runs out of time is reported and the next one still runs; the script
 # exits non-zero if any failed.
 set -uo pipefail
@@ -29,18 +29,18 @@ section() {  # section NAME TIME_LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || FAILED+=("$name (exit $rc)")
 }
 
-section concurrency 240 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
+section concurrency 210 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
     --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 --peer hf \
     --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
-
-section jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
-    --token-budgets 64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 50 \
-    --kv-cache-memory 4GiB \
-    --output "$OUT_DIR/bench_jitter_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
 
 section concurrency-4gib 90 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --max-vram 4GiB \
     --concurrency 1,2,4,8 --prompt-len 256 --output-len 64 \
     --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-4gib_${GPU}_${STAMP}.json"
+
+section jitter 210 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
+    --token-budgets 64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 50 \
+    --kv-cache-memory 4GiB \
+    --output "$OUT_DIR/bench_jitter_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "failed: ${FAILED[*]}" | tee -a "$LOG"

@@ -199,3 +199,30 @@ def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatc
     # Budget 8 needs ceil(48 / 7) = 7 prefill steps for the long prompt; budget 32 needs 2.
     assert data["budgets"][0]["insertion_window_engine_steps"] > data["budgets"][1]["insertion_window_engine_steps"]
     assert data["slo"]["chosen_token_budget"] == 32  # every budget meets a 100 s SLO: the largest wins
+
+
+def test_insertion_window_steps_include_the_step_that_finished_the_prefill():
+    from core.bench.engine_client import StepRecord
+    from core.bench.jitter import steps_in_window
+
+    steps = [StepRecord(t, prompt, 1, 1, 0, 0, 0, 0) for t, prompt in [(1.0, 0), (2.1, 7), (3.1, 7), (4.05, 2),
+                                                                         (5.0, 0)]]
+    # Long prompt sent at 2.0, first token seen at 4.0: the step stamped 4.05 finished its prefill.
+    assert [s.num_prompt_tokens for s in steps_in_window(steps, 2.0, 4.0)] == [7, 7, 2]
+
+
+def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
+    from core.bench import jitter
+    from core.config import EngineConfig
+
+    async def measure(config, budget, workload, engine_info):
+        if budget > 8:
+            raise KeyboardInterrupt  # what `timeout -s INT` delivers
+        return _budget(budget, 5.0)
+
+    monkeypatch.setattr(jitter, "_measure_budget", measure)
+    payload = jitter.run_jitter_benchmark(EngineConfig(device="cpu"), JitterWorkload(token_budgets=[8, 16, 32],
+                                                                                     itl_slo_ms=10.0))
+    assert payload["interrupted"] is True
+    assert [b["token_budget"] for b in payload["budgets"]] == [8]
+    assert payload["slo"]["chosen_token_budget"] == 8

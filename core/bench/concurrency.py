@@ -75,15 +75,15 @@ def _level_summary(runs: list[dict]) -> dict:
     return {"repeats": runs, "mean_std": mean_std(runs)}
 
 
-async def _engine_sweep(config, workload: ConcurrencyWorkload) -> tuple[dict, list[dict]]:
+async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, levels: list[dict]) -> None:
+    """Fills `info` and appends one entry per finished level to `levels` (kept if interrupted)."""
     engine = await engine_client.start_engine(config)
     recorder = engine_client.StepRecorder()
     engine.add_stats_listener(recorder)
     device = engine_client.cuda_device_of(engine.config)
     vocab_size = engine.spec.vocab_size
-    info = {"model_name": engine.model_name, "vocab_size": vocab_size, "engine_config": asdict(engine.config),
-            "weights": engine_client.weight_summary(engine), "health": engine.health()}
-    levels = []
+    info.update(model_name=engine.model_name, vocab_size=vocab_size, engine_config=asdict(engine.config),
+                weights=engine_client.weight_summary(engine), health=engine.health())
     try:
         await engine_client.warm_up(engine, vocab_size, workload.prompt_len)
         for concurrency in workload.concurrency_levels:
@@ -107,7 +107,6 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload) -> tuple[dict, li
                            **_level_summary(runs)})
     finally:
         await engine.shutdown()
-    return info, levels
 
 
 def _raise_on_failures(timings: list[RequestTiming], concurrency: int) -> None:
@@ -117,15 +116,14 @@ def _raise_on_failures(timings: list[RequestTiming], concurrency: int) -> None:
                            f"first: {failed[0].request_id}: {failed[0].error}")
 
 
-def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload) -> tuple[dict, list[dict]]:
+def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload, info: dict, levels: list[dict]) -> None:
     device = peer_source["device"]
     memory_device = device if device.startswith("cuda") else None
     dtype = hf_peer.resolve_peer_dtype(peer_source["dtype"], device)
     model = hf_peer.load_hf_peer(peer_source.get("config_json"), peer_source.get("model_dir"), device, dtype)
     vocab_size = model.config.vocab_size
-    info = {"kind": "hf", "dtype": str(dtype).removeprefix("torch."), "device": device, "vocab_size": vocab_size,
-            "batching": "static (model.generate, one batch of `concurrency` prompts at a time)"}
-    levels = []
+    info.update(kind="hf", dtype=str(dtype).removeprefix("torch."), device=device, vocab_size=vocab_size,
+                batching="static (model.generate, one batch of `concurrency` prompts at a time)")
     try:
         hf_peer.warm_up_peer(model, workload.prompts(1, 0, vocab_size)[0], device)
         for concurrency in workload.concurrency_levels:
@@ -144,7 +142,6 @@ def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload) -> tuple[dict,
     finally:
         del model
         engine_client.release_cuda_memory()
-    return info, levels
 
 
 def _mean(level: dict, key: str) -> float | None:
@@ -177,12 +174,20 @@ def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict 
     """The whole sweep (peer first when asked, then the engine); the JSON payload without env info.
 
     `peer`: None, or {"device", "dtype", "config_json" | "model_dir"} for the HF transformers peer.
+    Interrupted (Ctrl-C, `timeout -s INT`), it returns the levels finished so far, marked "interrupted".
     """
-    peer_info, peer_levels = None, None
-    if peer is not None:
-        peer_info, peer_levels = _peer_sweep(peer, workload)
-    engine_info, levels = asyncio.run(_engine_sweep(config, workload))
-    if peer_info is not None and peer_info["vocab_size"] != engine_info["vocab_size"]:
+    engine_info: dict = {}
+    levels: list[dict] = []
+    peer_info, peer_levels = (None, None) if peer is None else ({}, [])
+    interrupted = False
+    try:
+        if peer is not None:
+            _peer_sweep(peer, workload, peer_info, peer_levels)
+        asyncio.run(_engine_sweep(config, workload, engine_info, levels))
+    except KeyboardInterrupt:
+        interrupted = True
+        logger.warning("interrupted: keeping the %d engine level(s) finished so far", len(levels))
+    if peer_info and engine_info and peer_info["vocab_size"] != engine_info["vocab_size"]:
         raise RuntimeError(f"HF peer vocab {peer_info['vocab_size']} != engine vocab {engine_info['vocab_size']}: "
                            "the two sides would not see the same prompts")
     compare_levels(levels, peer_levels)
@@ -192,4 +197,5 @@ def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict 
         **engine_info,
         "peer": peer_info,
         "levels": levels,
+        "interrupted": interrupted,
     }

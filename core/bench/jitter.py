@@ -70,6 +70,22 @@ def window_itls(stream: RequestTiming, start_s: float, end_s: float) -> list[flo
     return [b - a for a, b in pairwise(times) if b > start_s and a < end_s]
 
 
+def steps_in_window(steps: list, start_s: float, end_s: float) -> list:
+    """Engine steps reported after `start_s`, through the first one reported at or after `end_s`.
+
+    The listener runs after a step has posted its outputs, so the step that produced the long
+    prompt's first token can be stamped just after the client saw that token.
+    """
+    inside = []
+    for step in steps:
+        if step.time_s < start_s:
+            continue
+        inside.append(step)
+        if step.time_s >= end_s:
+            break
+    return inside
+
+
 async def run_insertion(engine, stream_prompt: list[int], long_prompt: list[int], workload: JitterWorkload,
                         label: str) -> dict:
     """The stream, with the long prompt sent right after the stream's `insert_after`-th token arrives."""
@@ -143,7 +159,7 @@ async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_
             alone_ttfts.append(alone.ttft_s)
             insert_runs.append(run)
             start_s, end_s = run["window_s"]
-            window_steps += [s for s in steps if start_s <= s.time_s <= end_s]
+            window_steps += steps_in_window(steps, start_s, end_s)
     finally:
         await engine.shutdown()
         del engine
@@ -186,18 +202,25 @@ def choose_budget(results: list[dict], itl_slo_ms: float) -> dict:
             "insertion_window_itl_max_ms": best["insertion_window_itl_ms"]["max"], "note": None}
 
 
-async def _sweep(config, workload: JitterWorkload, engine_info: dict) -> list[dict]:
-    results = []
+async def _sweep(config, workload: JitterWorkload, engine_info: dict, results: list[dict]) -> None:
     for budget in workload.token_budgets:
         results.append(await _measure_budget(config, budget, workload, engine_info))
         logger.info("budget %d: window ITL max %.1f ms", budget, results[-1]["insertion_window_itl_ms"]["max"] or 0)
-    return results
 
 
 def run_jitter_benchmark(config, workload: JitterWorkload) -> dict:
-    """The whole sweep, one fresh engine per token budget; the JSON payload without env info."""
+    """The whole sweep, one fresh engine per token budget; the JSON payload without env info.
+
+    Interrupted (Ctrl-C, `timeout -s INT`), it returns the budgets finished so far, marked "interrupted".
+    """
     engine_info: dict = {}
-    results = asyncio.run(_sweep(config, workload, engine_info))
+    results: list[dict] = []
+    interrupted = False
+    try:
+        asyncio.run(_sweep(config, workload, engine_info, results))
+    except KeyboardInterrupt:
+        interrupted = True
+        logger.warning("interrupted: keeping the %d token budget(s) finished so far", len(results))
     return {
         "benchmark": "jitter",
         "workload": asdict(workload),
@@ -205,4 +228,5 @@ def run_jitter_benchmark(config, workload: JitterWorkload) -> dict:
         "engine_config": asdict(config),
         "budgets": results,
         "slo": choose_budget(results, workload.itl_slo_ms) if workload.itl_slo_ms is not None else None,
+        "interrupted": interrupted,
     }
