@@ -12,7 +12,3 @@ def fail(message: str, code: int = 1) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
-
-def not_landed(command: str, issue: int) -> None:
-    """A command whose work has not landed yet says so and exits non-zero; none pretends to work."""
-    fail(f"`deepinfer {command}` is not implemented yet (tracked in issue #{issue})", code=2)
