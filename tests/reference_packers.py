@@ -204,13 +204,13 @@ _GGUF_LINEAR_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k"
 
 
 def write_tiny_gguf(hf_model, path: Path, linear_types: dict[str, str], seed: int = 0,
-                    embedding_type: str = "F32") -> dict[str, np.ndarray]:
+                    embedding_type: str = "F32", rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Write `hf_model` (a tiny Llama or Qwen2 ForCausalLM) as a GGUF of its architecture, without a vocabulary.
 
     linear_types: HF linear name (e.g. "self_attn.q_proj") -> GGUF type, for every layer. Llama's Q/K
     rows are permuted as llama.cpp does; Qwen2's q/k/v biases are stored as F32.
     Returns HF name -> the weights the GGUF holds, dequantized by gguf-py (Q/K rows un-permuted),
-    i.e. what a correct reader must load.
+    i.e. what a correct reader must load. `rope_freqs`: Llama 3's per-frequency RoPE divisors.
     """
     import gguf
 
@@ -261,6 +261,8 @@ def write_tiny_gguf(hf_model, path: Path, linear_types: dict[str, str], seed: in
                 linear_types[hf_linear], heads)
             if f"{prefix}{hf_linear}.bias" in state:
                 add(f"blk.{i}.{gguf_linear}.bias", f"{prefix}{hf_linear}.bias", state[f"{prefix}{hf_linear}.bias"], "F32")
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

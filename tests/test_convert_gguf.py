@@ -100,6 +100,25 @@ def test_exact_types_model_logits(tiny_models, tmp_path, family):
     torch.testing.assert_close(logits_of(loaded.model, TOKENS), expected, atol=TOLERANCE, rtol=0)
 
 
+def test_rope_freqs_follow_the_gguf_path(tiny_llama, tmp_path):
+    """Llama 3 GGUFs carry RoPE scaling as a rope_freqs tensor: it goes to config.json, not to a layer,
+    and the converted model computes what deepinfer's GGUF path computes."""
+    from core.models.decoder import DecoderModel
+    from core.models.spec import ModelSpec
+    from core.weights.gguf_reader import iter_gguf_weights, open_gguf
+
+    factors = np.linspace(1.0, 8.0, tiny_llama.config.head_dim // 2)
+    write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT, seed=4, rope_freqs=factors)
+    convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out")
+    layered = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    reader = open_gguf(tmp_path / "tiny.gguf")  # the GGUF path, without a tokenizer (the file has none)
+    spec = ModelSpec.from_gguf(reader)
+    direct = DecoderModel(spec, max_positions=spec.max_position_embeddings)
+    direct.load_weights(iter_gguf_weights(reader, spec))
+    assert layered.spec.rope_scaling == spec.rope_scaling is not None
+    torch.testing.assert_close(logits_of(layered.model, TOKENS), logits_of(direct, TOKENS), atol=TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize(("options", "target"), [
     (ConvertOptions(), "int4-g32"),
     (ConvertOptions(bits=3, group_size=64, sym=True), "int3-g64"),

@@ -38,6 +38,7 @@ from core.weights.convert.summary import EXACT, KEPT, REQUANTIZED, ConversionSum
 from core.weights.gguf_reader import (
     _PLAIN_NORMS,
     _SANDWICH_NORMS,
+    ROPE_FREQS,
     gguf_metadata_to_hf_config,
     gguf_to_hf_name,
     open_gguf,
@@ -135,7 +136,9 @@ class GGUFSource(ConversionSource):
         if self.group_size not in (32, 64, 128, -1):
             raise ConversionError(f"--group-size {self.group_size} is not supported: use 32, 64, 128 or -1")
         norm_names = _SANDWICH_NORMS if self.spec.sandwich_norm else _PLAIN_NORMS
-        self.tensors: dict[str, Any] = {gguf_to_hf_name(t.name, norm_names): t for t in self.reader.tensors}
+        # rope_freqs (Llama 3 RoPE scaling) is not a weight: the config carries its factors
+        self.tensors: dict[str, Any] = {gguf_to_hf_name(t.name, norm_names): t for t in self.reader.tensors
+                                        if t.name != ROPE_FREQS}
         types = sorted({t.tensor_type.name for t in self.reader.tensors})
         self._scheme = {"method": "gguf", "tensor_types": types,
                         "file_type": read_field(self.reader, "general.file_type"),
