@@ -155,16 +155,12 @@ class GGUFSource(ConversionSource):
 
     def save_tokenizer(self, directory: Path) -> None:
         """The HF tokenizer transformers builds from the GGUF vocab, merges and chat template (if it has a vocab)."""
-        from transformers import AutoTokenizer
+        from core.tokenizer import Tokenizer
 
         if read_field(self.reader, "tokenizer.ggml.model") is None:
             return
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        except Exception as err:  # noqa: BLE001 - transformers raises many types for an unusable vocab
-            raise UnsupportedModelError(f"{self.path}: cannot build its tokenizer: {type(err).__name__}: {err}") from None
-        tokenizer.save_pretrained(str(directory))
+        tokenizer = Tokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)  # the models' own path
+        tokenizer.hf_tokenizer.save_pretrained(str(directory))
 
     def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
         names = [name for name in self.tensors if not name.startswith("model.layers.")]
