@@ -54,22 +54,23 @@ def _print_summary(console, summary, out: Path) -> None:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"deepinfer convert: {summary.source_kind} -> {out} (errors: max / mean abs vs the source)")
-    for column in ("method", "source", "stored as", "count", "before", "after", "max err", "mean err"):
+    for column in ("method", "source", "stored as", "n", "size", "max err", "mean err"):
         table.add_column(column, justify="left" if column in ("method", "source", "stored as") else "right",
                          no_wrap=True)
     for row in summary.rows():
-        table.add_row(row.method, row.source_type, row.target_type, str(row.tensors), _size(row.bytes_before),
-                      _size(row.bytes_after), _error(row.max_abs_error), _error(row.mean_abs_error))
+        table.add_row(row.method, row.source_type, row.target_type, str(row.tensors),
+                      f"{_size(row.bytes_before)} -> {_size(row.bytes_after)}", _error(row.max_abs_error),
+                      _error(row.mean_abs_error))
     table.add_section()
-    table.add_row("total", "", "", str(len(summary.records)), _size(summary.bytes_before),
-                  _size(summary.bytes_after), "", "")
+    table.add_row("total", "", "", str(len(summary.records)),
+                  f"{_size(summary.bytes_before)} -> {_size(summary.bytes_after)}", "", "")
     console.print(table)
     worst = summary.worst_requantized()
     if worst:
-        errors = Table(box=box.SIMPLE_HEAD, title="largest errors (every tensor's is in manifest.json)")
+        errors = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="largest errors (every tensor's is in manifest.json)")
         for column in ("tensor", "source", "stored as", "max err", "mean err"):
             errors.add_column(column, justify="left" if column in ("tensor", "source", "stored as") else "right",
-                              no_wrap=column != "tensor")
+                              no_wrap=column != "tensor", overflow="fold")
         for record in worst:
             errors.add_row(record.name, record.source_type, record.target_type, _error(record.max_abs_error),
                            _error(record.mean_abs_error))
@@ -78,7 +79,12 @@ def _print_summary(console, summary, out: Path) -> None:
 
 
 def _size(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}M"
+    """Bytes in binary units: 612K, 63.3M, 3.52G."""
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:.2f}G"
+    if num_bytes >= 2**20:
+        return f"{num_bytes / 2**20:.1f}M"
+    return f"{num_bytes / 2**10:.0f}K"
 
 
 def _error(value: float | None) -> str:
