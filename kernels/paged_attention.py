@@ -132,3 +132,18 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (
             ptr(part_out), ptr(part_stats), ptr(out), i32(num_heads), i32(splits), i32(head_dim)), index)
     return out
+
+
+def kv_read_probe(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, max_seq_len: int) -> None:
+    """Diagnostic: the decode kernel's K/V loads with the same grid and addressing but no math."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    index = query.device.index
+    splits, per_split = plan_for(query, key_cache, max_seq_len)
+    sink = torch.empty(1, dtype=torch.int32, device=query.device)
+    fn = get_kernel(SOURCE, f"paged_read_probe_kernel<{_DTYPE_CODES[query.dtype]},{head_dim}>", index)
+    head_tiles = (num_heads // num_kv_heads + 15) // 16
+    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32, 1, 1), (
+        ptr(key_cache), ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(sink), i32(num_heads),
+        i32(num_kv_heads), i32(block_size.bit_length() - 1), i32(block_tables.shape[1]), i32(per_split)), index)

@@ -239,18 +239,22 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     launches = []
     for module in (ka, kp, kq, kr, krc):
         monkeypatch.setattr(module, "get_kernel", lambda source, name, index: _Kernel((source, name)))
-        monkeypatch.setattr(module, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+        monkeypatch.setattr(module, "launch",
+                            lambda kernel, grid, block, args, index, shared_mem=0: launches.append((kernel, args)))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
     half = torch.float16
     packed = quantize_rtn(torch.randn(256, 512), bits=4, group_size=128)
-    for kernel in ("gemv", "ksplit", "mma"):
+    for kernel in ("gemv", "ksplit", "ksplit_direct", "mma"):
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
     kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
                               torch.tensor([300, 5], dtype=torch.int32), 300, 0.125)
+    kq.weight_read_probe(packed.qweight, 4, 512)
+    kp.kv_read_probe(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
+                     torch.tensor([300, 5], dtype=torch.int32), 300)
     kr.rms_norm(torch.randn(2, 64, dtype=half), torch.randn(64, dtype=half), 1e-6, 1.0, torch.randn(2, 64, dtype=half))
     ka.act_and_mul(torch.randn(2, 64, dtype=half), torch.randn(2, 64, dtype=half), "silu")
     krc.rope_and_cache_write(torch.randn(3, 8, 64, dtype=half), torch.randn(3, 2, 64, dtype=half),
@@ -258,7 +262,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                              torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_gemv_kernel", "quant_mma_ksplit_kernel", "quant_mma_kernel", "paged_decode_kernel",
-                     "paged_reduce_kernel",
+                     "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name

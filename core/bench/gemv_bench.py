@@ -80,7 +80,8 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                        group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
-    """Every kernel that suits each token count: gemv up to 4 tokens, ksplit up to 16, mma always."""
+    """Every kernel that suits each token count: gemv up to 4 tokens, ksplit up to 16 (and its
+    unstaged-scales form at 1 and 16 tokens), mma always."""
     from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul
 
     records = []
@@ -94,6 +95,8 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
                 kernels = [kernel for kernel, most in (("gemv", 4), ("ksplit", 16), ("mma", 1 << 30))
                            if num_tokens <= most]
+                if num_tokens in (1, 16):
+                    kernels.append("ksplit_direct")
                 for kernel in kernels:
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
                     mean_us, std_us = time_graph(launch_all, copies, repeats, device)
@@ -183,6 +186,46 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
     return records
 
 
+def bench_read_probes(device, copy_gbps: float, repeats: int = 5) -> list[dict]:
+    """What the kernels' load patterns alone stream (no math): the ceiling their math runs under."""
+    from kernels.paged_attention import kv_read_probe
+    from kernels.quant_matmul import weight_read_probe
+
+    records = []
+    for in_features, out_features in ((4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)):
+        weight_bytes = out_features * in_features // 2
+        copies = max(1, min(128, -(-ROTATE_BYTES // weight_bytes)))
+        weights = [_random_weight(in_features, out_features, 4, 128, device)["qweight"] for _ in range(copies)]
+
+        def launch_all(weights=weights, in_features=in_features):
+            for qweight in weights:
+                weight_read_probe(qweight, 4, in_features)
+
+        mean_us, std_us = time_graph(launch_all, copies, repeats, device)
+        records.append({"probe": "quant weight loads (ksplit pattern)", "shape": f"{in_features}x{out_features}",
+                        "bytes": weight_bytes, "us_mean": mean_us, "us_std": std_us,
+                        "fraction_of_copy": weight_bytes / (mean_us * 1e-6) / 1e9 / copy_gbps})
+    for num_seqs, context in ((16, 4096), (16, 16384), (64, 4096)):
+        kv_bytes = 2 * num_seqs * context * 8 * 128 * 2
+        copies = max(1, min(256, -(-ROTATE_BYTES // kv_bytes)))
+        k_cache, v_cache, _, _, tables = random_paged_kv([context] * (num_seqs * copies), 8, 128, 16, torch.float16,
+                                                         False, device, spare_blocks=0)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+        query = torch.randn(num_seqs, 32, 128, dtype=torch.float16, device=device)
+        table_sets = [tables[i * num_seqs:(i + 1) * num_seqs] for i in range(copies)]
+
+        def launch_all(table_sets=table_sets, k_cache=k_cache, v_cache=v_cache, query=query, seq_lens=seq_lens,
+                       context=context):
+            for table in table_sets:
+                kv_read_probe(query, k_cache, v_cache, table, seq_lens, context)
+
+        mean_us, std_us = time_graph(launch_all, copies, repeats, device)
+        records.append({"probe": "attention K/V loads (decode kernel pattern)", "shape": f"batch {num_seqs} ctx {context}",
+                        "bytes": kv_bytes, "us_mean": mean_us, "us_std": std_us,
+                        "fraction_of_copy": kv_bytes / (mean_us * 1e-6) / 1e9 / copy_gbps})
+    return records
+
+
 def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
     """The issue's targets: W4 batch-1 >= 70% of copy BW on >= 4096x4096; batch 16 <= 1.5x batch 1;
     decode attention >= 60% of copy BW at batch 16 and 4k+ context."""
@@ -205,7 +248,7 @@ def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
 
 
 def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3), attention: bool = True,
-                       repeats: int = 5) -> dict:
+                       repeats: int = 5, probes_enabled: bool = True) -> dict:
     """Copy bandwidth, quant-matmul sweep, decode-attention sweep and the targets, as one JSON payload."""
     copy = copy_bandwidth(device)
     quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, repeats=repeats)
@@ -216,8 +259,9 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                                                    int8=True, repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096,),
                                                    heads=9, kv_heads=3, head_dim=64, repeats=repeats)
+    probes = bench_read_probes(device, copy["gbps_mean"], repeats) if probes_enabled else []
     return {"copy_bandwidth": copy, "quant_matmul": quant, "paged_attention": attention_records,
-            "targets": summarize_targets(quant, attention_records)}
+            "read_probes": probes, "targets": summarize_targets(quant, attention_records)}
 
 
 def gemv_tables(payload: dict) -> list:
@@ -246,6 +290,14 @@ def gemv_tables(payload: dict) -> list:
                          f"{r['dtype']}/{r['kv']}", str(r["splits"]), f"{r['us_mean']:.1f} ± {r['us_std']:.1f}",
                          f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}", torch_us, speedup)
         tables.append(attn)
+    if payload.get("read_probes"):
+        probes = Table(title="Load patterns alone (no math): the bandwidth ceiling of each kernel's access pattern")
+        for column in ("probe", "point", "us / call", "% copy BW"):
+            probes.add_column(column)
+        for r in payload["read_probes"]:
+            probes.add_row(r["probe"], r["shape"], f"{r['us_mean']:.2f} ± {r['us_std']:.2f}",
+                           f"{100 * r['fraction_of_copy']:.1f}")
+        tables.append(probes)
     targets = Table(title="Targets")
     for column in ("target", "point", "value", "met"):
         targets.add_column(column)

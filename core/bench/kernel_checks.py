@@ -91,6 +91,8 @@ QUANT_CASES = (
     (1, 4096, 4096, 128, "ksplit", 1, None, False, True),
     (3, 1536, 576, 32, "ksplit", 1, None, False, False),
     (16, 1000, 11008, 128, "ksplit", 2, None, True, False),
+    (5, 4096, 14336, 32, "ksplit", 1, None, False, True),
+    (9, 1000, 4096, 128, "ksplit_direct", 2, None, False, False),
     (3, 1536, 576, 32, "gemv", 4, None, False, False),
     (3, 1536, 576, 64, "mma", 1, None, True, False),
     (2, 1000, 4096, 4096, "gemv", 2, None, False, True),
