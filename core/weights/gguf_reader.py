@@ -55,6 +55,13 @@ _LAYER_NAMES = {
 _PLAIN_NORMS = {"ffn_norm": "post_attention_layernorm"}
 _SANDWICH_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def layer_norm_names(spec: ModelSpec) -> dict[str, str]:
+    """GGUF -> HF names of a layer's norms, which depend on whether the layers are sandwiched."""
+    return _SANDWICH_NORMS if spec.sandwich_norm else _PLAIN_NORMS
+
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
 
 
@@ -147,11 +154,11 @@ def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch
     """(HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
     from gguf.quants import dequantize
 
-    layer_norm_names = _SANDWICH_NORMS if spec.sandwich_norm else _PLAIN_NORMS
+    norm_names = layer_norm_names(spec)
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # read into ModelSpec.rope_scaling
-        hf_name = gguf_to_hf_name(tensor.name, layer_norm_names)
+        hf_name = gguf_to_hf_name(tensor.name, norm_names)
         try:
             values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         except NotImplementedError as err:
@@ -167,13 +174,13 @@ def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
 
 
-def gguf_to_hf_name(name: str, layer_norm_names: dict[str, str] = _PLAIN_NORMS) -> str:
+def gguf_to_hf_name(name: str, norm_names: dict[str, str] = _PLAIN_NORMS) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_TENSOR.fullmatch(name)
     if match:
         layer, part, kind = match.groups()
-        hf_part = _LAYER_NAMES.get(part) or layer_norm_names.get(part)
+        hf_part = _LAYER_NAMES.get(part) or norm_names.get(part)
         if hf_part is not None:
             return f"model.layers.{layer}.{hf_part}.{kind}"
     raise UnsupportedModelError(f"GGUF tensor {name!r} has no counterpart in the supported architectures")

@@ -36,11 +36,10 @@ from core.weights.convert.source import (
 )
 from core.weights.convert.summary import EXACT, KEPT, REQUANTIZED, ConversionSummary, TensorRecord
 from core.weights.gguf_reader import (
-    _PLAIN_NORMS,
-    _SANDWICH_NORMS,
     ROPE_FREQS,
     gguf_metadata_to_hf_config,
     gguf_to_hf_name,
+    layer_norm_names,
     open_gguf,
     read_field,
 )
@@ -135,7 +134,7 @@ class GGUFSource(ConversionSource):
             raise ConversionError(f"--bits {options.rtn_bits} is not supported: deepinfer stores 3- and 4-bit weights")
         if self.group_size not in (32, 64, 128, -1):
             raise ConversionError(f"--group-size {self.group_size} is not supported: use 32, 64, 128 or -1")
-        norm_names = _SANDWICH_NORMS if self.spec.sandwich_norm else _PLAIN_NORMS
+        norm_names = layer_norm_names(self.spec)
         # rope_freqs (Llama 3 RoPE scaling) is not a weight: the config carries its factors
         self.tensors: dict[str, Any] = {gguf_to_hf_name(t.name, norm_names): t for t in self.reader.tensors
                                         if t.name != ROPE_FREQS}
