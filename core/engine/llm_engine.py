@@ -4,6 +4,10 @@
     runner_output = runner.execute(scheduler_output)
     scheduler.update(scheduler_output, runner_output)   -> detokenize, stop strings, RequestOutputs
 
+Start-up: load the model (quantized at load time when `quantization` is set), choose the attention
+backend, measure the largest step to size the KV pool, allocate it, then capture the decode CUDA
+graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
+
 Every step is exception-safe: a failed forward fails the requests of that step alone (finish
 reason "error", blocks freed) and the next step goes on; a request whose detokenization fails
 fails alone. Bad input is refused when the request is made (`make_request_group`), never in a step.
@@ -22,7 +26,9 @@ from dataclasses import replace
 import torch
 
 from core.config import EngineConfig
-from core.engine.memory import DeviceMemory, KVBudget, log_kv_budget, plan_kv_budget
+from core.engine.backends import choose_attention_backend, kernel_summary
+from core.engine.cuda_graphs import PaddedDecodeRunner, padded_decode_memory
+from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from core.engine.model_runner import ModelRunner, warmup_requests
 from core.engine.output_processor import OutputProcessor, RequestGroup
 from core.engine.outputs import RequestOutput
@@ -38,6 +44,10 @@ from core.kv.kv_manager import KVCacheManager
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_MODES = ("graphs", "padded", "eager")
+# The graph pool's estimate is widened by this much for the allocator's segment rounding.
+GRAPH_MEMORY_MARGIN = 0.1
+GRAPH_MEMORY_SLACK = 32 * MiB
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,18 +68,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded_model=None) -> None:
-        """`loaded_model`: a core.models.loader.LoadedModel to use instead of loading `config.model`."""
+    def __init__(self, config: EngineConfig, loaded_model=None, decode_mode: str | None = None) -> None:
+        """`loaded_model`: a core.models.loader.LoadedModel to use instead of loading `config.model`
+        (with `config.quantization` its linears are quantized in place).
+        `decode_mode`: how pure-decode steps run: "graphs" (CUDA graphs), "padded" (the graphs'
+        padded inputs run eagerly: a test and debugging aid), "eager"; None: graphs on a GPU with
+        the native attention backend unless `enforce_eager`, else eager."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.attention_backend == "native":
-            raise DeepInferError(
-                "attention_backend 'native' is not available in this build; use 'auto' or 'torch'")
         if loaded_model is None:
-            from core.models.loader import load_model
+            if config.quantization:
+                from core.engine.quantized_model import load_quantized_model
 
-            loaded_model = load_model(config, self.device, self.dtype)
+                loaded_model = load_quantized_model(config, self.device, self.dtype)
+            else:
+                from core.models.loader import load_model
+
+                loaded_model = load_model(config, self.device, self.dtype)
+        elif config.quantization:
+            from core.engine.quantized_model import QUANT_BITS, quantize_linears
+
+            quantize_linears(loaded_model.model, QUANT_BITS[config.quantization], self.device, self.dtype,
+                             random_codes=loaded_model.source_kind == "dummy", seed=config.seed)
         self.spec = loaded_model.spec
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -80,6 +101,10 @@ class LLMEngine:
         max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.kv_quantized = config.kv_cache_dtype == "int8"
         self.kv_dtype = _DTYPES.get(config.kv_cache_dtype, self.dtype)  # "auto" and "int8": the model's dtype
+        self.model.attention_backend = choose_attention_backend(
+            config.attention_backend, self.device, self.dtype, self.spec,
+            torch.int8 if self.kv_quantized else self.kv_dtype, config.block_size)
+        self.decode_mode = self._choose_decode_mode(decode_mode)
         block_bytes = KVCache.bytes_per_block(self.spec.num_layers, config.block_size, self.spec.num_kv_heads,
                                               self.spec.head_dim, self.kv_dtype, self.kv_quantized)
         memory = None
@@ -90,10 +115,23 @@ class LLMEngine:
         pool_tokens = self.kv_budget.num_blocks * config.block_size
         self.max_model_len = self._fit_max_model_len(max_model_len, pool_tokens)
 
-        self.kv_cache = self._make_kv_cache(self.kv_budget.num_blocks)
+        # Padded decode steps get one block beyond the scheduler's pool, for their padding rows.
+        padded = self.decode_mode != "eager"
+        self.kv_cache = self._make_kv_cache(self.kv_budget.num_blocks + int(padded))
+        self.decode_runner = None
+        if padded:
+            self.decode_runner = self._make_decode_runner(self.kv_cache, self.max_model_len,
+                                                          dummy_block=self.kv_budget.num_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, block_size=config.block_size,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  decode_runner=self.decode_runner)
+        if self.decode_mode == "graphs":
+            report = self.decode_runner.capture()
+            estimate = self.kv_budget.cuda_graph_bytes
+            if estimate is not None and report.memory_bytes > estimate:
+                logger.warning("CUDA graphs hold %.0f MiB, more than the %.0f MiB set aside for them",
+                               report.memory_bytes / MiB, estimate / MiB)
         self.scheduler = Scheduler(
             KVCacheManager(self.kv_budget.num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -105,6 +143,23 @@ class LLMEngine:
     def _make_kv_cache(self, num_blocks: int) -> KVCache:
         return KVCache(self.spec.num_layers, num_blocks, self.config.block_size, self.spec.num_kv_heads,
                        self.spec.head_dim, self.kv_dtype, self.device, quantized=self.kv_quantized)
+
+    def _choose_decode_mode(self, requested: str | None) -> str:
+        if requested is None:
+            graphs_serve = (self.device.type == "cuda" and self.model.attention_backend.name == "native"
+                            and not self.config.enforce_eager)
+            return "graphs" if graphs_serve else "eager"
+        if requested not in DECODE_MODES:
+            raise DeepInferError(f"unknown decode_mode {requested!r}; use one of {', '.join(DECODE_MODES)}")
+        if requested == "graphs" and self.device.type != "cuda":
+            raise DeepInferError("decode_mode 'graphs' needs a CUDA device")
+        return requested
+
+    def _make_decode_runner(self, kv_cache: KVCache, max_model_len: int, dummy_block: int) -> PaddedDecodeRunner:
+        return PaddedDecodeRunner(self.model, kv_cache, self.device, block_size=self.config.block_size,
+                                  max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
+                                  dummy_block=dummy_block, vocab_size=self.spec.vocab_size,
+                                  use_graphs=self.decode_mode == "graphs")
 
     def _measure_warmup(self, max_model_len: int, block_bytes: int) -> DeviceMemory:
         """Peak torch memory of the largest step (weights included), with scratch KV blocks of its own."""
@@ -121,10 +176,23 @@ class LLMEngine:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * block_bytes
         del runner, scratch
+        graph_bytes = self._estimate_graph_memory(max_model_len, block_bytes) if self.decode_mode == "graphs" else 0
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return DeviceMemory(total=total, free=free, torch_reserved=torch.cuda.memory_reserved(self.device),
-                            torch_allocated=torch.cuda.memory_allocated(self.device), peak_allocated=peak)
+                            torch_allocated=torch.cuda.memory_allocated(self.device), peak_allocated=peak,
+                            cuda_graph_bytes=graph_bytes)
+
+    def _estimate_graph_memory(self, max_model_len: int, block_bytes: int) -> int:
+        """What the decode graphs will hold: their static buffers, the activations of the largest padded
+        step (the shared pool), the dummy block, widened by a margin for the pool's segment rounding."""
+        scratch = self._make_kv_cache(1)  # the padding rows' dummy block only
+        before = torch.cuda.memory_allocated(self.device)
+        decode = self._make_decode_runner(scratch, max_model_len, dummy_block=0)
+        static = torch.cuda.memory_allocated(self.device) - before
+        activations = padded_decode_memory(decode)
+        del decode, scratch
+        return int((1 + GRAPH_MEMORY_MARGIN) * (static + activations)) + block_bytes + GRAPH_MEMORY_SLACK
 
     def _fit_max_model_len(self, max_model_len: int, pool_tokens: int) -> int:
         """One request must always fit the pool alone, or it could never finish."""
@@ -271,6 +339,9 @@ class LLMEngine:
         kv = self.scheduler.kv
         pool, prefix = kv.pool, kv.prefix_cache
         backend = self.model.attention_backend
+        graphs = {"enabled": False, "mode": self.decode_mode, "buckets": []}
+        if self.decode_runner is not None:
+            graphs = self.decode_runner.describe()
         return {
             "model": self.model_name,
             "source_kind": self.source_kind,
@@ -279,6 +350,9 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": "int8" if self.kv_quantized else str(self.kv_dtype).removeprefix("torch."),
             "attention_backend": getattr(backend, "name", type(backend).__name__),
+            "kernels": kernel_summary(self.device),
+            "cuda_graphs": graphs,
+            "quantization": self.config.quantization,
             "max_model_len": self.max_model_len,
             "scheduler": {
                 "num_running": self.scheduler.num_running,

@@ -6,14 +6,20 @@ In order of precedence:
     kv_cache_memory       exactly that many bytes for the pool
     CPU                   cpu_kv_cache_memory bytes
     max_vram              max_vram - peak torch memory of the warm-up (weights + activations)
-    otherwise             total * gpu_memory_utilization - reserve_memory_mb - peak - memory
-                          held outside torch (CUDA context, other processes)
+                          - CUDA graph memory
+    otherwise             total * gpu_memory_utilization - reserve_memory_mb - peak - CUDA graph
+                          memory - memory held outside torch (CUDA context, other processes)
 
 On a GPU the peak comes from a warm-up forward of `max_num_batched_tokens` tokens measured with
 `torch.cuda.max_memory_allocated` (the warm-up's own scratch KV blocks subtracted). Every GPU
 budget is also capped by what is actually free, minus `reserve_memory_mb` and the activation
 headroom the warm-up needed, so the pool never pushes the first real step out of memory. The CUDA
 context itself sits outside `max_vram`: torch cannot measure it per process.
+
+CUDA graphs are captured after the pool is allocated (they bind its addresses), so their memory is
+estimated before: the activations of an eager padded decode step at the largest batch and context
+bound (what the shared graph pool must hold), the static input/output buffers and the dummy block,
+plus a margin for the pool's segment rounding. The capture logs what the graphs really hold.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class DeviceMemory:
     torch_reserved: int  # held by torch's allocator now
     torch_allocated: int  # allocated by tensors now (weights and buffers)
     peak_allocated: int  # torch peak during the warm-up, its scratch KV blocks excluded
+    cuda_graph_bytes: int = 0  # estimated memory of the decode CUDA graphs still to be captured
 
 
 @dataclass
@@ -48,6 +55,7 @@ class KVBudget:
     num_blocks: int
     weights_bytes: int | None = None  # GPU only: torch memory held after loading, mostly weights
     activation_peak_bytes: int | None = None  # GPU only: warm-up peak above the weights
+    cuda_graph_bytes: int | None = None  # GPU only: memory set aside for the decode CUDA graphs
 
     @property
     def pool_bytes(self) -> int:
@@ -62,7 +70,7 @@ def plan_kv_budget(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
         return KVBudget("num_gpu_blocks", num_blocks * block_bytes, block_bytes, num_blocks)
-    weights = activations = None
+    weights = activations = graphs = None
     if config.kv_cache_memory is not None:
         source, budget = "kv_cache_memory", config.kv_cache_memory
     elif memory is None:
@@ -70,33 +78,36 @@ def plan_kv_budget(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
     else:
         weights = memory.torch_allocated
         activations = max(0, memory.peak_allocated - memory.torch_allocated)
+        graphs = memory.cuda_graph_bytes
         reserve = config.reserve_memory_mb * MiB
-        # Free now, plus torch's cached but unused memory, minus room for the next peak.
-        available = memory.free + memory.torch_reserved - memory.torch_allocated - activations - reserve
+        # Free now, plus torch's cached but unused memory, minus room for the next peak and the graphs.
+        available = memory.free + memory.torch_reserved - memory.torch_allocated - activations - reserve - graphs
         if config.max_vram is not None:
-            source, budget = "max_vram", min(config.max_vram - memory.peak_allocated, available)
+            source, budget = "max_vram", min(config.max_vram - memory.peak_allocated - graphs, available)
         else:
             outside_torch = memory.total - memory.free - memory.torch_reserved
             allowed = int(memory.total * config.gpu_memory_utilization) - reserve
-            limit = allowed - memory.peak_allocated - outside_torch
+            limit = allowed - memory.peak_allocated - graphs - outside_torch
             source, budget = "gpu_memory_utilization", min(limit, available)
     num_blocks = max(0, budget) // block_bytes
     if num_blocks < 1:
         detail = ""
         if weights is not None:
-            detail = f" (weights {weights / MiB:.0f} MiB, warm-up activations {activations / MiB:.0f} MiB)"
+            detail = (f" (weights {weights / MiB:.0f} MiB, warm-up activations {activations / MiB:.0f} MiB, "
+                      f"CUDA graphs {graphs / MiB:.0f} MiB)")
         raise DeepInferError(
             f"no room for the KV cache: the {source} budget leaves {budget / MiB:.1f} MiB{detail}, "
             f"one KV block needs {block_bytes / MiB:.2f} MiB; allow more memory or lower "
-            f"max_num_batched_tokens")
-    return KVBudget(source, budget, block_bytes, num_blocks, weights, activations)
+            f"max_num_batched_tokens{' or max_num_seqs (or enforce_eager: no CUDA graphs)' if graphs else ''}")
+    return KVBudget(source, budget, block_bytes, num_blocks, weights, activations, graphs)
 
 
 def log_kv_budget(budget: KVBudget, block_size: int) -> None:
     extra = ""
     if budget.weights_bytes is not None:
         extra = (f", weights {budget.weights_bytes / MiB:.0f} MiB, "
-                 f"warm-up activations {budget.activation_peak_bytes / MiB:.0f} MiB")
+                 f"warm-up activations {budget.activation_peak_bytes / MiB:.0f} MiB, "
+                 f"CUDA graphs {budget.cuda_graph_bytes / MiB:.0f} MiB")
     logger.info("KV cache: budget %.1f MiB (%s), %d bytes per block of %d tokens, %d blocks = %d tokens%s",
                 budget.budget_bytes / MiB, budget.source, budget.block_bytes, block_size, budget.num_blocks,
                 budget.num_blocks * block_size, extra)

@@ -1,0 +1,74 @@
+"""Which attention backend the engine runs, and which kernels its ops ended up on.
+
+`attention_backend`:
+- "torch": the reference (gather + SDPA), any device and dtype;
+- "native": the paged decode kernel for decodes (core/attention/native_backend.py); refused with a
+  one-line reason when the kernels cannot serve this model here;
+- "auto": native when it can serve, else torch (the reason is logged).
+
+Native serves when the device is a CUDA GPU the kernels support (sm_80+), CuPy imports, no
+reference path is forced, and the decode kernel takes the model's dtype, head_dim, head grouping,
+KV cache dtype and block size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from core.errors import DeepInferError
+
+logger = logging.getLogger(__name__)
+
+
+def native_unavailable_reason(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                              head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the native backend cannot serve this model on `device` (None when it can)."""
+    if device.type != "cuda":
+        return f"device is {device.type}, the kernels need a CUDA GPU"
+    from core.ops import dispatch
+    from kernels import registry
+
+    # Probe tensors with the shapes and dtypes the layers will pass (one token, one block).
+    query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
+    key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
+    op = registry.get("paged_decode_attention")
+    return dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
+
+
+def choose_attention_backend(requested: str, device: torch.device, dtype: torch.dtype, spec,
+                             kv_storage_dtype: torch.dtype, block_size: int):
+    """-> a backend instance for `model.attention_backend`. DeepInferError when "native" cannot serve."""
+    from core.attention.torch_backend import TorchPagedAttention
+
+    if requested == "torch":
+        return TorchPagedAttention()
+    reason = native_unavailable_reason(device, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                       kv_storage_dtype, block_size)
+    if reason is None:
+        from core.attention.native_backend import NativePagedAttention
+
+        return NativePagedAttention()
+    if requested == "native":
+        raise DeepInferError(f"attention_backend 'native' cannot serve this model: {reason}; "
+                             f"use 'auto' or 'torch'")
+    logger.info("attention backend: torch reference (native unavailable: %s)", reason)
+    return TorchPagedAttention()
+
+
+def kernel_summary(device: torch.device) -> dict:
+    """{available, unavailable_reason, ops}: whether the CUDA kernels can run here, and for every op
+    that has run, "kernel" or "reference (why)" as core/ops dispatch logged it."""
+    reason = f"device is {device.type}" if device.type != "cuda" else None
+    if reason is None:
+        from kernels import cuda_unavailable_reason, device_unsupported_reason
+
+        reason = cuda_unavailable_reason() or device_unsupported_reason(device.index or 0)
+    from core.ops import dispatch
+
+    ops: dict[str, list[str]] = {}
+    for op, why in sorted(dispatch._logged):  # the dispatch's record of each (op, reason) it logged once
+        ops.setdefault(op, []).append("kernel" if not why else f"reference ({why})")
+    return {"available": reason is None, "unavailable_reason": reason,
+            "ops": {op: ", ".join(paths) for op, paths in ops.items()}}

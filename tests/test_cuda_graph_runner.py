@@ -1,0 +1,204 @@
+"""Padded decode steps and CUDA graphs (core/engine/cuda_graphs.py).
+
+On the CPU: bucket and bound choice, the exact static inputs a replay reads (padding rows
+included), and the engine in "padded" mode, which runs exactly those inputs eagerly, against the
+unpadded engine: identical greedy, seeded and logprob outputs prove the padding harmless.
+On a GPU (marked `gpu`): captured graphs against the padded-eager and the unpadded eager engine.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from core import SamplingParams
+from core.config import EngineConfig
+from core.engine.cuda_graphs import (
+    PaddedDecodeRunner,
+    StaticDecodeBuffers,
+    context_bounds,
+    decode_bucket_sizes,
+    is_pure_decode,
+)
+from core.engine.llm_engine import LLMEngine
+from core.engine.request import Request
+from core.engine.scheduler_output import ScheduledChunk
+from core.errors import DeepInferError
+from core.models.loader import load_model
+
+
+def test_bucket_sizes():
+    assert decode_bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert decode_bucket_sizes(1) == [1]
+    assert decode_bucket_sizes(3) == [1, 2, 3]
+    assert decode_bucket_sizes(8) == [1, 2, 4, 8]
+    assert decode_bucket_sizes(10) == [1, 2, 4, 8, 10]
+    assert decode_bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_context_bounds():
+    assert context_bounds(4096) == [1024, 4096]
+    assert context_bounds(32768) == [1024, 4096, 16384, 32768]
+    assert context_bounds(5000) == [1024, 4096, 5000]
+    assert context_bounds(1024) == [1024]
+    assert context_bounds(300) == [300]
+
+
+def decode_chunk(request_id, tokens, table, sample=True):
+    request = Request(request_id, tokens, SamplingParams(max_tokens=4))
+    return ScheduledChunk(request, len(tokens) - 1, 1, table, sample)
+
+
+def test_static_buffers_hold_the_replay_inputs_with_padding_on_the_dummy_block():
+    buffers = StaticDecodeBuffers(max_batch=8, max_model_len=64, block_size=4, dummy_block=99,
+                                  device=torch.device("cpu"))
+    chunks = [decode_chunk("a", [5, 6, 7, 8, 9, 10], [3, 7]),  # position 5: block 7, offset 1
+              decode_chunk("b", [11], [2]),  # position 0: block 2, offset 0
+              decode_chunk("c", list(range(20, 29)), [1, 4, 6, 0])]  # position 8: block 6, offset 0
+    assert is_pure_decode(chunks) and not is_pure_decode([ScheduledChunk(chunks[0].request, 0, 6, [3, 7], True)])
+    # A wider layout first, so the next step must not read its stale values.
+    buffers.load([decode_chunk("x", list(range(40)), list(range(40, 50)))], batch=8, bound=64)
+    buffers.load(chunks, batch=4, bound=16)
+    input_ids, positions, meta = buffers.views(4, 16)
+    assert input_ids.tolist() == [10, 11, 28, 0]
+    assert positions.tolist() == [5, 0, 8, 0]
+    assert meta.slot_mapping.tolist() == [7 * 4 + 1, 2 * 4, 6 * 4, 99 * 4]
+    assert meta.seq_lens.tolist() == [6, 1, 9, 1]
+    assert meta.block_tables.tolist() == [[3, 7, 0, 0], [2, 0, 0, 0], [1, 4, 6, 0], [99, 0, 0, 0]]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len) == (4, 1, 16)
+    assert meta.query_lens == [1] * 4 and meta.seq_lens_host == [16] * 4  # the bound the graph serves
+
+
+def test_runner_picks_the_smallest_bucket_and_bound():
+    runner = PaddedDecodeRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=4, max_num_seqs=20,
+                                max_model_len=5000, dummy_block=0, vocab_size=8, use_graphs=False)
+    assert runner.bucket_sizes == [1, 2, 4, 8, 16, 20] and runner.context_bounds == [1024, 4096, 5000]
+    table = list(range(1250))
+
+    def shape(num, longest):
+        return runner.shape_of([decode_chunk(f"r{i}", [1] * (longest if i == 0 else 2), table)
+                                for i in range(num)])
+
+    assert shape(1, 10) == (1, 1024)
+    assert shape(3, 1024) == (4, 1024)
+    assert shape(5, 1025) == (8, 4096)
+    assert shape(17, 4097) == (20, 5000)
+    assert shape(16, 5000) == (16, 5000)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    directory = tmp_path_factory.mktemp("graph_llama")
+    save_tiny_model("llama", directory, tiny_tokenizer, seed=11, initializer_range=0.2, num_hidden_layers=2)
+    return directory
+
+
+def prompt(length, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 340) for _ in range(length)]
+
+
+def workload():
+    """Requests of different lengths, so decode batches shrink through several buckets as they finish.
+    The first one (first blocks, e.g. block 0) lives longest, so padded steps run beside its cache."""
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 6, 9, 12, 20, 3)]
+    requests = [(prompt(length, i), params) for i, (length, params) in enumerate(zip((18, 7, 13, 5, 30, 2), greedy))]
+    requests.append((prompt(9, 40), SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=15,
+                                                   ignore_eos=True)))
+    requests.append((prompt(4, 41), SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)))
+    return requests
+
+
+def run_all(engine, requests):
+    ids = [engine.add_request(p, params) for p, params in requests]
+    finals = {}
+    while engine.has_unfinished_requests():
+        outputs, _ = engine.step()
+        finals.update({o.request_id: o for o in outputs if o.finished})
+    return [finals[i] for i in ids]
+
+
+def test_padded_decode_engine_matches_the_unpadded_engine(model_dir):
+    loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
+    settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 10, "max_num_batched_tokens": 48}
+    eager = LLMEngine(EngineConfig(**settings), loaded_model=loaded)
+    padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
+    assert eager.decode_runner is None and eager.health()["cuda_graphs"]["enabled"] is False
+    # One block beyond the scheduler's pool, for the padding rows.
+    assert padded.kv_cache.num_blocks == padded.scheduler.kv.pool.num_blocks + 1 == 65
+    runner = padded.decode_runner
+    runner.context_bounds = [32, 48, 512]  # small bounds, so steps move between table layouts
+    shapes = []
+    shape_of = runner.shape_of
+    runner.shape_of = lambda chunks: shapes.append((len(chunks), *shape_of(chunks))) or shapes[-1][1:]
+
+    requests = workload()
+    expected = run_all(eager, requests)
+    got = run_all(padded, requests)
+    for want, out in zip(expected, got):
+        assert out.token_ids == want.token_ids
+    want_lp, got_lp = expected[-1].outputs[0].logprobs, got[-1].outputs[0].logprobs
+    for a, b in zip(want_lp, got_lp):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    # Decode steps really ran padded, across buckets and bounds.
+    assert any(num < batch for num, batch, _ in shapes)
+    assert {batch for _, batch, _ in shapes} >= {1, 2, 4, 8}
+    assert {bound for _, _, bound in shapes} == {32, 48, 512}
+    pool = padded.scheduler.kv.pool
+    assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
+
+
+def test_graphs_need_cuda(model_dir):
+    loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
+    with pytest.raises(DeepInferError, match="needs a CUDA device"):
+        LLMEngine(EngineConfig(num_gpu_blocks=8), loaded_model=loaded, decode_mode="graphs")
+    with pytest.raises(DeepInferError, match="'native' cannot serve this model: device is cpu"):
+        LLMEngine(EngineConfig(num_gpu_blocks=8, attention_backend="native"), loaded_model=loaded)
+    health = LLMEngine(EngineConfig(num_gpu_blocks=8), loaded_model=loaded).health()
+    assert health["attention_backend"] == "torch" and health["cuda_graphs"]["enabled"] is False
+    assert health["kernels"]["available"] is False
+
+
+# GPU ---------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def near_tie_or_equal(reference, other, tolerance):
+    """Greedy tokens equal, except that after a step where the reference's top two logprobs are
+    within `tolerance` (a near-tie, where kernel rounding may pick either) the rest is not compared."""
+    for step, (a, b) in enumerate(zip(reference.token_ids, other.token_ids)):
+        if a != b:
+            (_, first), (_, second) = reference.outputs[0].logprobs[step].top[:2]
+            return first - second < tolerance
+    return len(reference.token_ids) == len(other.token_ids)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quantization", [None, "w4a16"])
+def test_cuda_graphs_match_eager(model_dir, quantization):
+    pytest.importorskip("cupy")
+    settings = {"model": str(model_dir), "dtype": "float16", "num_gpu_blocks": 128, "block_size": 16,
+                "max_num_seqs": 12, "max_num_batched_tokens": 64, "quantization": quantization}
+    graphs = LLMEngine(EngineConfig(**settings))
+    health = graphs.health()
+    assert health["attention_backend"] == "native" and health["cuda_graphs"]["enabled"]
+    assert health["cuda_graphs"]["buckets"] == [1, 2, 4, 8, 12]
+    padded = LLMEngine(EngineConfig(**settings), decode_mode="padded")
+    eager = LLMEngine(EngineConfig(**settings, enforce_eager=True))
+    assert eager.health()["cuda_graphs"]["enabled"] is False
+
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2, ignore_eos=True))
+                for p, params in workload()]
+    from_graphs, from_padded, from_eager = (run_all(e, requests) for e in (graphs, padded, eager))
+    # A replay computes exactly what the padded step computes eagerly.
+    assert [o.token_ids for o in from_graphs] == [o.token_ids for o in from_padded]
+    for a, b in zip(from_graphs, from_padded):
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    # The unpadded eager engine batches and splits differently: equal up to near-ties.
+    assert all(near_tie_or_equal(e, g, 0.02) for e, g in zip(from_eager, from_graphs))
+    assert sum(e.token_ids == g.token_ids for e, g in zip(from_eager, from_graphs)) >= len(requests) - 1
