@@ -4,8 +4,8 @@ Every projection of every decoder layer (q/k/v/o_proj, gate/up/down_proj) become
 (core/quant/quant_linear.py); embeddings, norms and an untied LM head stay in the model dtype.
 
 - Real weights: round-to-nearest (core/quant/rtn.py: asymmetric, group 128, or 64/32 where 128
-  does not divide the input features). The model is loaded on the host and quantized one layer at
-  a time on the target device, so the device never holds more than one layer unquantized.
+  does not divide the input features). The model is loaded on the host and quantized one
+  projection at a time on the target device, so the device never holds the unquantized model.
 - Dummy weights with a shape: no RTN. The model is built on the meta device and each projection
   gets random packed codes made directly on the target device (speed does not depend on weight
   values), so a 7B body never exists in fp16 anywhere and loads in seconds.
@@ -52,26 +52,28 @@ def load_quantized_model(config: EngineConfig, device: torch.device, dtype: torc
 @torch.no_grad()
 def quantize_linears(model: nn.Module, bits: int, device: torch.device, dtype: torch.dtype,
                      random_codes: bool = False, seed: int = 0) -> int:
-    """Replace every nn.Linear of the decoder layers by a QuantLinear on `device`, layer by layer;
-    each layer's other parameters move to `device` with it. Returns how many were replaced
-    (linears that are already QuantLinear, e.g. from a layered checkpoint, stay as they are)."""
+    """Replace every nn.Linear of the decoder layers by a QuantLinear on `device`, one at a time (the
+    rest of the model stays where it is). random_codes: dummy weights, codes drawn at random and
+    biases zero (as DecoderModel.init_dummy_weights makes them), the linears' own tensors unread, so
+    they may be on the meta device. Returns how many were replaced (linears that are already
+    QuantLinear, e.g. from a layered checkpoint, stay as they are)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     count = 0
     for index, layer in enumerate(model.model.layers):
         for name, parent, child, linear in _linears(layer):
-            bias = None if linear.bias is None else linear.bias.to(device=device, dtype=dtype)
             try:
                 if random_codes:
+                    bias = None if linear.bias is None else torch.zeros(linear.out_features, dtype=dtype, device=device)
                     packed = random_packed_weight(linear.out_features, linear.in_features, bits, device,
                                                   generator, bias)
                 else:
+                    bias = None if linear.bias is None else linear.bias.to(device=device, dtype=dtype)
                     group_size = default_group_size(linear.in_features, RTN_GROUP_SIZE)
                     packed = quantize_rtn(linear.weight.to(device), bits, group_size, bias=bias)
             except ValueError as err:
                 raise ModelLoadError(f"cannot quantize model.layers.{index}.{name}: {err}") from None
             setattr(parent, child, QuantLinear(packed))
             count += 1
-        layer.to(device)
     return count
 
 
@@ -118,12 +120,7 @@ def _load_dummy_quantized(config: EngineConfig, device: torch.device, dtype: tor
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         module.register_buffer(attr, buffer, persistent=attr not in module._non_persistent_buffers_set)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-    for layer in model.model.layers:
-        for _, parent, child, linear in _linears(layer):
-            bias = None if linear.bias is None else torch.zeros(linear.out_features, dtype=dtype, device=device)
-            setattr(parent, child, QuantLinear(random_packed_weight(
-                linear.out_features, linear.in_features, bits, device, generator, bias)))
+    quantize_linears(model, bits, device, dtype, random_codes=True, seed=config.seed)
     for module in model.modules():  # what is left on meta: embedding, norms, untied head
         for attr, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
