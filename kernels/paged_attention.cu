@@ -44,7 +44,177 @@ struct KvRow {
   }
 };
 
-template <int DT, int D, int KV_INT8>
+// What one 16-token tile needs from memory: the rows' addresses, int8 scales, and with PRELOAD
+// (D <= 128) the K and V rows themselves. K rows: tokens tile + 8*nt + g, elements 32c + 8t .. +7;
+// V rows: tokens tile + 2t, 2t+1, 2t+8, 2t+9 (index e), elements 32c + 4g .. +3.
+template <int D, int PRELOAD>
+struct Tile {
+  static constexpr int CH = PRELOAD ? D / 32 : 1;
+  i64 krow[2], vrow[4];
+  bool kvalid[2], vvalid[4];
+  float kscale[2][2], vscale[4];
+  u32 kf[2][CH][4], vf[4][CH][2];
+};
+
+struct TileContext {  // per CTA: where the sequence's rows live
+  const void* key_cache;
+  const void* value_cache;
+  const u16* key_scales;
+  const u16* value_scales;
+  const int* table;
+  int log2_block_size, num_kv_heads, kv_head, end, g, t;
+};
+
+template <int DT, int D, int KV_INT8, int PRELOAD>
+__device__ __forceinline__ void fetch_tile(Tile<D, PRELOAD>& T, int tile, const TileContext& ctx) {
+  const int block_size = 1 << ctx.log2_block_size;
+  const i64 head_stride = (i64)block_size * D;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int tok = tile + 8 * nt + ctx.g;
+    T.kvalid[nt] = tok < ctx.end;
+    const int blk = T.kvalid[nt] ? ctx.table[tok >> ctx.log2_block_size] : 0;
+    T.krow[nt] = ((i64)blk * ctx.num_kv_heads + ctx.kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
+    T.kscale[nt][0] = T.kscale[nt][1] = 1.0f;
+    if constexpr (KV_INT8) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // scales of this thread's score columns: tokens 2t, 2t+1
+        const int ctok = tile + 8 * nt + 2 * ctx.t + e;
+        if (ctok < ctx.end) {
+          const int cblk = ctx.table[ctok >> ctx.log2_block_size];
+          T.kscale[nt][e] = half_bits_to_float(
+              ctx.key_scales[((i64)cblk * ctx.num_kv_heads + ctx.kv_head) * block_size + (ctok & (block_size - 1))]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int tok = tile + 2 * ctx.t + (e & 1) + 8 * (e >> 1);
+    T.vvalid[e] = tok < ctx.end;
+    const int blk = T.vvalid[e] ? ctx.table[tok >> ctx.log2_block_size] : 0;
+    const i64 slot = (i64)blk * ctx.num_kv_heads + ctx.kv_head;
+    T.vrow[e] = slot * head_stride + (i64)(tok & (block_size - 1)) * D;
+    T.vscale[e] = 1.0f;
+    if constexpr (KV_INT8) {
+      if (T.vvalid[e]) T.vscale[e] = half_bits_to_float(ctx.value_scales[slot * block_size + (tok & (block_size - 1))]);
+    }
+  }
+  if constexpr (PRELOAD) {
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kf[nt][c]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vf[e][c]);
+    }
+  }
+}
+
+// One tile of the online softmax: S = Q K^T, running max/sum update, O = O * alpha + P V.
+// qrows: this thread's two query rows (row g and g+8) offset by 8t; q rows past the tile's heads are zero.
+template <int DT, int D, int KV_INT8, int PRELOAD>
+__device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile, int begin, const TileContext& ctx,
+                                            const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
+                                            float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
+                                            float (&row_sum)[2]) {
+  constexpr int CHUNKS = D / 32;
+  // scores s[nt][c0..c3] = (row g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) of n-tile nt
+  float s[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    u32 qf[2][4];  // Q re-read each tile: L1 hits, and registers stay free for the next tile's loads
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint4 v = qvalid[r] ? __ldg(reinterpret_cast<const uint4*>(qrows[r] + 32 * c)) : make_uint4(0, 0, 0, 0);
+      qf[r][0] = v.x; qf[r][1] = v.y; qf[r][2] = v.z; qf[r][3] = v.w;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      u32 kf[4];
+      if constexpr (PRELOAD) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kf[i] = T.kf[nt][c][i];
+      } else {
+        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kf);
+      }
+      Num<DT>::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
+      Num<DT>::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
+    }
+  }
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = tile + 8 * nt + 2 * ctx.t + (e & 1);
+      float v = s[nt][e] * scale * T.kscale[nt][e & 1];
+      if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+      v = (tok >= begin && tok < ctx.end) ? v : -INFINITY;
+      s[nt][e] = v;
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
+    }
+  }
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
+    const float new_max = fmaxf(row_max[r], tile_max[r]);
+    const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing seen yet
+    alpha[r] = __expf(row_max[r] - base);
+    row_max[r] = new_max;
+    row_sum[r] *= alpha[r];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = __expf(s[nt][2 * r + e] - base);
+        row_sum[r] += p;
+        s[nt][2 * r + e] = p;
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o[c][j][0] *= alpha[0]; o[c][j][1] *= alpha[0];
+      o[c][j][2] *= alpha[1]; o[c][j][3] *= alpha[1];
+    }
+  // P as the A operand (k = the tile's 16 tokens); int8 V scales fold into P
+  const u32 pa0 = Num<DT>::pack(s[0][0] * T.vscale[0], s[0][1] * T.vscale[1]);  // row g, tok 2t, 2t+1
+  const u32 pa1 = Num<DT>::pack(s[0][2] * T.vscale[0], s[0][3] * T.vscale[1]);  // row g+8
+  const u32 pa2 = Num<DT>::pack(s[1][0] * T.vscale[2], s[1][1] * T.vscale[3]);  // row g, tok 2t+8, 2t+9
+  const u32 pa3 = Num<DT>::pack(s[1][2] * T.vscale[2], s[1][3] * T.vscale[3]);  // row g+8
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    u32 vf[4][2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (PRELOAD) {
+        vf[e][0] = T.vf[e][c][0];
+        vf[e][1] = T.vf[e][c][1];
+      } else {
+        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vf[e]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // b0 = (V[2t][d], V[2t+1][d]), b1 = (V[2t+8][d], V[2t+9][d]), d = 32c + 4g + j
+      const int w = j >> 1;
+      const u32 b0 = (j & 1) ? pair_of_his(vf[0][w], vf[1][w]) : pair_of_los(vf[0][w], vf[1][w]);
+      const u32 b1 = (j & 1) ? pair_of_his(vf[2][w], vf[3][w]) : pair_of_los(vf[2][w], vf[3][w]);
+      Num<DT>::mma(o[c][j], pa0, pa1, pa2, pa3, b0, b1);
+    }
+  }
+}
+
+template <int DT, int D, int KV_INT8, int PIPELINE>
 __global__ void __launch_bounds__(32) paged_decode_kernel(
     const u16* __restrict__ query,          // [B, H, D]
     const void* __restrict__ key_cache,     // [NB, KVH, BS, D]
@@ -60,6 +230,10 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
     float scale, float softcap, int window) {
   static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
   constexpr int CHUNKS = D / 32;
+  // Up to D = 128 a tile's K and V rows are loaded whole before its math, and with PIPELINE one tile
+  // ahead of it (two register sets, ping-pong: more bytes in flight, fewer warps resident); wider
+  // heads load them chunk by chunk inside the products.
+  constexpr int PRELOAD = D <= 128;
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int group = num_heads / num_kv_heads;
   const int head_tiles = (group + 15) / 16;
@@ -67,38 +241,20 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
   const int head_lo = kv_head * group + (blockIdx.x % head_tiles) * 16;  // first query head of the tile
   const int heads_here = min(16, kv_head * group + group - head_lo);
   const int seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  const int block_size = 1 << log2_block_size;
   const int seq_len = seq_lens[seq];
-  const int* table = block_tables + (i64)seq * max_blocks;
 
   const int window_start = window > 0 ? max(0, seq_len - window) : 0;
   const int begin = max(split * tokens_per_split, window_start);
   const int end = min(seq_len, (split + 1) * tokens_per_split);
+  const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
+                        log2_block_size, num_kv_heads, kv_head, end, g, t};
 
-  // Up to D = 128 the Q fragments live in registers and a tile's K and V rows are all loaded before
-  // any use (more bytes in flight); wider heads re-read Q (L1 hits) and load K/V chunk by chunk
-  // inside the products, to stay within the register file.
-  constexpr bool PRELOAD = D <= 128;
-  constexpr int KV_CHUNKS = PRELOAD ? CHUNKS : 1;
-  // Q fragments for rows g and g+8 (zero beyond the tile's heads): per chunk, 4 pairs each
   const u16* qrows[2];
   bool qvalid[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     qvalid[r] = g + 8 * r < heads_here;
     qrows[r] = query + ((i64)seq * num_heads + head_lo + (qvalid[r] ? g + 8 * r : 0)) * D + 8 * t;
-  }
-  u32 qf[KV_CHUNKS][2][4];
-  auto load_q = [&](int c, u32 (*dst)[4]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint4 v = qvalid[r] ? __ldg(reinterpret_cast<const uint4*>(qrows[r] + 32 * c)) : make_uint4(0, 0, 0, 0);
-      dst[r][0] = v.x; dst[r][1] = v.y; dst[r][2] = v.z; dst[r][3] = v.w;
-    }
-  };
-  if constexpr (PRELOAD) {
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) load_q(c, qf[c]);
   }
 
   float o[CHUNKS][4][4];  // [d block][n-tile j][c0..c3]
@@ -108,130 +264,22 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
     for (int j = 0; j < 4; ++j) o[c][j][0] = o[c][j][1] = o[c][j][2] = o[c][j][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
-  const i64 head_stride = (i64)block_size * D;  // elements between kv heads of one block
-  for (int tile = begin; tile < end; tile += 16) {
-    // K rows: token tile + 8*nt + g; V rows: tokens tile + 2t, 2t+1, 2t+8, 2t+9 (index e)
-    i64 krow[2], vrow[4];
-    bool kvalid[2], vvalid[4];
-    float kscale[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
-    float vscale[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int tok = tile + 8 * nt + g;
-      kvalid[nt] = tok < end;
-      const int blk = kvalid[nt] ? table[tok >> log2_block_size] : 0;
-      krow[nt] = ((i64)blk * num_kv_heads + kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
-      if constexpr (KV_INT8) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {  // scales of this thread's score columns: tokens 2t, 2t+1
-          const int ctok = tile + 8 * nt + 2 * t + e;
-          if (ctok < end) {
-            const int cblk = table[ctok >> log2_block_size];
-            kscale[nt][e] = half_bits_to_float(
-                key_scales[((i64)cblk * num_kv_heads + kv_head) * block_size + (ctok & (block_size - 1))]);
-          }
-        }
-      }
+  if constexpr (PRELOAD && PIPELINE) {
+    Tile<D, PRELOAD> a, b;
+    fetch_tile<DT, D, KV_INT8, PRELOAD>(a, begin, ctx);
+    for (int tile = begin; tile < end; tile += 32) {
+      fetch_tile<DT, D, KV_INT8, PRELOAD>(b, tile + 16, ctx);
+      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      if (tile + 16 >= end) break;
+      fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile + 32, ctx);
+      attend_tile<DT, D, KV_INT8, PRELOAD>(b, tile + 16, begin, ctx, qrows, qvalid, scale, softcap, o, row_max,
+                                           row_sum);
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = tile + 2 * t + (e & 1) + 8 * (e >> 1);
-      vvalid[e] = tok < end;
-      const int blk = vvalid[e] ? table[tok >> log2_block_size] : 0;
-      const i64 slot = (i64)blk * num_kv_heads + kv_head;
-      vrow[e] = slot * head_stride + (i64)(tok & (block_size - 1)) * D;
-      if constexpr (KV_INT8) {
-        if (vvalid[e]) vscale[e] = half_bits_to_float(value_scales[slot * block_size + (tok & (block_size - 1))]);
-      }
-    }
-    u32 kf[2][KV_CHUNKS][4];  // elements 32c + 8t .. +7 of the two K rows
-    u32 vf[4][KV_CHUNKS][2];  // elements 32c + 4g .. +3 of the four V rows
-    if constexpr (PRELOAD) {
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) KvRow<DT, KV_INT8>::load8(key_cache, krow[nt] + 32 * c + 8 * t, kvalid[nt], kf[nt][c]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) KvRow<DT, KV_INT8>::load4(value_cache, vrow[e] + 32 * c + 4 * g, vvalid[e], vf[e][c]);
-      }
-    }
-
-    // --- scores S = Q K^T: s[nt][c0..c3] = (row g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-    float s[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        const int kc = PRELOAD ? c : 0;
-        if constexpr (!PRELOAD) {
-          load_q(c, qf[0]);
-          KvRow<DT, KV_INT8>::load8(key_cache, krow[nt] + 32 * c + 8 * t, kvalid[nt], kf[nt][0]);
-        }
-        Num<DT>::mma(s[nt], qf[kc][0][0], qf[kc][1][0], qf[kc][0][1], qf[kc][1][1], kf[nt][kc][0], kf[nt][kc][1]);
-        Num<DT>::mma(s[nt], qf[kc][0][2], qf[kc][1][2], qf[kc][0][3], qf[kc][1][3], kf[nt][kc][2], kf[nt][kc][3]);
-      }
-    }
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = tile + 8 * nt + 2 * t + (e & 1);
-        float v = s[nt][e] * scale * kscale[nt][e & 1];
-        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-        v = (tok >= begin && tok < end) ? v : -INFINITY;
-        s[nt][e] = v;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
-      }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
-      const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing seen yet
-      alpha[r] = __expf(row_max[r] - base);
-      row_max[r] = new_max;
-      row_sum[r] *= alpha[r];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = __expf(s[nt][2 * r + e] - base);
-          row_sum[r] += p;
-          s[nt][2 * r + e] = p;
-        }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        o[c][j][0] *= alpha[0]; o[c][j][1] *= alpha[0];
-        o[c][j][2] *= alpha[1]; o[c][j][3] *= alpha[1];
-      }
-    // P as the A operand (k = the tile's 16 tokens); int8 V scales fold into P
-    const u32 pa0 = Num<DT>::pack(s[0][0] * vscale[0], s[0][1] * vscale[1]);  // row g, tok 2t, 2t+1
-    const u32 pa1 = Num<DT>::pack(s[0][2] * vscale[0], s[0][3] * vscale[1]);  // row g+8
-    const u32 pa2 = Num<DT>::pack(s[1][0] * vscale[2], s[1][1] * vscale[3]);  // row g, tok 2t+8, 2t+9
-    const u32 pa3 = Num<DT>::pack(s[1][2] * vscale[2], s[1][3] * vscale[3]);  // row g+8
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      const int vc = PRELOAD ? c : 0;
-      if constexpr (!PRELOAD) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) KvRow<DT, KV_INT8>::load4(value_cache, vrow[e] + 32 * c + 4 * g, vvalid[e], vf[e][0]);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // b0 = (V[2t][d], V[2t+1][d]), b1 = (V[2t+8][d], V[2t+9][d]), d = 32c + 4g + j
-        const int w = j >> 1;
-        const u32 b0 = (j & 1) ? pair_of_his(vf[0][vc][w], vf[1][vc][w]) : pair_of_los(vf[0][vc][w], vf[1][vc][w]);
-        const u32 b1 = (j & 1) ? pair_of_his(vf[2][vc][w], vf[3][vc][w]) : pair_of_los(vf[2][vc][w], vf[3][vc][w]);
-        Num<DT>::mma(o[c][j], pa0, pa1, pa2, pa3, b0, b1);
-      }
+  } else {
+    for (int tile = begin; tile < end; tile += 16) {
+      Tile<D, PRELOAD> a;
+      fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx);
+      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   }
 

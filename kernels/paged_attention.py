@@ -23,6 +23,9 @@ MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
 MIN_TOKENS_PER_SPLIT = 64
 TARGET_TOKENS_PER_SPLIT = 256
+# Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
+# fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
+PIPELINED_BY_DEFAULT = True
 # cudaDeviceGetAttribute numbers
 _ATTR_MULTIPROCESSORS, _ATTR_THREADS_PER_SM, _ATTR_REGISTERS_PER_SM, _ATTR_BLOCKS_PER_SM = 16, 39, 82, 106
 
@@ -75,15 +78,18 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
-def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor) -> str:
-    return f"paged_decode_kernel<{_DTYPE_CODES[query.dtype]},{query.shape[-1]},{int(key_cache.dtype == torch.int8)}>"
+def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None) -> str:
+    dt, head_dim, int8 = _DTYPE_CODES[query.dtype], query.shape[-1], int(key_cache.dtype == torch.int8)
+    if pipelined is None:
+        pipelined = PIPELINED_BY_DEFAULT
+    return f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}>"
 
 
 def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
-             tokens_per_split: int | None = None) -> tuple[int, int]:
+             tokens_per_split: int | None = None, pipelined: bool | None = None) -> tuple[int, int]:
     """The (splits, tokens per split) paged_decode_attention uses for this batch."""
     index = query.device.index
-    kernel = get_kernel(SOURCE, _kernel_name(query, key_cache), index)
+    kernel = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     return split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
                       resident_ctas(kernel.num_regs, index), tokens_per_split)
 
@@ -92,7 +98,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, tokens_per_split: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, tokens_per_split: int | None = None,
+                           pipelined: bool | None = None) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D].
 
     key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
@@ -112,7 +119,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    fn = get_kernel(SOURCE, _kernel_name(query, key_cache), index)
+    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len,
                                    resident_ctas(fn.num_regs, index), tokens_per_split)
     group = num_heads // num_kv_heads

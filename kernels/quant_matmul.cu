@@ -26,7 +26,18 @@ template <int BITS> __device__ __forceinline__ constexpr int pair_pos_hi(int p) 
 template <int DT, int BITS>
 __device__ __forceinline__ void unpack_codes(const u32* w, u32* q) {
   const u32 magic = Num<DT>::MAGIC;
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 4 && DT == 0) {
+    // fp16: one shift per word. Mask 0x00F000F0 leaves 16 * code in the mantissa (1024 + 16c, still
+    // exact), and (v - 1024) / 16 comes back exactly through one fma with 1/16 and -64.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const u32 w8 = w[c] >> 8;
+      q[4 * c + 0] = Num<0>::sub((w[c] & 0x000F000Fu) | magic, magic);
+      q[4 * c + 1] = Num<0>::fma((w[c] & 0x00F000F0u) | magic, 0x2C002C00u, 0xD400D400u);  // * 1/16 - 64
+      q[4 * c + 2] = Num<0>::sub((w8 & 0x000F000Fu) | magic, magic);
+      q[4 * c + 3] = Num<0>::fma((w8 & 0x00F000F0u) | magic, 0x2C002C00u, 0xD400D400u);
+    }
+  } else if constexpr (BITS == 4) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -117,9 +128,8 @@ struct SegmentPair {  // raw words, scales and offsets of two segments of the th
   u32 s2[2][2], b2[2][2];
 };
 
-// Load segments seg and seg + stride (those < seg_end) of rows row0 and row0 + 8; with STAGED the
-// scales come from shared memory later, so only the weight words are loaded here.
-template <int DT, int BITS, int SCALE_F32, int STAGED>
+// Load segments seg and seg + stride (those < seg_end) of rows row0 and row0 + 8.
+template <int DT, int BITS, int SCALE_F32>
 __device__ __forceinline__ void load_segment_pair(SegmentPair<BITS>& d, int seg, int stride, int seg_end,
                                                   const u32* __restrict__ qweight, const void* __restrict__ scales,
                                                   const void* __restrict__ zeros, int row0, int t, int N, int K,
@@ -134,19 +144,16 @@ __device__ __forceinline__ void load_segment_pair(SegmentPair<BITS>& d, int seg,
       const int row = row0 + 8 * r;
       const bool valid = in_k && row < N;
       load_chunk<BITS>(qweight, words_per_row, row, kc, valid, d.raw[u][r]);
-      if constexpr (!STAGED)
-        load_scale<DT, SCALE_F32>(scales, zeros, (i64)row * num_groups + (valid ? kc / group_size : 0), zero_mode,
-                                  valid, d.s2[u][r], d.b2[u][r]);
+      load_scale<DT, SCALE_F32>(scales, zeros, (i64)row * num_groups + (valid ? kc / group_size : 0), zero_mode, valid,
+                                d.s2[u][r], d.b2[u][r]);
     }
   }
 }
 
 // Multiply the two loaded segments into acc[tt] (c0..c3 = (row0, tok 2t), (row0, 2t+1), (row0+8, 2t), (row0+8, 2t+1)).
-// With STAGED, (s, b) pairs of local row r and group q are read at staged[r * staged_stride + 2q].
-template <int DT, int BITS, int TT, int STAGED>
+template <int DT, int BITS, int TT>
 __device__ __forceinline__ void mma_segment_pair(const SegmentPair<BITS>& d, int seg, int stride, int seg_end,
                                                  const u16* __restrict__ x, int tok0, int g, int t, int M, int K,
-                                                 const u32* staged, int staged_stride, int group_size,
                                                  float (&acc)[TT][4]) {
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
@@ -155,18 +162,9 @@ __device__ __forceinline__ void mma_segment_pair(const SegmentPair<BITS>& d, int
     u32 a[2][16];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      u32 s2 = d.s2[u][r], b2 = d.b2[u][r];
-      if constexpr (STAGED) {
-        s2 = b2 = 0u;  // a chunk past K has zero codes and must dequantize to zero
-        if (kc < K) {
-          const uint2 v = *reinterpret_cast<const uint2*>(staged + (g + 8 * r) * staged_stride + 2 * (kc / group_size));
-          s2 = v.x;
-          b2 = v.y;
-        }
-      }
       unpack_codes<DT, BITS>(d.raw[u][r], a[r]);
 #pragma unroll
-      for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], s2, b2);
+      for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], d.s2[u][r], d.b2[u][r]);
     }
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) {
@@ -224,9 +222,9 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   for (int seg = seg_begin; seg < seg_end; seg += 2) {
     SegmentPair<BITS> d;
-    load_segment_pair<DT, BITS, SCALE_F32, 0>(d, seg, 1, seg_end, qweight, scales, zeros, row0, t, N, K, group_size,
-                                              zero_mode);
-    mma_segment_pair<DT, BITS, TT, 0>(d, seg, 1, seg_end, x, tok0, g, t, M, K, nullptr, 0, group_size, acc);
+    load_segment_pair<DT, BITS, SCALE_F32>(d, seg, 1, seg_end, qweight, scales, zeros, row0, t, N, K, group_size,
+                                           zero_mode);
+    mma_segment_pair<DT, BITS, TT>(d, seg, 1, seg_end, x, tok0, g, t, M, K, acc);
   }
 
   const int splits = gridDim.z;
@@ -268,10 +266,9 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
 // the whole K, so a CTA streams its rows front to back and no split-K pass over global memory is
 // needed; the warps' partial sums meet in shared memory. Weight words are software-pipelined: a
 // warp loads the next two segments into one register set while it multiplies the two in the other.
-// With STAGED the CTA first converts its rows' scales and zeros to (s, b) pairs in shared memory
-// (dynamic, 16 rows x staged_stride words), so the loop reads one 8-byte word per row and segment
-// instead of four scattered 2-byte loads.
-template <int DT, int BITS, int TT, int SCALE_F32, int STAGED>
+// (Staging the rows' scales in shared memory instead of loading them in the loop measured no faster
+// on an H200: these kernels are bound by the dequantization arithmetic, not by their loads.)
+template <int DT, int BITS, int TT, int SCALE_F32>
 __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
     const u16* __restrict__ x,          // [M, K]
     const u32* __restrict__ qweight,    // [N, K*BITS/32]
@@ -279,43 +276,28 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
     const void* __restrict__ zeros,     // [N, K/G]
     const u16* __restrict__ bias,       // [N] or null
     u16* __restrict__ out,              // [M, N]
-    int M, int N, int K, int group_size, int zero_mode, int staged_stride) {
+    int M, int N, int K, int group_size, int zero_mode) {
   constexpr int WARPS = 8;
-  extern __shared__ u32 staged[];  // [16][staged_stride] (STAGED)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int row_base = blockIdx.x * 16;
-  const int row0 = row_base + g;
+  const int row0 = blockIdx.x * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
   const int num_segs = (K + 127) / 128;
 
   SegmentPair<BITS> cur, nxt;
-  load_segment_pair<DT, BITS, SCALE_F32, STAGED>(cur, warp, WARPS, num_segs, qweight, scales, zeros, row0, t, N, K,
-                                                 group_size, zero_mode);
-  if constexpr (STAGED) {  // overlaps the first weight loads
-    const int num_groups = K / group_size;
-    for (int i = threadIdx.x; i < 16 * num_groups; i += blockDim.x) {
-      const int r = i / num_groups, q = i - r * num_groups;
-      u32 s2, b2;
-      load_scale<DT, SCALE_F32>(scales, zeros, (i64)(row_base + r) * num_groups + q, zero_mode, row_base + r < N,
-                                s2, b2);
-      *reinterpret_cast<uint2*>(staged + r * staged_stride + 2 * q) = make_uint2(s2, b2);
-    }
-    __syncthreads();
-  }
+  load_segment_pair<DT, BITS, SCALE_F32>(cur, warp, WARPS, num_segs, qweight, scales, zeros, row0, t, N, K, group_size,
+                                         zero_mode);
 
   float acc[TT][4];
 #pragma unroll
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   for (int seg = warp; seg < num_segs; seg += 4 * WARPS) {
-    load_segment_pair<DT, BITS, SCALE_F32, STAGED>(nxt, seg + 2 * WARPS, WARPS, num_segs, qweight, scales, zeros, row0,
-                                                   t, N, K, group_size, zero_mode);
-    mma_segment_pair<DT, BITS, TT, STAGED>(cur, seg, WARPS, num_segs, x, tok0, g, t, M, K, staged, staged_stride,
-                                           group_size, acc);
-    load_segment_pair<DT, BITS, SCALE_F32, STAGED>(cur, seg + 4 * WARPS, WARPS, num_segs, qweight, scales, zeros, row0,
-                                                   t, N, K, group_size, zero_mode);
-    mma_segment_pair<DT, BITS, TT, STAGED>(nxt, seg + 2 * WARPS, WARPS, num_segs, x, tok0, g, t, M, K, staged,
-                                           staged_stride, group_size, acc);
+    load_segment_pair<DT, BITS, SCALE_F32>(nxt, seg + 2 * WARPS, WARPS, num_segs, qweight, scales, zeros, row0, t, N,
+                                           K, group_size, zero_mode);
+    mma_segment_pair<DT, BITS, TT>(cur, seg, WARPS, num_segs, x, tok0, g, t, M, K, acc);
+    load_segment_pair<DT, BITS, SCALE_F32>(cur, seg + 4 * WARPS, WARPS, num_segs, qweight, scales, zeros, row0, t, N,
+                                           K, group_size, zero_mode);
+    mma_segment_pair<DT, BITS, TT>(nxt, seg + 2 * WARPS, WARPS, num_segs, x, tok0, g, t, M, K, acc);
   }
 
   __shared__ float partial[WARPS][TT * 4][32];

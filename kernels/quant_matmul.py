@@ -3,9 +3,7 @@
 Three kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
 - "gemv": CUDA cores, up to 4 tokens per weight read (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
 - "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share
-  16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens; its rows'
-  scales are staged in shared memory when they fit 48 KiB ("ksplit_direct" loads them from global
-  memory in the loop instead: kept for comparison in `bench gemv`);
+  16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens;
 - "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
   along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`).
 `pick_kernel` chooses by the number of tokens (from `bench gemv` on an H200); `kernel=` forces one.
@@ -23,9 +21,8 @@ from kernels.launch import i32, launch, ptr
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 # (largest token count, kernel): the first entry whose bound covers M serves it.
-AUTO_KERNELS = ((16, "ksplit"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "ksplit": 2, "ksplit_direct": 2, "mma": 8}
-STATIC_SHARED_LIMIT = 48 * 1024
+AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (1 << 30, "mma"))
+MAX_TILE = {"gemv": 4, "ksplit": 2, "mma": 8}
 MMA_ROWS_PER_CTA = 64
 KSPLIT_ROWS_PER_CTA = 16
 MMA_SEGMENT = 128  # codes of K per thread-quad step
@@ -61,12 +58,6 @@ def default_tile(kernel: str, num_tokens: int) -> int:
 
 def pick_kernel(num_tokens: int) -> str:
     return next(kernel for bound, kernel in AUTO_KERNELS if num_tokens <= bound)
-
-
-def staged_stride(num_groups: int) -> int:
-    """Words per row of the staged (s, b) pairs: 2 per group, padded so the 8 rows a warp reads at
-    once fall in different shared-memory banks."""
-    return 2 * num_groups + (4 if (num_groups + 1) % 16 == 0 else 2)
 
 
 def weight_read_probe(qweight: torch.Tensor, bits: int, in_features: int) -> None:
@@ -132,16 +123,12 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out),
             i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode)), index)
         return out
-    if name in ("ksplit", "ksplit_direct"):
-        stride = staged_stride(in_features // group_size)
-        shared = KSPLIT_ROWS_PER_CTA * stride * 4
-        staged = int(name == "ksplit" and shared <= STATIC_SHARED_LIMIT)
-        fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel<{dt},{bits},{tile},{scale_f32},{staged}>", index)
+    if name == "ksplit":
+        fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel<{dt},{bits},{tile},{scale_f32}>", index)
         grid = ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA, (num_tokens + 8 * tile - 1) // (8 * tile), 1)
         launch(fn, grid, (256, 1, 1), (
             ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out),
-            i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode), i32(stride)), index,
-            shared_mem=shared if staged else 0)
+            i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode)), index)
         return out
 
     row_tiles = (out_features + MMA_ROWS_PER_CTA - 1) // MMA_ROWS_PER_CTA

@@ -38,12 +38,13 @@ _OPS = (
              "W4A16/W3A16 matmul: CUDA-core GEMV, mma.sync K-split (few tokens) and 64-row tiles (many tokens)",
              quant_matmul.quant_matmul, quant_matmul.unsupported_reason,
              _names("quant_mma_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8), f32=(0, 1))
-             + _names("quant_mma_ksplit_kernel<{dt},{bits},{tile},{f32},1>", dt=_DT, bits=(4, 3), tile=(1, 2), f32=(0, 1))
+             + _names("quant_mma_ksplit_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2), f32=(0, 1))
              + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
     KernelOp("paged_decode_attention", paged_attention.SOURCE,
              "paged GQA decode attention over the block table, split-K + reduce, fp16/bf16/int8 KV",
              paged_attention.paged_decode_attention, paged_attention.unsupported_reason,
-             _names("paged_decode_kernel<{dt},{d},{int8}>", dt=_DT, d=(64, 128, 256), int8=(0, 1))
+             _names("paged_decode_kernel<{dt},{d},{int8},{pipe}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
+                    pipe=(0, 1))
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
              rms_norm.rms_norm, rms_norm.unsupported_reason,

@@ -240,13 +240,13 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for module in (ka, kp, kq, kr, krc):
         monkeypatch.setattr(module, "get_kernel", lambda source, name, index: _Kernel((source, name)))
         monkeypatch.setattr(module, "launch",
-                            lambda kernel, grid, block, args, index, shared_mem=0: launches.append((kernel, args)))
+                            lambda kernel, grid, block, args, index: launches.append((kernel, args)))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
     half = torch.float16
     packed = quantize_rtn(torch.randn(256, 512), bits=4, group_size=128)
-    for kernel in ("gemv", "ksplit", "ksplit_direct", "mma"):
+    for kernel in ("gemv", "ksplit", "mma"):
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)

@@ -80,8 +80,7 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                        group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
-    """Every kernel that suits each token count: gemv up to 4 tokens, ksplit up to 16 (and its
-    unstaged-scales form at 1 and 16 tokens), mma always."""
+    """Every kernel that suits each token count: gemv up to 4 tokens, ksplit up to 16, mma always."""
     from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul
 
     records = []
@@ -95,8 +94,6 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
                 kernels = [kernel for kernel, most in (("gemv", 4), ("ksplit", 16), ("mma", 1 << 30))
                            if num_tokens <= most]
-                if num_tokens in (1, 16):
-                    kernels.append("ksplit_direct")
                 for kernel in kernels:
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
                     mean_us, std_us = time_graph(launch_all, copies, repeats, device)
@@ -138,8 +135,10 @@ def _torch_decode(query, k_cache, v_cache, tables, seq_lens, max_seq_len: int, s
 def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, contexts=ATTENTION_CONTEXTS,
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
-                          torch_baseline_max_bytes: int = 4 * 2**30) -> list[dict]:
-    from kernels.paged_attention import paged_decode_attention, plan_for
+                          torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None) -> list[dict]:
+    from kernels.paged_attention import PIPELINED_BY_DEFAULT, paged_decode_attention, plan_for
+
+    pipelined = PIPELINED_BY_DEFAULT if pipelined is None else pipelined
 
     records = []
     element = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
@@ -160,14 +159,15 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                            table_sets=table_sets, context=context, scale=scale):
                 for table, out in zip(table_sets, outs):
                     paged_decode_attention(query, caches[0], caches[1], table, seq_lens, context, scale,
-                                           key_scales=caches[2], value_scales=caches[3], out=out)
+                                           key_scales=caches[2], value_scales=caches[3], out=out, pipelined=pipelined)
 
             mean_us, std_us = time_graph(launch_all, copies, repeats, device)
             moved = kv_bytes + 2 * query.nbytes
-            splits, per_split = plan_for(query, k_cache, context)
+            splits, per_split = plan_for(query, k_cache, context, pipelined=pipelined)
             record = {
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                 "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",
+                "pipelined": pipelined, "default_variant": pipelined == PIPELINED_BY_DEFAULT,
                 "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
                 "bytes": moved, "gbps": moved / (mean_us * 1e-6) / 1e9,
                 "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -243,7 +243,7 @@ def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
             ratio16.append({"shape": f"{k}x{n}", "batch16_over_batch1": ratio, "met": ratio <= 1.5})
     attn = [{"batch": r["batch"], "context": r["context"], "kv": r["kv"], "fraction_of_copy": r["fraction_of_copy"],
              "met": r["fraction_of_copy"] >= 0.60}
-            for r in attention if r["batch"] == 16 and r["context"] >= 4096]
+            for r in attention if r["batch"] == 16 and r["context"] >= 4096 and r["default_variant"]]
     return {"w4_batch1_bandwidth": batch1, "w4_batch16_cost": ratio16, "decode_attention_bandwidth": attn}
 
 
@@ -259,6 +259,11 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                                                    int8=True, repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096,),
                                                    heads=9, kv_heads=3, head_dim=64, repeats=repeats)
+        from kernels.paged_attention import PIPELINED_BY_DEFAULT
+
+        attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16, 64), contexts=(4096, 16384),
+                                                   repeats=repeats, pipelined=not PIPELINED_BY_DEFAULT,
+                                                   torch_baseline_max_bytes=0)
     probes = bench_read_probes(device, copy["gbps_mean"], repeats) if probes_enabled else []
     return {"copy_bandwidth": copy, "quant_matmul": quant, "paged_attention": attention_records,
             "read_probes": probes, "targets": summarize_targets(quant, attention_records)}
@@ -280,14 +285,15 @@ def gemv_tables(payload: dict) -> list:
     tables = [quant]
     if payload["paged_attention"]:
         attn = Table(title="Paged decode attention (one query token per sequence)")
-        for column in ("batch", "context", "H/KVH x D", "KV", "splits", "us / call", "GB/s", "% copy BW",
-                       "torch us", "speedup"):
+        for column in ("batch", "context", "H/KVH x D", "KV", "tile loads", "splits", "us / call", "GB/s",
+                       "% copy BW", "torch us", "speedup"):
             attn.add_column(column, justify="right")
         for r in payload["paged_attention"]:
             torch_us = "-" if r["torch_us_mean"] is None else f"{r['torch_us_mean']:.1f}"
             speedup = "-" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.1f}x"
             attn.add_row(str(r["batch"]), str(r["context"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
-                         f"{r['dtype']}/{r['kv']}", str(r["splits"]), f"{r['us_mean']:.1f} ± {r['us_std']:.1f}",
+                         f"{r['dtype']}/{r['kv']}", "ahead" if r["pipelined"] else "in-step", str(r["splits"]),
+                         f"{r['us_mean']:.1f} ± {r['us_std']:.1f}",
                          f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}", torch_us, speedup)
         tables.append(attn)
     if payload.get("read_probes"):

@@ -92,7 +92,7 @@ QUANT_CASES = (
     (3, 1536, 576, 32, "ksplit", 1, None, False, False),
     (16, 1000, 11008, 128, "ksplit", 2, None, True, False),
     (5, 4096, 14336, 32, "ksplit", 1, None, False, True),
-    (9, 1000, 4096, 128, "ksplit_direct", 2, None, False, False),
+    (9, 1000, 4096, 128, "ksplit", 2, None, False, False),
     (3, 1536, 576, 32, "gemv", 4, None, False, False),
     (3, 1536, 576, 64, "mma", 1, None, True, False),
     (2, 1000, 4096, 4096, "gemv", 2, None, False, True),
@@ -184,25 +184,29 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
 
     results = []
     for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split in cases:
-        case = (f"{_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} D={head_dim} "
-                f"bs={block_size} ctx={list(lengths)}" + (f" window={window}" if window else "")
-                + (f" softcap={softcap}" if softcap else "") + (" one-split" if per_split else ""))
+        for pipelined in ((True, False) if head_dim <= 128 else (True,)):
+            case = (f"{_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
+                    f"D={head_dim} bs={block_size} ctx={list(lengths)}" + (f" window={window}" if window else "")
+                    + (f" softcap={softcap}" if softcap else "") + (" one-split" if per_split else "")
+                    + ("" if pipelined else " in-step loads"))
 
-        def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                lengths=lengths, window=window, softcap=softcap, per_split=per_split, case=case):
-            k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
-                lengths, kv_heads, head_dim, block_size, dtype, int8, device)
-            seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-            query = torch.randn(len(lengths), heads, head_dim, dtype=dtype, device=device)
-            scale = head_dim**-0.5
-            out = _nan(query.shape, dtype, device)
-            paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, max(lengths), scale, window, softcap,
-                                   k_scales, v_scales, out=out, tokens_per_split=per_split)
-            ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale, window,
-                                                   softcap, k_scales, v_scales, max(lengths))
-            return compare("paged_decode_attention", case, out, ref, REL_TOL[dtype])
+            def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                    block_size=block_size, lengths=lengths, window=window, softcap=softcap, per_split=per_split,
+                    pipelined=pipelined, case=case):
+                k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
+                    lengths, kv_heads, head_dim, block_size, dtype, int8, device)
+                seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+                query = torch.randn(len(lengths), heads, head_dim, dtype=dtype, device=device)
+                scale = head_dim**-0.5
+                out = _nan(query.shape, dtype, device)
+                paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, max(lengths), scale, window,
+                                       softcap, k_scales, v_scales, out=out, tokens_per_split=per_split,
+                                       pipelined=pipelined)
+                ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale,
+                                                       window, softcap, k_scales, v_scales, max(lengths))
+                return compare("paged_decode_attention", case, out, ref, REL_TOL[dtype])
 
-        results += guarded("paged_decode_attention", case, run)
+            results += guarded("paged_decode_attention", case, run)
     return results
 
 
