@@ -91,7 +91,9 @@ def test_runner_picks_the_smallest_bucket_and_bound():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer):
     directory = tmp_path_factory.mktemp("graph_llama")
-    save_tiny_model("llama", directory, tiny_tokenizer, seed=11, initializer_range=0.2, num_hidden_layers=2)
+    # head_dim 32: the smallest the native decode kernel serves, so the GPU tests run it.
+    save_tiny_model("llama", directory, tiny_tokenizer, seed=11, initializer_range=0.2, num_hidden_layers=2,
+                    head_dim=32)
     return directory
 
 

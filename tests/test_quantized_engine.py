@@ -89,7 +89,7 @@ def tiny_shape(tmp_path, **overrides):
 
 
 def test_dummy_shape_gets_random_codes_without_rtn(tmp_path, monkeypatch):
-    import core.engine.quantized_model as quantized_model
+    from core.engine import quantized_model
 
     def no_rtn(*args, **kwargs):
         raise AssertionError("dummy weights must not go through RTN")

@@ -182,10 +182,13 @@ class PaddedDecodeRunner:
         of the shared output buffer, valid until the next step."""
         batch, bound = self.shape_of(chunks)
         self.buffers.load(chunks, batch, bound)
-        if self.use_graphs:
-            self._graphs[(batch, bound)].replay()
-            return self._logits[:len(chunks)]
-        return self.forward(batch, bound)[:len(chunks)]
+        logits = self.replay(batch, bound) if self.use_graphs else self.forward(batch, bound)
+        return logits[:len(chunks)]
+
+    def replay(self, batch: int, bound: int) -> torch.Tensor:
+        """Replay the (batch, bound) graph over the buffers as they are: logits [batch, vocab] float32."""
+        self._graphs[(batch, bound)].replay()
+        return self._logits[:batch]
 
     def forward(self, batch: int, bound: int) -> torch.Tensor:
         """The padded step over the buffers as they are: logits [batch, vocab] float32."""
