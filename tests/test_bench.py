@@ -226,3 +226,13 @@ def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
     assert payload["interrupted"] is True
     assert [b["token_budget"] for b in payload["budgets"]] == [8]
     assert payload["slo"]["chosen_token_budget"] == 8
+
+
+def test_quantized_run_records_its_quantized_linears(tmp_path, tiny_llama_dir, monkeypatch):
+    output = tmp_path / "w4.json"
+    _run_cli(["bench", "concurrency", "--model", str(tiny_llama_dir), "--quantization", "w4a16", "--concurrency", "2",
+              "--prompt-len", "8", "--output-len", "2", "--num-requests", "2", "--output", str(output)], monkeypatch)
+    data = json.loads(output.read_text())
+    # 3 layers x (q, k, v, o, gate, up, down): every projection is a 4-bit QuantLinear.
+    assert data["weights"]["quantized_linears"] == 21 and data["weights"]["quantized_bits"] == [4]
+    assert data["levels"][0]["repeats"][0]["output_tokens"] == 4
