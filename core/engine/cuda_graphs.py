@@ -140,10 +140,6 @@ class StaticDecodeBuffers:
         )
         return self.int64[:batch], self.int64[batch:2 * batch], metadata
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.int64, self.int32, self.query_start_loc))
-
 
 @dataclass
 class CaptureReport:
