@@ -9,6 +9,8 @@ allocates device memory or synchronizes.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -43,7 +45,9 @@ def _torch_stream(device_index: int):
     handle = torch.cuda.current_stream(device_index).cuda_stream
     stream = _streams.get((device_index, handle))
     if stream is None:
-        stream = cupy.cuda.ExternalStream(handle, device_index)
+        with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; older CuPys lack it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(handle, device_index)
         _streams[(device_index, handle)] = stream
     return stream
 

@@ -241,7 +241,8 @@ def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
         if 1 in rows and 16 in rows:
             ratio = rows[16]["us_mean"] / rows[1]["us_mean"]
             ratio16.append({"shape": f"{k}x{n}", "batch16_over_batch1": ratio, "met": ratio <= 1.5})
-    attn = [{"batch": r["batch"], "context": r["context"], "kv": r["kv"], "fraction_of_copy": r["fraction_of_copy"],
+    attn = [{"batch": r["batch"], "context": r["context"], "kv": r["kv"],
+             "heads": f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}", "fraction_of_copy": r["fraction_of_copy"],
              "met": r["fraction_of_copy"] >= 0.60}
             for r in attention if r["batch"] == 16 and r["context"] >= 4096 and r["default_variant"]]
     return {"w4_batch1_bandwidth": batch1, "w4_batch16_cost": ratio16, "decode_attention_bandwidth": attn}
@@ -314,7 +315,8 @@ def gemv_tables(payload: dict) -> list:
         targets.add_row("W4 batch 16 <= 1.5x batch 1", row["shape"], f"{row['batch16_over_batch1']:.2f}x",
                         "yes" if row["met"] else "NO")
     for row in payload["targets"]["decode_attention_bandwidth"]:
-        targets.add_row("attention >= 60% copy BW", f"batch {row['batch']} ctx {row['context']} {row['kv']} KV",
+        targets.add_row("attention >= 60% copy BW",
+                        f"batch {row['batch']} ctx {row['context']} {row.get('heads', '')} {row['kv']} KV",
                         f"{100 * row['fraction_of_copy']:.1f}%", "yes" if row["met"] else "NO")
     tables.append(targets)
     return tables
