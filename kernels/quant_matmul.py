@@ -76,7 +76,8 @@ def _num_sms(device_index: int) -> int:
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """Per-device split-K tile counters: zeroed once here, and left at zero by every launch."""
+    """Per-device split-K tile counters: zeroed once here, and left at zero by every launch. Two split
+    launches on one device must not run concurrently (different streams): keep them on one stream."""
     counters = _counters.get(device.index)
     if counters is None:
         if torch.cuda.is_current_stream_capturing():
