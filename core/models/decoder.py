@@ -62,9 +62,10 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale.to(hidden.dtype)  # Gemma: scale rounded to dtype, as HF
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, head_dim // 2] each
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, self.attention_backend, attn_metadata, kv_cache)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, self.attention_backend, attn_metadata, kv_cache)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (Gemma 2's final softcap applied)."""

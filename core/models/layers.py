@@ -4,6 +4,9 @@ Every projection is a separate `nn.Linear` with HF's name (q_proj, k_proj, v_pro
 gate_proj, up_proj, down_proj), so the quantization pass can swap any of them for a
 `QuantLinear` with the same in/out features. Norms follow HF's numerics: Llama normalizes in
 fp32 then casts back before the weight; Gemma computes `x * (1 + weight)` entirely in fp32.
+Norms and gated activations go through core/ops (a fused CUDA kernel on GPU, the same torch
+math elsewhere); the residual stream is carried beside the hidden states so each residual add
+fuses into the norm that follows it, as vLLM does.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core.errors import ModelLoadError
 from core.models.spec import ModelSpec, RopeScaling
+from core.ops.activation import act_and_mul
+from core.ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +31,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_offset:
-            return (normed * (self.weight_offset + self.weight.float())).type_as(x)  # Gemma: all fp32
-        return self.weight * normed.to(x.dtype)  # Llama: cast back, then scale in model dtype
+        return rms_norm(x, self.weight, self.eps, self.weight_offset)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual) in one fused op. x, residual: [T, dim]."""
+        return rms_norm(x, self.weight, self.eps, self.weight_offset, residual=residual)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -91,14 +95,7 @@ class GatedMLP(nn.Module):
         self.hidden_act = spec.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate = self.gate_proj(x)  # [T, inner]
-        if self.hidden_act == "silu":
-            gate = F.silu(gate)
-        elif self.hidden_act == "gelu_tanh":
-            gate = F.gelu(gate, approximate="tanh")
-        else:
-            gate = F.gelu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(act_and_mul(self.gate_proj(x), self.up_proj(x), self.hidden_act))  # inner: [T, inner]
 
 
 class Attention(nn.Module):
@@ -150,11 +147,19 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(*norm_args)
             self.post_feedforward_layernorm = RMSNorm(*norm_args)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-                attn_metadata: Any, kv_cache: Any) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, backend, attn_metadata, kv_cache)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                backend: Any, attn_metadata: Any, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [T, hidden] each -> this layer's output and the residual stream before it.
+
+        The true stream is `hidden + residual`; the first layer gets residual None.
+        """
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(x, cos, sin, backend, attn_metadata, kv_cache)
         if self.sandwich_norm:
-            hidden = hidden + self.post_attention_layernorm(attn_out)
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            x, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn_out), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(x), residual
