@@ -198,29 +198,16 @@ class PaddedDecodeRunner:
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        """Capture one graph per (bucket, bound), largest first, into one memory pool.
-
-        Each shape first runs once eagerly on the capture stream, so kernels are compiled, the
-        quantized matmul's counters and cuBLAS's workspace exist before capture.
-        """
+        """Capture one graph per (bucket, bound), largest first, into one memory pool."""
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         for batch in reversed(self.bucket_sizes):
             for bound in reversed(self.context_bounds):
-                self.load_padding(batch, bound)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self.forward(batch, bound)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self._logits[:batch].copy_(self.forward(batch, bound))
-                self._graphs[(batch, bound)] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+                self._graphs[(batch, bound)] = self._capture_one(batch, bound, pool, stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_after = torch.cuda.mem_get_info(self.device)[0]
@@ -229,6 +216,48 @@ class PaddedDecodeRunner:
                     "holding %.0f MiB", self.report.num_graphs, self.bucket_sizes, self.context_bounds,
                     self.report.seconds, self.report.memory_bytes / MiB)
         return self.report
+
+    def _capture_one(self, batch: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """The shape first runs once eagerly on the capture stream, so kernels are compiled and the
+        quantized matmul's counters and cuBLAS's workspace exist before the capture."""
+        self.load_padding(batch, bound)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward(batch, bound)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self._logits[:batch].copy_(self.forward(batch, bound))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph
+
+    @torch.inference_mode()
+    def measure_capture_memory(self) -> int:
+        """Device bytes `capture()` will take beyond the runner's static buffers, found by capturing
+        the largest graph alone and letting it go: its pool (what every graph shares), plus what each
+        instantiated graph costs on its own (about the same for every bucket: same kernels) times
+        the number of graphs, plus the capture stream's cuBLAS workspace."""
+        batch, bound = self.bucket_sizes[-1], self.context_bounds[-1]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free_start = torch.cuda.mem_get_info(self.device)[0]
+        stream = torch.cuda.Stream(self.device)
+        self.load_padding(batch, bound)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward(batch, bound)  # the stream's workspace; kernels compiled
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free_warm, reserved_warm = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
+        graph = self._capture_one(batch, bound, None, stream)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_warm
+        per_graph = max(0, free_warm - torch.cuda.mem_get_info(self.device)[0] - pool_bytes)
+        del graph
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        num_graphs = len(self.bucket_sizes) * len(self.context_bounds)
+        return max(0, free_start - free_warm) + pool_bytes + num_graphs * per_graph
 
     def describe(self) -> dict:
         return {
@@ -240,17 +269,3 @@ class PaddedDecodeRunner:
             "capture_s": round(self.report.seconds, 3),
             "memory_bytes": self.report.memory_bytes,
         }
-
-
-def padded_decode_memory(runner: PaddedDecodeRunner) -> int:
-    """Bytes a padded decode step at the largest (batch, bound) allocates above what is held now:
-    the size a graph pool must have to hold that step's activations. CUDA only."""
-    runner.load_padding(runner.bucket_sizes[-1], runner.context_bounds[-1])
-    torch.cuda.synchronize(runner.device)
-    before = torch.cuda.memory_allocated(runner.device)
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    with torch.inference_mode():
-        runner.forward(runner.bucket_sizes[-1], runner.context_bounds[-1])
-    torch.cuda.synchronize(runner.device)
-    return torch.cuda.max_memory_allocated(runner.device) - before
-

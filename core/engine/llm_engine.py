@@ -27,7 +27,7 @@ import torch
 
 from core.config import EngineConfig
 from core.engine.backends import choose_attention_backend, kernel_summary
-from core.engine.cuda_graphs import PaddedDecodeRunner, padded_decode_memory
+from core.engine.cuda_graphs import PaddedDecodeRunner
 from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from core.engine.model_runner import ModelRunner, warmup_requests
 from core.engine.output_processor import OutputProcessor, RequestGroup
@@ -184,15 +184,16 @@ class LLMEngine:
                             cuda_graph_bytes=graph_bytes)
 
     def _estimate_graph_memory(self, max_model_len: int, block_bytes: int) -> int:
-        """What the decode graphs will hold: their static buffers, the activations of the largest padded
-        step (the shared pool), the dummy block, widened by a margin for the pool's segment rounding."""
+        """What the decode graphs will hold: their static buffers, the shared pool and the graphs
+        themselves (measured by capturing the largest one alone), the dummy block, widened by a
+        margin for the allocator's segment rounding."""
         scratch = self._make_kv_cache(1)  # the padding rows' dummy block only
         before = torch.cuda.memory_allocated(self.device)
         decode = self._make_decode_runner(scratch, max_model_len, dummy_block=0)
         static = torch.cuda.memory_allocated(self.device) - before
-        activations = padded_decode_memory(decode)
+        captured = decode.measure_capture_memory()
         del decode, scratch
-        return int((1 + GRAPH_MEMORY_MARGIN) * (static + activations)) + block_bytes + GRAPH_MEMORY_SLACK
+        return int((1 + GRAPH_MEMORY_MARGIN) * (static + captured)) + block_bytes + GRAPH_MEMORY_SLACK
 
     def _fit_max_model_len(self, max_model_len: int, pool_tokens: int) -> int:
         """One request must always fit the pool alone, or it could never finish."""

@@ -17,9 +17,10 @@ headroom the warm-up needed, so the pool never pushes the first real step out of
 context itself sits outside `max_vram`: torch cannot measure it per process.
 
 CUDA graphs are captured after the pool is allocated (they bind its addresses), so their memory is
-estimated before: the activations of an eager padded decode step at the largest batch and context
-bound (what the shared graph pool must hold), the static input/output buffers and the dummy block,
-plus a margin for the pool's segment rounding. The capture logs what the graphs really hold.
+measured before, on a scratch cache: the static input/output buffers, and the largest graph
+captured alone and let go (its pool, which all graphs share, plus what one instantiated graph
+costs, times the number of graphs), the dummy block, and a margin. The capture logs what the
+graphs really hold, and warns if that is more.
 """
 
 from __future__ import annotations
