@@ -88,6 +88,21 @@ def test_runner_picks_the_smallest_bucket_and_bound():
     assert shape(16, 5000) == (16, 5000)
 
 
+def test_graph_memory_comes_out_of_the_kv_budget():
+    from core.engine.memory import DeviceMemory, plan_kv_budget
+
+    mib = 1024**2
+    memory = {"total": 4096 * mib, "free": 3000 * mib, "torch_reserved": 700 * mib, "torch_allocated": 600 * mib,
+                  "peak_allocated": 900 * mib}
+    for settings in ({"max_vram": "2GiB"}, {"gpu_memory_utilization": 0.5}, {}):
+        without = plan_kv_budget(EngineConfig(**settings), 2 * mib, DeviceMemory(**memory))
+        with_graphs = plan_kv_budget(EngineConfig(**settings), 2 * mib, DeviceMemory(**memory, cuda_graph_bytes=100 * mib))
+        assert without.budget_bytes - with_graphs.budget_bytes == 100 * mib
+        assert (without.cuda_graph_bytes, with_graphs.cuda_graph_bytes) == (0, 100 * mib)
+    with pytest.raises(DeepInferError, match="enforce_eager"):
+        plan_kv_budget(EngineConfig(max_vram="1000MiB"), 2 * mib, DeviceMemory(**memory, cuda_graph_bytes=100 * mib))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer):
     directory = tmp_path_factory.mktemp("graph_llama")

@@ -78,6 +78,22 @@ def test_quantized_tokens_differ_from_the_dense_model(tmp_path, tiny_tokenizer):
     assert dense != quantized
 
 
+def test_a_given_loaded_model_is_quantized_in_place(tmp_path, tiny_tokenizer):
+    from core.models.loader import load_model
+
+    save_tiny_model("llama", tmp_path / "m", tiny_tokenizer, seed=3, initializer_range=0.2, num_hidden_layers=2)
+    _, expected = engine_tokens(tmp_path / "m", "w4a16")
+    loaded = load_model(EngineConfig(model=str(tmp_path / "m")), torch.device("cpu"), torch.float32)
+    engine = LLMEngine(EngineConfig(quantization="w4a16", num_gpu_blocks=64, block_size=8), loaded_model=loaded)
+    assert isinstance(loaded.model.model.layers[1].mlp.down_proj, QuantLinear)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o.token_ids for o in engine.step()[0] if o.finished})
+    assert [finals[i] for i in ids] == expected
+
+
 def tiny_shape(tmp_path, **overrides):
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512, "hidden_size": 128,
               "intermediate_size": 352, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
