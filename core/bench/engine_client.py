@@ -131,15 +131,15 @@ def peak_memory(device: str | None) -> dict:
             "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
 
 
-async def start_engine(config):
-    """Build (loads the model, blocking) and start an AsyncEngine.
+async def start_engine(config, loaded_model=None):
+    """Build (loads the model unless `loaded_model` is given, blocking) and start an AsyncEngine.
 
     A quantized run whose model holds no quantized linear would publish bf16 numbers under a W4A16
     label, so that is an error here rather than a footnote.
     """
     from core.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, loaded_model)
     await engine.start()
     weights = weight_summary(engine)
     if config.quantization is not None and weights["quantized_linears"] == 0:
@@ -147,6 +147,14 @@ async def start_engine(config):
         raise RuntimeError(f"--quantization {config.quantization} was asked for, but the loaded model has no "
                            "quantized linear layers; refusing to report unquantized numbers under that label")
     return engine
+
+
+def loaded_model_of(engine):
+    """The engine's model, tokenizer and spec, to hand to the next engine of a sweep."""
+    from core.models.loader import LoadedModel
+
+    inner = engine.engine
+    return LoadedModel(inner.spec, inner.model, inner.tokenizer, inner.source_kind, inner.model_name)
 
 
 def weight_summary(engine) -> dict:

@@ -125,8 +125,13 @@ def _mean_std_ms(values: list[float]) -> dict:
     return {"mean": mean, "std": std}
 
 
-async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_info: dict) -> dict:
-    engine = await engine_client.start_engine(replace(config, max_num_batched_tokens=budget))
+async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_info: dict,
+                          weights: dict) -> dict:
+    # The weights load once per sweep (kept in `weights`); each budget gets a fresh engine (KV pool,
+    # CUDA graphs) over them.
+    engine = await engine_client.start_engine(replace(config, max_num_batched_tokens=budget),
+                                              weights.get("loaded_model"))
+    weights.setdefault("loaded_model", engine_client.loaded_model_of(engine))
     if not engine_info:
         engine_info.update(model_name=engine.model_name, weights=engine_client.weight_summary(engine),
                            health=engine.health())
@@ -203,8 +208,9 @@ def choose_budget(results: list[dict], itl_slo_ms: float) -> dict:
 
 
 async def _sweep(config, workload: JitterWorkload, engine_info: dict, results: list[dict]) -> None:
+    weights: dict = {}
     for budget in workload.token_budgets:
-        results.append(await _measure_budget(config, budget, workload, engine_info))
+        results.append(await _measure_budget(config, budget, workload, engine_info, weights))
         logger.info("budget %d: window ITL max %.1f ms", budget, results[-1]["insertion_window_itl_ms"]["max"] or 0)
 
 

@@ -65,8 +65,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, loaded_model=None) -> None:
+        """`loaded_model`: a core.models.loader.LoadedModel to reuse instead of loading `config.model`
+        (a benchmark sweeping engine settings loads the weights once)."""
+        self.engine = LLMEngine(config, loaded_model)
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.spec = self.engine.spec
