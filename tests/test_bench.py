@@ -215,7 +215,7 @@ def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
     from core.bench import jitter
     from core.config import EngineConfig
 
-    async def measure(config, budget, workload, engine_info):
+    async def measure(config, budget, workload, engine_info, weights):
         if budget > 8:
             raise KeyboardInterrupt  # what `timeout -s INT` delivers
         return _budget(budget, 5.0)
