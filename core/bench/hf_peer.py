@@ -32,21 +32,12 @@ def resolve_peer_dtype(dtype: str, device: str):
     return torch.float32
 
 
-def shape_config_path(shape: str) -> Path:
-    """The config.json behind `--shape` (a name under configs/shapes/ or a .json path), as the loader reads it."""
-    from core.models.loader import SHAPES_DIR
-
-    candidate = Path(shape).expanduser()
-    path = candidate if candidate.suffix == ".json" else SHAPES_DIR / f"{shape}.json"
-    if not path.is_file():
-        raise InvalidRequestError(f"unknown shape {shape!r}: {path} does not exist")
-    return path
-
-
 def peer_source(config, device: str) -> dict:
     """What the HF peer loads for an engine config: the same config.json, random weights for dummy runs."""
     if config.dummy_weights and config.shape is not None:
-        return {"device": device, "dtype": config.dtype, "config_json": str(shape_config_path(config.shape))}
+        from core.models.loader import shape_file_path
+
+        return {"device": device, "dtype": config.dtype, "config_json": str(shape_file_path(config.shape))}
     model_dir = Path(config.model).expanduser() if config.model is not None else None
     if model_dir is None or not (model_dir / "config.json").is_file():
         raise InvalidRequestError(

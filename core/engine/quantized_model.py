@@ -105,11 +105,11 @@ def _linears(layer: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
 @torch.no_grad()
 def _load_dummy_quantized(config: EngineConfig, device: torch.device, dtype: torch.dtype, bits: int):
     from core.models.decoder import DecoderModel
-    from core.models.loader import LoadedModel, _dummy_tokenizer, _shape_file
+    from core.models.loader import LoadedModel, dummy_tokenizer, shape_file_path
     from core.models.spec import ModelSpec
     from core.weights.hf_safetensors import read_json
 
-    shape_file = _shape_file(config.shape)
+    shape_file = shape_file_path(config.shape)
     spec = ModelSpec.from_hf_config(read_json(shape_file))
     max_positions = max(config.max_model_len or 0, spec.max_position_embeddings)
     model = DecoderModel(spec, dtype=dtype, device="meta", max_positions=max_positions)
@@ -127,4 +127,4 @@ def _load_dummy_quantized(config: EngineConfig, device: torch.device, dtype: tor
                 setattr(module, attr, nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
     model.init_dummy_weights(config.seed)
     model.requires_grad_(False)
-    return LoadedModel(spec, model.eval(), _dummy_tokenizer(spec), "dummy", f"dummy-{shape_file.stem}")
+    return LoadedModel(spec, model.eval(), dummy_tokenizer(spec), "dummy", f"dummy-{shape_file.stem}")

@@ -98,7 +98,7 @@ def _load_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
 def _load_dummy(config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     tokenizer: Tokenizer | ByteTokenizer | None = None
     if config.shape is not None:
-        shape_file = _shape_file(config.shape)
+        shape_file = shape_file_path(config.shape)
         spec = ModelSpec.from_hf_config(hf_safetensors.read_json(shape_file))
         name = f"dummy-{shape_file.stem}"
     else:
@@ -115,7 +115,7 @@ def _load_dummy(config: EngineConfig, device: Any, dtype: torch.dtype) -> Loaded
     model = _build_model(spec, config, device, dtype)
     model.init_dummy_weights(config.seed)
     if tokenizer is None:
-        tokenizer = _dummy_tokenizer(spec)
+        tokenizer = dummy_tokenizer(spec)
     return LoadedModel(spec, model, tokenizer, "dummy", name)
 
 
@@ -126,7 +126,7 @@ def _build_model(spec: ModelSpec, config: EngineConfig, device: Any, dtype: torc
     return model.eval()
 
 
-def _dummy_tokenizer(spec: ModelSpec) -> Tokenizer | ByteTokenizer:
+def dummy_tokenizer(spec: ModelSpec) -> Tokenizer | ByteTokenizer:
     """The default model's tokenizer when it is on disk and fits the vocab, else one id per byte."""
     default = default_model_path(download=False)
     if default.is_file():
@@ -143,7 +143,8 @@ def _checked_tokenizer(tokenizer: Tokenizer, spec: ModelSpec, where: Path) -> To
     return tokenizer
 
 
-def _shape_file(shape: str) -> Path:
+def shape_file_path(shape: str) -> Path:
+    """The config.json behind `--shape`: a name under configs/shapes/ or a path to a .json file."""
     candidate = Path(shape).expanduser()
     if candidate.suffix == ".json" and candidate.is_file():
         return candidate
