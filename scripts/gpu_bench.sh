@@ -29,15 +29,15 @@ section() {  # section NAME TIME_LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || FAILED+=("$name (exit $rc)")
 }
 
-section concurrency 210 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
+section concurrency 200 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
     --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 --peer hf \
     --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
 
-section concurrency-4gib 90 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --max-vram 4GiB --max-num-seqs 8 \
+section concurrency-4gib 80 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --max-vram 4GiB --max-num-seqs 8 \
     --concurrency 1,2,4,8 --prompt-len 256 --output-len 64 \
     --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-4gib_${GPU}_${STAMP}.json"
 
-section jitter 210 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
+section jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
     --token-budgets 64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 50 \
     --max-num-seqs 4 --kv-cache-memory 4GiB \
     --output "$OUT_DIR/bench_jitter_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
