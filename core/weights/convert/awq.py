@@ -13,7 +13,6 @@ with the fixed zero point 2**(bits-1), so qzeros may be absent and the zero poin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -22,13 +21,13 @@ from core.quant.packed import PackedWeight
 from core.quant.packing import pack_weight, unpack_codes
 from core.weights.convert.safetensors_dir import (
     SafetensorsDir,
+    SafetensorsDirSource,
     keep_tensors,
     read_quant_config,
     record_packed,
     split_layer,
-    unquantized_config,
 )
-from core.weights.convert.source import ConversionSource, ConvertedLayer, ConvertOptions, exact_scales
+from core.weights.convert.source import ConvertedLayer, ConvertOptions, exact_scales
 from core.weights.convert.summary import ConversionSummary
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) held by nibble i
@@ -78,7 +77,7 @@ def awq_to_packed(
         raise ModelLoadError(f"{name}: {err}") from None
 
 
-class AWQSource(ConversionSource):
+class AWQSource(SafetensorsDirSource):
     kind = "awq"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
@@ -95,20 +94,6 @@ class AWQSource(ConversionSource):
             raise UnsupportedModelError(f"{path}: AWQ version {version!r} is not supported (only 'gemm')")
         self._scheme = {"method": "awq", "bits": bits, "group_size": self.group_size, "version": version,
                         "zero_point": self.zero_point}
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return unquantized_config(self.files.config)
-
-    @property
-    def quant_scheme(self) -> dict[str, Any]:
-        return self._scheme
-
-    def save_tokenizer(self, directory: Path) -> None:
-        self.files.copy_tokenizer(directory)
-
-    def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
-        return keep_tensors(self.files, self.files.other_names, summary)
 
     def convert_layer(self, index: int, summary: ConversionSummary) -> ConvertedLayer:
         modules, others = split_layer(self.files, index, "qweight")
@@ -127,6 +112,3 @@ class AWQSource(ConversionSource):
                 group_size=self.group_size, name=module)
             record_packed(summary, self.files, module, packed[module], "awq-int4")
         return ConvertedLayer(dense=keep_tensors(self.files, others, summary), packed=packed)
-
-    def close(self) -> None:
-        self.files.close()

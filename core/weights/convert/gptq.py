@@ -15,7 +15,6 @@ and dequantizes as W[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,13 +23,13 @@ from core.quant.packed import PackedWeight
 from core.quant.packing import pack_weight, unpack_codes
 from core.weights.convert.safetensors_dir import (
     SafetensorsDir,
+    SafetensorsDirSource,
     keep_tensors,
     read_quant_config,
     record_packed,
     split_layer,
-    unquantized_config,
 )
-from core.weights.convert.source import ConversionSource, ConvertedLayer, ConvertOptions, exact_scales
+from core.weights.convert.source import ConvertedLayer, ConvertOptions, exact_scales
 from core.weights.convert.summary import ConversionSummary
 
 ZERO_CONVENTIONS = {"gptq": "v1", "gptq_v1": "v1", "gptq_v2": "v2"}
@@ -100,7 +99,7 @@ def _contiguous_group_order(g_idx: torch.Tensor | None, in_features: int, group_
     return order.to(torch.int32)
 
 
-class GPTQSource(ConversionSource):
+class GPTQSource(SafetensorsDirSource):
     kind = "gptq"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
@@ -120,20 +119,6 @@ class GPTQSource(ConversionSource):
                         "desc_act": bool(quant_config.get("desc_act", False)),
                         "sym": bool(quant_config.get("sym", True)), "checkpoint_format": checkpoint_format}
 
-    @property
-    def config(self) -> dict[str, Any]:
-        return unquantized_config(self.files.config)
-
-    @property
-    def quant_scheme(self) -> dict[str, Any]:
-        return self._scheme
-
-    def save_tokenizer(self, directory: Path) -> None:
-        self.files.copy_tokenizer(directory)
-
-    def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
-        return keep_tensors(self.files, self.files.other_names, summary)
-
     def convert_layer(self, index: int, summary: ConversionSummary) -> ConvertedLayer:
         modules, others = split_layer(self.files, index, "qweight")
         packed = {}
@@ -146,7 +131,4 @@ class GPTQSource(ConversionSource):
                                             zero_convention=self.zero_convention, name=module)
             record_packed(summary, self.files, module, packed[module], f"gptq-int{self.bits}")
         return ConvertedLayer(dense=keep_tensors(self.files, others, summary), packed=packed)
-
-    def close(self) -> None:
-        self.files.close()
 

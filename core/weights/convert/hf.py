@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from core.errors import ConversionError
 from core.quant.rtn import default_group_size, quantization_error, quantize_rtn
-from core.weights.convert.safetensors_dir import SafetensorsDir, keep_tensors, linear_module_of
+from core.weights.convert.safetensors_dir import (
+    SafetensorsDir,
+    SafetensorsDirSource,
+    keep_tensors,
+    linear_module_of,
+)
 from core.weights.convert.source import (
-    ConversionSource,
     ConvertedLayer,
     ConvertOptions,
     packed_nbytes,
@@ -22,7 +23,7 @@ from core.weights.convert.summary import REQUANTIZED, ConversionSummary, TensorR
 DEFAULT_GROUP_SIZE = 128
 
 
-class HFSource(ConversionSource):
+class HFSource(SafetensorsDirSource):
     kind = "hf"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
@@ -39,20 +40,6 @@ class HFSource(ConversionSource):
         self._scheme = {"method": "rtn", "bits": self.bits, "group_size": self.group_size or DEFAULT_GROUP_SIZE,
                         "sym": self.sym,
                         "source_dtype": str(self.files.config.get("torch_dtype", self.files.config.get("dtype")))}
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return dict(self.files.config)
-
-    @property
-    def quant_scheme(self) -> dict[str, Any]:
-        return self._scheme
-
-    def save_tokenizer(self, directory: Path) -> None:
-        self.files.copy_tokenizer(directory)
-
-    def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
-        return keep_tensors(self.files, self.files.other_names, summary)
 
     def convert_layer(self, index: int, summary: ConversionSummary) -> ConvertedLayer:
         names = self.files.layer_names.get(index, [])
@@ -74,6 +61,3 @@ class HFSource(ConversionSource):
                                      weight.numel(), before, packed_nbytes(packed[module]), max_error, mean_error))
         others = [n for n in names if n.rpartition(".")[0] not in modules]
         return ConvertedLayer(dense=keep_tensors(self.files, others, summary), packed=packed)
-
-    def close(self) -> None:
-        self.files.close()

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from core.errors import ModelLoadError, UnsupportedModelError
 from core.quant.packed import PackedWeight
-from core.weights.convert.source import LINEAR_NAMES, packed_nbytes, target_type
+from core.weights.convert.source import LINEAR_NAMES, ConversionSource, packed_nbytes, target_type
 from core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -167,3 +167,29 @@ def record_packed(summary: ConversionSummary, files: SafetensorsDir, module: str
     before = sum(files.nbytes(name) for name in files.names_under(module))
     summary.add(TensorRecord(f"{module}.weight", EXACT, source_type, target_type(packed),
                              packed.in_features * packed.out_features, before, packed_nbytes(packed)))
+
+
+class SafetensorsDirSource(ConversionSource):
+    """A source that is an HF-style safetensors directory (GPTQ, AWQ, HF): its config minus any
+    quantization_config, its tokenizer files copied, the tensors outside the decoder layers kept as
+    stored. Subclasses set `files` and `_scheme` and convert the layers."""
+
+    files: SafetensorsDir
+    _scheme: dict[str, Any]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return unquantized_config(self.files.config)
+
+    @property
+    def quant_scheme(self) -> dict[str, Any]:
+        return self._scheme
+
+    def save_tokenizer(self, directory: Path) -> None:
+        self.files.copy_tokenizer(directory)
+
+    def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
+        return keep_tensors(self.files, self.files.other_names, summary)
+
+    def close(self) -> None:
+        self.files.close()
