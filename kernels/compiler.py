@@ -5,6 +5,9 @@ A kernel is one template instantiation, named by its C++ name expression
 it runs on. `#include "common.cuh"` is inlined, so the source hash covers the headers too. The
 in-process cache is keyed by (device, source hash, arch, options, name); CuPy also keeps the
 cubin on disk (~/.cupy/kernel_cache) under a hash of the same inputs, so a second process skips NVRTC.
+
+Every launch asks for its kernel, so a loaded kernel is found by (source, name, device) alone, one
+dict lookup: the sources are read and hashed once per process (they do not change under it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).parent
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
-_kernels: dict[tuple, object] = {}
+_kernels: dict[tuple, object] = {}  # (device, source, source hash, arch, options, name) -> kernel
+_loaded: dict[tuple[str, str, int], object] = {}  # (source, name, device) -> kernel: the launch-time lookup
 _lock = threading.Lock()
 
 
@@ -40,6 +44,7 @@ def source_text(filename: str) -> str:
     return expand(filename)
 
 
+@cache
 def source_hash(filename: str) -> str:
     return hashlib.sha256(source_text(filename).encode()).hexdigest()[:16]
 
@@ -48,6 +53,7 @@ def compile_options(arch: str) -> tuple[str, ...]:
     return ("-std=c++17", f"--gpu-architecture=sm_{arch}")
 
 
+@cache
 def device_arch(device_index: int) -> str:
     """'90' for an H100/H200, '86' for an RTX 30xx."""
     import cupy
@@ -57,12 +63,12 @@ def device_arch(device_index: int) -> str:
 
 def get_kernel(filename: str, name_expression: str, device_index: int):
     """The compiled cupy.RawKernel of one template instantiation, for one device."""
+    kernel = _loaded.get((filename, name_expression, device_index))
+    if kernel is not None:
+        return kernel
     arch = device_arch(device_index)
     options = compile_options(arch)
     key = (device_index, filename, source_hash(filename), arch, options, name_expression)
-    kernel = _kernels.get(key)
-    if kernel is not None:
-        return kernel
     with _lock:
         kernel = _kernels.get(key)
         if kernel is None:
@@ -74,6 +80,7 @@ def get_kernel(filename: str, name_expression: str, device_index: int):
                 kernel = module.get_function(name_expression)
                 kernel.compile()  # compile and load now, never inside a CUDA-graph capture
             _kernels[key] = kernel
+        _loaded[(filename, name_expression, device_index)] = kernel
     return kernel
 
 

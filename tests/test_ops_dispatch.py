@@ -94,8 +94,8 @@ def test_act_and_mul_reference_formulas():
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_rotary_and_cache_write_matches_decoder_rope_and_kv_cache(quantized):
-    from core.models.layers import apply_rope
+def test_rotary_and_cache_write_matches_hf_rope_and_kv_cache(quantized):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     tokens, heads, kv_heads, head_dim, block_size = 6, 4, 2, 16, 4
     query, key = torch.randn(tokens, heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
@@ -108,8 +108,11 @@ def test_rotary_and_cache_write_matches_decoder_rope_and_kv_cache(quantized):
     rotated_q, rotated_k = rotary_and_cache_write(
         query, key, value, cos.unsqueeze(1), sin.unsqueeze(1), got.key_caches[0], got.value_caches[0], slots,
         got.key_scales[0] if quantized else None, got.value_scales[0] if quantized else None)
-    torch.testing.assert_close(rotated_q, apply_rope(query, cos.unsqueeze(1), sin.unsqueeze(1)))
-    torch.testing.assert_close(rotated_k, apply_rope(key, cos.unsqueeze(1), sin.unsqueeze(1)))
+    # HF: [batch, heads, T, D] with cos/sin [batch, T, D] (the half table repeated)
+    hf_q, hf_k = apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                      torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None])
+    torch.testing.assert_close(rotated_q, hf_q[0].transpose(0, 1))
+    torch.testing.assert_close(rotated_k, hf_k[0].transpose(0, 1))
     expected.write(0, rotated_k, value, slots)
     for name in ("key_caches", "value_caches") + (("key_scales", "value_scales") if quantized else ()):
         assert torch.equal(getattr(got, name)[0], getattr(expected, name)[0]), name

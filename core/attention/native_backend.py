@@ -4,7 +4,8 @@ Same interface as TorchPagedAttention. The runner puts the `num_decodes` decode 
 token each) first in the flat batch: their K/V are written by the cache-write kernel and they attend
 with the paged decode kernel, which reads the block table directly (no gather, no padding). The
 prefill chunks after them go through the torch reference on a metadata view of just those requests,
-which also writes their K/V. When the kernel cannot serve the step (CPU, fp32, head_dim, forced
+which also writes their K/V. With `kv_written=True` (the decoder's fused RoPE + cache-write op
+already stored the step's K/V) neither path writes. When the kernel cannot serve the step (CPU, fp32, head_dim, forced
 reference) the whole step runs on the reference, and core/ops logs why once.
 """
 
@@ -29,18 +30,21 @@ class NativePagedAttention:
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_cache, scale: float, sliding_window: int | None,
-                softcap: float | None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KVH, D] -> attention output [T, H, D]."""
+                softcap: float | None, kv_written: bool = False) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D] -> attention output [T, H, D].
+
+        kv_written: the step's K/V are already in the cache at slot_mapping (key/value are then unused)."""
         num_decodes = attn_metadata.num_decodes
         key_cache, value_cache = kv_cache.key_caches[layer_idx], kv_cache.value_caches[layer_idx]
         if num_decodes == 0 or not self._kernel_serves(query, key_cache, kv_cache.num_kv_heads):
             return self._reference.forward(layer_idx, query, key, value, attn_metadata, kv_cache, scale,
-                                           sliding_window, softcap)
+                                           sliding_window, softcap, kv_written)
         key_scales = kv_cache.key_scales[layer_idx] if kv_cache.quantized else None
         value_scales = kv_cache.value_scales[layer_idx] if kv_cache.quantized else None
         out = torch.empty_like(query)
-        write_kv_cache(key[:num_decodes], value[:num_decodes], key_cache, value_cache,
-                       attn_metadata.slot_mapping[:num_decodes], key_scales, value_scales)
+        if not kv_written:
+            write_kv_cache(key[:num_decodes], value[:num_decodes], key_cache, value_cache,
+                           attn_metadata.slot_mapping[:num_decodes], key_scales, value_scales)
         paged_decode_attention(query[:num_decodes], key_cache, value_cache, attn_metadata.block_tables[:num_decodes],
                                attn_metadata.seq_lens[:num_decodes], scale, sliding_window, softcap, key_scales,
                                value_scales, max_seq_len=max(attn_metadata.seq_lens_host[:num_decodes]),
@@ -48,7 +52,7 @@ class NativePagedAttention:
         if num_decodes < attn_metadata.num_requests:
             out[num_decodes:] = self._reference.forward(
                 layer_idx, query[num_decodes:], key[num_decodes:], value[num_decodes:],
-                self._prefills_of(attn_metadata), kv_cache, scale, sliding_window, softcap)
+                self._prefills_of(attn_metadata), kv_cache, scale, sliding_window, softcap, kv_written)
         return out
 
     @staticmethod
@@ -56,8 +60,10 @@ class NativePagedAttention:
         from kernels import registry
 
         op = registry.get("paged_decode_attention")
-        reason = dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
-        return dispatch.use_kernel(op.name, reason)
+        key = (query.device, query.dtype, query.shape[1:], key_cache.device, key_cache.dtype, key_cache.shape[1:],
+               num_kv_heads)
+        return dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(query, key_cache)
+                               or op.unsupported_reason(query, key_cache, num_kv_heads))
 
     def _prefills_of(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata restricted to its prefill requests; built once per step, shared by all layers."""

@@ -1,6 +1,7 @@
 """TorchPagedAttention: the reference attention backend (gather blocks + SDPA), any device, any dtype.
 
-For one flat batch it first writes the step's new K/V into the paged cache, then attends each
+For one flat batch it first writes the step's new K/V into the paged cache (unless the caller
+already did, `kv_written=True`: the decoder's fused RoPE + cache-write op), then attends each
 request's queries over its cached context. Requests are processed in two padded groups (the
 decodes, query length 1, then the prefill chunks), each vectorized across its requests, so a
 big decode batch is one SDPA call and a long prefill chunk does not pad every decode to its length.
@@ -51,9 +52,12 @@ class TorchPagedAttention:
 
     def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_cache, scale: float, sliding_window: int | None,
-                softcap: float | None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KVH, D] -> attention output [T, H, D]."""
-        kv_cache.write(layer_idx, key, value, attn_metadata.slot_mapping)
+                softcap: float | None, kv_written: bool = False) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D] -> attention output [T, H, D].
+
+        kv_written: the step's K/V are already in the cache at slot_mapping (key/value are then unused)."""
+        if not kv_written:
+            kv_cache.write(layer_idx, key, value, attn_metadata.slot_mapping)
         if self._step_metadata is not attn_metadata:
             self._groups = _build_groups(attn_metadata, kv_cache.block_size, query.device)
             self._step_metadata = attn_metadata

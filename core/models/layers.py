@@ -4,9 +4,11 @@ Every projection is a separate `nn.Linear` with HF's name (q_proj, k_proj, v_pro
 gate_proj, up_proj, down_proj), so the quantization pass can swap any of them for a
 `QuantLinear` with the same in/out features. Norms follow HF's numerics: Llama normalizes in
 fp32 then casts back before the weight; Gemma computes `x * (1 + weight)` entirely in fp32.
-Norms and gated activations go through core/ops (a fused CUDA kernel on GPU, the same torch
+Norms, gated activations and RoPE go through core/ops (a fused CUDA kernel on GPU, the same torch
 math elsewhere); the residual stream is carried beside the hidden states so each residual add
-fuses into the norm that follows it, as vLLM does.
+fuses into the norm that follows it, as vLLM does. The attention layer rotates q/k and writes the
+new K/V into the paged cache in one op (`rotary_and_cache_write`), then asks the backend only to
+attend (`kv_written=True`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from core.errors import ModelLoadError
 from core.models.spec import ModelSpec, RopeScaling
 from core.ops.activation import act_and_mul
 from core.ops.norm import rms_norm
+from core.ops.rotary import rotary_and_cache_write
 
 
 class RMSNorm(nn.Module):
@@ -78,13 +81,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] with HF's rotate-half layout; same roundings as `x*cos + rotate_half(x)*sin`."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class GatedMLP(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: Any) -> None:
         super().__init__()
@@ -124,9 +120,14 @@ class Attention(nn.Module):
         value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
-        out = backend.forward(self.layer_idx, query, key, value, attn_metadata, kv_cache,
-                              self.scale, self.sliding_window, self.softcap)  # [T, H, D]
+        layer = self.layer_idx
+        key_scales, value_scales = ((kv_cache.key_scales[layer], kv_cache.value_scales[layer]) if kv_cache.quantized
+                                    else (None, None))
+        query, key = rotary_and_cache_write(query, key, value, cos, sin, kv_cache.key_caches[layer],
+                                            kv_cache.value_caches[layer], attn_metadata.slot_mapping,
+                                            key_scales, value_scales)
+        out = backend.forward(layer, query, key, value, attn_metadata, kv_cache, self.scale, self.sliding_window,
+                              self.softcap, kv_written=True)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

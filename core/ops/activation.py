@@ -26,7 +26,10 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     from kernels import registry
 
     op = registry.get("act_and_mul")
-    reason = dispatch.kernel_blocker(gate, up) or op.unsupported_reason(gate, up, activation)
-    if dispatch.use_kernel(op.name, reason):
+    # the kernel's checks read shapes, strides and 16-byte alignment; only the token count is left out
+    key = (activation, gate.device, up.device, gate.dtype, up.dtype, gate.shape[1:], gate.shape == up.shape,
+           gate.stride(), up.stride(), gate.data_ptr() % 16, up.data_ptr() % 16)
+    if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(gate, up)
+                       or op.unsupported_reason(gate, up, activation)):
         return op.launch(gate, up, activation)
     return act_and_mul_reference(gate, up, activation)

@@ -4,12 +4,18 @@ An op asks `kernel_blocker(...)` whether any CUDA kernel can run on its tensors 
 own capability check (the registry's `unsupported_reason`), and calls `use_kernel(op, reason)`,
 which logs the chosen path once per (op, reason) and returns True for the kernel.
 `DEEPINFER_FORCE_REFERENCE=1` sends every op to its torch reference, for comparisons.
+
+Ops run hundreds of times per engine step, so they go through `decide(op, key, reason)`: the
+checks run once per (op, key, forced-reference setting), where `key` holds everything they read
+(devices, dtypes, the shapes that do not change with the token count, alignments), and every later
+call with that key is one dict lookup.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +23,7 @@ FORCE_REFERENCE_ENV = "DEEPINFER_FORCE_REFERENCE"
 
 logger = logging.getLogger("deepinfer.ops")
 _logged: set[tuple[str, str]] = set()
+_decisions: dict[tuple, str | None] = {}  # (op, forced-reference env value, key) -> reason or None
 
 
 def force_reference() -> bool:
@@ -49,6 +56,22 @@ def use_kernel(op: str, reason: str | None) -> bool:
     return reason is None
 
 
+def decide(op: str, key: tuple, reason: Callable[[], str | None]) -> bool:
+    """`use_kernel(op, reason())`, with `reason()` (kernel_blocker + the op's own check) evaluated
+    once per (op, key, DEEPINFER_FORCE_REFERENCE value). `key` must determine reason()'s answer:
+    the tensors' devices, dtypes, token-independent shapes, strides and alignments it looks at.
+    While autograd records nothing is cached, since the answer then depends on requires_grad."""
+    if torch.is_grad_enabled():
+        return use_kernel(op, reason())
+    cache_key = (op, os.environ.get(FORCE_REFERENCE_ENV), key)
+    try:
+        return _decisions[cache_key] is None
+    except KeyError:
+        why = _decisions[cache_key] = reason()
+        return use_kernel(op, why)
+
+
 def reset_log() -> None:
-    """Forget which paths were logged (tests)."""
+    """Forget which paths were logged and the cached decisions (tests)."""
     _logged.clear()
+    _decisions.clear()

@@ -34,8 +34,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     from kernels import registry
 
     op = registry.get("rms_norm")
-    reason = dispatch.kernel_blocker(x, weight, residual) or op.unsupported_reason(x, weight)
-    if dispatch.use_kernel(op.name, reason):
+    key = (x.device, x.dtype, x.shape[-1], weight.device, weight.dtype, None if residual is None else residual.device)
+    if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(x, weight, residual)
+                       or op.unsupported_reason(x, weight)):
         shape = x.shape
         out, summed = op.launch(x.reshape(-1, shape[-1]), weight, eps, weight_offset,
                                 None if residual is None else residual.reshape(-1, shape[-1]))

@@ -60,9 +60,11 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     op = registry.get("paged_decode_attention")
     num_kv_heads = key_cache.shape[1]
-    reason = (dispatch.kernel_blocker(query, key_cache, value_cache, block_tables, seq_lens)
-              or op.unsupported_reason(query, key_cache, num_kv_heads))
-    if dispatch.use_kernel(op.name, reason):
+    key = (query.device, query.dtype, query.shape[1:], key_cache.device, key_cache.dtype, key_cache.shape[1:],
+           value_cache.device, block_tables.device, seq_lens.device)
+    if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(query, key_cache, value_cache, block_tables,
+                                                                     seq_lens)
+                       or op.unsupported_reason(query, key_cache, num_kv_heads)):
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return op.launch(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,

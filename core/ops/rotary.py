@@ -43,8 +43,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     from kernels import registry
 
     op = registry.get("rope_cache_write")
-    reason = dispatch.kernel_blocker(key, value, key_cache) or op.unsupported_reason(key, key_cache)
-    if dispatch.use_kernel("kv_cache_write", reason):
+    signature = (key.device, key.dtype, key.shape[-1], value.device, key_cache.device, key_cache.dtype,
+                 key_cache.shape[2])
+    if dispatch.decide("kv_cache_write", signature, lambda: dispatch.kernel_blocker(key, value, key_cache)
+                       or op.unsupported_reason(key, key_cache)):
         op.launch(None, key, value, None, None, key_cache, value_cache, slot_mapping, key_scales, value_scales)
         return
     write_kv_cache_reference(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
@@ -59,10 +61,11 @@ def rotary_and_cache_write(query: torch.Tensor, key: torch.Tensor, value: torch.
     from kernels import registry
 
     op = registry.get("rope_cache_write")
-    reason = (dispatch.kernel_blocker(query, key, value, cos, sin, key_cache)
-              or op.unsupported_reason(key, key_cache)
-              or (None if query.dtype == key.dtype == cos.dtype else "q/k/cos dtypes differ"))
-    if dispatch.use_kernel(op.name, reason):
+    signature = (query.device, query.dtype, key.device, key.dtype, key.shape[-1], value.device, cos.device,
+                 cos.dtype, sin.device, key_cache.device, key_cache.dtype, key_cache.shape[2])
+    if dispatch.decide(op.name, signature, lambda: dispatch.kernel_blocker(query, key, value, cos, sin, key_cache)
+                       or op.unsupported_reason(key, key_cache)
+                       or (None if query.dtype == key.dtype == cos.dtype else "q/k/cos dtypes differ")):
         return op.launch(query, key, value, cos, sin, key_cache, value_cache, slot_mapping, key_scales, value_scales)
     query, key = apply_rotary_reference(query, cos, sin), apply_rotary_reference(key, cos, sin)
     write_kv_cache_reference(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)

@@ -17,6 +17,9 @@ class QuantLinear(nn.Module):
 
     State-dict keys are the PackedWeight field names (`qweight`, `scales`, `zeros`, and `input_perm`,
     `bias` when present), the same names the layered checkpoint stores under each linear.
+
+    `packed` is built (and validated) once and reused by every forward until a buffer is replaced
+    (`.to()`, assignment); in-place updates such as load_state_dict's copies keep it valid.
     """
 
     def __init__(self, packed: PackedWeight) -> None:
@@ -31,21 +34,27 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", packed.zeros)  # [N, K // G]
         self.register_buffer("input_perm", packed.input_perm)  # int32 [K] or None
         self.register_buffer("bias", packed.bias)  # [N] or None
+        self._packed: PackedWeight | None = None
 
     @property
     def packed(self) -> PackedWeight:
-        return PackedWeight(
-            qweight=self.qweight,
-            scales=self.scales,
-            zeros=self.zeros,
-            bits=self.bits,
-            group_size=self.group_size,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            zero_mode=self.zero_mode,
-            input_perm=self.input_perm,
-            bias=self.bias,
-        )
+        packed, buffers = self._packed, self._buffers
+        if (packed is None or packed.qweight is not buffers["qweight"] or packed.scales is not buffers["scales"]
+                or packed.zeros is not buffers["zeros"] or packed.input_perm is not buffers["input_perm"]
+                or packed.bias is not buffers["bias"]):
+            packed = self._packed = PackedWeight(
+                qweight=buffers["qweight"],
+                scales=buffers["scales"],
+                zeros=buffers["zeros"],
+                bits=self.bits,
+                group_size=self.group_size,
+                in_features=self.in_features,
+                out_features=self.out_features,
+                zero_mode=self.zero_mode,
+                input_perm=buffers["input_perm"],
+                bias=buffers["bias"],
+            )
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         return quant_matmul(x, self.packed)

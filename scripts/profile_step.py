@@ -1,0 +1,95 @@
+"""Host overhead of one mixed engine step (a prefill chunk sharing the step with 16 decodes), on the CPU.
+
+    python3 scripts/profile_step.py [--steps 6] [--shape smollm2-135m] [--top 25]
+
+Builds a dummy-weight W4A16 engine on the CPU, brings 16 requests into decode, then adds a long
+prompt whose prefill is chunked over the next steps, so every profiled step is mixed (one prefill
+chunk + 16 decodes), the kind of step that runs eagerly on a GPU. On the CPU the torch math
+dominates the wall time, so the report also counts Python-level calls per step: the host work an
+eager GPU step pays for whatever its kernels cost (kernel lookups, PackedWeight builds, dispatch
+checks, output snapshots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+# (label, file suffix, function name): the per-step call counts this script reports
+WATCHED = (
+    ("get_kernel", "kernels/compiler.py", "get_kernel"),
+    ("source_hash", "kernels/compiler.py", "source_hash"),
+    ("PackedWeight.__post_init__", "core/quant/packed.py", "__post_init__"),
+    ("QuantLinear.packed", "core/quant/quant_linear.py", "packed"),
+    ("kernel_blocker", "core/ops/dispatch.py", "kernel_blocker"),
+    ("force_reference", "core/ops/dispatch.py", "force_reference"),
+    ("unsupported_reason (all ops)", "kernels/", "unsupported_reason"),
+    ("apply_rope (decoder, torch ops)", "core/models/layers.py", "apply_rope"),
+    ("rotary_and_cache_write (one op)", "core/ops/rotary.py", "rotary_and_cache_write"),
+    ("KVCache.write (backend)", "core/kv/cache.py", "write"),
+    ("OutputProcessor._snapshot", "core/engine/output_processor.py", "_snapshot"),
+    ("dataclasses.replace", "dataclasses.py", "replace"),
+)
+
+
+def _count(stats: pstats.Stats, suffix: str, name: str) -> int:
+    total = 0
+    for (filename, _, function), (primitive_calls, *_rest) in stats.stats.items():
+        if function == name and suffix in filename:
+            total += primitive_calls
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="mixed steps to profile")
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--decodes", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=64, help="prefill tokens per step")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    import torch
+
+    from core.config import EngineConfig
+    from core.engine.llm_engine import LLMEngine
+    from core.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    config = EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", device="cpu",
+                          dtype="float32", max_num_seqs=args.decodes + 1,
+                          max_num_batched_tokens=args.decodes + args.chunk, enable_prefix_caching=False,
+                          num_gpu_blocks=256)
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=10_000 // 10, temperature=0.0, ignore_eos=True)
+    for i in range(args.decodes):
+        engine.add_request([1 + i, 2, 3, 4], params)
+    for _ in range(3):  # prefills, then the first decodes
+        engine.step()
+    engine.add_request(list(range(5, 5 + args.chunk * (args.steps + 2))), SamplingParams(max_tokens=1))
+    engine.step()  # the first mixed step: compiles/caches whatever is lazily built
+
+    profiler = cProfile.Profile()
+    wall = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        profiler.enable()
+        engine.step()
+        profiler.disable()
+        wall.append(time.perf_counter() - start)
+    stats = pstats.Stats(profiler)
+    print(f"{args.steps} mixed steps ({args.chunk}-token prefill chunk + {args.decodes} decodes), "
+          f"{args.shape} W4A16 fp32 on the CPU")
+    print(f"wall per step: {1000 * sum(wall) / len(wall):.1f} ms (min {1000 * min(wall):.1f} ms)")
+    print(f"Python-level calls per step (cProfile, primitive): {stats.prim_calls / args.steps:.0f}")
+    print("calls per step:")
+    for label, suffix, name in WATCHED:
+        print(f"  {label:32s} {_count(stats, suffix, name) / args.steps:8.1f}")
+    print()
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
