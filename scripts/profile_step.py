@@ -7,7 +7,8 @@ prompt whose prefill is chunked over the next steps, so every profiled step is m
 chunk + 16 decodes), the kind of step that runs eagerly on a GPU. On the CPU the torch math
 dominates the wall time, so the report also counts Python-level calls per step: the host work an
 eager GPU step pays for whatever its kernels cost (kernel lookups, PackedWeight builds, dispatch
-checks, output snapshots).
+checks, output snapshots). A second section times the output processing alone (detokenize,
+snapshot, metrics) for `--concurrency` streams that already hold `--generated` tokens each.
 """
 
 from __future__ import annotations
@@ -42,6 +43,36 @@ def _count(stats: pstats.Stats, suffix: str, name: str) -> int:
     return total
 
 
+def profile_outputs(engine, concurrency: int, generated: int, steps: int = 200) -> None:
+    """Host time of OutputProcessor.append_tokens + make_outputs per step, `concurrency` streams."""
+    from core.engine.output_processor import OutputProcessor
+    from core.engine.sampling_params import SamplingParams
+    from core.engine.stats import IterationStats
+
+    processor = OutputProcessor(engine.tokenizer)
+    params = SamplingParams(max_tokens=generated + steps + 1, ignore_eos=True)
+    requests = []
+    for i in range(concurrency):
+        group = engine.make_request_group([1 + i, 2, 3], params)
+        processor.add(group)
+        requests.append(group.samples[0])
+
+    def one_step(token: int) -> None:
+        for request in requests:
+            request.append_output_token(token)
+        stats = IterationStats()
+        processor.append_tokens(requests, stats)
+        processor.make_outputs(requests, stats)
+
+    for token in range(generated):
+        one_step(65 + token % 26)
+    start = time.perf_counter()
+    for token in range(steps):
+        one_step(65 + token % 26)
+    seconds = (time.perf_counter() - start) / steps
+    print(f"output processing, {concurrency} streams at {generated}+ tokens: {1e6 * seconds:.0f} us per step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="mixed steps to profile")
@@ -49,6 +80,8 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=64, help="prefill tokens per step")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--concurrency", type=int, default=32, help="streams in the output-processing timing")
+    parser.add_argument("--generated", type=int, default=1000, help="tokens each stream already holds")
     args = parser.parse_args()
 
     import torch
@@ -87,6 +120,7 @@ def main() -> None:
     print("calls per step:")
     for label, suffix, name in WATCHED:
         print(f"  {label:32s} {_count(stats, suffix, name) / args.steps:8.1f}")
+    profile_outputs(engine, args.concurrency, args.generated)
     print()
     stats.sort_stats("tottime").print_stats(args.top)
 

@@ -81,3 +81,49 @@ def test_dispatch_takes_the_kernel_on_gpu(caplog, monkeypatch):
     messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
     assert messages == ["rms_norm: CUDA kernel",
                         "rms_norm: torch reference (dtype torch.float32 (kernel takes float16/bfloat16))"]
+
+
+@pytest.mark.parametrize("dtype,int8_kv", [(torch.float16, False), (torch.bfloat16, True)])
+def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype, int8_kv, caplog, monkeypatch):
+    """The decoder rotates q/k and writes K/V with the rope_cache_write kernel, then calls the backend with
+    kv_written=True: the native backend (paged decode kernel) and the torch backend (SDPA over the same
+    cache) must give the same logits over prefill, mixed and decode steps, and neither writes K/V again."""
+    from core.attention.native_backend import NativePagedAttention
+    from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+    from core.attention.torch_backend import TorchPagedAttention
+    from core.bench.kernel_checks import compare
+    from core.bench.model_validation import BLOCK_SIZE, VOCAB, build_tiny_llama
+    from core.kv.cache import KVCache
+    from core.ops import dispatch
+
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
+    dispatch.reset_log()
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    model = build_tiny_llama(dtype, DEVICE, 4, 64)
+    tokens = torch.randint(0, VOCAB, (3, 48), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    tables = ([3, 7, 1, 12], [5, 0], [9])
+    steps = (((0, 0, 37), (1, 0, 20)), ((0, 37, 1), (1, 20, 1), (2, 0, 9)), ((0, 38, 1), (1, 21, 1), (2, 9, 1)))
+
+    def backend_write(*args, **kwargs):
+        raise AssertionError("a backend wrote K/V that the decoder had already written")
+
+    monkeypatch.setattr(KVCache, "write", backend_write)
+    logits = {}
+    for backend in (TorchPagedAttention(), NativePagedAttention()):
+        model.attention_backend = backend
+        spec = model.spec
+        cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, DEVICE,
+                        quantized=int8_kv)
+        rows = []
+        with torch.no_grad():
+            for step in steps:
+                chunks = [SequenceChunk(tables[i], start, count) for i, start, count in step]
+                metadata, positions = build_attention_metadata(chunks, BLOCK_SIZE, DEVICE)
+                input_ids = torch.cat([tokens[i, start:start + count] for i, start, count in step])
+                hidden = model(input_ids, positions, metadata, cache)
+                rows.append(model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1]))
+        logits[backend.name] = torch.cat(rows)
+    messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
+    assert "rope_cache_write: CUDA kernel" in messages and "paged_decode_attention: CUDA kernel" in messages
+    _assert_all_ok([compare("end_to_end", f"native vs torch backend, kv_written, {dtype}, int8 KV {int8_kv}",
+                            logits["native"], logits["torch"], 2e-2 if int8_kv else 5e-3)])

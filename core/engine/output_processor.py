@@ -6,6 +6,10 @@ rules, EOS / stop token ids / max_tokens, and finishes the request itself); the 
 request whose stop string appeared. Every RequestOutput is a snapshot: cumulative fields plus
 the deltas since the previous snapshot of that request.
 
+A snapshot costs O(1) per sample, not O(output length): the delta lists are handed over (the live
+completion starts new ones), and the cumulative `token_ids` / `logprobs` are copied out of the
+sample's append-only lists only if someone reads them (`CompletionSnapshot`). Streams read deltas.
+
 Timings go into the step's IterationStats exactly once: a TTFT when a sample's first token
 arrives, an inter-token latency for every later token, and one FinishedRequestStats when the
 whole group is done.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from core.engine.detokenizer import IncrementalDetokenizer
 from core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -24,6 +28,46 @@ from core.engine.sampling_params import SamplingParams
 from core.engine.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)
+
+
+class _PrefixOnRead:
+    """A snapshot attribute that reads as the first `_num_tokens` entries of a live, append-only
+    list (`_live_<name>`, or None), copied on first read and kept; assigning replaces it."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.live_name = name, f"_live_{name}"
+
+    def __get__(self, snapshot, owner=None):
+        if snapshot is None:
+            return self
+        values = snapshot.__dict__
+        if self.name not in values:
+            live = values[self.live_name]
+            values[self.name] = None if live is None else live[:values["_num_tokens"]]
+        return values[self.name]
+
+    def __set__(self, snapshot, value) -> None:
+        snapshot.__dict__[self.name] = value
+
+
+class CompletionSnapshot(CompletionOutput):
+    """A CompletionOutput as of one step. `token_ids` and `logprobs` are the first `num_tokens`
+    entries of the live completion's lists (which only ever grow), copied on first read."""
+
+    token_ids = _PrefixOnRead()
+    logprobs = _PrefixOnRead()
+
+    def __init__(self, live: CompletionOutput) -> None:  # every field except the two lazy ones
+        self.index = live.index
+        self.text = live.text
+        self.finish_reason = live.finish_reason
+        self.stop_reason = live.stop_reason
+        self.delta_text = live.delta_text
+        self.delta_token_ids = live.delta_token_ids
+        self.delta_logprobs = live.delta_logprobs
+        self._live_token_ids = live.token_ids
+        self._live_logprobs = live.logprobs
+        self._num_tokens = len(live.token_ids)
 
 
 @dataclass
@@ -105,28 +149,30 @@ class OutputProcessor:
             for sample, completion in zip(group.samples, group.completions):
                 completion.finish_reason = sample.finish_reason
                 completion.stop_reason = sample.stop_reason
-            outputs.append(self._snapshot(group))
-            for completion in group.completions:
+            finished = group.finished
+            outputs.append(self._snapshot(group, finished))
+            for completion in group.completions:  # the snapshot took the delta lists
                 completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
-            if group.finished:
+            if finished:
                 del self.groups[parent_id]
                 stats.finished_requests.append(_finished_stats(group))
         return outputs
 
-    def _snapshot(self, group: RequestGroup) -> RequestOutput:
+    def _snapshot(self, group: RequestGroup, finished: bool) -> RequestOutput:
         samples = group.samples
-        completions = [
-            replace(c, token_ids=list(c.token_ids), delta_token_ids=list(c.delta_token_ids),
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None)
-            for c in group.completions]
-        error = next((s.error for s in samples if s.error), None)
+        if len(samples) == 1:
+            sample = samples[0]
+            num_cached_tokens, error = sample.num_cached_tokens, sample.error
+        else:
+            num_cached_tokens = max(s.num_cached_tokens for s in samples)
+            error = next((s.error for s in samples if s.error), None)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=group.finished,
-            num_cached_tokens=max(s.num_cached_tokens for s in samples),
+            outputs=[CompletionSnapshot(c) for c in group.completions],
+            finished=finished,
+            num_cached_tokens=num_cached_tokens,
             metrics=_group_metrics(samples),
             error=error,
         )
@@ -143,6 +189,10 @@ def _latest(values):
 
 
 def _group_metrics(samples: list[Request]) -> RequestMetrics:
+    if len(samples) == 1:
+        metrics = samples[0].metrics
+        return RequestMetrics(metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
+                              metrics.last_token_time, metrics.finished_time if samples[0].is_finished else None)
     metrics = [s.metrics for s in samples]
     finished = all(s.is_finished for s in samples)
     return RequestMetrics(
