@@ -22,6 +22,9 @@ def validate_kernels(
     workers: Annotated[int, typer.Option(help="Processes compiling kernels in parallel.")] = 8,
     seed: Annotated[int | None, typer.Option(help="Seed of the random inputs (default: from the clock).")] = None,
     show_passed: Annotated[bool, typer.Option(help="List passing checks too, not only failures.")] = True,
+    only: Annotated[str | None, typer.Option(
+        help="Comma-separated check groups to run (quant_matmul, paged_decode_attention, rms_norm, act_and_mul, "
+             "rope_cache_write, cuda_graph, end_to_end); default all.")] = None,
 ) -> None:
     """Check each CUDA kernel against its torch reference and write results/kernel_validation_<gpu>.json."""
     from rich.console import Console
@@ -33,9 +36,13 @@ def validate_kernels(
     reason = cuda_unavailable_reason()
     if reason is not None:
         fail(f"validate-kernels needs a CUDA GPU with CuPy: {reason}")
-    from core.bench.kernel_validation import run_validation
+    from core.bench.kernel_validation import CHECK_GROUPS, run_validation
 
-    report = run_validation(device, workers, seed, command=["deepinfer", *sys.argv[1:]])
+    groups = tuple(item.strip() for item in only.split(",") if item.strip()) if only else None
+    unknown = [group for group in groups or () if group not in CHECK_GROUPS]
+    if unknown:
+        fail(f"--only: unknown check group(s) {', '.join(unknown)}; choose from {', '.join(CHECK_GROUPS)}")
+    report = run_validation(device, workers, seed, command=["deepinfer", *sys.argv[1:]], only=groups)
     console = Console()
     table = Table(title=f"Kernel validation on {report['env'].get('gpu')} (seed {report['seed']})")
     for column in ("op", "case", "rel err", "cosine", "max abs", "result"):

@@ -194,39 +194,14 @@ __device__ __forceinline__ void store_tile(const float (&acc)[TT][4], const u16*
   }
 }
 
-// CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` segments; the 4 warps
-// read the same activations (L1 hits after the first). With gridDim.z > 1 splits, each CTA writes
-// fp32 partials and the last CTA of an output tile (a counter per tile) sums them in split order,
-// then resets the counter.
-template <int DT, int BITS, int TT, int SCALE_F32>
-__global__ void __launch_bounds__(128) quant_mma_kernel(
-    const u16* __restrict__ x,          // [M, K]
-    const u32* __restrict__ qweight,    // [N, K*BITS/32]
-    const void* __restrict__ scales,    // [N, K/G]
-    const void* __restrict__ zeros,     // [N, K/G]
-    const u16* __restrict__ bias,       // [N] or null
-    u16* __restrict__ out,              // [M, N]
-    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
-    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
-    int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 64 + warp * 16 + g;
-  const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = (K + 127) / 128;
-  const int seg_begin = blockIdx.z * segs_per_split;
-  const int seg_end = min(num_segs, seg_begin + segs_per_split);
-
-  float acc[TT][4];
-#pragma unroll
-  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  for (int seg = seg_begin; seg < seg_end; seg += 2) {
-    SegmentPair<BITS> d;
-    load_segment_pair<DT, BITS, SCALE_F32>(d, seg, 1, seg_end, qweight, scales, zeros, row0, t, N, K, group_size,
-                                           zero_mode);
-    mma_segment_pair<DT, BITS, TT>(d, seg, 1, seg_end, x, tok0, g, t, M, K, acc);
-  }
-
+// Split-K epilogue shared by the tiled kernels. With gridDim.z > 1 splits, each CTA writes its fp32
+// partials and the last CTA of an output tile (a counter per tile) sums them in split order, resets
+// the counter and stores; the other CTAs return false. With one split, stores directly.
+template <int DT, int TT>
+__device__ __forceinline__ void reduce_splits_and_store(float (&acc)[TT][4], const u16* __restrict__ bias,
+                                                        u16* __restrict__ out, float* __restrict__ partials,
+                                                        int* __restrict__ counters, int row0, int tok0, int t, int M,
+                                                        int N) {
   const int splits = gridDim.z;
   if (splits > 1) {
 #pragma unroll
@@ -260,6 +235,42 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
     if (threadIdx.x == 0) counters[tile] = 0;
   }
   store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+}
+
+// CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` segments; the 4 warps
+// read the same activations (L1 hits after the first). With gridDim.z > 1 splits, each CTA writes
+// fp32 partials and the last CTA of an output tile (a counter per tile) sums them in split order,
+// then resets the counter.
+template <int DT, int BITS, int TT, int SCALE_F32>
+__global__ void __launch_bounds__(128) quant_mma_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 64 + warp * 16 + g;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int num_segs = (K + 127) / 128;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(num_segs, seg_begin + segs_per_split);
+
+  float acc[TT][4];
+#pragma unroll
+  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int seg = seg_begin; seg < seg_end; seg += 2) {
+    SegmentPair<BITS> d;
+    load_segment_pair<DT, BITS, SCALE_F32>(d, seg, 1, seg_end, qweight, scales, zeros, row0, t, N, K, group_size,
+                                           zero_mode);
+    mma_segment_pair<DT, BITS, TT>(d, seg, 1, seg_end, x, tok0, g, t, M, K, acc);
+  }
+
+  reduce_splits_and_store<DT, TT>(acc, bias, out, partials, counters, row0, tok0, t, M, N);
 }
 
 // Few tokens: CTA = 8 warps on the same 16 output rows, warp w taking segments w, w+8, w+16, ... of
@@ -421,6 +432,196 @@ __global__ void __launch_bounds__(128) quant_gemv_kernel(
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      const float sum = warp_sum(acc[m][r]);
+      const int row = row0 + r, tok = tok0 + m;
+      if (lane == 0 && row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core path with the activations staged in shared memory. The old kernels above reload each
+// token tile's activations from L1/L2 for every 16 rows (for 64 tokens that is 16x the weight bytes);
+// here a CTA of 8 warps (128 output rows, warp w rows 16w..16w+15) stages the activations of a
+// K stage ONCE, already in the mma B-fragment order of load_x_pairs, and every warp dequantizes its
+// weights once per segment and multiplies them against all 8*TT tokens from shared memory:
+//   xs[(s * TT + tt) * 4 + c][lane] = pairs 4c..4c+3 of token tok0 + 8tt + lane/4, codes
+//   [128 (stage + s) + 32 (lane % 4), +32)   (uint4; consecutive lanes -> consecutive 16 B: no conflicts)
+// A CTA covers a K range of `segs_per_split` segments (gridDim.z splits, reduced as in quant_mma_kernel),
+// walked in stages of Staged<TT>::SEGS segments (44 KiB of activations at most: static shared memory
+// stops at 48 KiB, and the split-K epilogue needs a few bytes of it).
+template <int TT> struct Staged { static constexpr int SEGS = 22 / TT; };  // a segment is TT * 2 KiB
+
+template <int DT, int BITS, int TT>
+__device__ __forceinline__ void mma_staged_pair(const SegmentPair<BITS>& d, int seg, int stage, int seg_end,
+                                                const uint4 (*__restrict__ xs)[32], int lane, float (&acc)[TT][4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    if (seg + u >= seg_end) break;  // uniform across the CTA
+    u32 a[2][16];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      unpack_codes<DT, BITS>(d.raw[u][r], a[r]);
+#pragma unroll
+      for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], d.s2[u][r], d.b2[u][r]);
+    }
+    const int s = seg + u - stage;
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      u32 xp[16];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint4 v = xs[(s * TT + tt) * 4 + c][lane];
+        xp[4 * c + 0] = v.x; xp[4 * c + 1] = v.y; xp[4 * c + 2] = v.z; xp[4 * c + 3] = v.w;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+    }
+  }
+}
+
+template <int DT, int BITS, int TT, int SCALE_F32>
+__global__ void __launch_bounds__(256) quant_mma_staged_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
+  constexpr int WARPS = 8, SEGS = Staged<TT>::SEGS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * (16 * WARPS) + warp * 16 + g;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int num_segs = (K + 127) / 128;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(num_segs, seg_begin + segs_per_split);
+  __shared__ uint4 xs[SEGS * TT * 4][32];
+
+  float acc[TT][4];
+#pragma unroll
+  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int stage = seg_begin; stage < seg_end; stage += SEGS) {
+    const int stage_end = min(seg_end, stage + SEGS);
+    SegmentPair<BITS> cur;  // first weights in flight while the activations are staged
+    load_segment_pair<DT, BITS, SCALE_F32>(cur, stage, 1, stage_end, qweight, scales, zeros, row0, t, N, K,
+                                           group_size, zero_mode);
+    __syncthreads();  // the previous stage's readers are done with xs
+    const int items = (stage_end - stage) * TT * 32;
+    for (int item = threadIdx.x; item < items; item += 32 * WARPS) {
+      const int l = item & 31, tt = (item >> 5) % TT, s = (item >> 5) / TT;
+      const int tok = tok0 + tt * 8 + (l >> 2), kc = (stage + s) * 128 + 32 * (l & 3);
+      const bool valid = tok < M && kc < K;
+      u32 xp[16];
+      load_x_pairs<DT, BITS>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) xs[(s * TT + tt) * 4 + c][l] = make_uint4(xp[4 * c], xp[4 * c + 1], xp[4 * c + 2], xp[4 * c + 3]);
+    }
+    __syncthreads();
+    for (int seg = stage; seg < stage_end; seg += 2) {
+      SegmentPair<BITS> nxt;
+      load_segment_pair<DT, BITS, SCALE_F32>(nxt, seg + 2, 1, stage_end, qweight, scales, zeros, row0, t, N, K,
+                                             group_size, zero_mode);
+      mma_staged_pair<DT, BITS, TT>(cur, seg, stage, stage_end, xs, lane, acc);
+      cur = nxt;
+    }
+  }
+  reduce_splits_and_store<DT, TT>(acc, bias, out, partials, counters, row0, tok0, t, M, N);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming GEMV for 1..4 tokens (MT), CUDA cores. Warp = 2 output rows; lane l takes the 32-code
+// chunks l, l+32, l+64, ... of both rows, UNROLL chunks per step (4; 2 for 4 tokens) with all their 16-byte loads issued
+// before any math, so each lane keeps 2*UNROLL independent loads in flight. A chunk dequantizes to 16
+// DT pairs (one group: G is a multiple of 32); fp16 multiplies pairs with fma.f16x2 into two half2
+// accumulators of 8 products each, then adds them into fp32; bf16 multiplies in fp32.
+template <int DT>
+__device__ __forceinline__ float dot_pairs(const u32* w, const u32* xp) {
+  if constexpr (DT == 0) {
+    u32 h0 = 0u, h1 = 0u;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      h0 = Num<0>::fma(w[p], xp[p], h0);
+      h1 = Num<0>::fma(w[p + 8], xp[p + 8], h1);
+    }
+    return (pair_lo<0>(h0) + pair_hi<0>(h0)) + (pair_lo<0>(h1) + pair_hi<0>(h1));
+  } else {
+    float f0 = 0.0f, f1 = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {
+      f0 = fmaf(__uint_as_float(w[p] << 16), __uint_as_float(xp[p] << 16), f0);
+      f1 = fmaf(__uint_as_float(w[p] & 0xFFFF0000u), __uint_as_float(xp[p] & 0xFFFF0000u), f1);
+    }
+    return f0 + f1;
+  }
+}
+
+template <int DT, int BITS, int MT, int SCALE_F32>
+__global__ void __launch_bounds__(128) quant_stream_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    int M, int N, int K, int group_size, int zero_mode) {
+  constexpr int WORDS = Chunk<BITS>::WORDS, UNROLL = MT >= 4 ? 2 : 4, ROWS = 2;  // registers: fewer loads ahead for 4 tokens
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * 4 + warp) * ROWS;
+  const int tok0 = blockIdx.y * MT;
+  const int words_per_row = K * BITS / 32, num_groups = K / group_size, num_chunks = K / 32;
+
+  float acc[MT][ROWS];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
+
+  for (int base = lane; base < num_chunks; base += 32 * UNROLL) {
+    u32 raw[UNROLL][ROWS][WORDS], s2[UNROLL][ROWS], b2[UNROLL][ROWS];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int chunk = base + 32 * u;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const bool valid = chunk < num_chunks && row0 + r < N;
+        load_chunk<BITS>(qweight, words_per_row, row0 + r, chunk * 32, valid, raw[u][r]);
+        load_scale<DT, SCALE_F32>(scales, zeros, valid ? (i64)(row0 + r) * num_groups + chunk * 32 / group_size : 0,
+                                  zero_mode, valid, s2[u][r], b2[u][r]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int chunk = base + 32 * u;
+      if (chunk >= num_chunks) break;  // later chunks of this step are out of range too
+      u32 w[ROWS][16];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        unpack_codes<DT, BITS>(raw[u][r], w[r]);
+#pragma unroll
+        for (int p = 0; p < 16; ++p) w[r][p] = Num<DT>::fma(w[r][p], s2[u][r], b2[u][r]);
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (tok0 + m >= M) break;
+        u32 xp[16];
+        load_x_pairs<DT, BITS>(x + (i64)(tok0 + m) * K + chunk * 32, true, xp);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[m][r] += dot_pairs<DT>(w[r], xp);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
       const float sum = warp_sum(acc[m][r]);
       const int row = row0 + r, tok = tok0 + m;
       if (lane == 0 && row < N && tok < M) {

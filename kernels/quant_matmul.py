@@ -1,12 +1,17 @@
 """Launchers of the W4A16/W3A16 kernels in quant_matmul.cu.
 
-Three kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
+Five kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
 - "gemv": CUDA cores, up to 4 tokens per weight read (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
+- "stream": CUDA cores, up to 4 tokens, 2 rows per warp with 4 chunks of loads in flight per lane and
+  half2 products (`quant_stream_kernel`), for one token on long rows;
 - "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share
   16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens;
 - "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
-  along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`).
-`pick_kernel` chooses by the number of tokens (from `bench gemv` on an H200); `kernel=` forces one.
+  along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`);
+- "staged": tensor cores, 8 to 64 tokens per weight read, 128 output rows per CTA with the tokens'
+  activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K.
+`pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
+(results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
 """
 
 from __future__ import annotations
@@ -20,15 +25,21 @@ from kernels.launch import i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-# (largest token count, kernel): the first entry whose bound covers M serves it.
-AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "ksplit": 2, "mma": 8}
+# (largest token count, kernel): the first entry whose bound covers M serves it. Measured on an H200 at
+# 1..64 tokens: ksplit is fastest at 2-16 tokens, staged at 32 and 64 (up to 1.7x the mma kernel), and
+# mma stays for more than 64 tokens, where staged was not measured.
+AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (64, "staged"), (1 << 30, "mma"))
+MAX_TILE = {"gemv": 4, "stream": 4, "ksplit": 2, "staged": 8, "mma": 8}
+KERNELS = tuple(MAX_TILE)
 MMA_ROWS_PER_CTA = 64
+STAGED_ROWS_PER_CTA = 128
 KSPLIT_ROWS_PER_CTA = 16
 MMA_SEGMENT = 128  # codes of K per thread-quad step
 _COUNTER_SLOTS = 1 << 14
 
 _counters: dict[int, torch.Tensor] = {}
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_plans: dict[tuple, tuple] = {}
 
 
 def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -50,13 +61,26 @@ def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def default_tile(kernel: str, num_tokens: int) -> int:
-    """Tokens per CTA of the gemv kernel (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2) / mma (1..8)."""
+    """Tokens per CTA of gemv/stream (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2) / staged, mma (1..8)."""
     sizes = tuple(size for size in (1, 2, 4, 8) if size <= MAX_TILE[kernel])
-    unit = 1 if kernel == "gemv" else 8
+    unit = 1 if kernel in ("gemv", "stream") else 8
     return next((size for size in sizes if num_tokens <= size * unit), sizes[-1])
 
 
-def pick_kernel(num_tokens: int) -> str:
+def instantiations() -> tuple[str, ...]:
+    """Every template instantiation the launcher can ask for (compiled ahead by validate-kernels)."""
+    tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8), "mma": (1, 2, 4, 8)}
+    kernels = {"gemv": "quant_gemv_kernel", "stream": "quant_stream_kernel", "ksplit": "quant_mma_ksplit_kernel",
+               "staged": "quant_mma_staged_kernel", "mma": "quant_mma_kernel"}
+    return tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in KERNELS for dt in (0, 1) for bits in (4, 3)
+                 for tile in tiles[name] for f32 in (0, 1))
+
+
+def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0) -> str:
+    """The kernel measured fastest for M tokens. One token: stream where K >= 4096 and N <= K (up to 11%
+    faster there: its 4 chunks of loads in flight per lane pay off on long rows), gemv elsewhere."""
+    if num_tokens == 1 and in_features >= 4096 and out_features <= in_features:
+        return "stream"
     return next(kernel for bound, kernel in AUTO_KERNELS if num_tokens <= bound)
 
 
@@ -88,15 +112,80 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+def _split_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """An fp32 buffer of at least `numel` elements for split-K partials, cached per device and size
+    class (a power of two) and kept for the life of the process, since captured CUDA graphs hold its
+    address. Under capture with no cached buffer large enough, a fresh one comes from the graph's pool."""
+    size = 1 << max(0, numel - 1).bit_length()
+    key = (device.index, size)
+    buffer = _workspaces.get(key)
+    if buffer is None:
+        buffer = torch.empty(size, dtype=torch.float32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return buffer
+        _workspaces[key] = buffer
+    return buffer
+
+
+def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int, device_index: int,
+                splits: int | None) -> tuple[int, int]:
+    """(splits, segments per split) of a tiled kernel: about one CTA per SM, but never so many splits
+    that the fp32 partials (splits x M x N) outweigh the packed weights (N x K / 2 bytes) / 2."""
+    if splits is None:
+        wanted = round(_num_sms(device_index) / tiles)
+        splits = max(1, min(num_segments, wanted, in_features // (16 * num_tokens)))
+    per_split = -(-num_segments // splits)
+    return -(-num_segments // per_split), per_split  # no empty split
+
+
+def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
+          name: str, tile: int, splits: int | None) -> tuple:
+    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype."""
+    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    template = f"<{dt},{bits},{tile},{scale_f32}>"
+    if name in ("gemv", "stream"):
+        rows = 8  # 4 warps x 2 rows
+        fn = get_kernel(SOURCE, f"quant_{name}_kernel{template}", index)
+        plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (128, 1, 1), 1, 0)
+    elif name == "ksplit":
+        fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
+        plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
+                     (num_tokens + 8 * tile - 1) // (8 * tile), 1), (256, 1, 1), 1, 0)
+    else:
+        rows, threads = (STAGED_ROWS_PER_CTA, 256) if name == "staged" else (MMA_ROWS_PER_CTA, 128)
+        row_tiles = (out_features + rows - 1) // rows
+        token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
+        num_segments = (in_features + MMA_SEGMENT - 1) // MMA_SEGMENT
+        if name == "staged":
+            splits, per_split = _split_plan(num_segments, row_tiles * token_tiles, 8 * tile * token_tiles,
+                                            in_features, index, splits)
+        else:
+            if splits is None:
+                target_ctas = 4 * _num_sms(index)
+                splits = max(1, min(num_segments, -(-target_ctas // (row_tiles * token_tiles))))
+            per_split = -(-num_segments // splits)
+            splits = -(-num_segments // per_split)
+        if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
+            raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
+        kernel_name = "quant_mma_staged_kernel" if name == "staged" else "quant_mma_kernel"
+        fn = get_kernel(SOURCE, f"{kernel_name}{template}", index)
+        plan = (fn, (row_tiles, token_tiles, splits), (threads, 1, 1), splits, per_split)
+    _plans[key] = plan
+    return plan
+
+
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group_size: int, zero_mode: str, bias: torch.Tensor | None = None,
                  kernel: str = "auto", tile: int | None = None, splits: int | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
-    kernel: "auto" | "gemv" | "ksplit" | "mma"; tile: tokens per CTA (gemv: 1/2/4) or 8-token tiles
-    (ksplit: 1/2, mma: 1/2/4/8); splits: the mma kernel's K splits (default: enough CTAs for 4 per SM);
-    out: a contiguous [M, N] buffer to write into.
+    kernel: "auto" | "gemv" | "stream" | "ksplit" | "staged" | "mma"; tile: tokens per CTA (gemv,
+    stream: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K splits of the
+    staged and mma kernels (default: enough CTAs to fill the GPU); out: a contiguous [M, N] buffer.
     """
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
@@ -104,51 +193,27 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.data_ptr() % 16:  # the kernels read activations 16 bytes at a time
         x = x.clone()
     device = x.device
-    dt = _DTYPE_CODES[x.dtype]
-    scale_f32 = int(scales.dtype == torch.float32)
-    mode = 0 if zero_mode == "zero" else 1
-    if bias is not None:
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     if out is None:
         out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=device)
     if num_tokens == 0:
         return out
-    name = pick_kernel(num_tokens) if kernel == "auto" else kernel
+    name = pick_kernel(num_tokens, in_features, out_features) if kernel == "auto" else kernel
     tile = tile or default_tile(name, num_tokens)
     index = device.index
-
-    if name == "gemv":
-        fn = get_kernel(SOURCE, f"quant_gemv_kernel<{dt},{bits},{tile},{scale_f32}>", index)
-        grid = ((out_features + 7) // 8, (num_tokens + tile - 1) // tile, 1)
-        launch(fn, grid, (128, 1, 1), (
-            ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out),
-            i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode)), index)
+    dt = _DTYPE_CODES[x.dtype]
+    fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
+                                                    out_features, in_features, name, tile, splits)
+    head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
+    sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
+             i32(0 if zero_mode == "zero" else 1))
+    if name in ("gemv", "stream", "ksplit"):
+        launch(fn, grid, block, head + sizes, index)
         return out
-    if name == "ksplit":
-        fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel<{dt},{bits},{tile},{scale_f32}>", index)
-        grid = ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA, (num_tokens + 8 * tile - 1) // (8 * tile), 1)
-        launch(fn, grid, (256, 1, 1), (
-            ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out),
-            i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode)), index)
-        return out
-
-    row_tiles = (out_features + MMA_ROWS_PER_CTA - 1) // MMA_ROWS_PER_CTA
-    token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
-    num_segments = (in_features + MMA_SEGMENT - 1) // MMA_SEGMENT
-    if splits is None:
-        target_ctas = 4 * _num_sms(index)
-        splits = max(1, min(num_segments, -(-target_ctas // (row_tiles * token_tiles))))
-    segments_per_split = -(-num_segments // splits)
-    splits = -(-num_segments // segments_per_split)  # no empty split
     partials = counters = None
-    if splits > 1:
-        if row_tiles * token_tiles > _COUNTER_SLOTS:
-            raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
-        partials = torch.empty(splits, num_tokens, out_features, dtype=torch.float32, device=device)
+    if split_count > 1:
+        partials = _split_workspace(device, split_count * num_tokens * out_features)
         counters = _split_counters(device)
-    fn = get_kernel(SOURCE, f"quant_mma_kernel<{dt},{bits},{tile},{scale_f32}>", index)
-    launch(fn, (row_tiles, token_tiles, splits), (128, 1, 1), (
-        ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), ptr(partials), ptr(counters),
-        i32(num_tokens), i32(out_features), i32(in_features), i32(group_size), i32(mode),
-        i32(segments_per_split)), index)
+    launch(fn, grid, block, head + (ptr(partials), ptr(counters)) + sizes + (i32(per_split),), index)
     return out

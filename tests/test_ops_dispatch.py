@@ -196,6 +196,7 @@ def test_split_and_tile_choices(monkeypatch):
     from kernels import quant_matmul as kq
 
     monkeypatch.setattr(paged_attention, "_device_limits", lambda index: (132, 2048, 65536, 32))
+    monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     resident = paged_attention.resident_ctas(168, 0)
     assert resident == 132 * 12  # 168 registers: 12 one-warp CTAs per SM
     for batch, context in ((16, 4096), (64, 16384), (1, 512), (3, 1000)):
@@ -210,6 +211,13 @@ def test_split_and_tile_choices(monkeypatch):
     assert [kq.default_tile("mma", m) for m in (1, 8, 9, 16, 17, 33, 500)] == [1, 1, 2, 2, 4, 8, 8]
     assert [kq.default_tile("ksplit", m) for m in (1, 8, 9, 16, 17)] == [1, 1, 2, 2, 2]
     assert [kq.default_tile("gemv", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [kq.default_tile("stream", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [kq.default_tile("staged", m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]
+    # staged splits: about one CTA per SM, fp32 partials never above a quarter of the weight bytes
+    assert kq._split_plan(32, 32, 64, 4096, 0, None) == (4, 8)  # 4096x4096, 64 tokens: 32 row tiles x 4
+    assert kq._split_plan(16, 16, 64, 2048, 0, None) == (2, 8)  # 2048x2048, 64 tokens: capped by the partials
+    assert kq._split_plan(16, 16, 8, 2048, 0, None) == (8, 2)
+    assert kq._split_plan(5, 1, 8, 576, 0, 3) == (3, 2)  # 5 segments over 3 requested splits: 2, 2, 1
 
 
 def _kernel_parameters(source: str, template: str) -> list[str]:
@@ -247,9 +255,11 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
+    monkeypatch.setattr(kq, "_plans", {})
+    monkeypatch.setattr(kq, "_workspaces", {})
     half = torch.float16
     packed = quantize_rtn(torch.randn(256, 512), bits=4, group_size=128)
-    for kernel in ("gemv", "ksplit", "mma"):
+    for kernel in kq.KERNELS:
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
@@ -264,7 +274,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                              torch.randn(3, 2, 64, dtype=half), torch.randn(3, 32, dtype=half),
                              torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
     names = {name.split("<")[0] for (_, name), _ in launches}
-    assert names == {"quant_gemv_kernel", "quant_mma_ksplit_kernel", "quant_mma_kernel", "paged_decode_kernel",
+    assert names == {"quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_kernel",
+                     "quant_mma_staged_kernel", "paged_decode_kernel",
                      "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:

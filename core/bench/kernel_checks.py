@@ -99,6 +99,17 @@ QUANT_CASES = (
     (16, 1000, 11008, 128, "mma", 2, None, False, False),
     (64, 768, 2048, 64, "mma", 8, 1, False, True),
     (300, 512, 1024, 128, "mma", 8, None, False, False),
+    (1, 4096, 4096, 128, "stream", 1, None, False, True),
+    (3, 1536, 576, 32, "stream", 4, None, False, False),
+    (2, 1000, 4096, 4096, "stream", 2, None, True, True),
+    (1, 1000, 11008, 128, "stream", 1, None, False, False),
+    (64, 4096, 4096, 128, "staged", 8, None, False, True),
+    (33, 1000, 11008, 32, "staged", 8, None, False, False),
+    (16, 1000, 4096, 128, "staged", 2, None, True, False),
+    (5, 1536, 576, 64, "staged", 1, None, False, False),
+    (100, 768, 2048, 64, "staged", 8, 3, False, True),
+    (64, 768, 8192, 128, "staged", 8, 1, False, False),
+    (24, 4096, 14336, 128, "staged", 4, None, False, True),
 )
 
 

@@ -60,35 +60,60 @@ def check_cuda_graph(device) -> CheckResult:
     return result
 
 
+CHECK_GROUPS = ("quant_matmul", "paged_decode_attention", "rms_norm", "act_and_mul", "rope_cache_write",
+                "cuda_graph", "end_to_end")
+
+
+def _instantiations(groups: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(source, name) of the kernels the selected checks need: the registry's, plus every quant_matmul
+    instantiation its launcher can ask for; the CUDA-graph and end-to-end checks use every op."""
+    from kernels import quant_matmul, registry
+
+    jobs = registry.all_instantiations() + [(quant_matmul.SOURCE, name) for name in quant_matmul.instantiations()]
+    if not {"cuda_graph", "end_to_end"} & set(groups):
+        sources = {registry.get(group).source for group in groups}
+        jobs = [job for job in jobs if job[0] in sources]
+    return list(dict.fromkeys(jobs))
+
+
 def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = None,
-                   command: list[str] | None = None) -> dict:
-    """Compile, check and summarize on cuda:<device_index>; returns the JSON-ready report."""
-    from kernels import registry
+                   command: list[str] | None = None, only: tuple[str, ...] | None = None) -> dict:
+    """Compile, check and summarize on cuda:<device_index>; returns the JSON-ready report.
+    only: a subset of CHECK_GROUPS to run (default all)."""
     from kernels.compiler import precompile
 
+    groups = tuple(only) if only else CHECK_GROUPS
+    unknown = [group for group in groups if group not in CHECK_GROUPS]
+    if unknown:
+        raise ValueError(f"unknown check group(s) {', '.join(unknown)}; choose from {', '.join(CHECK_GROUPS)}")
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
     seed = int(time.time()) % 2**31 if seed is None else seed
     torch.manual_seed(seed)
-    report = {"env": env_info(command), "seed": seed}
+    report = {"env": env_info(command), "seed": seed, "groups": list(groups)}
 
     start = time.perf_counter()
-    compiled = precompile(registry.all_instantiations(), device_index, workers)
+    compiled = precompile(_instantiations(groups), device_index, workers)
     report["compile"] = {"kernels": len(compiled), "wall_seconds": round(time.perf_counter() - start, 2),
                          "workers": workers, "records": compiled}
     results = [CheckResult("compile", rec["kernel"], False, detail=rec["error"]) for rec in compiled if rec["error"]]
 
-    results += kernel_checks.check_quant_matmul(device)
-    results += kernel_checks.check_paged_attention(device)
-    results += kernel_checks.check_rms_norm(device)
-    results += kernel_checks.check_act_and_mul(device)
-    results += kernel_checks.check_rope_cache_write(device)
-    results += guarded("cuda_graph", "capture + replay", lambda: check_cuda_graph(device))
-    for dtype, bits, group, int8_kv, tol in ((torch.float16, 4, 64, False, 5e-3),
-                                             (torch.bfloat16, 3, 64, True, 3e-2)):
-        results += guarded("end_to_end", f"tiny Llama {dtype} W{bits}",
-                           lambda dtype=dtype, bits=bits, group=group, int8_kv=int8_kv, tol=tol:
-                           check_tiny_model(device, dtype, bits, group, int8_kv, tol))
+    checks = {
+        "quant_matmul": kernel_checks.check_quant_matmul, "paged_decode_attention": kernel_checks.check_paged_attention,
+        "rms_norm": kernel_checks.check_rms_norm, "act_and_mul": kernel_checks.check_act_and_mul,
+        "rope_cache_write": kernel_checks.check_rope_cache_write,
+    }
+    for group in groups:
+        if group in checks:
+            results += checks[group](device)
+    if "cuda_graph" in groups:
+        results += guarded("cuda_graph", "capture + replay", lambda: check_cuda_graph(device))
+    if "end_to_end" in groups:
+        for dtype, bits, group, int8_kv, tol in ((torch.float16, 4, 64, False, 5e-3),
+                                                 (torch.bfloat16, 3, 64, True, 3e-2)):
+            results += guarded("end_to_end", f"tiny Llama {dtype} W{bits}",
+                               lambda dtype=dtype, bits=bits, group=group, int8_kv=int8_kv, tol=tol:
+                               check_tiny_model(device, dtype, bits, group, int8_kv, tol))
 
     report["results"] = [result.to_dict() for result in results]
     report["summary"] = kernel_checks.summarize(results)

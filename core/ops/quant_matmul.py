@@ -23,15 +23,23 @@ def quant_matmul_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tenso
     return out
 
 
+def _signature(x: torch.Tensor, packed: PackedWeight) -> tuple:
+    """Everything the kernel-or-reference decision reads, none of it changing with the token count."""
+    weights = (packed.qweight, packed.scales, packed.zeros)
+    return (x.device, x.dtype, packed.qweight.device, packed.bits, packed.group_size, packed.scales.dtype,
+            packed.zeros.dtype, all(t.is_contiguous() for t in weights), packed.qweight.data_ptr() % 16)
+
+
 def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype: the CUDA kernel when it serves the case, else the reference."""
+    """x [..., K] -> [..., N] in x's dtype: the CUDA kernel when it serves the case, else the reference.
+    The decision is made once per signature (dispatch.decide); the launcher caches its launch plan per
+    shape, so a call costs a couple of dict lookups besides the launch."""
     from kernels import registry
 
     op = registry.get("quant_matmul")
-    reason = (dispatch.kernel_blocker(x, packed.qweight)
-              or op.unsupported_reason(x, packed.qweight, packed.scales, packed.zeros, packed.bits,
-                                       packed.group_size))
-    if not dispatch.use_kernel(op.name, reason):
+    if not dispatch.decide(op.name, _signature(x, packed), lambda: (
+            dispatch.kernel_blocker(x, packed.qweight)
+            or op.unsupported_reason(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size))):
         return quant_matmul_reference(x, packed)
     rows = x.reshape(-1, packed.in_features)  # [M, K]
     if packed.input_perm is not None:
