@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kernels import act_and_mul, paged_attention, quant_matmul, rms_norm, rope_cache
+from kernels import act_and_mul, dequantize, paged_attention, quant_matmul, rms_norm, rope_cache
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ _OPS = (
              _names("quant_mma_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8), f32=(0, 1))
              + _names("quant_mma_ksplit_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2), f32=(0, 1))
              + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
+    KernelOp("dequantize", dequantize.SOURCE,
+             "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
+             dequantize.dequantize, dequantize.unsupported_reason,
+             _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3), mode=(0, 1), f32=(0, 1))),
     KernelOp("paged_decode_attention", paged_attention.SOURCE,
              "paged GQA decode attention over the block table, split-K + reduce, fp16/bf16/int8 KV",
              paged_attention.paged_decode_attention, paged_attention.unsupported_reason,

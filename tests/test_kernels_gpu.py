@@ -43,6 +43,10 @@ def test_quant_matmul_kernels():
     _assert_all_ok(kernel_checks.check_quant_matmul(DEVICE))
 
 
+def test_dequantize_kernel_is_bit_identical_and_the_dense_path_matches():
+    _assert_all_ok(kernel_checks.check_dequantize(DEVICE))
+
+
 def test_paged_decode_attention_kernel():
     _assert_all_ok(kernel_checks.check_paged_attention(DEVICE))
 

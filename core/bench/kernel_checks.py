@@ -154,6 +154,49 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
     return results
 
 
+# ---- dequantize (the dense path of many-token products) -------------------------------------------
+
+def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """The kernel's dense weight must equal the reference's bit for bit (same fp32 operations, one
+    rounding to the dtype), and core.ops.quant_matmul's dense path must match the reference product."""
+    from kernels.dequantize import dequantize as dequantize_kernel
+
+    results = []
+    for dtype in dtypes:
+        for bits in (4, 3):
+            for zero_mode, scale_dtype, group_size in (("zero", torch.float16, 128), ("min", torch.float32, 32),
+                                                       ("zero", torch.float16, 2048)):
+                case = f"{_DTYPE_NAMES[dtype]} W{bits} {zero_mode} N=1000 K=2048 G={group_size} scales {scale_dtype}"
+
+                def run(dtype=dtype, bits=bits, zero_mode=zero_mode, scale_dtype=scale_dtype, group_size=group_size,
+                        case=case):
+                    packed = random_packed(1000, 2048, group_size, bits, zero_mode, scale_dtype, device)
+                    out = _nan((1000, 2048), dtype, device)
+                    dequantize_kernel(packed.qweight, packed.scales, packed.zeros, bits, group_size, zero_mode, dtype,
+                                      out=out)
+                    ref = dequantize(packed, dtype)
+                    result = compare("dequantize", case, out, ref, REL_TOL[dtype])
+                    result.ok = bool(torch.equal(out, ref))
+                    if not result.ok:
+                        result.detail = "not bit-identical to core.quant.packing.dequantize"
+                    return result
+
+                results += guarded("dequantize", case, run)
+        case = f"{_DTYPE_NAMES[dtype]} W4 act-order dense path via core.ops M=100 N=640 K=1024 G=128"
+
+        def run_dense(dtype=dtype, case=case):
+            from core.ops.quant_matmul import DENSE_MIN_TOKENS
+            from core.ops.quant_matmul import quant_matmul as op_quant_matmul
+
+            packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
+            x = torch.randn(max(100, DENSE_MIN_TOKENS), 1024, device=device, dtype=dtype)
+            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            return compare("dequantize", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
+
+        results += guarded("dequantize", case, run_dense)
+    return results
+
+
 # ---- paged decode attention -----------------------------------------------------------------------
 
 # (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split)

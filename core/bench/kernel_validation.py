@@ -60,7 +60,7 @@ def check_cuda_graph(device) -> CheckResult:
     return result
 
 
-CHECK_GROUPS = ("quant_matmul", "paged_decode_attention", "rms_norm", "act_and_mul", "rope_cache_write",
+CHECK_GROUPS = ("quant_matmul", "dequantize", "paged_decode_attention", "rms_norm", "act_and_mul", "rope_cache_write",
                 "cuda_graph", "end_to_end")
 
 
@@ -101,7 +101,7 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
     checks = {
         "quant_matmul": kernel_checks.check_quant_matmul, "paged_decode_attention": kernel_checks.check_paged_attention,
         "rms_norm": kernel_checks.check_rms_norm, "act_and_mul": kernel_checks.check_act_and_mul,
-        "rope_cache_write": kernel_checks.check_rope_cache_write,
+        "rope_cache_write": kernel_checks.check_rope_cache_write, "dequantize": kernel_checks.check_dequantize,
     }
     for group in groups:
         if group in checks:

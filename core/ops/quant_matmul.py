@@ -1,17 +1,25 @@
 """quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16 PackedWeight; every QuantLinear routes here.
 
 On CUDA with fp16/bf16 activations the kernels in kernels/quant_matmul.cu read the packed weight
-directly (the act-order permutation is gathered on the activation side first); anywhere else, or with
-DEEPINFER_FORCE_REFERENCE=1, the torch reference dequantizes the whole weight and multiplies.
+directly for up to DENSE_MIN_TOKENS - 1 tokens (the act-order permutation is gathered on the
+activation side first). From DENSE_MIN_TOKENS tokens on (prefill chunks, large decode batches) the
+weight is dequantized once by kernels/dequantize.cu and the product runs on cuBLAS: one read of the
+packed weight plus a write and a read of the dense copy cost less than the W4 tensor-core kernels
+once that many tokens share the weight (they reach a tenth of the weight-read floor there, see
+kernels/PERFORMANCE.md). Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch reference
+dequantizes the whole weight and multiplies.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from core.ops import dispatch
 from core.quant.packed import PackedWeight
 from core.quant.packing import dequantize
+
+DENSE_MIN_TOKENS = 17
 
 
 def quant_matmul_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -44,6 +52,13 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     rows = x.reshape(-1, packed.in_features)  # [M, K]
     if packed.input_perm is not None:
         rows = rows.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
+    if rows.shape[0] >= DENSE_MIN_TOKENS:
+        dense = registry.get("dequantize")
+        if dispatch.decide(dense.name, _signature(x, packed), lambda: dense.unsupported_reason(
+                x.dtype, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size)):
+            weight = dense.launch(packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
+                                  packed.zero_mode, x.dtype)  # [N, K], stored column order
+            return F.linear(rows, weight, packed.bias).view(*x.shape[:-1], packed.out_features)
     out = op.launch(rows, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
                     packed.zero_mode, packed.bias)  # [M, N]
     return out.view(*x.shape[:-1], packed.out_features)

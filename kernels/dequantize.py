@@ -1,0 +1,45 @@
+"""Launcher of dequantize.cu: a PackedWeight's codes, scales and zeros -> dense [N, K] fp16/bf16."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.compiler import get_kernel
+from kernels.launch import i32, launch, ptr
+
+SOURCE = "dequantize.cu"
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+_ZERO_MODES = {"zero": 0, "min": 1}
+
+
+def unsupported_reason(dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bits: int, group_size: int) -> str | None:
+    """Why the kernel cannot dequantize this weight into `dtype` (None when it can)."""
+    if dtype not in _DTYPE_CODES:
+        return f"output dtype {dtype} (kernel writes float16/bfloat16)"
+    if bits not in (3, 4):
+        return f"{bits}-bit weights"
+    if scales.dtype not in (torch.float16, torch.float32) or zeros.dtype != scales.dtype:
+        return f"scales {scales.dtype} / zeros {zeros.dtype}"
+    if group_size % 32:
+        return f"group size {group_size} (kernel needs a multiple of 32)"
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        return "non-contiguous packed weight"
+    return None
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+               zero_mode: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qweight int32 [N, K * bits / 32], scales/zeros [N, K / group_size] -> W [N, K] in `dtype`."""
+    rows = qweight.shape[0]
+    in_features = qweight.shape[1] * 32 // bits
+    if out is None:
+        out = torch.empty(rows, in_features, dtype=dtype, device=qweight.device)
+    runs = rows * in_features // 32
+    index = qweight.device.index
+    name = (f"dequantize_kernel<{_DTYPE_CODES[dtype]},{bits},{_ZERO_MODES[zero_mode]},"
+            f"{int(scales.dtype == torch.float32)}>")
+    blocks = min(-(-runs // 256), 65535)
+    launch(get_kernel(SOURCE, name, index), (blocks, 1, 1), (256, 1, 1), (
+        ptr(qweight), ptr(scales), ptr(zeros), ptr(out), i32(rows), i32(in_features), i32(group_size)), index)
+    return out
