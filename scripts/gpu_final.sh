@@ -4,6 +4,8 @@
 #   1. the gpu-marked tests (HF parity on CUDA in fp32/bf16/fp16, kernels, CUDA graphs, quantized engine)
 #   2. deepinfer validate-kernels  -> kernel_validation_<gpu>.json
 #   3. scripts/gpu_bench.sh        -> the issue #7 benchmark JSONs (concurrency + HF peer, 4 GiB, jitter)
+# A copy of the tree without .git cannot name its commit: pass it, e.g.
+#   DEEPINFER_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_final.sh
 set -uo pipefail
 OUT_DIR="${OUT:-results}"
 mkdir -p "$OUT_DIR"
