@@ -35,6 +35,7 @@ def hf_dirs(tmp_path_factory, tiny_tokenizer):
 
 @pytest.mark.parametrize(("source", "bits", "group_size", "sym"), [
     ("llama", 4, 128, False), ("llama", 3, 32, True), ("qwen2_bf16", 4, -1, False), ("qwen2_bf16", 3, 64, False),
+    ("llama", 8, 64, False),
 ])
 def test_rtn_conversion(hf_dirs, tiny_tokenizer, tmp_path, source, bits, group_size, sym):
     directory, hf_model = hf_dirs[source]
@@ -78,7 +79,7 @@ def test_rtn_conversion(hf_dirs, tiny_tokenizer, tmp_path, source, bits, group_s
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (ConvertOptions(bits=8), "--bits 8 is not supported"),
+    (ConvertOptions(bits=5), "--bits 5 is not supported"),
     (ConvertOptions(bits=2), "--bits 2 is not supported"),
     (ConvertOptions(group_size=100), "--group-size 100 is not supported"),
     (ConvertOptions(keep_8bit=True), "--keep-8bit applies to GGUF sources only"),

@@ -20,7 +20,7 @@ def bit_stream_words(codes: list[int], bits: int) -> list[int]:
     return [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(num_words)]
 
 
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 def test_pack_codes_is_the_documented_bit_stream(bits):
     gen = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 2**bits, (3, 64), generator=gen)
@@ -48,6 +48,23 @@ def test_same_stream_as_autogptq_rows(bits):
     codes = torch.randint(0, 2**bits, (64, 16), generator=gen)  # [K, N]
     reference = torch.from_numpy(autogptq_pack_rows(codes.numpy(), bits))  # [K*bits/32, N]
     assert torch.equal(pack_codes(codes.T, bits), reference.T)
+
+
+def test_eight_bit_words_and_dequantize_by_hand():
+    """bits=8: code j of word w is k = 4w + j at bits 8j..8j+7; both zero modes by hand."""
+    codes = torch.tensor([[1, 2, 3, 255] + [0x80] * 28 + list(range(200, 232))])  # [1, 64]
+    words = [w & 0xFFFFFFFF for w in pack_codes(codes, 8)[0].tolist()]
+    assert words[0] == 0xFF030201 and words[1] == 0x80808080 and words[8] == 0xCBCAC9C8
+    assert len(words) == 16 and torch.equal(unpack_codes(pack_codes(codes, 8), 8), codes.to(torch.int32))
+    scales = torch.tensor([[0.5, 0.03125]], dtype=torch.float16)
+    zeros = torch.tensor([[128.0, -2.5]], dtype=torch.float16)
+    zero_mode = dequantize(pack_weight(codes, scales, zeros, 8, "zero"))[0]
+    min_mode = dequantize(pack_weight(codes, scales, zeros, 8, "min"))[0]
+    assert zero_mode[:4].tolist() == [-63.5, -63.0, -62.5, 63.5] and zero_mode[4] == 0.0
+    assert zero_mode[32:34].tolist() == [(200 + 2.5) * 0.03125, (201 + 2.5) * 0.03125]
+    assert min_mode[:4].tolist() == [128.5, 129.0, 129.5, 255.5] and min_mode[32] == 200 * 0.03125 - 2.5
+    with pytest.raises(ValueError, match="must lie in"):
+        pack_codes(torch.full((1, 4), 256), 8)
 
 
 def test_pack_rejects_out_of_range_codes_and_lengths():
@@ -86,7 +103,7 @@ def test_dequantize_undoes_input_perm():
     torch.testing.assert_close(quant_matmul(x, permuted), x[:, perm] @ dequantize(plain).T)
 
 
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("sym", [False, True])
 def test_rtn_error_is_within_half_a_step(bits, group_size, sym):
@@ -109,15 +126,15 @@ def test_rtn_error_is_within_half_a_step(bits, group_size, sym):
     assert max_error == pytest.approx(float(error.max())) and mean_error == pytest.approx(float(error.mean()))
 
 
-def test_rtn_four_bits_beat_three():
+def test_rtn_more_bits_smaller_error():
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
-    assert quantization_error(weight, quantize_rtn(weight, 4, 32))[1] < quantization_error(
-        weight, quantize_rtn(weight, 3, 32))[1]
+    three, four, eight = (quantization_error(weight, quantize_rtn(weight, bits, 32))[1] for bits in (3, 4, 8))
+    assert 8 * eight < four < three  # steps of range/255 against range/15: about 17 times smaller
 
 
 def test_rtn_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="3 or 4 bits"):
-        quantize_rtn(torch.zeros(4, 64), 8, 32)
+    with pytest.raises(ValueError, match="3, 4 or 8 bits"):
+        quantize_rtn(torch.zeros(4, 64), 5, 32)
     with pytest.raises(ValueError, match="does not divide"):
         quantize_rtn(torch.zeros(4, 96), 4, 64)
     with pytest.raises(ValueError, match="NaN"):
@@ -128,7 +145,9 @@ def test_packed_weight_checks_shapes():
     good = quantize_rtn(torch.randn(8, 64), 4, 32)
     with pytest.raises(ValueError, match="scales has shape"):
         PackedWeight(good.qweight, good.scales[:, :1], good.zeros, 4, 32, 64, 8)
-    with pytest.raises(ValueError, match="bits must be 3 or 4"):
+    with pytest.raises(ValueError, match="bits must be 3, 4 or 8"):
+        PackedWeight(good.qweight, good.scales, good.zeros, 5, 32, 64, 8)
+    with pytest.raises(ValueError, match="qweight has shape"):  # 8 bits need twice the words of 4
         PackedWeight(good.qweight, good.scales, good.zeros, 8, 32, 64, 8)
 
 
@@ -146,6 +165,30 @@ def test_quant_linear_matches_dequantized_matmul_and_keeps_scale_dtype():
     out = layer(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 24)
     torch.testing.assert_close(out.float(), reference, atol=0.3, rtol=0.02)
+
+
+@pytest.mark.parametrize("zero_mode", ["zero", "min"])
+def test_eight_bit_quant_linear_runs_the_reference(zero_mode):
+    """The CUDA kernels take 3 and 4 bits only: an 8-bit layer is dequantized and multiplied in torch."""
+    from kernels import registry
+
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 256, (24, 128), generator=gen)
+    scales = (torch.rand(24, 4, generator=gen) * 0.01).to(torch.float16)
+    zeros = torch.randint(0, 256, (24, 4), generator=gen).to(torch.float16)
+    bias = torch.randn(24, generator=gen)
+    layer = QuantLinear(pack_weight(codes, scales, zeros, 8, zero_mode, bias=bias))
+    q = codes.float()
+    s, z = scales.float().repeat_interleave(32, dim=1), zeros.float().repeat_interleave(32, dim=1)
+    weight = (q - z) * s if zero_mode == "zero" else q * s + z  # [N, K], by hand
+    x = torch.randn(3, 128, generator=gen)
+    torch.testing.assert_close(layer(x), x @ weight.T + bias)
+    assert layer.packed.qweight.shape == (24, 32)
+    half = torch.zeros(1, 128, dtype=torch.float16)
+    assert registry.get("quant_matmul").unsupported_reason(half, layer.qweight, layer.scales, layer.zeros, 8, 32) \
+        == "8-bit weights"
+    assert registry.get("dequantize").unsupported_reason(torch.float16, layer.qweight, layer.scales, layer.zeros,
+                                                         8, 32) == "8-bit weights"
 
 
 def test_quantize_projections_rtn_swaps_only_projections(tiny_models):

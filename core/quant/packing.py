@@ -1,8 +1,8 @@
 """Pack, unpack and dequantize PackedWeight codes: the torch reference every other path is checked against.
 
 Codes are packed as one little-endian bit stream along the packed dimension, cut into 32-bit words:
-bits=4 puts 8 codes in each word (code j at bits 4j..4j+3); bits=3 puts 32 codes in 3 words, two of
-which straddle a word boundary (codes 10 and 21). GPTQ packs its int32 words the same way, only
+bits=4 puts 8 codes in each word (code j at bits 4j..4j+3), bits=8 puts 4 (code j at bits 8j..8j+7);
+bits=3 puts 32 codes in 3 words, two of which straddle a word boundary (codes 10 and 21). GPTQ packs its int32 words the same way, only
 along a different dimension, so its converter reuses these with a transpose.
 """
 
@@ -16,12 +16,12 @@ _WORD_MASK = 0xFFFFFFFF
 
 
 def codes_per_run(bits: int) -> tuple[int, int]:
-    """(codes, words) of the shortest run of codes that fills whole int32 words: (8, 1) or (32, 3)."""
-    if bits == 4:
-        return 8, 1
+    """(codes, words) of the shortest run of codes that fills whole int32 words: (8, 1), (32, 3) or (4, 1)."""
+    if bits in (4, 8):
+        return 32 // bits, 1
     if bits == 3:
         return 32, 3
-    raise ValueError(f"bits must be 3 or 4, got {bits}")
+    raise ValueError(f"bits must be 3, 4 or 8, got {bits}")
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torc
     """PackedWeight -> W [N, K] in the original input order, so that y = x @ W.T (+ bias).
 
     Computed in float32 with the same operations in the same order as the sources' own formulas
-    ((q - z) * s for GPTQ/AWQ/Q4_0, q * s + m for Q4_1/Q4_K), so a converted weight equals the
+    ((q - z) * s for GPTQ/AWQ/Q4_0/Q8_0, q * s + m for Q4_1/Q4_K), so a converted weight equals the
     source's dequantized weight bit for bit; only then cast to `dtype`.
     """
     num_groups = packed.in_features // packed.group_size

@@ -4,13 +4,14 @@ Asymmetric (default): per group, scale = (max - min) / (2**bits - 1) and an inte
 round(-min / scale), so the group's range (widened to hold 0.0) maps onto all 2**bits codes.
 Symmetric: scale = absmax / (2**(bits-1) - 1) and zero point 2**(bits-1), so 0.0 is exact.
 Scales are rounded to fp16 before the codes are chosen, so the codes fit the scales that are stored.
+Bits 3, 4 or 8 (zero points up to 255 are fp16-exact).
 """
 
 from __future__ import annotations
 
 import torch
 
-from core.quant.packed import PackedWeight
+from core.quant.packed import SUPPORTED_BITS, PackedWeight
 from core.quant.packing import dequantize, pack_weight
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -24,8 +25,8 @@ def quantize_rtn(
     bias: torch.Tensor | None = None,
 ) -> PackedWeight:
     """weight [N, K] float -> PackedWeight (zero_mode "zero", fp16 scales); group_size -1 or K = per-channel."""
-    if bits not in (3, 4):
-        raise ValueError(f"RTN supports 3 or 4 bits, got {bits}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"RTN supports 3, 4 or 8 bits, got {bits}")
     out_features, in_features = weight.shape
     group_size = in_features if group_size in (-1, 0) else group_size
     if in_features % group_size:

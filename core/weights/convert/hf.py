@@ -1,4 +1,4 @@
-"""Plain HF fp16/bf16/fp32 safetensors checkpoints -> round-to-nearest W4A16/W3A16 (core/quant/rtn.py)."""
+"""Plain HF fp16/bf16/fp32 safetensors checkpoints -> round-to-nearest W4A16/W3A16/W8A16 (core/quant/rtn.py)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ class HFSource(SafetensorsDirSource):
         self.bits = options.rtn_bits
         self.group_size = options.group_size  # None: DEFAULT_GROUP_SIZE, or the largest smaller one that divides
         self.sym = options.sym
-        if self.bits not in (3, 4):
-            raise ConversionError(f"--bits {self.bits} is not supported: deepinfer stores 3- and 4-bit weights")
+        if self.bits not in (3, 4, 8):
+            raise ConversionError(f"--bits {self.bits} is not supported: deepinfer stores 3-, 4- and 8-bit weights")
         if self.group_size not in (None, 32, 64, 128, -1):
             raise ConversionError(f"--group-size {self.group_size} is not supported: use 32, 64, 128 or -1")
         if options.keep_8bit:
-            raise ConversionError("--keep-8bit applies to GGUF sources only")
+            raise ConversionError("--keep-8bit applies to GGUF sources only (use --bits 8 for round-to-nearest 8-bit)")
         self._scheme = {"method": "rtn", "bits": self.bits, "group_size": self.group_size or DEFAULT_GROUP_SIZE,
                         "sym": self.sym,
                         "source_dtype": str(self.files.config.get("torch_dtype", self.files.config.get("dtype")))}
