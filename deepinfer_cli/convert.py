@@ -1,4 +1,4 @@
-"""`deepinfer convert SRC OUT`: GPTQ / AWQ / GGUF / HF checkpoints to the W4A16/W3A16 layered format."""
+"""`deepinfer convert SRC OUT`: GPTQ / AWQ / GGUF / HF checkpoints to the W4A16/W3A16 (or W8A16) layered format."""
 
 from __future__ import annotations
 
@@ -13,20 +13,23 @@ SrcArg = Annotated[Path, typer.Argument(
 OutArg = Annotated[Path, typer.Argument(help="New directory for the layered checkpoint (must not exist).", metavar="OUT",
                                         show_default=False)]
 BitsOpt = Annotated[int | None, typer.Option(
-    "--bits", help="Round-to-nearest bits, 4 or 3, for HF sources and re-quantized GGUF tensors (default 4).")]
+    "--bits", help="Round-to-nearest bits, 4, 3 or 8, for HF sources and re-quantized GGUF tensors (default 4; "
+                   "for GGUF, 8 is --keep-8bit). 8-bit layers run on the torch reference, not the CUDA kernels.")]
 GroupSizeOpt = Annotated[int | None, typer.Option(
     "--group-size", help="Round-to-nearest group: 32, 64, 128, or -1 per-channel (default 128 for HF, "
                          "or 64 / 32 where 128 does not divide a layer's inputs; 32 for GGUF).")]
 SymOpt = Annotated[bool, typer.Option("--sym", help="Symmetric round-to-nearest (zero point 2**(bits-1)).")]
 Keep8bitOpt = Annotated[bool, typer.Option(
-    "--keep-8bit", help="GGUF: keep Q5_K/Q6_K/Q8_0/F16 projections unquantized (fp16) instead of re-quantizing.")]
+    "--keep-8bit", help="GGUF: store Q8_0 projections exactly at 8 bits and re-quantize Q5_K/Q6_K/F16 and other "
+                        "non-4-bit types to 8 bits (group --group-size, default 32) instead of 4.")]
 
 
 def convert(src: SrcArg, out: OutArg, bits: BitsOpt = None, group_size: GroupSizeOpt = None, sym: SymOpt = False,
             keep_8bit: Keep8bitOpt = False) -> None:
-    """Convert a GPTQ, AWQ, GGUF or HF checkpoint to deepinfer's W4A16/W3A16 layered format.
+    """Convert a GPTQ, AWQ, GGUF or HF checkpoint to deepinfer's W4A16/W3A16 (or W8A16) layered format.
 
-    GPTQ, AWQ and GGUF Q4_0/Q4_1/Q4_K weights are re-packed exactly, bit for bit.
+    GPTQ, AWQ and GGUF Q4_0/Q4_1/Q4_K weights are re-packed exactly, bit for bit (GGUF Q8_0 too, at
+    8 bits, with --keep-8bit).
     HF weights and other GGUF types are round-to-nearest quantized; each tensor's error is reported.
     The result is written beside OUT and moved into place only when complete.
     """

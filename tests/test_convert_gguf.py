@@ -1,5 +1,6 @@
-"""GGUF -> layered: Q4_0/Q4_1/Q4_K bit-exact against gguf-py's dequantize, other types re-quantized with their
-error reported, logits of tiny llama GGUFs against HF, and the real SmolLM2 Q4_1 giving the GGUF path's tokens."""
+"""GGUF -> layered: Q4_0/Q4_1/Q4_K (and Q8_0 at 8 bits with --keep-8bit) bit-exact against gguf-py's dequantize,
+other types re-quantized (4, 3 or 8 bits) with their error reported, logits of tiny llama GGUFs against HF, and
+the real SmolLM2 Q4_1 giving the GGUF path's tokens."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ REQUANTIZED = {"self_attn.q_proj": "Q8_0", "self_attn.k_proj": "Q6_K", "self_att
                "self_attn.o_proj": "F16", "mlp.gate_proj": "Q4_0", "mlp.up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_exact_types_dequantize_exactly(type_name):
     rng = np.random.default_rng(1)
     weight = rng.normal(0, 0.05, size=(48, 512)).astype(np.float32)
@@ -39,7 +40,8 @@ def test_exact_types_dequantize_exactly(type_name):
     reference = torch.from_numpy(gguf_dequantize(data, type_name).reshape(48, 512))
     packed = gguf_exact_to_packed(data, type_name, 48, 512)
     assert torch.equal(dequantize(packed), reference)
-    assert packed.group_size == 32 and packed.zero_mode == ("zero" if type_name == "Q4_0" else "min")
+    assert packed.group_size == 32 and packed.zero_mode == ("zero" if type_name in ("Q4_0", "Q8_0") else "min")
+    assert packed.bits == (8 if type_name == "Q8_0" else 4)
     if type_name == "Q4_K":  # d * sub-scale is not fp16-exact, which is why the scales are fp32
         assert packed.scales.dtype == torch.float32
         assert not torch.equal(packed.scales.half().float(), packed.scales)
@@ -122,56 +124,90 @@ def test_rope_freqs_follow_the_gguf_path(tiny_llama, tmp_path):
 @pytest.mark.parametrize(("options", "target"), [
     (ConvertOptions(), "int4-g32"),
     (ConvertOptions(bits=3, group_size=64, sym=True), "int3-g64"),
-    (ConvertOptions(keep_8bit=True), "float16"),
+    (ConvertOptions(keep_8bit=True), "int8-g32"),
 ])
-def test_other_types_requantized_or_kept(tiny_llama, tmp_path, options, target):
+def test_other_types_requantized_or_kept_at_8_bits(tiny_llama, tmp_path, options, target):
+    """Q8_0/Q6_K/Q5_K/F16 projections: re-quantized to --bits, or with --keep-8bit Q8_0 re-packed exactly
+    at 8 bits (bit for bit gguf-py's dequantize, Q/K rows un-permuted) and the others re-quantized at 8."""
     keep_8bit = options.keep_8bit
     weights = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", REQUANTIZED, seed=3, embedding_type="Q8_0")
     summary = convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", options)
     records = {r.name: r for r in summary.records}
     manifest = read_manifest(tmp_path / "out")
+    assert manifest["source"]["quant_scheme"]["requantized"]["bits"] == (8 if keep_8bit else options.rtn_bits)
     converted = {}
     for layer in range(manifest["num_layers"]):
         dense, packed = read_layer(tmp_path / "out", layer, manifest)
+        assert not any(name.endswith("_proj.weight") for name in dense)  # every projection is packed
         for linear, type_name in REQUANTIZED.items():
             name = f"model.layers.{layer}.{linear}.weight"
             source = torch.from_numpy(weights[name])
             record = records[name]
             assert record.source_type == type_name
-            if type_name == "Q4_0":
-                assert record.method == "exact"
-                converted[name] = dequantize(packed[name.removesuffix(".weight")])
+            converted[name] = dequantize(packed[name.removesuffix(".weight")])
+            assert manifest["tensors"][name]["target_type"] == record.target_type
+            if type_name == "Q4_0" or (keep_8bit and type_name == "Q8_0"):
+                assert record.method == "exact" and record.max_abs_error is None
+                assert record.target_type == ("int8-g32" if type_name == "Q8_0" else "int4-g32")
+                assert torch.equal(converted[name], source)
                 continue
-            if keep_8bit:
-                assert record.method == "kept" and dense[name].dtype == torch.float16
-                converted[name] = dense[name].float()
-            else:
-                assert record.method == "requantized" and record.target_type == target
-                converted[name] = dequantize(packed[name.removesuffix(".weight")])
+            assert record.method == "requantized" and record.target_type == target
             error = (converted[name] - source).abs()
             assert record.max_abs_error == pytest.approx(float(error.max()))
             assert record.mean_abs_error == pytest.approx(float(error.mean()))
-            # fp16 rounds by at most 2**-11 relative; 4-bit RTN by half a step of (max - min) / 15,
-            # 3-bit symmetric by half a step of absmax / 3
-            bound = float(source.abs().max()) * (2**-11 if keep_8bit else 1 / 14 if options.rtn_bits == 4 else 1 / 5)
-            assert record.max_abs_error <= bound
-            assert (record.max_abs_error == 0) == (keep_8bit and type_name == "F16")  # F16 is kept losslessly
+            assert manifest["tensors"][name]["max_abs_error"] == record.max_abs_error
+            # RTN rounds by half a step (plus the fp16 scale's rounding): 8-bit asym range / 255,
+            # 4-bit asym range / 15, 3-bit symmetric absmax / 3, where range <= 2 * absmax
+            bound = float(source.abs().max()) * (1 / 200 if keep_8bit else 1 / 14 if options.rtn_bits == 4 else 1 / 5)
+            assert 0 < record.max_abs_error <= bound
     embedding = records["model.embed_tokens.weight"]
     assert (embedding.method, embedding.source_type, embedding.target_type) == ("kept", "Q8_0", "float16")
     converted["model.embed_tokens.weight"] = torch.from_numpy(weights["model.embed_tokens.weight"]).half().float()
     loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
     k_proj = loaded.model.model.layers[0].self_attn.k_proj
-    assert type(k_proj).__name__ == ("Linear" if keep_8bit else "QuantLinear")
+    assert type(k_proj).__name__ == "QuantLinear" and k_proj.bits == (8 if keep_8bit else options.rtn_bits)
     all_weights = {k: torch.from_numpy(v) for k, v in weights.items()} | converted
     with torch.no_grad():
         expected = reference_with_weights(tiny_llama, all_weights)(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits_of(loaded.model, TOKENS), expected, atol=TOLERANCE, rtol=0)
 
 
+def test_keep_8bit_error_is_far_below_4_bit(tiny_llama, tmp_path):
+    """The same Q6_K / Q5_K / F16 tensors re-quantized at 8 and at 4 bits (group 32, asym): steps of
+    range / 255 against range / 15, so the reported errors shrink about 17 times; the CLI table and
+    the manifest show 8 bits. --bits 8 means --keep-8bit; --keep-8bit with --bits 4 is refused."""
+    from typer.testing import CliRunner
+
+    from deepinfer_cli.main import app
+
+    write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", REQUANTIZED, seed=6)
+    four = {r.name: r for r in convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "four").records}
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "eight"), "--keep-8bit"])
+    assert result.exit_code == 0, result.output
+    eight = read_manifest(tmp_path / "eight")["tensors"]
+    compared = 0
+    for name, record in four.items():
+        if record.source_type in ("Q6_K", "Q5_K", "F16"):
+            assert eight[name]["method"] == "requantized" and eight[name]["target_type"] == "int8-g32"
+            assert eight[name]["max_abs_error"] < record.max_abs_error / 10
+            assert eight[name]["mean_abs_error"] < record.mean_abs_error / 10
+            compared += 1
+    assert compared == 5 * tiny_llama.config.num_hidden_layers
+    table = {tuple(line.split()[:3]) for line in result.output.splitlines() if line.split()}
+    assert {("exact", "Q8_0", "int8-g32"), ("requantized", "Q6_K", "int8-g32"), ("requantized", "Q5_K", "int8-g32"),
+            ("requantized", "F16", "int8-g32"), ("exact", "Q4_0", "int4-g32")} <= table
+    as_bits = {r.name: r for r in convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "bits8",
+                                                     ConvertOptions(bits=8)).records}
+    assert {n: (r.method, r.target_type, r.max_abs_error) for n, r in as_bits.items()} == {
+        n: (v["method"], v["target_type"], v.get("max_abs_error")) for n, v in eight.items()}
+    with pytest.raises(ConversionError, match="--keep-8bit stores 8-bit weights: it does not go with --bits 4"):
+        convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(bits=4, keep_8bit=True))
+
+
 def test_bad_gguf_input(tiny_llama, tmp_path):
     write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT)
-    with pytest.raises(ConversionError, match="--bits 8 is not supported"):
-        convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(bits=8))
+    with pytest.raises(ConversionError, match="--bits 5 is not supported"):
+        convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out", ConvertOptions(bits=5))
     data = (tmp_path / "tiny.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 4096])
     with pytest.raises(ModelLoadError, match="truncated"):

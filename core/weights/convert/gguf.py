@@ -1,5 +1,7 @@
-"""GGUF files -> PackedWeight: Q4_0, Q4_1 and Q4_K exactly; other types re-quantized (or kept, --keep-8bit).
+"""GGUF files -> PackedWeight: Q4_0, Q4_1 and Q4_K exactly to 4 bits; other types re-quantized.
 
+With --keep-8bit (or --bits 8) Q8_0 is re-packed exactly to 8 bits and the other non-exact types
+(Q5_K, Q6_K, F16, ...) are re-quantized to 8 bits; otherwise they go to 4 (or --bits 3) bits.
 The blocks are decoded here, straight from the bytes (the layouts of ggml-quants.c):
     Q4_0  18 B / 32 weights:  d fp16, 16 B nibbles        W = (q - 8) * d
     Q4_1  20 B / 32 weights:  d fp16, m fp16, 16 B        W = q * d + m
@@ -7,12 +9,12 @@ The blocks are decoded here, straight from the bytes (the layouts of ggml-quants
     Q4_K 144 B / 256 weights: d fp16, dmin fp16, 12 B of 6-bit sub-scales sc[8] and sub-mins m[8],
           128 B nibbles (32-byte chunk c: low nibbles = sub-block 2c, high = 2c + 1)
                                                       W = (d * sc) * q - (dmin * m)   per 32 weights
+    Q8_0  34 B / 32 weights:  d fp16, 32 signed bytes qs  W = qs * d, stored as code qs + 128, zero 128
 Q4_K's d * sc and dmin * m are exact in float32 but not in fp16, so its scales and zeros are fp32.
 Tensor names, the config and the llama Q/K row order follow core/weights/gguf_reader.py, the
 models' own GGUF path, so a converted model computes what the GGUF path computes. The Q/K
 permutation is on output rows, so it moves packed rows together with their scales and zeros.
 """
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,7 +46,8 @@ from core.weights.gguf_reader import (
     read_field,
 )
 
-EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # re-packed exactly to 4 bits
+EXACT_8BIT_TYPES = ("Q8_0",)  # re-packed exactly to 8 bits, with --keep-8bit
 DEFAULT_REQUANT_GROUP_SIZE = 32  # GGUF's own block granularity
 
 
@@ -100,18 +103,32 @@ def decode_q4_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, scales.reshape(rows, -1), zeros.reshape(rows, -1), "min"
 
 
-_DECODERS = {"Q4_0": (decode_q4_0, 32, 18), "Q4_1": (decode_q4_1, 32, 20), "Q4_K": (decode_q4_k, 256, 144)}
+def decode_q8_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """blocks uint8 [N, K // 32, 34] -> codes qs + 128 in [0, 256) [N, K], scales (d), zeros 128, "zero".
+
+    (code - 128) * d is qs * d exactly in float32, as gguf-py and ggml compute it.
+    """
+    rows = blocks.shape[0]
+    scales = _fp16(blocks[..., 0:2])
+    signed = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)  # [N, B, 32]
+    codes = torch.from_numpy(signed.reshape(rows, -1).astype(np.int32) + 128)
+    return codes, scales, torch.full_like(scales, 128), "zero"
+
+
+# type -> (decoder, weights per block, bytes per block, bits of the codes)
+_DECODERS = {"Q4_0": (decode_q4_0, 32, 18, 4), "Q4_1": (decode_q4_1, 32, 20, 4), "Q4_K": (decode_q4_k, 256, 144, 4),
+             "Q8_0": (decode_q8_0, 32, 34, 8)}
 
 
 def gguf_exact_to_packed(data: np.ndarray, type_name: str, out_features: int, in_features: int,
                          row_order: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> PackedWeight:
-    """The raw bytes of a Q4_0 / Q4_1 / Q4_K tensor [N, K] -> PackedWeight, optionally with rows reordered."""
-    decode, block_weights, block_bytes = _DECODERS[type_name]
+    """The raw bytes of a Q4_0 / Q4_1 / Q4_K / Q8_0 tensor [N, K] -> PackedWeight, optionally with rows reordered."""
+    decode, block_weights, block_bytes, bits = _DECODERS[type_name]
     blocks = np.asarray(data, dtype=np.uint8).reshape(out_features, in_features // block_weights, block_bytes)
     codes, scales, zeros, zero_mode = decode(blocks)
     if row_order is not None:
         codes, scales, zeros = codes[row_order], scales[row_order], zeros[row_order]
-    return pack_weight(codes, scales, zeros, 4, zero_mode=zero_mode, bias=bias)
+    return pack_weight(codes, scales, zeros, bits, zero_mode=zero_mode, bias=bias)
 
 
 def qk_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -130,8 +147,14 @@ class GGUFSource(ConversionSource):
         self.spec = ModelSpec.from_hf_config(self._config)
         self.options = options
         self.group_size = DEFAULT_REQUANT_GROUP_SIZE if options.group_size is None else options.group_size
-        if options.rtn_bits not in (3, 4):
-            raise ConversionError(f"--bits {options.rtn_bits} is not supported: deepinfer stores 3- and 4-bit weights")
+        if options.rtn_bits not in (3, 4, 8):
+            raise ConversionError(f"--bits {options.rtn_bits} is not supported: deepinfer stores 3-, 4- and 8-bit weights")
+        if options.keep_8bit and options.bits not in (None, 8):
+            raise ConversionError(f"--keep-8bit stores 8-bit weights: it does not go with --bits {options.bits}")
+        # --bits 8 is --keep-8bit: Q8_0 would otherwise be re-quantized to the 8 bits it already has
+        self.keep_8bit = options.keep_8bit or options.rtn_bits == 8
+        self.bits = 8 if self.keep_8bit else options.rtn_bits  # of the re-quantized tensors
+        self.exact_types = EXACT_TYPES + (EXACT_8BIT_TYPES if self.keep_8bit else ())
         if self.group_size not in (32, 64, 128, -1):
             raise ConversionError(f"--group-size {self.group_size} is not supported: use 32, 64, 128 or -1")
         norm_names = layer_norm_names(self.spec)
@@ -141,8 +164,8 @@ class GGUFSource(ConversionSource):
         types = sorted({t.tensor_type.name for t in self.reader.tensors})
         self._scheme = {"method": "gguf", "tensor_types": types,
                         "file_type": read_field(self.reader, "general.file_type"),
-                        "requantized": {"bits": options.rtn_bits, "group_size": self.group_size, "sym": options.sym,
-                                        "keep_8bit": options.keep_8bit}}
+                        "requantized": {"bits": self.bits, "group_size": self.group_size, "sym": options.sym,
+                                        "keep_8bit": self.keep_8bit}}
 
     @property
     def config(self) -> dict[str, Any]:
@@ -177,38 +200,24 @@ class GGUFSource(ConversionSource):
             if not is_linear:
                 dense[name] = self._keep(name, summary)
                 continue
-            bias_tensor = self.tensors.get(f"{module}.bias")
-            bias = None if bias_tensor is None else self._dequantized(f"{module}.bias")
-            result = self._convert_linear(name, bias, summary)
-            if isinstance(result, PackedWeight):
-                packed[module] = result
-            else:
-                dense[name] = result
-                if bias is not None:
-                    dense[f"{module}.bias"] = bias
+            bias = self._dequantized(f"{module}.bias") if f"{module}.bias" in self.tensors else None
+            packed[module] = self._convert_linear(name, bias, summary)
         return ConvertedLayer(dense=dense, packed=packed)
 
-    def _convert_linear(self, name: str, bias: torch.Tensor | None, summary: ConversionSummary
-                        ) -> PackedWeight | torch.Tensor:
+    def _convert_linear(self, name: str, bias: torch.Tensor | None, summary: ConversionSummary) -> PackedWeight:
         tensor = self.tensors[name]
         type_name = tensor.tensor_type.name
         in_features, out_features = (int(d) for d in tensor.shape)  # GGUF shapes are innermost-first
         row_order = self._row_order(name, out_features)
         before = int(tensor.n_bytes)
-        if type_name in EXACT_TYPES:
+        if type_name in self.exact_types:
             packed = gguf_exact_to_packed(tensor.data, type_name, out_features, in_features, row_order, bias)
             summary.add(TensorRecord(name, EXACT, type_name, target_type(packed), in_features * out_features,
                                      before, packed_nbytes(packed)))
             return packed
         weight = self._dequantized(name)
-        if self.options.keep_8bit:
-            kept = weight.to(torch.float16)
-            max_error, mean_error = _abs_error(kept, weight)
-            summary.add(TensorRecord(name, KEPT, type_name, "float16", weight.numel(), before,
-                                     kept.numel() * 2, max_error, mean_error))
-            return kept
         try:
-            packed = quantize_rtn(weight, self.options.rtn_bits, self.group_size, self.options.sym, bias=bias)
+            packed = quantize_rtn(weight, self.bits, self.group_size, self.options.sym, bias=bias)
         except ValueError as err:
             raise ConversionError(f"{name}: {err}") from None
         max_error, mean_error = quantization_error(weight, packed)

@@ -19,10 +19,10 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    bits: int | None = None  # round-to-nearest bits (HF sources, requantized GGUF tensors); default 4
+    bits: int | None = None  # round-to-nearest bits, 3, 4 or 8 (HF sources, requantized GGUF tensors); default 4
     group_size: int | None = None  # round-to-nearest group; default 128 for HF, 32 for GGUF; -1 per-channel
     sym: bool = False  # symmetric round-to-nearest (zero point 2**(bits-1)) instead of min/max
-    keep_8bit: bool = False  # GGUF: keep tensors that cannot be re-packed exactly unquantized (fp16)
+    keep_8bit: bool = False  # GGUF: Q8_0 exactly to 8 bits, the other non-4-bit types re-quantized to 8 bits
 
     @property
     def rtn_bits(self) -> int:
