@@ -6,6 +6,7 @@ import torch
 
 from kernels.compiler import get_kernel
 from kernels.launch import i32, launch, ptr
+from kernels.quant_matmul import packed_layout_reason
 
 SOURCE = "dequantize.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
@@ -17,15 +18,7 @@ def unsupported_reason(dtype: torch.dtype, qweight: torch.Tensor, scales: torch.
     """Why the kernel cannot dequantize this weight into `dtype` (None when it can)."""
     if dtype not in _DTYPE_CODES:
         return f"output dtype {dtype} (kernel writes float16/bfloat16)"
-    if bits not in (3, 4):
-        return f"{bits}-bit weights"
-    if scales.dtype not in (torch.float16, torch.float32) or zeros.dtype != scales.dtype:
-        return f"scales {scales.dtype} / zeros {zeros.dtype}"
-    if group_size % 32:
-        return f"group size {group_size} (kernel needs a multiple of 32)"
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        return "non-contiguous packed weight"
-    return None
+    return packed_layout_reason(qweight, scales, zeros, bits, group_size)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,

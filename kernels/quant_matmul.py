@@ -42,11 +42,9 @@ _workspaces: dict[tuple[int, int], torch.Tensor] = {}
 _plans: dict[tuple, tuple] = {}
 
 
-def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       bits: int, group_size: int) -> str | None:
-    """Why the kernels cannot compute this product (None when they can)."""
-    if x.dtype not in _DTYPE_CODES:
-        return f"activation dtype {x.dtype} (kernels take float16/bfloat16)"
+def packed_layout_reason(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                         group_size: int) -> str | None:
+    """Why a packed weight is outside what every W4/W3 kernel reads (None when it is inside)."""
     if bits not in (3, 4):
         return f"{bits}-bit weights"
     if scales.dtype not in (torch.float16, torch.float32) or zeros.dtype != scales.dtype:
@@ -55,6 +53,17 @@ def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         return f"group size {group_size} (kernels need a multiple of 32)"
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         return "non-contiguous packed weight"
+    return None
+
+
+def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bits: int, group_size: int) -> str | None:
+    """Why the kernels cannot compute this product (None when they can)."""
+    if x.dtype not in _DTYPE_CODES:
+        return f"activation dtype {x.dtype} (kernels take float16/bfloat16)"
+    reason = packed_layout_reason(qweight, scales, zeros, bits, group_size)
+    if reason:
+        return reason
     if bits == 4 and qweight.data_ptr() % 16:
         return "qweight not 16-byte aligned"
     return None
