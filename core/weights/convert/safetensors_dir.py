@@ -5,7 +5,6 @@ The GPTQ, AWQ and plain-HF sources all read their tensors through this.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from collections import defaultdict
@@ -19,6 +18,7 @@ from core.errors import ModelLoadError, UnsupportedModelError
 from core.quant.packed import PackedWeight
 from core.weights.convert.source import LINEAR_NAMES, ConversionSource, packed_nbytes, target_type
 from core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
+from core.weights.hf_safetensors import read_json
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -100,18 +100,6 @@ class SafetensorsDir:
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path.parent}: no {path.name}") from None
-    except (ValueError, OSError) as err:
-        raise ModelLoadError(f"{path}: unreadable JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return value
 
 
 def linear_module_of(name: str) -> str | None:
