@@ -45,7 +45,8 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     from kernels import registry
 
     op = registry.get("quant_matmul")
-    if not dispatch.decide(op.name, _signature(x, packed), lambda: (
+    signature = _signature(x, packed)
+    if not dispatch.decide(op.name, signature, lambda: (
             dispatch.kernel_blocker(x, packed.qweight)
             or op.unsupported_reason(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size))):
         return quant_matmul_reference(x, packed)
@@ -54,7 +55,7 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         rows = rows.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
     if rows.shape[0] >= DENSE_MIN_TOKENS:
         dense = registry.get("dequantize")
-        if dispatch.decide(dense.name, _signature(x, packed), lambda: dense.unsupported_reason(
+        if dispatch.decide(dense.name, signature, lambda: dense.unsupported_reason(
                 x.dtype, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size)):
             weight = dense.launch(packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
                                   packed.zero_mode, x.dtype)  # [N, K], stored column order
