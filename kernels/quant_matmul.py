@@ -1,9 +1,11 @@
 """Launchers of the W4A16/W3A16 kernels in quant_matmul.cu.
 
-Five kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
+Six kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
 - "gemv": CUDA cores, up to 4 tokens per weight read (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
 - "stream": CUDA cores, up to 4 tokens, 2 rows per warp with 4 chunks of loads in flight per lane and
   half2 products (`quant_stream_kernel`), for one token on long rows;
+- "split": CUDA cores, up to 4 tokens, 8-warp CTAs whose warps split K into `ksplit` parts
+  (`quant_gemv_split_kernel`), so short-N shapes still get enough warps per SM (`split_ksplit`);
 - "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share
   16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens;
 - "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
@@ -29,11 +31,15 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 # 1..64 tokens: ksplit is fastest at 2-16 tokens, staged at 32 and 64 (up to 1.7x the mma kernel), and
 # mma stays for more than 64 tokens, where staged was not measured.
 AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (64, "staged"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "stream": 4, "ksplit": 2, "staged": 8, "mma": 8}
+MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8}
 KERNELS = tuple(MAX_TILE)
 MMA_ROWS_PER_CTA = 64
 STAGED_ROWS_PER_CTA = 128
 KSPLIT_ROWS_PER_CTA = 16
+SPLIT_WARPS = 8  # warps per CTA of the split GEMV
+SPLIT_PARTS = (1, 2, 4, 8)  # K-parts per row pair it can take
+SPLIT_CTAS_PER_SM = 4  # CTAs per SM the split plan aims the grid at
+_CUDA_CORE_KERNELS = ("gemv", "stream", "split")
 MMA_SEGMENT = 128  # codes of K per thread-quad step
 _COUNTER_SLOTS = 1 << 14
 
@@ -70,16 +76,17 @@ def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 def default_tile(kernel: str, num_tokens: int) -> int:
-    """Tokens per CTA of gemv/stream (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2) / staged, mma (1..8)."""
+    """Tokens per CTA of gemv/stream/split (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2) / staged, mma (1..8)."""
     sizes = tuple(size for size in (1, 2, 4, 8) if size <= MAX_TILE[kernel])
-    unit = 1 if kernel in ("gemv", "stream") else 8
+    unit = 1 if kernel in _CUDA_CORE_KERNELS else 8
     return next((size for size in sizes if num_tokens <= size * unit), sizes[-1])
 
 
 def instantiations() -> tuple[str, ...]:
     """Every template instantiation the launcher can ask for (compiled ahead by validate-kernels)."""
-    tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8), "mma": (1, 2, 4, 8)}
-    kernels = {"gemv": "quant_gemv_kernel", "stream": "quant_stream_kernel", "ksplit": "quant_mma_ksplit_kernel",
+    tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "split": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8), "mma": (1, 2, 4, 8)}
+    kernels = {"gemv": "quant_gemv_kernel", "stream": "quant_stream_kernel", "split": "quant_gemv_split_kernel",
+               "ksplit": "quant_mma_ksplit_kernel",
                "staged": "quant_mma_staged_kernel", "mma": "quant_mma_kernel"}
     return tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in KERNELS for dt in (0, 1) for bits in (4, 3)
                  for tile in tiles[name] for f32 in (0, 1))
@@ -101,6 +108,20 @@ def weight_read_probe(qweight: torch.Tensor, bits: int, in_features: int) -> Non
     out_features = qweight.shape[0]
     launch(fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA, 1, 1), (256, 1, 1), (
         ptr(qweight), ptr(sink), i32(out_features), i32(in_features)), index)
+
+
+def split_ksplit(num_rows: int, in_features: int, num_sms: int) -> int:
+    """K-parts per row pair of the split GEMV: the fewest that give at least SPLIT_CTAS_PER_SM full CTAs
+    of warps per SM (a CTA holds SPLIT_WARPS / ksplit row pairs), but no more parts than K has 32-chunk
+    strides for its lanes (32 * ksplit <= K / 32), so that every lane of every part has a chunk."""
+    row_pairs = -(-num_rows // 2)
+    num_chunks = in_features // 32
+    allowed = [parts for parts in SPLIT_PARTS if parts == 1 or 32 * parts <= num_chunks]
+    wanted_warps = SPLIT_CTAS_PER_SM * num_sms * SPLIT_WARPS
+    for parts in allowed:
+        if -(-row_pairs // (SPLIT_WARPS // parts)) * SPLIT_WARPS >= wanted_warps:
+            return parts
+    return allowed[-1]
 
 
 @cache
@@ -159,6 +180,15 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         rows = 8  # 4 warps x 2 rows
         fn = get_kernel(SOURCE, f"quant_{name}_kernel{template}", index)
         plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (128, 1, 1), 1, 0)
+    elif name == "split":
+        if splits is None:
+            splits = split_ksplit(out_features, in_features, _num_sms(index))
+        elif splits not in SPLIT_PARTS:
+            raise ValueError(f"the split kernel takes {SPLIT_PARTS} K-parts, not splits={splits}")
+        rows = 2 * (SPLIT_WARPS // splits)
+        fn = get_kernel(SOURCE, f"quant_gemv_split_kernel{template}", index)
+        plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (32 * SPLIT_WARPS, 1, 1),
+                splits, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
@@ -192,9 +222,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
-    kernel: "auto" | "gemv" | "stream" | "ksplit" | "staged" | "mma"; tile: tokens per CTA (gemv,
-    stream: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K splits of the
-    staged and mma kernels (default: enough CTAs to fill the GPU); out: a contiguous [M, N] buffer.
+    kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma"; tile: tokens per CTA
+    (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K
+    splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
+    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a contiguous [M, N] buffer.
     """
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
@@ -219,6 +250,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
              i32(0 if zero_mode == "zero" else 1))
     if name in ("gemv", "stream", "ksplit"):
         launch(fn, grid, block, head + sizes, index)
+        return out
+    if name == "split":
+        launch(fn, grid, block, head + sizes + (i32(split_count),), index)
         return out
     partials = counters = None
     if split_count > 1:
