@@ -233,6 +233,7 @@ def test_quantized_run_records_its_quantized_linears(tmp_path, tiny_llama_dir, m
     _run_cli(["bench", "concurrency", "--model", str(tiny_llama_dir), "--quantization", "w4a16", "--concurrency", "2",
               "--prompt-len", "8", "--output-len", "2", "--num-requests", "2", "--output", str(output)], monkeypatch)
     data = json.loads(output.read_text())
-    # 3 layers x (q, k, v, o, gate, up, down): every projection is a 4-bit QuantLinear.
-    assert data["weights"]["quantized_linears"] == 21 and data["weights"]["quantized_bits"] == [4]
+    # 3 layers x (qkv, o, gate_up, down): every projection is a 4-bit QuantLinear, q/k/v and
+    # gate/up merged by the engine.
+    assert data["weights"]["quantized_linears"] == 12 and data["weights"]["quantized_bits"] == [4]
     assert data["levels"][0]["repeats"][0]["output_tokens"] == 4

@@ -60,12 +60,12 @@ def test_quantized_engine_matches_hf_on_dequantized_weights(tmp_path, tiny_token
     bits = {"w4a16": 4, "w3a16": 3}[quantization]
     layers = engine.model.model.layers
     quantized = [m for m in layers.modules() if isinstance(m, QuantLinear)]
-    assert len(quantized) == len(PROJECTIONS) * len(layers)
+    assert len(quantized) == 4 * len(layers)  # qkv (merged), o, gate_up (merged), down
     assert not any(isinstance(m, torch.nn.Linear) for m in layers.modules())
     assert {(m.bits, m.group_size) for m in quantized} == {(bits, 64), (bits, 32)}  # K = 64 and 96 (hidden, mlp)
     assert isinstance(engine.model.model.embed_tokens, torch.nn.Embedding)
     if family == "qwen2":
-        assert engine.model.model.layers[0].self_attn.q_proj.bias is not None
+        assert engine.model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert engine.health()["quantization"] == quantization
     assert tokens == dequantized_hf_tokens(hf_model, bits)
 
@@ -118,11 +118,11 @@ def test_dummy_shape_gets_random_codes_without_rtn(tmp_path, monkeypatch):
     assert engine.source_kind == "dummy" and engine.model_name == "dummy-tiny-shape"
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(quantized) == 3 * len(PROJECTIONS)
+    assert len(quantized) == 3 * 4  # qkv (merged), o, gate_up (merged), down per layer
     assert {m.group_size for m in quantized} == {128, 32}  # K = 128, and 352 = 11 * 32
     weight = dequantize(quantized[0].packed)
     assert abs(weight.mean().item()) < 0.003 and 0.015 < weight.std().item() < 0.025
-    assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() == 0  # Qwen2 biases, zero like dense dummies
+    assert model.model.layers[0].self_attn.qkv_proj.bias.abs().sum() == 0  # Qwen2 biases, zero like dense dummies
     assert model.model.norm.weight.eq(1).all()
     # The rotary tables are the model's own (from the on-device twin), not left uninitialized.
     positions = torch.arange(5)

@@ -40,6 +40,7 @@ from core.engine.stats import IterationStats
 from core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
 from core.kv.cache import KVCache
 from core.kv.kv_manager import KVCacheManager
+from core.models.merged_projections import merge_projections
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class LLMEngine:
 
             quantize_linears(loaded_model.model, QUANT_BITS[config.quantization], self.device, self.dtype,
                              random_codes=loaded_model.source_kind == "dummy", seed=config.seed)
+        merge_projections(loaded_model.model)  # q/k/v and gate/up: one product each
         self.spec = loaded_model.spec
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer

@@ -1,8 +1,10 @@
 """Building blocks of the generic decoder: RMSNorm, rotary embedding, gated MLP, attention, one layer.
 
-Every projection is a separate `nn.Linear` with HF's name (q_proj, k_proj, v_proj, o_proj,
-gate_proj, up_proj, down_proj), so the quantization pass can swap any of them for a
-`QuantLinear` with the same in/out features. Norms follow HF's numerics: Llama normalizes in
+Every projection is built as a separate `nn.Linear` with HF's name (q_proj, k_proj, v_proj, o_proj,
+gate_proj, up_proj, down_proj), so weights load by HF's names and the quantization pass can swap
+any of them for a `QuantLinear` with the same in/out features. The engine then merges q/k/v into
+`qkv_proj` and gate/up into `gate_up_proj` (core/models/merged_projections.py); the layers run
+either form. Norms follow HF's numerics: Llama normalizes in
 fp32 then casts back before the weight; Gemma computes `x * (1 + weight)` entirely in fp32.
 Norms, gated activations and RoPE go through core/ops (a fused CUDA kernel on GPU, the same torch
 math elsewhere); the residual stream is carried beside the hidden states so each residual add
@@ -88,10 +90,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
         self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype, device=device)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj: nn.Module | None = None  # [gate | up], set by merge_projections
+        self.inner = inner
         self.hidden_act = spec.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(act_and_mul(self.gate_proj(x), self.up_proj(x), self.hidden_act))  # inner: [T, inner]
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
+            gate, up = gate_up[..., :self.inner], gate_up[..., self.inner:]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(act_and_mul(gate, up, self.hidden_act))  # inner: [T, inner]
 
 
 class Attention(nn.Module):
@@ -104,6 +113,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype, device=device)
         self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype, device=device)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype, device=device)
+        self.qkv_proj: nn.Module | None = None  # [q | k | v], set by merge_projections
+        self.qkv_sizes = (q_size, kv_size, kv_size)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_weight_offset, dtype, device)
@@ -115,9 +126,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 attn_metadata: Any, kv_cache: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
-        query = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.qkv_proj is not None:
+            # views of one [T, (H + 2 * KVH) * D] product; the ops below take strided token rows
+            query, key, value = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         layer = self.layer_idx

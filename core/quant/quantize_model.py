@@ -13,7 +13,8 @@ from core.quant.quant_linear import QuantLinear
 from core.quant.rtn import default_group_size, quantize_rtn
 
 # HF's leaf names of the decoder's projections (the embedding and lm_head stay unquantized)
-PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                    "qkv_proj", "gate_up_proj")  # the last two: merged by core/models/merged_projections.py
 BITS_OF_SCHEME = {"w4a16": 4, "w3a16": 3}
 
 
