@@ -28,8 +28,9 @@ if _REASON is not None:
     pytest.skip(f"GPU kernels need CUDA and CuPy: {_REASON}", allow_module_level=True)
 
 from core.bench import kernel_checks  # imported after the skip: CPU runs never load it
-from core.bench.kernel_validation import check_cuda_graph
+from core.bench.kernel_validation import check_cuda_graph, check_split_cuda_graph
 from core.bench.model_validation import check_tiny_model
+from kernels.quant_matmul import KERNELS
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 
@@ -39,8 +40,11 @@ def _assert_all_ok(results):
     assert results and not failed, "\n".join(failed)
 
 
-def test_quant_matmul_kernels():
-    _assert_all_ok(kernel_checks.check_quant_matmul(DEVICE))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_quant_matmul_kernels(kernel):
+    cases = [case for case in kernel_checks.QUANT_CASES if case[4] == kernel]
+    assert cases, f"no validation case for the {kernel} kernel"
+    _assert_all_ok(kernel_checks.check_quant_matmul(DEVICE, cases=cases))
 
 
 def test_dequantize_kernel_is_bit_identical_and_the_dense_path_matches():
@@ -65,6 +69,10 @@ def test_rope_cache_write_kernel():
 
 def test_kernels_capture_and_replay_in_a_cuda_graph():
     _assert_all_ok([check_cuda_graph(DEVICE)])
+
+
+def test_split_gemv_captures_and_replays_in_a_cuda_graph():
+    _assert_all_ok(check_split_cuda_graph(DEVICE))
 
 
 @pytest.mark.parametrize("dtype,bits,int8_kv,tol", [(torch.float16, 4, False, 5e-3), (torch.bfloat16, 3, True, 3e-2)])

@@ -28,7 +28,8 @@ ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
 # (kernel, most tokens it is timed at): the CUDA-core kernels for a few tokens, ksplit up to 16, the staged
 # tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel always
-KERNEL_MAX_TOKENS = (("gemv", 4), ("stream", 4), ("ksplit", 16), ("staged", 64), ("mma", 1 << 30))
+KERNEL_MAX_TOKENS = (("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 16), ("staged", 64), ("mma", 1 << 30))
+SPLIT_SWEEP_TOKENS = 1  # the split kernel is also timed at every K-part count it can take at this token count
 
 
 def _events_ms(fn: Callable[[], None], count: int) -> float:
@@ -82,12 +83,32 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
     }
 
 
+def quant_points(num_tokens: int, in_features: int, planned_ksplit: int) -> list[tuple[str, int | None]]:
+    """(kernel, K-parts or None) of each point timed at one token count: every kernel of KERNEL_MAX_TOKENS
+    that serves it; the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS with each count K allows."""
+    from kernels.quant_matmul import SPLIT_PARTS
+
+    points = []
+    for kernel, most in KERNEL_MAX_TOKENS:
+        if num_tokens > most:
+            continue
+        if kernel != "split":
+            points.append((kernel, None))
+        elif num_tokens == SPLIT_SWEEP_TOKENS:
+            points += [(kernel, parts) for parts in SPLIT_PARTS if parts == 1 or 32 * parts <= in_features // 32]
+        else:
+            points.append((kernel, planned_ksplit))
+    return points
+
+
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                        group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
-    """Every kernel that suits each token count (KERNEL_MAX_TOKENS); a point whose launch fails is
+    """Every kernel that suits each token count (KERNEL_MAX_TOKENS), the split kernel with the K-parts its
+    plan picks (and at SPLIT_SWEEP_TOKENS with every count it can take); a point whose launch fails is
     recorded with its error instead of a time."""
-    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul
+    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit
 
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     records = []
     for in_features, out_features in shapes:
         for bits in bits_list:
@@ -97,21 +118,22 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
             for num_tokens in batches:
                 x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
-                kernels = [kernel for kernel, most in KERNEL_MAX_TOKENS if num_tokens <= most]
-                for kernel in kernels:
-                    launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
+                planned = split_ksplit(out_features, in_features, num_sms)
+                for kernel, ksplit in quant_points(num_tokens, in_features, planned):
+                    launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel, ksplit)
+                    point = {"in_features": in_features, "out_features": out_features, "bits": bits,
+                             "tokens": num_tokens, "kernel": kernel}
+                    if ksplit is not None:
+                        point |= {"ksplit": ksplit, "ksplit_planned": ksplit == planned}
                     try:
                         mean_us, std_us = time_graph(launch_all, copies, repeats, device)
                     except Exception as err:  # noqa: BLE001 - one broken kernel must not end the sweep
-                        records.append({"in_features": in_features, "out_features": out_features, "bits": bits,
-                                        "tokens": num_tokens, "kernel": kernel, "error": f"{type(err).__name__}: {err}"})
+                        records.append(point | {"error": f"{type(err).__name__}: {err}"})
                         torch.cuda.synchronize(device)
                         continue
                     moved = weight_bytes + x.nbytes + outs[0].nbytes
-                    records.append({
-                        "in_features": in_features, "out_features": out_features, "bits": bits,
-                        "group_size": group_size, "tokens": num_tokens, "kernel": kernel,
-                        "tile": default_tile(kernel, num_tokens),
+                    records.append(point | {
+                        "group_size": group_size, "tile": default_tile(kernel, num_tokens),
                         "auto": kernel == pick_kernel(num_tokens, in_features, out_features),
                         "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
@@ -121,11 +143,11 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
 
 
 def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: list[torch.Tensor], bits: int,
-                    group_size: int, kernel: str) -> Callable[[], None]:
+                    group_size: int, kernel: str, splits: int | None = None) -> Callable[[], None]:
     def launch_all() -> None:
         for weight, out in zip(weights, outs):
             quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
-                         kernel=kernel, out=out)
+                         kernel=kernel, splits=splits, out=out)
     return launch_all
 
 
@@ -281,6 +303,13 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
             "read_probes": probes, "targets": summarize_targets(quant, attention_records)}
 
 
+def _ksplit_label(record: dict) -> str:
+    """' k4' for the split kernel at the K-parts its plan picks, ' k2 sweep' for another count; '' otherwise."""
+    if "ksplit" not in record:
+        return ""
+    return f" k{record['ksplit']}" + ("" if record["ksplit_planned"] else " sweep")
+
+
 def gemv_tables(payload: dict) -> list:
     """Rich tables of a run_gemv_benchmark payload: quant matmul, decode attention, targets."""
     from rich.table import Table
@@ -292,10 +321,11 @@ def gemv_tables(payload: dict) -> list:
         quant.add_column(column, justify="right")
     for r in payload["quant_matmul"]:
         if "error" in r:
-            quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), r["kernel"],
+            quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]),
+                          r["kernel"] + _ksplit_label(r),
                           "FAILED", "-", r["error"][:60])
             continue
-        kernel = f"{r['kernel']}/{r['tile']}" + ("" if r["auto"] else " (alt)")
+        kernel = f"{r['kernel']}/{r['tile']}" + _ksplit_label(r) + ("" if r["auto"] else " (alt)")
         quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), kernel,
                       f"{r['us_mean']:.2f} ± {r['us_std']:.2f}", f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}")
     tables = [quant]

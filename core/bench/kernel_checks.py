@@ -110,6 +110,18 @@ QUANT_CASES = (
     (100, 768, 2048, 64, "staged", 8, 3, False, True),
     (64, 768, 8192, 128, "staged", 8, 1, False, False),
     (24, 4096, 14336, 128, "staged", 4, None, False, True),
+    # split GEMV: splits = K-parts per row pair (None: its plan's); N not a multiple of its 16..2 rows per CTA
+    (1, 4096, 4096, 128, "split", 1, None, False, True),
+    (1, 2560, 2048, 64, "split", 1, None, False, False),
+    (2, 22016, 4096, 128, "split", 2, None, False, True),
+    (1, 1000, 11008, 128, "split", 1, None, True, False),
+    (4, 1000, 11008, 32, "split", 4, 8, False, True),
+    (3, 1536, 576, 32, "split", 4, None, False, False),
+    (3, 1001, 576, 64, "split", 1, 8, True, True),  # more K-parts than chunks: idle warps
+    (2, 2560, 576, 64, "split", 2, 2, False, False),
+    (1, 999, 11008, 64, "split", 1, 2, False, True),
+    (3, 37, 4096, 128, "split", 2, 4, True, False),
+    (2, 1000, 4096, 4096, "split", 2, 1, False, True),
 )
 
 

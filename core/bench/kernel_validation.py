@@ -60,6 +60,53 @@ def check_cuda_graph(device) -> CheckResult:
     return result
 
 
+def check_split_cuda_graph(device) -> list[CheckResult]:
+    """Capture the split GEMV (kernels.quant_matmul, kernel="split") at 1, 2 and 4 tokens on shapes whose
+    plans take 1, 4 and 8 K-parts; replay on new activations written into the captured buffer: each output
+    must equal an eager run bit for bit and match the reference product. (K-parts as planned on 132 SMs.)"""
+    from kernels.quant_matmul import quant_matmul
+
+    results = []
+    for dtype, bits, zero_mode, out_features, in_features, group_size in (
+            (torch.float16, 4, "zero", 22016, 4096, 128), (torch.bfloat16, 3, "min", 4096, 4096, 64),
+            (torch.float16, 3, "zero", 1000, 11008, 128)):
+        case = f"{kernel_checks._DTYPE_NAMES[dtype]} W{bits} {zero_mode} N={out_features} K={in_features} split, 1/2/4 tokens"
+
+        def run(dtype=dtype, bits=bits, zero_mode=zero_mode, out_features=out_features, in_features=in_features,
+                group_size=group_size, case=case) -> CheckResult:
+            packed = kernel_checks.random_packed(out_features, in_features, group_size, bits, zero_mode,
+                                                 torch.float16, device, bias_dtype=dtype)
+            xs = [torch.randn(m, in_features, dtype=dtype, device=device) for m in (1, 2, 4)]
+
+            def step() -> list[torch.Tensor]:
+                return [quant_matmul(x, packed.qweight, packed.scales, packed.zeros, bits, group_size, zero_mode,
+                                     packed.bias, kernel="split") for x in xs]
+
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                step()  # compile and load outside the capture
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step()
+            for x in xs:
+                x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            eager = step()
+            dense = kernel_checks.dequantize(packed, torch.float32)
+            ref = torch.cat([x.float() @ dense.T + packed.bias.float() for x in xs])
+            result = kernel_checks.compare("cuda_graph", case, torch.cat(captured), ref, kernel_checks.REL_TOL[dtype])
+            same = all(torch.equal(a, b) for a, b in zip(captured, eager))
+            result.ok = result.ok and same
+            result.detail = "replay equals eager bit for bit" if same else "replay differs from eager"
+            return result
+
+        results += guarded("cuda_graph", case, run)
+    return results
+
+
 CHECK_GROUPS = ("quant_matmul", "dequantize", "paged_decode_attention", "rms_norm", "act_and_mul", "rope_cache_write",
                 "cuda_graph", "end_to_end")
 
@@ -108,6 +155,7 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
             results += checks[group](device)
     if "cuda_graph" in groups:
         results += guarded("cuda_graph", "capture + replay", lambda: check_cuda_graph(device))
+        results += check_split_cuda_graph(device)
     if "end_to_end" in groups:
         for dtype, bits, group, int8_kv, tol in ((torch.float16, 4, 64, False, 5e-3),
                                                  (torch.bfloat16, 3, 64, True, 3e-2)):
