@@ -100,7 +100,7 @@ def kernel_breakdown(profiler, step_s: float, top: int = 14) -> dict:
 def replay_times(engine: LLMEngine, batches: list[int], iterations: int = 50) -> list[dict]:
     """Per (batch, smallest bound) graph, padding rows only: GPU milliseconds per replay (back to back,
     CUDA events) and the wall time of one replay followed by a sync."""
-    runner = engine.decode_runner
+    runner = engine.step_runner
     bound = runner.context_bounds[0]
     results = []
     for batch in batches:

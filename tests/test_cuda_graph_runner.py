@@ -1,8 +1,10 @@
-"""Padded decode steps and CUDA graphs (core/engine/cuda_graphs.py).
+"""Padded steps and CUDA graphs (core/engine/cuda_graphs.py).
 
-On the CPU: bucket and bound choice, the exact static inputs a replay reads (padding rows
-included), and the engine in "padded" mode, which runs exactly those inputs eagerly, against the
-unpadded engine: identical greedy, seeded and logprob outputs prove the padding harmless.
+On the CPU: bucket and bound choice, which steps a graph serves, the exact static inputs a replay
+reads (padding rows included), and the engine in "padded" mode, which runs exactly those inputs
+eagerly (decodes and prefill chunks alike, each token as its own query), against the unpadded
+engine: identical greedy, seeded and logprob outputs prove the padding and the per-token
+formulation harmless.
 On a GPU (marked `gpu`): captured graphs against the padded-eager and the unpadded eager engine.
 """
 
@@ -15,11 +17,12 @@ from conftest import save_tiny_model
 from core import SamplingParams
 from core.config import EngineConfig
 from core.engine.cuda_graphs import (
-    PaddedDecodeRunner,
-    StaticDecodeBuffers,
+    PaddedStepRunner,
+    StaticStepBuffers,
+    attention_work,
     context_bounds,
     decode_bucket_sizes,
-    is_pure_decode,
+    token_bucket_sizes,
 )
 from core.engine.llm_engine import LLMEngine
 from core.engine.request import Request
@@ -35,6 +38,9 @@ def test_bucket_sizes():
     assert decode_bucket_sizes(8) == [1, 2, 4, 8]
     assert decode_bucket_sizes(10) == [1, 2, 4, 8, 10]
     assert decode_bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert token_bucket_sizes(64, 512) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 512]
+    assert token_bucket_sizes(10, 48) == [1, 2, 4, 8, 10, 20, 40, 48]
+    assert token_bucket_sizes(64, 32) == [1, 2, 4, 8, 16, 24, 32]
 
 
 def test_context_bounds():
@@ -51,30 +57,35 @@ def decode_chunk(request_id, tokens, table, sample=True):
 
 
 def test_static_buffers_hold_the_replay_inputs_with_padding_on_the_dummy_block():
-    buffers = StaticDecodeBuffers(max_batch=8, max_model_len=64, block_size=4, dummy_block=99,
-                                  device=torch.device("cpu"))
+    buffers = StaticStepBuffers(max_tokens=16, max_rows=4, max_model_len=64, block_size=4, dummy_block=99,
+                                device=torch.device("cpu"))
+    prompt_request = Request("p", [31, 32, 33, 34, 35, 36, 37], SamplingParams(max_tokens=4))
     chunks = [decode_chunk("a", [5, 6, 7, 8, 9, 10], [3, 7]),  # position 5: block 7, offset 1
-              decode_chunk("b", [11], [2]),  # position 0: block 2, offset 0
+              ScheduledChunk(prompt_request, 2, 3, [8, 5, 9], False),  # positions 2-4: block 8 at 2, 3; block 5 at 0
               decode_chunk("c", list(range(20, 29)), [1, 4, 6, 0])]  # position 8: block 6, offset 0
-    assert is_pure_decode(chunks) and not is_pure_decode([ScheduledChunk(chunks[0].request, 0, 6, [3, 7], True)])
     # A wider layout first, so the next step must not read its stale values.
-    buffers.load([decode_chunk("x", list(range(40)), list(range(40, 50)))], batch=8, bound=64)
-    buffers.load(chunks, batch=4, bound=16)
-    input_ids, positions, meta = buffers.views(4, 16)
-    assert input_ids.tolist() == [10, 11, 28, 0]
-    assert positions.tolist() == [5, 0, 8, 0]
-    assert meta.slot_mapping.tolist() == [7 * 4 + 1, 2 * 4, 6 * 4, 99 * 4]
-    assert meta.seq_lens.tolist() == [6, 1, 9, 1]
-    assert meta.block_tables.tolist() == [[3, 7, 0, 0], [2, 0, 0, 0], [1, 4, 6, 0], [99, 0, 0, 0]]
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len) == (4, 1, 16)
-    assert meta.query_lens == [1] * 4 and meta.seq_lens_host == [16] * 4  # the bound the graph serves
+    buffers.load([decode_chunk("x", list(range(40)), list(range(40, 50)))], tokens=16, bound=64)
+    buffers.load(chunks, tokens=8, bound=16)
+    input_ids, positions, logit_rows, meta = buffers.views(8, 16)
+    assert input_ids.tolist() == [10, 33, 34, 35, 28, 0, 0, 0]
+    assert positions.tolist() == [5, 2, 3, 4, 8, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == [7 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 5 * 4, 6 * 4] + [99 * 4] * 3
+    assert meta.seq_lens.tolist() == [6, 3, 4, 5, 9, 1, 1, 1]  # each token's own context
+    # Each token reads its request's table row; padding tokens read the padding row (row 4 of 5).
+    table_a, table_p, table_c, table_pad = [3, 7, 0, 0], [8, 5, 0, 0], [1, 4, 6, 0], [99, 0, 0, 0]
+    assert meta.block_tables.tolist() == [table_a, table_p, table_p, table_p, table_c] + [table_pad] * 3
+    assert logit_rows.tolist() == [0, 3, 4, 0]  # the last token of each request, then padding
+    assert meta.query_start_loc.tolist() == list(range(9))
+    assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len) == (8, 1, 16)
+    assert meta.query_lens == [1] * 8 and meta.seq_lens_host == [16] * 8  # the bound the graph serves
 
 
 def test_runner_picks_the_smallest_bucket_and_bound():
-    runner = PaddedDecodeRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=4, max_num_seqs=20,
-                                max_model_len=5000, dummy_block=0, vocab_size=8, use_graphs=False)
-    assert runner.bucket_sizes == [1, 2, 4, 8, 16, 20] and runner.context_bounds == [1024, 4096, 5000]
+    runner = PaddedStepRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=4, max_num_seqs=20,
+                              max_num_batched_tokens=2048, max_model_len=5000, dummy_block=0, vocab_size=8,
+                              num_kv_heads=2, use_graphs=False)
+    assert runner.bucket_sizes == [1, 2, 4, 8, 16, 20, 40, 80, 160, 320, 512]
+    assert runner.context_bounds == [1024, 4096, 5000]
     table = list(range(1250))
 
     def shape(num, longest):
@@ -86,6 +97,28 @@ def test_runner_picks_the_smallest_bucket_and_bound():
     assert shape(5, 1025) == (8, 4096)
     assert shape(17, 4097) == (20, 5000)
     assert shape(16, 5000) == (16, 5000)
+    prefill = ScheduledChunk(Request("p", [1] * 300, SamplingParams()), 0, 300, table, True)
+    assert runner.shape_of([prefill, decode_chunk("d", [1] * 9, table)]) == (320, 1024)
+
+
+def test_runner_serves_steps_whose_per_token_attention_is_cheap():
+    runner = PaddedStepRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=16, max_num_seqs=4,
+                              max_num_batched_tokens=4096, max_model_len=8192, dummy_block=0, vocab_size=8,
+                              num_kv_heads=4, use_graphs=False)
+    table = list(range(512))
+
+    def chunk(start, n):
+        return ScheduledChunk(Request("p", [1] * (start + n), SamplingParams()), start, n, table, True)
+
+    # positions s..s+n-1 attend to s+1..s+n tokens: 2*10 + 3 and 4*5 + 10 by hand
+    assert attention_work([chunk(10, 2)]) == 23 and attention_work([chunk(5, 4), chunk(0, 1)]) == 31
+    assert runner.attention_work_limit == (1 << 21) // 4
+    assert runner.serves([chunk(0, 512)])  # 131,328 token-contexts
+    assert not runner.serves([chunk(0, 513)])  # more tokens than the largest bucket
+    assert runner.serves([chunk(1000, 400)])  # 480,200
+    assert not runner.serves([chunk(1500, 400)])  # 680,200: over 2**21 / 4 KV heads
+    assert not runner.serves([chunk(0, 1)] * 5)  # more requests than max_num_seqs
+    assert not runner.serves([])
 
 
 def test_graph_memory_comes_out_of_the_kv_budget():
@@ -137,19 +170,24 @@ def run_all(engine, requests):
     return [finals[i] for i in ids]
 
 
-def test_padded_decode_engine_matches_the_unpadded_engine(model_dir):
+def test_padded_engine_matches_the_unpadded_engine(model_dir):
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
     settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 10, "max_num_batched_tokens": 48}
     eager = LLMEngine(EngineConfig(**settings), loaded_model=loaded)
     padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
-    assert eager.decode_runner is None and eager.health()["cuda_graphs"]["enabled"] is False
+    assert eager.step_runner is None and eager.health()["cuda_graphs"]["enabled"] is False
     # One block beyond the scheduler's pool, for the padding rows.
     assert padded.kv_cache.num_blocks == padded.scheduler.kv.pool.num_blocks + 1 == 65
-    runner = padded.decode_runner
+    runner = padded.step_runner
     runner.context_bounds = [32, 48, 512]  # small bounds, so steps move between table layouts
     shapes = []
     shape_of = runner.shape_of
-    runner.shape_of = lambda chunks: shapes.append((len(chunks), *shape_of(chunks))) or shapes[-1][1:]
+
+    def recording_shape_of(chunks):
+        shapes.append((sum(c.num_tokens for c in chunks), max(c.num_tokens for c in chunks), *shape_of(chunks)))
+        return shapes[-1][2:]
+
+    runner.shape_of = recording_shape_of
 
     requests = workload()
     expected = run_all(eager, requests)
@@ -160,10 +198,11 @@ def test_padded_decode_engine_matches_the_unpadded_engine(model_dir):
     for a, b in zip(want_lp, got_lp):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
-    # Decode steps really ran padded, across buckets and bounds.
-    assert any(num < batch for num, batch, _ in shapes)
-    assert {batch for _, batch, _ in shapes} >= {1, 2, 4, 8}
-    assert {bound for _, _, bound in shapes} == {32, 48, 512}
+    # Decode and prefill steps really ran padded, across buckets and bounds.
+    assert any(num < tokens for num, _, tokens, _ in shapes)
+    assert {tokens for _, _, tokens, _ in shapes} >= {1, 2, 4, 8, 48}
+    assert any(longest > 1 for _, longest, _, _ in shapes)  # prefill chunks, as per-token queries
+    assert {bound for _, _, _, bound in shapes} == {32, 48, 512}
     pool = padded.scheduler.kv.pool
     assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
 
@@ -204,7 +243,7 @@ def test_cuda_graphs_match_eager(model_dir, quantization):
     graphs = LLMEngine(EngineConfig(**settings))
     health = graphs.health()
     assert health["attention_backend"] == "native" and health["cuda_graphs"]["enabled"]
-    assert health["cuda_graphs"]["buckets"] == [1, 2, 4, 8, 12]
+    assert health["cuda_graphs"]["buckets"] == [1, 2, 4, 8, 12, 24, 48, 64]
     padded = LLMEngine(EngineConfig(**settings), decode_mode="padded")
     eager = LLMEngine(EngineConfig(**settings, enforce_eager=True))
     assert eager.health()["cuda_graphs"]["enabled"] is False

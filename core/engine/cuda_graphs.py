@@ -1,23 +1,37 @@
-"""Decode steps at padded batch sizes: static input buffers, replayed CUDA graphs.
+"""Steps at padded sizes: static input buffers, replayed CUDA graphs, for decodes and mixed steps.
 
-A pure-decode step (every request computes exactly one token) of `n` requests runs as the batch
-of the smallest bucket >= n (1, 2, 4, 8, 16, 24, ... max_num_seqs) and the smallest context bound
->= its longest context (1024, 4096, 16384, ... max_model_len). Its inputs go into static buffers,
-one set shared by every bucket; the rows past `n` are padding that points at a dummy KV block
-reserved for them (token 0 at position 0, written to the dummy block's first slot, context length
-1), so they never touch a real request's cache.
+Every token of a step runs as its own query: a prefill chunk's token at position p attends to
+positions 0..p of its request exactly as a decode token does, so one formulation (the paged decode
+attention, which reads each token's context through its request's block table) serves decodes,
+prefill chunks and any mix of them, and the whole step has static shapes once padded. That is what
+lets mixed and prefill steps replay a CUDA graph as decodes do, instead of paying a host-side launch
+of every op (an eager 36-layer step costs ~50 ms of host time for ~9 ms of GPU work).
 
-Why context bounds: the native decode kernel sizes its grid (context splits) from a host-side
-upper bound of the step's context lengths, which a graph fixes at capture. Capturing every bucket
-at max_model_len only would make short contexts pay for the longest one (empty splits still launch
+A step of T tokens from R requests runs as the smallest token bucket >= T (1, 2, 4, 8, 16, 24, ...
+max_num_seqs, then 2x up to MAX_GRAPH_TOKENS) and the smallest context bound >= its longest context
+(1024, 4096, 16384, ... max_model_len). Its inputs go into static buffers, one set shared by every
+bucket; the rows past T are padding that points at a dummy KV block reserved for them (token 0 at
+position 0, written to the dummy block's first slot, context length 1), so they never touch a real
+request's cache. The graph computes logits for min(bucket, max_num_seqs) rows: the last token of
+each request (padding rows read token 0).
+
+Per-token attention re-reads a prompt's context once per query token, so its cost grows with the
+sum of the tokens' context lengths; a step whose sum (times the KV heads) passes
+GRAPH_ATTENTION_WORK runs eagerly instead, where prefill chunks go to SDPA. Short prompts, chunked
+long prompts and every decode batch stay under it.
+
+Why context bounds: the decode kernel sizes its grid (context splits) from a host-side upper bound
+of the step's context lengths, which a graph fixes at capture. Capturing every bucket at
+max_model_len only would make short contexts pay for the longest one (empty splits still launch
 and write); a few bounds at 4x apart keep that waste small at a few graphs per bucket. The block
-table a graph reads is `[batch, cdiv(bound, block_size)]`, also fixed per bound.
+table a graph reads is `[rows, cdiv(bound, block_size)]`, also fixed per bound.
 
 Two ways to run a padded step, with the same buffers and the same forward:
-- "graphs" (CUDA): one CUDA graph per (batch, bound), captured at start-up, largest first, from
+- "graphs" (CUDA): one CUDA graph per (bucket, bound), captured at start-up, largest first, from
   one shared memory pool, and replayed;
 - "padded" (any device): the padded step runs eagerly. This is what a replay computes, so tests on
-  a CPU prove the padding harmless by comparing its tokens with the unpadded path's.
+  a CPU prove the padding and the per-token formulation harmless by comparing its tokens with the
+  unpadded path's.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from core.attention.metadata import AttentionMetadata
@@ -37,6 +52,10 @@ logger = logging.getLogger(__name__)
 MiB = 1024**2
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
+MAX_GRAPH_TOKENS = 512
+# Sum over a step's tokens of their context lengths, times the KV heads, above which it runs eagerly.
+# 2**21: a 512-token chunk at ~2k context with 2 KV heads, about 2-4 ms of attention on an H200.
+GRAPH_ATTENTION_WORK = 1 << 21
 
 
 def decode_bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -45,6 +64,14 @@ def decode_bucket_sizes(max_num_seqs: int) -> list[int]:
     sizes.update(range(8, max_num_seqs, 8))
     sizes.add(max_num_seqs)
     return sorted(sizes)
+
+
+def token_bucket_sizes(max_num_seqs: int, max_tokens: int) -> list[int]:
+    """The decode buckets, then doubling from the largest of them up to max_tokens (itself last)."""
+    sizes = [size for size in decode_bucket_sizes(max_num_seqs) if size <= max_tokens] or [max_tokens]
+    while sizes[-1] < max_tokens:
+        sizes.append(min(2 * sizes[-1], max_tokens))
+    return sizes
 
 
 def context_bounds(max_model_len: int) -> list[int]:
@@ -61,84 +88,115 @@ def smallest_fit(sizes: list[int], value: int) -> int:
     return next(size for size in sizes if size >= value)
 
 
-def is_pure_decode(chunks: list[ScheduledChunk]) -> bool:
-    return bool(chunks) and all(chunk.num_tokens == 1 for chunk in chunks)
+def attention_work(chunks: list[ScheduledChunk]) -> int:
+    """Sum over the step's tokens of their context lengths: chunk positions s..s+n-1 see s+1..s+n."""
+    return sum(chunk.num_tokens * chunk.start_pos + chunk.num_tokens * (chunk.num_tokens + 1) // 2
+               for chunk in chunks)
 
 
-class StaticDecodeBuffers:
-    """The device tensors a padded decode step reads, plus host staging to fill them in two copies.
+class StaticStepBuffers:
+    """The device tensors a padded step reads, plus host staging to fill them in two copies.
 
-    For a step of `batch` rows and context bound `bound` (w = cdiv(bound, block_size) table columns):
-        int64[0:batch]            input ids       int32[0:batch]                      seq_lens
-        int64[batch:2*batch]      positions       int32[batch:batch + batch * w]      block table [batch, w]
-        int64[2*batch:3*batch]    slot mapping
-    Each (batch, bound) views the first elements, so every view is contiguous and one host->device
+    For a step of bucket `tokens` (t), `rows` = min(t, max_num_seqs) logit rows (s), s + 1 request
+    rows (the last one for padding) and context bound `bound` (w = cdiv(bound, block_size) columns):
+        int64[0:t]          input ids      int32[0:t]                  context length of each token
+        int64[t:2t]         positions      int32[t:2t]                 request row of each token
+        int64[2t:3t]        slot mapping   int32[2t:2t + (s + 1) * w]  block table [s + 1, w]
+        int64[3t:3t + s]    logit rows (the token row of each request's last token)
+    Each (bucket, bound) views the first elements, so every view is contiguous and one host->device
     copy per dtype moves a whole step.
     """
 
-    def __init__(self, max_batch: int, max_model_len: int, block_size: int, dummy_block: int,
+    def __init__(self, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, dummy_block: int,
                  device: torch.device) -> None:
         self.block_size = block_size
         self.dummy_block = dummy_block
+        self.max_rows = max_rows
         max_blocks = cdiv(max_model_len, block_size)
         pin = device.type == "cuda"
-        self.int64 = torch.zeros(3 * max_batch, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(max_batch * (1 + max_blocks), dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one token each
+        self.int64 = torch.zeros(3 * max_tokens + max_rows, dtype=torch.int64, device=device)
+        self.int32 = torch.zeros(2 * max_tokens + (max_rows + 1) * max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)  # one token each
         self.host_int64 = torch.zeros(self.int64.shape, dtype=torch.int64, pin_memory=pin)
         self.host_int32 = torch.zeros(self.int32.shape, dtype=torch.int32, pin_memory=pin)
         self._host64, self._host32 = self.host_int64.numpy(), self.host_int32.numpy()
         # Set after each step's copies: the staging is refilled only once they have read it.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def load(self, chunks: list[ScheduledChunk], batch: int, bound: int) -> None:
-        """Stage the decode chunks as rows 0..n-1, padding rows n..batch-1, and copy to the device."""
+    def rows_of(self, tokens: int) -> int:
+        """Logit rows of a bucket: one per request it can hold."""
+        return min(tokens, self.max_rows)
+
+    def load(self, chunks: list[ScheduledChunk], tokens: int, bound: int) -> None:
+        """Stage the chunks' tokens as rows 0..T-1 (chunk i is request row i), padding rows T..tokens-1,
+        and copy to the device."""
         if self._copied is not None:
             self._copied.synchronize()
-        bs, width = self.block_size, cdiv(bound, self.block_size)
+        bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
         h64, h32 = self._host64, self._host32
-        tables = h32[batch:batch + batch * width].reshape(batch, width)
+        ids, positions, slots = h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
+        logit_rows = h64[3 * tokens:3 * tokens + rows]
+        seq_lens, token_rows = h32[:tokens], h32[tokens:2 * tokens]
+        tables = h32[2 * tokens:2 * tokens + (rows + 1) * width].reshape(rows + 1, width)
         tables[:] = 0  # stale ids from other layouts could lie outside the pool
+        token = 0
         for i, chunk in enumerate(chunks):
-            position = chunk.start_pos
-            table = chunk.block_table
-            h64[i] = chunk.request.all_token_ids[position]
-            h64[batch + i] = position
-            h64[2 * batch + i] = table[position // bs] * bs + position % bs
-            h32[i] = position + 1
-            used = position // bs + 1
+            start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
+            used = cdiv(start + n, bs)
             tables[i, :used] = table[:used]
-        n = len(chunks)
-        h64[n:batch] = 0  # padding: token 0 at position 0 ...
-        h64[batch + n:2 * batch] = 0
-        h64[2 * batch + n:3 * batch] = self.dummy_block * bs  # ... written to the dummy block's slot 0
-        h32[n:batch] = 1
-        tables[n:, 0] = self.dummy_block
-        self.int64[:3 * batch].copy_(self.host_int64[:3 * batch], non_blocking=True)
-        self.int32[:batch + batch * width].copy_(self.host_int32[:batch + batch * width], non_blocking=True)
+            if n == 1:  # a decode: scalar writes beat numpy's per-call overhead
+                ids[token] = chunk.request.all_token_ids[start]
+                positions[token] = start
+                slots[token] = table[start // bs] * bs + start % bs
+                seq_lens[token] = start + 1
+                token_rows[token] = i
+            else:
+                span = np.arange(start, start + n)
+                ids[token:token + n] = chunk.token_ids
+                positions[token:token + n] = span
+                slots[token:token + n] = tables[i, span // bs].astype(np.int64) * bs + span % bs
+                seq_lens[token:token + n] = span + 1
+                token_rows[token:token + n] = i
+            token += n
+            logit_rows[i] = token - 1
+        ids[token:] = 0  # padding: token 0 at position 0 ...
+        positions[token:] = 0
+        slots[token:] = self.dummy_block * bs  # ... written to the dummy block's slot 0
+        seq_lens[token:] = 1
+        token_rows[token:] = rows  # the padding row, whose table holds only the dummy block
+        tables[rows, 0] = self.dummy_block
+        logit_rows[len(chunks):] = 0
+        n64, n32 = 3 * tokens + rows, 2 * tokens + (rows + 1) * width
+        self.int64[:n64].copy_(self.host_int64[:n64], non_blocking=True)
+        self.int32[:n32].copy_(self.host_int32[:n32], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
-    def views(self, batch: int, bound: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids [batch], positions [batch], metadata) over the buffers, for a bound's graph.
+    def views(self, tokens: int, bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids [t], positions [t], logit rows [s], metadata) over the buffers, for a bound's graph.
 
-        The host lists hold the bound, not the step's lengths: the graph is captured once for every
-        step whose contexts fit the bound, and backends size work (kernel splits, gathered blocks)
-        from them; the true lengths are in the device `seq_lens`.
+        Every token is a query of its own in the metadata (num_decodes = t), with its request's block
+        table row gathered on the device (part of what a graph replays). The host lists hold the
+        bound, not the step's lengths: the graph is captured once for every step whose contexts fit
+        the bound, and backends size work (kernel splits, gathered blocks) from them; the true
+        lengths are in the device `seq_lens`.
         """
-        width = cdiv(bound, self.block_size)
+        width, rows = cdiv(bound, self.block_size), self.rows_of(tokens)
+        tables = self.int32[2 * tokens:2 * tokens + (rows + 1) * width].view(rows + 1, width)
+        token_rows = self.int32[tokens:2 * tokens]
         metadata = AttentionMetadata(
-            slot_mapping=self.int64[2 * batch:3 * batch],
-            query_start_loc=self.query_start_loc[:batch + 1],
-            seq_lens=self.int32[:batch],
-            block_tables=self.int32[batch:batch + batch * width].view(batch, width),
-            query_lens=[1] * batch,
-            seq_lens_host=[bound] * batch,
-            num_decodes=batch,
+            slot_mapping=self.int64[2 * tokens:3 * tokens],
+            query_start_loc=self.query_start_loc[:tokens + 1],
+            seq_lens=self.int32[:tokens],
+            block_tables=tables.index_select(0, token_rows),  # [t, w]
+            query_lens=[1] * tokens,
+            seq_lens_host=[bound] * tokens,
+            num_decodes=tokens,
             max_query_len=1,
             max_seq_len=bound,
         )
-        return self.int64[:batch], self.int64[batch:2 * batch], metadata
+        logit_rows = self.int64[3 * tokens:3 * tokens + rows]
+        return self.int64[:tokens], self.int64[tokens:2 * tokens], logit_rows, metadata
 
 
 @dataclass
@@ -148,53 +206,63 @@ class CaptureReport:
     memory_bytes: int = 0  # device memory the graphs hold (pool + graph objects), measured
 
 
-class PaddedDecodeRunner:
-    """Runs pure-decode steps padded to buckets: eagerly ("padded") or by graph replay ("graphs")."""
+class PaddedStepRunner:
+    """Runs steps padded to token buckets: eagerly ("padded") or by graph replay ("graphs")."""
 
     def __init__(self, model: torch.nn.Module, kv_cache, device: torch.device, *, block_size: int,
-                 max_num_seqs: int, max_model_len: int, dummy_block: int, vocab_size: int,
-                 use_graphs: bool) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, dummy_block: int,
+                 vocab_size: int, num_kv_heads: int, use_graphs: bool) -> None:
         """dummy_block: a KV block no request owns; padding rows write and read only it."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.use_graphs = use_graphs
-        self.bucket_sizes = decode_bucket_sizes(max_num_seqs)
+        self.bucket_sizes = token_bucket_sizes(max_num_seqs, min(max_num_batched_tokens, MAX_GRAPH_TOKENS))
         self.context_bounds = context_bounds(max_model_len)
-        self.buffers = StaticDecodeBuffers(self.bucket_sizes[-1], max_model_len, block_size, dummy_block, device)
+        self.attention_work_limit = GRAPH_ATTENTION_WORK // num_kv_heads
+        self.buffers = StaticStepBuffers(self.bucket_sizes[-1], max_num_seqs, max_model_len, block_size,
+                                         dummy_block, device)
         self.report = CaptureReport()
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._logits: torch.Tensor | None = None  # [max batch, vocab] float32: what every graph writes
+        self._logits: torch.Tensor | None = None  # [max rows, vocab] float32: what every graph writes
         if use_graphs:
-            self._logits = torch.zeros(self.bucket_sizes[-1], vocab_size, dtype=torch.float32, device=device)
+            self._logits = torch.zeros(self.buffers.rows_of(self.bucket_sizes[-1]), vocab_size,
+                                       dtype=torch.float32, device=device)
+
+    def serves(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step fits a bucket and its per-token attention stays cheap enough."""
+        num_tokens = sum(chunk.num_tokens for chunk in chunks)
+        return (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows
+                and attention_work(chunks) <= self.attention_work_limit)
 
     def shape_of(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
-        """(batch, bound) a decode step of these chunks runs at."""
+        """(token bucket, bound) a step of these chunks runs at."""
+        num_tokens = sum(chunk.num_tokens for chunk in chunks)
         longest = max(chunk.seq_len for chunk in chunks)
-        return smallest_fit(self.bucket_sizes, len(chunks)), smallest_fit(self.context_bounds, longest)
+        return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """-> logits [len(chunks), vocab] float32, row i for chunks[i]. With graphs the rows are a view
-        of the shared output buffer, valid until the next step."""
-        batch, bound = self.shape_of(chunks)
-        self.buffers.load(chunks, batch, bound)
-        logits = self.replay(batch, bound) if self.use_graphs else self.forward(batch, bound)
+        """-> logits [len(chunks), vocab] float32, row i for the last token of chunks[i]. With graphs
+        the rows are a view of the shared output buffer, valid until the next step."""
+        tokens, bound = self.shape_of(chunks)
+        self.buffers.load(chunks, tokens, bound)
+        logits = self.replay(tokens, bound) if self.use_graphs else self.forward(tokens, bound)
         return logits[:len(chunks)]
 
-    def replay(self, batch: int, bound: int) -> torch.Tensor:
-        """Replay the (batch, bound) graph over the buffers as they are: logits [batch, vocab] float32."""
-        self._graphs[(batch, bound)].replay()
-        return self._logits[:batch]
+    def replay(self, tokens: int, bound: int) -> torch.Tensor:
+        """Replay the (bucket, bound) graph over the buffers as they are: logits [rows, vocab] float32."""
+        self._graphs[(tokens, bound)].replay()
+        return self._logits[:self.buffers.rows_of(tokens)]
 
-    def forward(self, batch: int, bound: int) -> torch.Tensor:
-        """The padded step over the buffers as they are: logits [batch, vocab] float32."""
-        input_ids, positions, metadata = self.buffers.views(batch, bound)
-        hidden = self.model(input_ids, positions, metadata, self.kv_cache)  # [batch, hidden]
-        return self.model.compute_logits(hidden)
+    def forward(self, tokens: int, bound: int) -> torch.Tensor:
+        """The padded step over the buffers as they are: logits [rows, vocab] float32."""
+        input_ids, positions, logit_rows, metadata = self.buffers.views(tokens, bound)
+        hidden = self.model(input_ids, positions, metadata, self.kv_cache)  # [tokens, hidden]
+        return self.model.compute_logits(hidden[logit_rows])
 
-    def load_padding(self, batch: int, bound: int) -> None:
+    def load_padding(self, tokens: int, bound: int) -> None:
         """Fill the buffers with a step of padding rows only (warm-ups and captures)."""
-        self.buffers.load([], batch, bound)
+        self.buffers.load([], tokens, bound)
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
@@ -205,28 +273,29 @@ class PaddedDecodeRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for batch in reversed(self.bucket_sizes):
+        for tokens in reversed(self.bucket_sizes):
             for bound in reversed(self.context_bounds):
-                self._graphs[(batch, bound)] = self._capture_one(batch, bound, pool, stream)
+                self._graphs[(tokens, bound)] = self._capture_one(tokens, bound, pool, stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_after = torch.cuda.mem_get_info(self.device)[0]
         self.report = CaptureReport(len(self._graphs), time.perf_counter() - start, max(0, free_before - free_after))
-        logger.info("CUDA graphs: %d decode graphs (batch sizes %s, context bounds %s) captured in %.1f s, "
+        logger.info("CUDA graphs: %d step graphs (token buckets %s, context bounds %s) captured in %.1f s, "
                     "holding %.0f MiB", self.report.num_graphs, self.bucket_sizes, self.context_bounds,
                     self.report.seconds, self.report.memory_bytes / MiB)
         return self.report
 
-    def _capture_one(self, batch: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, tokens: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """The shape first runs once eagerly on the capture stream, so kernels are compiled and the
         quantized matmul's counters and cuBLAS's workspace exist before the capture."""
-        self.load_padding(batch, bound)
+        self.load_padding(tokens, bound)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.forward(batch, bound)
+            self.forward(tokens, bound)
         graph = torch.cuda.CUDAGraph()
+        rows = self.buffers.rows_of(tokens)
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            self._logits[:batch].copy_(self.forward(batch, bound))
+            self._logits[:rows].copy_(self.forward(tokens, bound))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
 
@@ -236,19 +305,19 @@ class PaddedDecodeRunner:
         the largest graph alone and letting it go: its pool (what every graph shares), plus what each
         instantiated graph costs on its own (about the same for every bucket: same kernels) times
         the number of graphs, plus the capture stream's cuBLAS workspace."""
-        batch, bound = self.bucket_sizes[-1], self.context_bounds[-1]
+        tokens, bound = self.bucket_sizes[-1], self.context_bounds[-1]
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_start = torch.cuda.mem_get_info(self.device)[0]
         stream = torch.cuda.Stream(self.device)
-        self.load_padding(batch, bound)
+        self.load_padding(tokens, bound)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.forward(batch, bound)  # the stream's workspace; kernels compiled
+            self.forward(tokens, bound)  # the stream's workspace; kernels compiled
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_warm, reserved_warm = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
-        graph = self._capture_one(batch, bound, None, stream)
+        graph = self._capture_one(tokens, bound, None, stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_warm

@@ -27,7 +27,7 @@ import torch
 
 from core.config import EngineConfig
 from core.engine.backends import choose_attention_backend, kernel_summary
-from core.engine.cuda_graphs import PaddedDecodeRunner
+from core.engine.cuda_graphs import PaddedStepRunner
 from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from core.engine.model_runner import ModelRunner, warmup_requests
 from core.engine.output_processor import OutputProcessor, RequestGroup
@@ -72,9 +72,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded_model=None, decode_mode: str | None = None) -> None:
         """`loaded_model`: a core.models.loader.LoadedModel to use instead of loading `config.model`
         (with `config.quantization` its linears are quantized in place).
-        `decode_mode`: how pure-decode steps run: "graphs" (CUDA graphs), "padded" (the graphs'
-        padded inputs run eagerly: a test and debugging aid), "eager"; None: graphs on a GPU with
-        the native attention backend unless `enforce_eager`, else eager."""
+        `decode_mode`: how decode steps, and mixed steps a graph serves, run: "graphs" (CUDA graphs),
+        "padded" (the graphs' padded inputs run eagerly: a test and debugging aid), "eager"; None:
+        graphs on a GPU with the native attention backend unless `enforce_eager`, else eager."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -120,16 +120,16 @@ class LLMEngine:
         # Padded decode steps get one block beyond the scheduler's pool, for their padding rows.
         padded = self.decode_mode != "eager"
         self.kv_cache = self._make_kv_cache(self.kv_budget.num_blocks + int(padded))
-        self.decode_runner = None
+        self.step_runner = None
         if padded:
-            self.decode_runner = self._make_decode_runner(self.kv_cache, self.max_model_len,
-                                                          dummy_block=self.kv_budget.num_blocks)
+            self.step_runner = self._make_step_runner(self.kv_cache, self.max_model_len,
+                                                      dummy_block=self.kv_budget.num_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, block_size=config.block_size,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  decode_runner=self.decode_runner)
+                                  step_runner=self.step_runner)
         if self.decode_mode == "graphs":
-            report = self.decode_runner.capture()
+            report = self.step_runner.capture()
             estimate = self.kv_budget.cuda_graph_bytes
             if estimate is not None and report.memory_bytes > estimate:
                 logger.warning("CUDA graphs hold %.0f MiB, more than the %.0f MiB set aside for them",
@@ -157,11 +157,13 @@ class LLMEngine:
             raise DeepInferError("decode_mode 'graphs' needs a CUDA device")
         return requested
 
-    def _make_decode_runner(self, kv_cache: KVCache, max_model_len: int, dummy_block: int) -> PaddedDecodeRunner:
-        return PaddedDecodeRunner(self.model, kv_cache, self.device, block_size=self.config.block_size,
-                                  max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
-                                  dummy_block=dummy_block, vocab_size=self.spec.vocab_size,
-                                  use_graphs=self.decode_mode == "graphs")
+    def _make_step_runner(self, kv_cache: KVCache, max_model_len: int, dummy_block: int) -> PaddedStepRunner:
+        return PaddedStepRunner(self.model, kv_cache, self.device, block_size=self.config.block_size,
+                                max_num_seqs=self.config.max_num_seqs,
+                                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                max_model_len=max_model_len, dummy_block=dummy_block,
+                                vocab_size=self.spec.vocab_size, num_kv_heads=self.spec.num_kv_heads,
+                                use_graphs=self.decode_mode == "graphs")
 
     def _measure_warmup(self, max_model_len: int, block_bytes: int) -> DeviceMemory:
         """Peak torch memory of the largest step (weights included), with scratch KV blocks of its own."""
@@ -186,15 +188,15 @@ class LLMEngine:
                             cuda_graph_bytes=graph_bytes)
 
     def _estimate_graph_memory(self, max_model_len: int, block_bytes: int) -> int:
-        """What the decode graphs will hold: their static buffers, the shared pool and the graphs
+        """What the step graphs will hold: their static buffers, the shared pool and the graphs
         themselves (measured by capturing the largest one alone), the dummy block, widened by a
         margin for the allocator's segment rounding."""
         scratch = self._make_kv_cache(1)  # the padding rows' dummy block only
         before = torch.cuda.memory_allocated(self.device)
-        decode = self._make_decode_runner(scratch, max_model_len, dummy_block=0)
+        runner = self._make_step_runner(scratch, max_model_len, dummy_block=0)
         static = torch.cuda.memory_allocated(self.device) - before
-        captured = decode.measure_capture_memory()
-        del decode, scratch
+        captured = runner.measure_capture_memory()
+        del runner, scratch
         return int((1 + GRAPH_MEMORY_MARGIN) * (static + captured)) + block_bytes + GRAPH_MEMORY_SLACK
 
     def _fit_max_model_len(self, max_model_len: int, pool_tokens: int) -> int:
@@ -343,8 +345,8 @@ class LLMEngine:
         pool, prefix = kv.pool, kv.prefix_cache
         backend = self.model.attention_backend
         graphs = {"enabled": False, "mode": self.decode_mode, "buckets": []}
-        if self.decode_runner is not None:
-            graphs = self.decode_runner.describe()
+        if self.step_runner is not None:
+            graphs = self.step_runner.describe()
         return {
             "model": self.model_name,
             "source_kind": self.source_kind,

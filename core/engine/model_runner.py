@@ -11,9 +11,10 @@ Per step:
 3. The sampler draws one token per sampling chunk; its `.tolist()` is the step's one GPU->CPU sync
    (plus one for logprobs when a request asked for them).
 
-Pure-decode steps can instead go to a PaddedDecodeRunner (core/engine/cuda_graphs.py), which pads
-them to a bucket and replays a CUDA graph ("graphs") or runs the padded step eagerly ("padded");
-mixed and prefill steps always run eagerly as above.
+Steps that fit a token bucket (decodes, and mixed or prefill steps whose per-token attention stays
+cheap) can instead go to a PaddedStepRunner (core/engine/cuda_graphs.py), which pads them to a
+bucket and replays a CUDA graph ("graphs") or runs the padded step eagerly ("padded"); the others
+run eagerly as above.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from core.attention.metadata import AttentionMetadata
-from core.engine.cuda_graphs import PaddedDecodeRunner, is_pure_decode
+from core.engine.cuda_graphs import PaddedStepRunner
 from core.engine.request import Request
 from core.engine.sampler import Sampler, SamplingRow
 from core.engine.sampling_params import SamplingParams
@@ -63,14 +64,14 @@ class ModelRunner:
     def __init__(
         self, model, kv_cache: KVCache, device: torch.device, *, block_size: int, max_num_batched_tokens: int,
         max_num_seqs: int, max_model_len: int, sampler: Sampler | None = None,
-        decode_runner: PaddedDecodeRunner | None = None,
+        step_runner: PaddedStepRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = block_size
         self.sampler = sampler or Sampler()
-        self.decode_runner = decode_runner  # pure-decode steps, padded to buckets (None: all eager)
+        self.step_runner = step_runner  # steps it serves run padded to buckets (None: all eager)
         self._host = _HostBuffers(max_num_batched_tokens, max_num_seqs, cdiv(max_model_len, block_size),
                                   pin=device.type == "cuda")
         # Set after each step's host->device copies; refilling the host buffers waits for it, since a
@@ -79,8 +80,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.decode_runner is not None and is_pure_decode(scheduler_output.chunks):
-            return self._execute_padded_decode(scheduler_output.chunks)
+        if self.step_runner is not None and self.step_runner.serves(scheduler_output.chunks):
+            return self._execute_padded(scheduler_output.chunks)
         inputs = self.prepare_inputs(scheduler_output)
         # [T, hidden]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
@@ -89,8 +90,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, vocab] float32
         return self._sample(logits, inputs.sampling_chunks)
 
-    def _execute_padded_decode(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        logits = self.decode_runner.run(chunks)  # [n, vocab] float32, row i for chunks[i]
+    def _execute_padded(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        logits = self.step_runner.run(chunks)  # [n, vocab] float32, row i for chunks[i]
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not sampling:
             return ModelRunnerOutput()
