@@ -12,13 +12,13 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 COLUMNS=200
 
 echo "[$(date +%H:%M:%S)] gpu tests"
-timeout 120 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
     tests/test_hf_parity.py tests/test_kernels_gpu.py tests/test_cuda_graph_runner.py \
     tests/test_quantized_engine.py tests/test_sampler.py > "$OUT_DIR/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"; tail -15 "$OUT_DIR/gpu_tests.log"
 
 echo "[$(date +%H:%M:%S)] validate-kernels"
-timeout 80 python3 -m deepinfer_cli.main validate-kernels --workers 12 --no-show-passed \
+timeout 150 python3 -m deepinfer_cli.main validate-kernels --workers 12 --no-show-passed \
     --output "$OUT_DIR/kernel_validation_nvidia_h200.json" > "$OUT_DIR/validate.log" 2>&1
 echo "validate-kernels exit $?"; tail -12 "$OUT_DIR/validate.log"
 
