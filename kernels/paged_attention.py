@@ -23,6 +23,9 @@ MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
 MIN_TOKENS_PER_SPLIT = 64
 TARGET_TOKENS_PER_SPLIT = 256
+# Beyond this many waves of CTAs the GPU is busy anyway; more splits would only grow the partials
+# (steps of many tokens, each a query of its own: [tokens, heads, splits, head_dim] fp32).
+MAX_WAVES = 16
 # Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
 # fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
 PIPELINED_BY_DEFAULT = True
@@ -66,11 +69,11 @@ def resident_ctas(registers_per_thread: int, device_index: int) -> int:
 def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
                tokens_per_split: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split): pieces of ~TARGET_TOKENS_PER_SPLIT tokens, their count rounded to
-    whole waves of `resident` CTAs."""
+    whole waves of `resident` CTAs, at most MAX_WAVES of them."""
     if tokens_per_split is None:
         group = num_heads // num_kv_heads
         units = num_seqs * num_kv_heads * ((group + 15) // 16)
-        waves = max(1, round(units * -(-max_seq_len // TARGET_TOKENS_PER_SPLIT) / resident))
+        waves = max(1, min(MAX_WAVES, round(units * -(-max_seq_len // TARGET_TOKENS_PER_SPLIT) / resident)))
         most = max(1, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
         splits = max(1, min(most, waves * resident // units))
         tokens_per_split = -(-max_seq_len // splits)

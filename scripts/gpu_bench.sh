@@ -3,7 +3,7 @@
 # the console output (Rich tables) to gpu_bench.log next to it.
 #   1. Qwen2.5-3B body, W4A16 (dummy weights), concurrency 1,4,8,32,64, with the HF transformers peer
 #   2. the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
-#   3. the same model: long-document insertion jitter over six token budgets (one engine each), ITL SLO 50 ms
+#   3. the same model: long-document insertion jitter over eight token budgets (one engine each), ITL SLO 8 ms
 # A section that fails or runs out of time is reported and the next one still runs; the script
 # exits non-zero if any failed.
 set -uo pipefail
@@ -38,7 +38,7 @@ section concurrency-4gib 80 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --
     --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-4gib_${GPU}_${STAMP}.json"
 
 section jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
-    --token-budgets 64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 50 \
+    --token-budgets 16,32,64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 8 \
     --max-num-seqs 4 --kv-cache-memory 4GiB \
     --output "$OUT_DIR/bench_jitter_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
 

@@ -84,7 +84,7 @@ def test_runner_picks_the_smallest_bucket_and_bound():
     runner = PaddedStepRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=4, max_num_seqs=20,
                               max_num_batched_tokens=2048, max_model_len=5000, dummy_block=0, vocab_size=8,
                               num_kv_heads=2, use_graphs=False)
-    assert runner.bucket_sizes == [1, 2, 4, 8, 16, 20, 40, 80, 160, 320, 512]
+    assert runner.bucket_sizes == [1, 2, 4, 8, 16, 20, 40, 80, 160, 320, 640, 1280, 2048]
     assert runner.context_bounds == [1024, 4096, 5000]
     table = list(range(1250))
 
@@ -99,11 +99,13 @@ def test_runner_picks_the_smallest_bucket_and_bound():
     assert shape(16, 5000) == (16, 5000)
     prefill = ScheduledChunk(Request("p", [1] * 300, SamplingParams()), 0, 300, table, True)
     assert runner.shape_of([prefill, decode_chunk("d", [1] * 9, table)]) == (320, 1024)
+    prefill = ScheduledChunk(Request("p", [1] * 1500, SamplingParams()), 0, 1500, table, True)
+    assert runner.shape_of([prefill]) == (2048, 4096)
 
 
 def test_runner_serves_steps_whose_per_token_attention_is_cheap():
     runner = PaddedStepRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=16, max_num_seqs=4,
-                              max_num_batched_tokens=4096, max_model_len=8192, dummy_block=0, vocab_size=8,
+                              max_num_batched_tokens=512, max_model_len=8192, dummy_block=0, vocab_size=8,
                               num_kv_heads=4, use_graphs=False)
     table = list(range(512))
 

@@ -208,6 +208,8 @@ def test_split_and_tile_choices(monkeypatch):
             assert ctas % resident == 0 or ctas % resident > resident // 2, (batch, context, splits)
     assert paged_attention.split_plan(16, 32, 8, 4096, resident) == (12, 352)  # one full wave of 1536 CTAs
     assert paged_attention.split_plan(1, 32, 8, 4096, resident, tokens_per_split=1 << 20)[0] == 1
+    # 2048 single-token queries (a graphed prefill step) at a 4096 bound: 16 waves, not 41
+    assert paged_attention.split_plan(2048, 16, 2, 4096, resident) == (6, 688)
     assert [kq.default_tile("mma", m) for m in (1, 8, 9, 16, 17, 33, 500)] == [1, 1, 2, 2, 4, 8, 8]
     assert [kq.default_tile("ksplit", m) for m in (1, 8, 9, 16, 17)] == [1, 1, 2, 2, 2]
     assert [kq.default_tile("gemv", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]

@@ -52,9 +52,9 @@ logger = logging.getLogger(__name__)
 MiB = 1024**2
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
-MAX_GRAPH_TOKENS = 512
+MAX_GRAPH_TOKENS = 2048
 # Sum over a step's tokens of their context lengths, times the KV heads, above which it runs eagerly.
-# 2**21: a 512-token chunk at ~2k context with 2 KV heads, about 2-4 ms of attention on an H200.
+# 2**21: a 512-token chunk at ~2k context with 2 KV heads, or eight 256-token prompts with 8 KV heads.
 GRAPH_ATTENTION_WORK = 1 << 21
 
 
