@@ -28,7 +28,9 @@ ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
 # (kernel, most tokens it is timed at): the CUDA-core kernels for a few tokens, ksplit up to 16, the staged
 # tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel always
-KERNEL_MAX_TOKENS = (("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 16), ("staged", 64), ("mma", 1 << 30))
+KERNEL_MAX_TOKENS = (("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64), ("mma", 1 << 30),
+                     ("dense", 1 << 30))
+DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
 SPLIT_SWEEP_TOKENS = 1  # the split kernel is also timed at every K-part count it can take at this token count
 
 
@@ -90,7 +92,7 @@ def quant_points(num_tokens: int, in_features: int, planned_ksplit: int) -> list
 
     points = []
     for kernel, most in KERNEL_MAX_TOKENS:
-        if num_tokens > most:
+        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS):
             continue
         if kernel != "split":
             points.append((kernel, None))
@@ -106,6 +108,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
     """Every kernel that suits each token count (KERNEL_MAX_TOKENS), the split kernel with the K-parts its
     plan picks (and at SPLIT_SWEEP_TOKENS with every count it can take); a point whose launch fails is
     recorded with its error instead of a time."""
+    from core.ops.quant_matmul import DENSE_MIN_TOKENS
     from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -133,8 +136,10 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                         continue
                     moved = weight_bytes + x.nbytes + outs[0].nbytes
                     records.append(point | {
-                        "group_size": group_size, "tile": default_tile(kernel, num_tokens),
-                        "auto": kernel == pick_kernel(num_tokens, in_features, out_features),
+                        "group_size": group_size,
+                        "tile": 0 if kernel == "dense" else default_tile(kernel, num_tokens),
+                        "auto": (kernel == "dense") == (num_tokens >= DENSE_MIN_TOKENS) and kernel in (
+                            "dense", pick_kernel(num_tokens, in_features, out_features)),
                         "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
                         "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -144,6 +149,16 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
 
 def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: list[torch.Tensor], bits: int,
                     group_size: int, kernel: str, splits: int | None = None) -> Callable[[], None]:
+    if kernel == "dense":
+        from kernels.dequantize import dequantize
+
+        def launch_all() -> None:
+            for weight, out in zip(weights, outs):
+                dense = dequantize(weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
+                                   x.dtype)  # [N, K]
+                torch.matmul(x, dense.t(), out=out)
+        return launch_all
+
     def launch_all() -> None:
         for weight, out in zip(weights, outs):
             quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
