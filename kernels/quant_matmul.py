@@ -94,9 +94,14 @@ def instantiations() -> tuple[str, ...]:
 
 def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0) -> str:
     """The kernel measured fastest for M tokens. One token: stream where K >= 4096 and N <= K (up to 11%
-    faster there: its 4 chunks of loads in flight per lane pay off on long rows), gemv elsewhere."""
+    faster there: its 4 chunks of loads in flight per lane pay off on long rows), gemv elsewhere.
+    17-32 tokens: ksplit (two 16-token tiles) unless the output is at least 3x the input, where staged
+    shares its staged activations over more rows (H200, results/bench_gemv_dense_w4_nvidia_h200.json:
+    2048x2560 at 32 tokens ksplit 10.3 us, staged 16.7; 2048x22016 ksplit 52.1, staged 36.4)."""
     if num_tokens == 1 and in_features >= 4096 and out_features <= in_features:
         return "stream"
+    if 16 < num_tokens <= 32 and out_features < 3 * in_features:
+        return "ksplit"
     return next(kernel for bound, kernel in AUTO_KERNELS if num_tokens <= bound)
 
 

@@ -222,6 +222,21 @@ def test_split_and_tile_choices(monkeypatch):
     assert kq._split_plan(5, 1, 8, 576, 0, 3) == (3, 2)  # 5 segments over 3 requested splits: 2, 2, 1
 
 
+def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shape():
+    from core.ops.quant_matmul import uses_dense
+    from kernels import quant_matmul as kq
+
+    # (tokens, in, out) -> path, as bench gemv measured it on an H200 (Qwen2.5-3B's merged shapes)
+    expected = {(1, 2048, 2560): "gemv", (1, 11008, 2048): "stream", (8, 2048, 2048): "ksplit",
+                (16, 2048, 22016): "ksplit", (24, 2048, 2560): "ksplit", (32, 11008, 2048): "ksplit",
+                (32, 2048, 22016): "staged", (48, 2048, 22016): "staged", (64, 2048, 22016): "staged",
+                (33, 2048, 2560): "dense", (48, 11008, 2048): "dense", (65, 2048, 22016): "dense",
+                (2048, 2048, 2048): "dense"}
+    for (tokens, k, n), path in expected.items():
+        got = "dense" if uses_dense(tokens, k, n) else kq.pick_kernel(tokens, k, n)
+        assert got == path, (tokens, k, n)
+
+
 def _kernel_parameters(source: str, template: str) -> list[str]:
     """C types of a kernel's parameters, read from its source: 'ptr', 'int', 'i64' or 'float'."""
     from kernels.compiler import source_text

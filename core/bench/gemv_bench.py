@@ -108,7 +108,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
     """Every kernel that suits each token count (KERNEL_MAX_TOKENS), the split kernel with the K-parts its
     plan picks (and at SPLIT_SWEEP_TOKENS with every count it can take); a point whose launch fails is
     recorded with its error instead of a time."""
-    from core.ops.quant_matmul import DENSE_MIN_TOKENS
+    from core.ops.quant_matmul import uses_dense
     from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -138,8 +138,8 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                     records.append(point | {
                         "group_size": group_size,
                         "tile": 0 if kernel == "dense" else default_tile(kernel, num_tokens),
-                        "auto": (kernel == "dense") == (num_tokens >= DENSE_MIN_TOKENS) and kernel in (
-                            "dense", pick_kernel(num_tokens, in_features, out_features)),
+                        "auto": kernel == ("dense" if uses_dense(num_tokens, in_features, out_features)
+                                           else pick_kernel(num_tokens, in_features, out_features)),
                         "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
                         "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,

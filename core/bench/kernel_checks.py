@@ -93,6 +93,9 @@ QUANT_CASES = (
     (16, 1000, 11008, 128, "ksplit", 2, None, True, False),
     (5, 4096, 14336, 32, "ksplit", 1, None, False, True),
     (9, 1000, 4096, 128, "ksplit", 2, None, False, False),
+    (24, 2560, 2048, 128, "ksplit", 2, None, False, True),  # 17-32 tokens: two token tiles (grid.y)
+    (32, 1000, 11008, 128, "ksplit", 2, None, True, False),
+    (29, 1536, 576, 32, "ksplit", 2, None, False, False),
     (3, 1536, 576, 32, "gemv", 4, None, False, False),
     (3, 1536, 576, 64, "mma", 1, None, True, False),
     (2, 1000, 4096, 4096, "gemv", 2, None, False, True),
@@ -197,11 +200,12 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
         case = f"{_DTYPE_NAMES[dtype]} W4 act-order dense path via core.ops M=100 N=640 K=1024 G=128"
 
         def run_dense(dtype=dtype, case=case):
-            from core.ops.quant_matmul import DENSE_MIN_TOKENS
             from core.ops.quant_matmul import quant_matmul as op_quant_matmul
+            from core.ops.quant_matmul import uses_dense
 
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
-            x = torch.randn(max(100, DENSE_MIN_TOKENS), 1024, device=device, dtype=dtype)
+            assert uses_dense(100, 1024, 640)
+            x = torch.randn(100, 1024, device=device, dtype=dtype)
             ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
             return compare("dequantize", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 

@@ -1,13 +1,15 @@
 """quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16 PackedWeight; every QuantLinear routes here.
 
 On CUDA with fp16/bf16 activations the kernels in kernels/quant_matmul.cu read the packed weight
-directly for up to DENSE_MIN_TOKENS - 1 tokens (the act-order permutation is gathered on the
-activation side first). From DENSE_MIN_TOKENS tokens on (prefill chunks, large decode batches) the
-weight is dequantized once by kernels/dequantize.cu and the product runs on cuBLAS: one read of the
-packed weight plus a write and a read of the dense copy cost less than the W4 tensor-core kernels
-once that many tokens share the weight (they reach a tenth of the weight-read floor there, see
-kernels/PERFORMANCE.md). Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch reference
-dequantizes the whole weight and multiplies.
+directly (the act-order permutation is gathered on the activation side first) for products that
+`uses_dense` leaves to them; the others (prefill chunks, large decode batches) dequantize the weight
+once with kernels/dequantize.cu and multiply on cuBLAS: one read of the packed weight plus a write
+and a read of the dense copy, whatever the token count. Which is faster was measured per token count
+and shape on an H200 (`deepinfer bench gemv`, results/bench_gemv_dense_w4_nvidia_h200.json): the
+kernels up to 32 tokens (2048x2048 at 32 tokens: 7.0 us against 13.4 dense), and on outputs at
+least 3x the input up to 64 (2048x22016 at 64: staged 67.7 us, dense 88.0); dense beyond.
+Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch reference dequantizes the whole
+weight and multiplies.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from core.ops import dispatch
 from core.quant.packed import PackedWeight
 from core.quant.packing import dequantize
 
-DENSE_MIN_TOKENS = 17
+KERNEL_MAX_TOKENS = 32  # the packed-weight kernels serve up to this many tokens on any shape
+WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where out_features >= 3 * in_features
+
+
+def uses_dense(num_tokens: int, in_features: int, out_features: int) -> bool:
+    """Whether an M-token product goes through dequantize + cuBLAS rather than a packed-weight kernel."""
+    most = WIDE_KERNEL_MAX_TOKENS if out_features >= 3 * in_features else KERNEL_MAX_TOKENS
+    return num_tokens > most
 
 
 def quant_matmul_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -53,7 +62,7 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     rows = x.reshape(-1, packed.in_features)  # [M, K]
     if packed.input_perm is not None:
         rows = rows.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
-    if rows.shape[0] >= DENSE_MIN_TOKENS:
+    if uses_dense(rows.shape[0], packed.in_features, packed.out_features):
         dense = registry.get("dequantize")
         if dispatch.decide(dense.name, signature, lambda: dense.unsupported_reason(
                 x.dtype, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size)):

@@ -1,0 +1,85 @@
+"""Where a graphed step's time goes on a GPU: the GPU time of one replay per token bucket (CUDA
+events over back-to-back replays), the kernels inside a replay (torch.profiler), and the host's view
+of a decoding stream's steps (cProfile), so the gap between a step's wall time and its GPU time shows.
+
+    PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen2.5-3b")
+    parser.add_argument("--buckets", default="1,32,64")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from core.config import EngineConfig
+    from core.engine.llm_engine import LLMEngine
+    from core.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", max_model_len=4096,
+                                    kv_cache_memory="8GiB", max_num_seqs=64))
+    runner = engine.step_runner
+    bound = runner.context_bounds[0]
+    report: dict = {"shape": args.shape, "bound": bound, "buckets": {}}
+    text = io.StringIO()
+    for tokens in (int(b) for b in args.buckets.split(",")):
+        runner.load_padding(tokens, bound)
+        runner.replay(tokens, bound)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(50):
+            runner.replay(tokens, bound)
+        end.record()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.replay(tokens, bound)
+            torch.cuda.synchronize()
+        kernels = [{"name": e.key[:100], "count": e.count, "gpu_us": round(e.device_time_total, 1)}
+                   for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
+        report["buckets"][tokens] = {"gpu_ms_per_replay": begin.elapsed_time(end) / 50, "kernels": kernels}
+        text.write(f"--- bucket {tokens}: {begin.elapsed_time(end) / 50:.3f} ms GPU per replay\n")
+        for k in kernels:
+            text.write(f"  {k['count']:5d} {k['gpu_us']:9.1f} us  {k['name']}\n")
+
+    # One decoding stream: wall time per step and the host's view of it.
+    engine.add_request(list(range(1, 257)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    walls = []
+    profiler = cProfile.Profile()
+    for _ in range(100):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        profiler.enable()
+        engine.step()
+        profiler.disable()
+        walls.append(time.perf_counter() - start)
+    walls.sort()
+    report["decode_step_wall_ms_median"] = 1e3 * walls[len(walls) // 2]
+    text.write(f"--- one stream: decode step wall {report['decode_step_wall_ms_median']:.3f} ms (median of 100, "
+               f"under cProfile)\n")
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_graph_steps_{args.shape}.json").write_text(json.dumps(report, indent=1))
+    (out / f"profile_graph_steps_{args.shape}.txt").write_text(text.getvalue())
+    print(text.getvalue()[:6000])
+
+
+if __name__ == "__main__":
+    main()
