@@ -3,8 +3,10 @@
 // Roundings follow the torch reference (core/layers.apply_rope): x1*cos and x2*sin are each rounded
 // to DT, then their difference (sum) is rounded. An int8 cache stores round(x / s) with the fp16
 // per-token, per-head scale s = DT-rounded amax / 127 (core/kv/cache.quantize_int8).
-// grid: one CTA per token; each warp walks heads (q heads, then k heads, then v heads); lanes walk
-// the D/2 rotation pairs (i, i + D/2) of a head.
+// grid: (token, head group): the heads of a token (q heads, then k heads, then v heads) are dealt
+// out to the warps of its gridDim.y CTAs, one head per warp when there are enough CTAs (a decode
+// step's token then costs one memory round trip, not one per head); lanes walk the D/2 rotation
+// pairs (i, i + D/2) of a head.
 #include "common.cuh"
 
 template <int DT, int KV_INT8>
@@ -67,7 +69,8 @@ __global__ void __launch_bounds__(128) rope_cache_kernel(
   const i64 blk = slot >> log2_block_size, off = slot & (block_size - 1);
 
   const int first_head = HAS_ROPE ? 0 : num_heads;  // without rope q is untouched
-  for (int head = first_head + warp; head < num_heads + 2 * num_kv_heads; head += warps) {
+  for (int head = first_head + blockIdx.y * warps + warp; head < num_heads + 2 * num_kv_heads;
+       head += warps * gridDim.y) {
     const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
     const int kv_head = is_q ? 0 : (is_k ? head - num_heads : head - num_heads - num_kv_heads);
     const u16* src = is_q ? query + tok * q_stride + (i64)head * head_dim

@@ -64,7 +64,8 @@ def rope_and_cache_write(query: torch.Tensor | None, key: torch.Tensor, value: t
     block_size = key_cache.shape[2]
     index = key.device.index
     name = f"rope_cache_kernel<{_DTYPE_CODES[key.dtype]},{int8},{int(has_rope)}>"
-    launch(get_kernel(SOURCE, name, index), (num_tokens, 1, 1), (128, 1, 1), (
+    heads_walked = num_heads + 2 * num_kv_heads  # q heads are skipped without rope (num_heads 0)
+    launch(get_kernel(SOURCE, name, index), (num_tokens, -(-heads_walked // 4), 1), (128, 1, 1), (
         ptr(query if has_rope else None), ptr(key), ptr(value), ptr(cos), ptr(sin), ptr(query_out), ptr(key_out),
         ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None), ptr(value_scales if int8 else None),
         ptr(slot_mapping.to(torch.int64).contiguous()), i32(num_heads), i32(num_kv_heads), i32(head_dim),
