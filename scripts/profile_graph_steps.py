@@ -2,7 +2,8 @@
 events over back-to-back replays), the kernels inside a replay (torch.profiler), and the host's view
 of a decoding stream's steps (cProfile), so the gap between a step's wall time and its GPU time shows.
 
-    PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--out DIR]
+    PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64]
+                                                        [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen2.5-3b")
     parser.add_argument("--buckets", default="1,32,64")
+    parser.add_argument("--streams", default="1,64")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
 
@@ -55,30 +57,37 @@ def main() -> None:
         for k in kernels:
             text.write(f"  {k['count']:5d} {k['gpu_us']:9.1f} us  {k['name']}\n")
 
-    # One decoding stream: wall time per step and the host's view of it.
-    engine.add_request(list(range(1, 257)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    walls = []
-    profiler = cProfile.Profile()
-    for _ in range(100):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        profiler.enable()
-        engine.step()
-        profiler.disable()
-        walls.append(time.perf_counter() - start)
-    walls.sort()
-    report["decode_step_wall_ms_median"] = 1e3 * walls[len(walls) // 2]
-    text.write(f"--- one stream: decode step wall {report['decode_step_wall_ms_median']:.3f} ms (median of 100, "
-               f"under cProfile)\n")
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(25)
+    # Decoding streams: wall time per step and the host's view of it.
+    for streams in (int(n) for n in args.streams.split(",")):
+        ids = [engine.add_request(list(range(1 + i, 257 + i)), SamplingParams(temperature=0, max_tokens=400,
+                                                                               ignore_eos=True))
+               for i in range(streams)]
+        for _ in range(8):
+            engine.step()
+        walls = []
+        profiler = cProfile.Profile()
+        for _ in range(50):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            profiler.enable()
+            engine.step()
+            profiler.disable()
+            walls.append(time.perf_counter() - start)
+        walls.sort()
+        report[f"decode_step_wall_ms_median_{streams}_streams"] = 1e3 * walls[len(walls) // 2]
+        text.write(f"--- {streams} streams: decode step wall {1e3 * walls[len(walls) // 2]:.3f} ms (median of 50, "
+                   f"under cProfile)\n")
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(22)
+        stats.sort_stats("cumulative").print_stats(22)
+        for request_id in ids:  # the next measurement starts from an idle engine
+            engine.abort(request_id)
+        assert not engine.has_unfinished_requests()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_graph_steps_{args.shape}.json").write_text(json.dumps(report, indent=1))
     (out / f"profile_graph_steps_{args.shape}.txt").write_text(text.getvalue())
-    print(text.getvalue()[:6000])
+    print(text.getvalue()[-9000:])
 
 
 if __name__ == "__main__":
