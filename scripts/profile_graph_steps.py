@@ -62,7 +62,7 @@ def main() -> None:
         ids = [engine.add_request(list(range(1 + i, 257 + i)), SamplingParams(temperature=0, max_tokens=400,
                                                                                ignore_eos=True))
                for i in range(streams)]
-        for _ in range(8):
+        for _ in range(12):  # prefills (2048-token budget) and the first decodes
             engine.step()
         walls = []
         profiler = cProfile.Profile()
