@@ -209,6 +209,24 @@ def test_padded_engine_matches_the_unpadded_engine(model_dir):
     assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "qwen3"])
+def test_padded_steps_keep_windows_softcaps_and_qk_norms(tiny_models, family):
+    """Per-token queries see exactly the window of a prefill row (Mistral, Qwen2, Gemma 2), Gemma 2's
+    softcaps and Qwen3's q/k norms: the padded engine's greedy tokens and logprobs equal the eager
+    engine's on prompts longer than the windows."""
+    directory, _ = tiny_models[family]
+    loaded = load_model(EngineConfig(model=str(directory)), torch.device("cpu"), torch.float32)
+    settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 24}
+    eager = LLMEngine(EngineConfig(**settings), loaded_model=loaded)
+    padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
+    requests = [(prompt(length, 60 + length), SamplingParams(temperature=0.0, max_tokens=8, logprobs=1,
+                                                             ignore_eos=True)) for length in (23, 9, 31)]
+    for want, got in zip(run_all(eager, requests), run_all(padded, requests)):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
 def test_graphs_need_cuda(model_dir):
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
     with pytest.raises(DeepInferError, match="needs a CUDA device"):
