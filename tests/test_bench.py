@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 
 import pytest
 
@@ -237,3 +238,15 @@ def test_quantized_run_records_its_quantized_linears(tmp_path, tiny_llama_dir, m
     # gate/up merged by the engine.
     assert data["weights"]["quantized_linears"] == 12 and data["weights"]["quantized_bits"] == [4]
     assert data["levels"][0]["repeats"][0]["output_tokens"] == 4
+
+
+def test_a_named_commit_wins_over_the_checkout(monkeypatch):
+    """A tree copied to a GPU machine may carry a stale .git: the commit its copier names is recorded."""
+    from core.bench import env_info
+
+    monkeypatch.setenv(env_info.GIT_COMMIT_ENV, "af99a98")
+    assert env_info.git_commit() == "af99a98"
+    monkeypatch.delenv(env_info.GIT_COMMIT_ENV)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=env_info._REPO_ROOT).stdout.strip()
+    assert env_info.git_commit().split("-")[0] == (head or "unknown")

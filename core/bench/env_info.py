@@ -1,8 +1,9 @@
 """The environment a result was measured in: every results JSON carries this block.
 
 GPU name, driver, torch / CUDA / CuPy / NVRTC versions, git commit and the exact command. The git
-commit comes from `git rev-parse` when the tree is a checkout, else from DEEPINFER_GIT_COMMIT
-(a copied working tree has no .git), else "unknown".
+commit is DEEPINFER_GIT_COMMIT when set (whoever copied the tree to a GPU machine names the commit it
+came from: a copy may carry no .git, or a stale one), else `git rev-parse` of the checkout, else
+"unknown".
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ def _run(args: list[str]) -> str | None:
 
 
 def git_commit() -> str:
+    named = os.environ.get(GIT_COMMIT_ENV)
+    if named:
+        return named
     commit = _run(["git", "rev-parse", "HEAD"])
     if commit:
         dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
         return commit + ("-dirty" if dirty else "")
-    return os.environ.get(GIT_COMMIT_ENV, "unknown")
+    return "unknown"
 
 
 def _cupy_info() -> dict:
