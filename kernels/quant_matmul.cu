@@ -166,14 +166,32 @@ __device__ __forceinline__ void mma_segment_pair(const SegmentPair<BITS>& d, int
 #pragma unroll
       for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], d.s2[u][r], d.b2[u][r]);
     }
+    if constexpr (TT <= 2) {
+      // Both token tiles' activations first, then the k-steps with the tiles interleaved: two
+      // independent accumulator chains in flight instead of one (each acc[tt] still sums j = 0..7
+      // in order, so results are unchanged).
+      u32 xp[TT][16];
 #pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      const int tok = tok0 + tt * 8 + g;
-      u32 xp[16];
-      load_x_pairs<DT, BITS>(x + (i64)tok * K + kc, tok < M && kc < K, xp);
+      for (int tt = 0; tt < TT; ++tt) {
+        const int tok = tok0 + tt * 8 + g;
+        load_x_pairs<DT, BITS>(x + (i64)tok * K + kc, tok < M && kc < K, xp[tt]);
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+          Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[tt][2 * j],
+                       xp[tt][2 * j + 1]);
+    } else {
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        const int tok = tok0 + tt * 8 + g;
+        u32 xp[16];
+        load_x_pairs<DT, BITS>(x + (i64)tok * K + kc, tok < M && kc < K, xp);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+      }
     }
   }
 }
@@ -469,17 +487,20 @@ __device__ __forceinline__ void mma_staged_pair(const SegmentPair<BITS>& d, int 
       for (int p = 0; p < 16; ++p) a[r][p] = Num<DT>::fma(a[r][p], d.s2[u][r], d.b2[u][r]);
     }
     const int s = seg + u - stage;
+    // k-steps outside, token tiles inside: TT independent accumulator chains in flight. Each 16-byte
+    // shared load holds the B fragments of k-steps 2c and 2c+1 of one tile; acc[tt] still sums
+    // j = 0..7 in order, so results are unchanged.
 #pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      u32 xp[16];
+    for (int c = 0; c < 4; ++c) {
+      uint4 v[TT];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint4 v = xs[(s * TT + tt) * 4 + c][lane];
-        xp[4 * c + 0] = v.x; xp[4 * c + 1] = v.y; xp[4 * c + 2] = v.z; xp[4 * c + 3] = v.w;
-      }
+      for (int tt = 0; tt < TT; ++tt) v[tt] = xs[(s * TT + tt) * 4 + c][lane];
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        Num<DT>::mma(acc[tt], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+      for (int tt = 0; tt < TT; ++tt)
+        Num<DT>::mma(acc[tt], a[0][4 * c], a[1][4 * c], a[0][4 * c + 1], a[1][4 * c + 1], v[tt].x, v[tt].y);
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt)
+        Num<DT>::mma(acc[tt], a[0][4 * c + 2], a[1][4 * c + 2], a[0][4 * c + 3], a[1][4 * c + 3], v[tt].z, v[tt].w);
     }
   }
 }
