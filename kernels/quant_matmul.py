@@ -6,6 +6,7 @@ Six kernels read the same packed layout (core/quant/packed.py, passed here as pl
   half2 products (`quant_stream_kernel`), for one token on long rows;
 - "split": CUDA cores, up to 4 tokens, 8-warp CTAs whose warps split K into `ksplit` parts
   (`quant_gemv_split_kernel`), so short-N shapes still get enough warps per SM (`split_ksplit`);
+  measured no faster than gemv/stream on an H200 (kernels/PERFORMANCE.md), so dispatch never picks it;
 - "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share
   16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens;
 - "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
