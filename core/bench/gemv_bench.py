@@ -26,8 +26,8 @@ ATTENTION_BATCHES = (1, 4, 16, 64)
 ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
 ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
-# (kernel, most tokens it is timed at): the CUDA-core kernels for a few tokens, ksplit up to 16, the staged
-# tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel always
+# (kernel, most tokens it is timed at): the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
+# tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel and the dense path always
 KERNEL_MAX_TOKENS = (("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64), ("mma", 1 << 30),
                      ("dense", 1 << 30))
 DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
