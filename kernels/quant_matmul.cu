@@ -584,32 +584,26 @@ __device__ __forceinline__ float dot_pairs(const u32* w, const u32* xp) {
   }
 }
 
-template <int DT, int BITS, int MT, int SCALE_F32>
-__global__ void __launch_bounds__(128) quant_stream_kernel(
-    const u16* __restrict__ x,          // [M, K]
-    const u32* __restrict__ qweight,    // [N, K*BITS/32]
-    const void* __restrict__ scales,    // [N, K/G]
-    const void* __restrict__ zeros,     // [N, K/G]
-    const u16* __restrict__ bias,       // [N] or null
-    u16* __restrict__ out,              // [M, N]
-    int M, int N, int K, int group_size, int zero_mode) {
-  constexpr int WORDS = Chunk<BITS>::WORDS, UNROLL = MT >= 4 ? 2 : 4, ROWS = 2;  // registers: fewer loads ahead for 4 tokens
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * 4 + warp) * ROWS;
-  const int tok0 = blockIdx.y * MT;
+// The CUDA-core GEMVs' main loop over one lane's 32-code chunks first_chunk, +stride, ... of rows
+// row0 and row0 + 1: UNROLL chunks a step, all their loads (codes, scales, zeros) issued before any
+// of the step's math. acc[m][r] = the lane's share of (token tok0 + m) . (row row0 + r).
+template <int DT, int BITS, int MT, int SCALE_F32, int UNROLL>
+__device__ __forceinline__ void row_pair_sums(float (&acc)[MT][2], const u16* __restrict__ x,
+                                              const u32* __restrict__ qweight, const void* __restrict__ scales,
+                                              const void* __restrict__ zeros, int row0, int tok0, int M, int N, int K,
+                                              int group_size, int zero_mode, int first_chunk, int stride) {
+  constexpr int WORDS = Chunk<BITS>::WORDS, ROWS = 2;
   const int words_per_row = K * BITS / 32, num_groups = K / group_size, num_chunks = K / 32;
-
-  float acc[MT][ROWS];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
 
-  for (int base = lane; base < num_chunks; base += 32 * UNROLL) {
+  for (int base = first_chunk; base < num_chunks; base += stride * UNROLL) {
     u32 raw[UNROLL][ROWS][WORDS], s2[UNROLL][ROWS], b2[UNROLL][ROWS];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int chunk = base + 32 * u;
+      const int chunk = base + stride * u;
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         const bool valid = chunk < num_chunks && row0 + r < N;
@@ -620,7 +614,7 @@ __global__ void __launch_bounds__(128) quant_stream_kernel(
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int chunk = base + 32 * u;
+      const int chunk = base + stride * u;
       if (chunk >= num_chunks) break;  // later chunks of this step are out of range too
       u32 w[ROWS][16];
 #pragma unroll
@@ -639,6 +633,25 @@ __global__ void __launch_bounds__(128) quant_stream_kernel(
       }
     }
   }
+}
+
+template <int DT, int BITS, int MT, int SCALE_F32>
+__global__ void __launch_bounds__(128) quant_stream_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K*BITS/32]
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    int M, int N, int K, int group_size, int zero_mode) {
+  constexpr int UNROLL = MT >= 4 ? 2 : 4, ROWS = 2;  // registers: fewer loads ahead for 4 tokens
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * 4 + warp) * ROWS;
+  const int tok0 = blockIdx.y * MT;
+
+  float acc[MT][ROWS];
+  row_pair_sums<DT, BITS, MT, SCALE_F32, UNROLL>(acc, x, qweight, scales, zeros, row0, tok0, M, N, K, group_size,
+                                                 zero_mode, lane, 32);
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
@@ -658,8 +671,9 @@ __global__ void __launch_bounds__(128) quant_stream_kernel(
 // put enough warps (and so loads) on every SM. CTA = 8 warps = (8 / ksplit) row pairs x ksplit
 // K-parts: warp w owns rows row0, row0 + 1 of slot w / ksplit and K-part p = w % ksplit; its lane l
 // takes chunks p*32 + l + j*ksplit*32, UNROLL per step with all their loads issued before any math
-// (as quant_stream_kernel). The K-parts' fp32 sums meet in shared memory and one thread per output
-// adds them in K-part order, adds the bias and rounds once. ksplit: 1, 2, 4 or 8.
+// (row_pair_sums, the loop quant_stream_kernel runs with stride 32). The K-parts' fp32 sums meet in
+// shared memory and one thread per output adds them in K-part order, adds the bias and rounds once.
+// ksplit: 1, 2, 4 or 8.
 template <int DT, int BITS, int MT, int SCALE_F32>
 __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
     const u16* __restrict__ x,          // [M, K]
@@ -671,55 +685,16 @@ __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
     int M, int N, int K, int group_size, int zero_mode, int ksplit) {
   // UNROLL: 2 chunks ahead for one token keeps it at <= 80 registers (3 CTAs per SM); 4 ahead took 110-116.
   // More tokens hold each chunk's weights across MT activation loads, so one chunk per step.
-  constexpr int WARPS = 8, ROWS = 2, WORDS = Chunk<BITS>::WORDS, UNROLL = MT == 1 ? 2 : 1;
+  constexpr int WARPS = 8, ROWS = 2, UNROLL = MT == 1 ? 2 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slots = WARPS / ksplit, part = warp % ksplit;
   const int row_base = blockIdx.x * slots * ROWS;
   const int row0 = row_base + (warp / ksplit) * ROWS;
   const int tok0 = blockIdx.y * MT;
-  const int words_per_row = K * BITS / 32, num_groups = K / group_size, num_chunks = K / 32;
-  const int stride = 32 * ksplit;  // chunks between a lane's consecutive chunks
 
   float acc[MT][ROWS];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
-
-  for (int base = part * 32 + lane; base < num_chunks; base += stride * UNROLL) {
-    u32 raw[UNROLL][ROWS][WORDS], s2[UNROLL][ROWS], b2[UNROLL][ROWS];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int chunk = base + stride * u;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const bool valid = chunk < num_chunks && row0 + r < N;
-        load_chunk<BITS>(qweight, words_per_row, row0 + r, chunk * 32, valid, raw[u][r]);
-        load_scale<DT, SCALE_F32>(scales, zeros, valid ? (i64)(row0 + r) * num_groups + chunk * 32 / group_size : 0,
-                                  zero_mode, valid, s2[u][r], b2[u][r]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int chunk = base + stride * u;
-      if (chunk >= num_chunks) break;  // later chunks of this step are out of range too
-      u32 w[ROWS][16];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        unpack_codes<DT, BITS>(raw[u][r], w[r]);
-#pragma unroll
-        for (int p = 0; p < 16; ++p) w[r][p] = Num<DT>::fma(w[r][p], s2[u][r], b2[u][r]);
-      }
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (tok0 + m >= M) break;
-        u32 xp[16];
-        load_x_pairs<DT, BITS>(x + (i64)(tok0 + m) * K + chunk * 32, true, xp);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[m][r] += dot_pairs<DT>(w[r], xp);
-      }
-    }
-  }
+  row_pair_sums<DT, BITS, MT, SCALE_F32, UNROLL>(acc, x, qweight, scales, zeros, row0, tok0, M, N, K, group_size,
+                                                 zero_mode, part * 32 + lane, 32 * ksplit);
 
   __shared__ float partial[WARPS][MT][ROWS];  // fp32 sum of each warp's K-part, per (token, row)
 #pragma unroll
