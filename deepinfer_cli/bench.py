@@ -169,6 +169,8 @@ def gemv(
     batches: Annotated[str, typer.Option("--batches", help="Comma-separated token counts.")] = "1,2,4,8,16,32,64",
     bits: Annotated[str, typer.Option("--bits", help="Comma-separated weight bit widths (4, 3).")] = "4,3",
     attention: Annotated[bool, typer.Option(help="Also time paged decode attention.")] = True,
+    dtype: Annotated[str, typer.Option("--dtype", help="Activation dtype of the quantized products: "
+                                                       "float16 | bfloat16.")] = "float16",
     repeats: RepeatsOpt = 5,
     device: Annotated[int, typer.Option("--device", help="CUDA device index.")] = 0,
     output: OutputOpt = None,
@@ -193,10 +195,12 @@ def gemv(
         fail(f"--shapes takes pairs like 4096x4096, got {shapes!r}")
     if not pairs or any(len(pair) != 2 for pair in pairs):
         fail(f"--shapes takes pairs like 4096x4096, got {shapes!r}")
+    if dtype not in ("float16", "bfloat16"):
+        fail(f"--dtype takes float16 or bfloat16, got {dtype!r}")
     torch.cuda.set_device(device)
     env = env_info(["deepinfer", *sys.argv[1:]])
     payload = run_gemv_benchmark(torch.device("cuda", device), pairs, _int_list(batches, "--batches"),
-                                 _int_list(bits, "--bits"), attention, repeats)
+                                 _int_list(bits, "--bits"), attention, repeats, dtype=getattr(torch, dtype))
     path = write_json(results_path("gemv", "w4a16-w3a16-attention", gpu_slug(env), output), payload, env)
     console = Console(width=200)
     for table in gemv_tables(payload):

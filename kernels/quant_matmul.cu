@@ -718,3 +718,224 @@ __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
   if (bias != nullptr) sum += Num<DT>::to_float(bias[row]);
   out[(i64)tok * N + row] = Num<DT>::from_float(sum);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core GEMV for 1..32 tokens, W4 only: the instruction-lean successor of ksplit. Nsight Compute on
+// an H200 (kernels/PERFORMANCE.md) showed the earlier GEMVs issue ~11 instructions per weight byte (64-bit
+// index math, an integer division per chunk, bounds branches, fp32 dot products in bf16): they are bound by
+// instruction issue, not by DRAM. Here a thread spends ~2-3 instructions per weight pair:
+//   - shapes are whole: N % 16 == 0 and K % 128 == 0 (the launcher checks), so no bounds tests on weights;
+//   - per-row base pointers are computed once; a chunk's group is chunk >> group_shift (the launcher
+//     passes log2(G / 32), or 31 for per-channel scales);
+//   - MODE 0 (zero mode, integer zero points, G % 128 == 0): a pair is (q - z) exactly, one LOP3 and one
+//     HSUB2/HFMA2 from the raw codes (fp16: 1024 + q minus 1024 + z; bf16: 128 + q minus 128 + z), and each
+//     128-code segment's mma sums (one group) are scaled once in fp32: acc += s * sum((q - z) x);
+//   - MODE 1 (any other zero mode or group size): pairs are dequantized to W = q * s + b in DT first, as in
+//     the other kernels, and the mma accumulates across segments.
+// CTA = blockDim.x / 32 warps (8 or 16) on 16 output rows, warp w taking segments w, w + WARPS, ...; each warp
+// keeps 4 segments of loads in flight (two ping-pong pairs). The warps' sums meet in shared memory.
+// CTA = 16 warps (one token tile) or 8 (more), all on the same 16 output rows.
+template <int TT> struct TcWarps { static constexpr int MAX = TT == 1 ? 16 : 8; };
+template <int SCALE_F32> struct TcScale { typedef u16 T; };
+template <> struct TcScale<1> { typedef float T; };
+
+// (a & mask) | bits in one LOP3 (written as C, the compiler emits an AND and an OR)
+template <u32 MASK, u32 BITS>
+__device__ __forceinline__ u32 and_or(u32 a) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "n"(BITS));
+  return d;
+}
+
+// The pointer as an opaque register value: the compiler then adds a segment's offset to it with one
+// IMAD.WIDE.U32 instead of rebuilding row * stride + offset from the kernel parameter every time.
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* p) {
+  const T* q;
+  asm("mov.b64 %0, %1;" : "=l"(q) : "l"(p));
+  return q;
+}
+
+template <int SCALE_F32>
+struct TcSegment {  // one 128-code segment of the thread's two rows: raw words, raw scales and zeros
+  uint4 w[2];
+  typename TcScale<SCALE_F32>::T s[2], z[2];
+};
+
+template <int SCALE_F32>
+struct TcRows {  // the thread's two rows (row0, row0 + 8): chunk t of each row, scales and zeros
+  const uint4* w[2];
+  const typename TcScale<SCALE_F32>::T* s[2];
+  const typename TcScale<SCALE_F32>::T* z[2];
+};
+
+template <int SCALE_F32>
+__device__ __forceinline__ void tc_load(TcSegment<SCALE_F32>& d, const TcRows<SCALE_F32>& rows, int seg, int t,
+                                        int group_shift) {
+  // unsigned offsets: each address is one IMAD.WIDE.U32 on the row's base (signed ones cost a sign extension
+  // and a 64-bit add each)
+  const u32 chunk = (u32)seg * 4u, group = (chunk + (u32)t) >> group_shift;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    d.w[r] = __ldg(rows.w[r] + chunk);
+    d.s[r] = __ldg(rows.s[r] + group);
+    d.z[r] = __ldg(rows.z[r] + group);
+  }
+}
+
+__device__ __forceinline__ float tc_scale_value(u16 bits) { return half_bits_to_float(bits); }
+__device__ __forceinline__ float tc_scale_value(float value) { return value; }
+
+// The 4 pairs of word `c` of a chunk (pairs 4c..4c+3 = codes (8c+r, 8c+r+4), r = 0..3), given the
+// per-(row, group) constants: MODE 0 -> q - z exactly; MODE 1 -> q exactly, then q * s + b.
+template <int DT, int MODE>
+__device__ __forceinline__ void tc_unpack_word(u32 w, u32 lo_off, u32 hi_off, u32 s2, u32 b2, u32 (&q)[4]) {
+  constexpr u32 MAGIC = Num<DT>::MAGIC;
+  if constexpr (DT == 0) {
+    const u32 w8 = w >> 8;
+    q[0] = Num<0>::sub(and_or<0x000F000Fu, MAGIC>(w), lo_off);                 // (1024 + c) - lo_off
+    q[1] = Num<0>::fma(and_or<0x00F000F0u, MAGIC>(w), 0x2C002C00u, hi_off);    // (1024 + 16c) / 16 + hi_off
+    q[2] = Num<0>::sub(and_or<0x000F000Fu, MAGIC>(w8), lo_off);
+    q[3] = Num<0>::fma(and_or<0x00F000F0u, MAGIC>(w8), 0x2C002C00u, hi_off);
+  } else {
+    q[0] = Num<1>::sub(and_or<0x000F000Fu, MAGIC>(w), lo_off);                 // (128 + c) - lo_off
+#pragma unroll
+    for (int r = 1; r < 4; ++r) q[r] = Num<1>::sub(and_or<0x000F000Fu, MAGIC>(w >> (4 * r)), lo_off);
+  }
+  if constexpr (MODE == 1) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) q[r] = Num<DT>::fma(q[r], s2, b2);
+  }
+}
+
+// Multiply one loaded segment into c[tt] (MODE 0: c is this segment's own sum; MODE 1: the running sum).
+template <int DT, int TT, int MODE, int SCALE_F32>
+__device__ __forceinline__ void tc_segment(const TcSegment<SCALE_F32>& d, const u16* __restrict__ x, int seg, int t,
+                                           int tok_g, int M, int K, int zero_mode, float (&c)[TT][4]) {
+  // per-row constants: MODE 0 -> offsets that turn magic-biased codes into q - z; MODE 1 -> q, then (s, b)
+  u32 lo_off[2], hi_off[2] = {0u, 0u}, s2[2] = {0u, 0u}, b2[2] = {0u, 0u};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float z = tc_scale_value(d.z[r]);
+    if constexpr (MODE == 0) {
+      if constexpr (DT == 0) {
+        lo_off[r] = Num<0>::pack(1024.0f + z, 1024.0f + z);
+        hi_off[r] = Num<0>::pack(-64.0f - z, -64.0f - z);
+      } else {
+        lo_off[r] = Num<1>::pack(128.0f + z, 128.0f + z);
+      }
+    } else {
+      lo_off[r] = Num<DT>::MAGIC;
+      hi_off[r] = 0xD400D400u;  // fp16 -64
+      const float s = tc_scale_value(d.s[r]);
+      const float b = zero_mode == 0 ? -z * s : z;
+      s2[r] = Num<DT>::pack(s, s);
+      b2[r] = Num<DT>::pack(b, b);
+    }
+  }
+  const u32 wr[2][4] = {{d.w[0].x, d.w[0].y, d.w[0].z, d.w[0].w}, {d.w[1].x, d.w[1].y, d.w[1].z, d.w[1].w}};
+  // x[tok, 128 seg + 32 t ..] of the thread's token g of each tile (zeros past M)
+  const uint4* xs = reinterpret_cast<const uint4*>(x + (i64)tok_g * K) + seg * 16 + t * 4;
+#pragma unroll
+  for (int cw = 0; cw < 4; ++cw) {  // word cw of the chunk: k-steps 2cw and 2cw + 1
+    u32 a[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) tc_unpack_word<DT, MODE>(wr[r][cw], lo_off[r], hi_off[r], s2[r], b2[r], a[r]);
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (tok_g + tt * 8 < M) u = __ldg(xs + (i64)tt * 8 * (K / 8) + cw);
+      // x[8cw..8cw+7] = (h0,h1) (h2,h3) (h4,h5) (h6,h7) -> pairs (h0,h4) (h1,h5) (h2,h6) (h3,h7), like the codes
+      const u32 x0 = pair_of_los(u.x, u.z), x1 = pair_of_his(u.x, u.z);
+      const u32 x2 = pair_of_los(u.y, u.w), x3 = pair_of_his(u.y, u.w);
+      Num<DT>::mma(c[tt], a[0][0], a[1][0], a[0][1], a[1][1], x0, x1);
+      Num<DT>::mma(c[tt], a[0][2], a[1][2], a[0][3], a[1][3], x2, x3);
+    }
+  }
+}
+
+template <int DT, int TT, int MODE, int SCALE_F32>
+__device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const u16* __restrict__ x, int seg, int t,
+                                        int tok_g, int M, int K, int zero_mode, float (&acc)[TT][4]) {
+  if constexpr (MODE == 0) {
+    float c[TT][4];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) c[tt][0] = c[tt][1] = c[tt][2] = c[tt][3] = 0.0f;
+    tc_segment<DT, TT, MODE, SCALE_F32>(d, x, seg, t, tok_g, M, K, zero_mode, c);
+    const float s0 = tc_scale_value(d.s[0]), s1 = tc_scale_value(d.s[1]);
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {  // c0, c1: row g; c2, c3: row g + 8
+      acc[tt][0] = fmaf(s0, c[tt][0], acc[tt][0]);
+      acc[tt][1] = fmaf(s0, c[tt][1], acc[tt][1]);
+      acc[tt][2] = fmaf(s1, c[tt][2], acc[tt][2]);
+      acc[tt][3] = fmaf(s1, c[tt][3], acc[tt][3]);
+    }
+  } else {
+    tc_segment<DT, TT, MODE, SCALE_F32>(d, x, seg, t, tok_g, M, K, zero_mode, acc);
+  }
+}
+
+template <int DT, int TT, int MODE, int SCALE_F32>
+__global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    int M, int N, int K, int group_shift, int zero_mode) {
+  typedef typename TcScale<SCALE_F32>::T ST;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16 + g;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int num_segs = K >> 7, chunks_per_row = K >> 5;
+  const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
+  TcRows<SCALE_F32> rows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 row = row0 + 8 * r;
+    rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
+    rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
+    rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
+  }
+
+  float acc[TT][4];
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+  // Ping-pong pairs: segments s, s + W in `a`, s + 2W, s + 3W in `b`; a pair's loads go out before the
+  // other pair's math.
+  TcSegment<SCALE_F32> a0, a1, b0, b1;
+  const int stride = warps, tok_g = tok0 + g;
+  int seg = warp;
+  if (seg < num_segs) tc_load(a0, rows, seg, t, group_shift);
+  if (seg + stride < num_segs) tc_load(a1, rows, seg + stride, t, group_shift);
+  for (; seg < num_segs; seg += 4 * stride) {
+    if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
+    if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
+    tc_step<DT, TT, MODE>(a0, x, seg, t, tok_g, M, K, zero_mode, acc);
+    if (seg + stride < num_segs) tc_step<DT, TT, MODE>(a1, x, seg + stride, t, tok_g, M, K, zero_mode, acc);
+    if (seg + 4 * stride < num_segs) tc_load(a0, rows, seg + 4 * stride, t, group_shift);
+    if (seg + 5 * stride < num_segs) tc_load(a1, rows, seg + 5 * stride, t, group_shift);
+    if (seg + 2 * stride < num_segs) tc_step<DT, TT, MODE>(b0, x, seg + 2 * stride, t, tok_g, M, K, zero_mode, acc);
+    if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, x, seg + 3 * stride, t, tok_g, M, K, zero_mode, acc);
+  }
+
+  __shared__ float partial[TcWarps<TT>::MAX][TT * 4][32];
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+      for (int w = 0; w < warps; ++w) sum += partial[w][tt * 4 + e][lane];
+      acc[tt][e] = sum;
+    }
+  }
+  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+}

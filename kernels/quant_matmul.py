@@ -12,7 +12,10 @@ Six kernels read the same packed layout (core/quant/packed.py, passed here as pl
 - "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
   along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`);
 - "staged": tensor cores, 8 to 64 tokens per weight read, 128 output rows per CTA with the tokens'
-  activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K.
+  activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K;
+- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, 16 output rows per CTA of 8 or 16 warps
+  splitting K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight
+  byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves).
 `pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
 (results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
 """
@@ -32,11 +35,14 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 # 1..64 tokens: ksplit is fastest at 2-16 tokens, staged at 32 and 64 (up to 1.7x the mma kernel), and
 # mma stays for more than 64 tokens, where staged was not measured.
 AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (64, "staged"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8}
+MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8, "tc": 4}
 KERNELS = tuple(MAX_TILE)
 MMA_ROWS_PER_CTA = 64
 STAGED_ROWS_PER_CTA = 128
 KSPLIT_ROWS_PER_CTA = 16
+TC_ROWS_PER_CTA = 16
+TC_SEGMENT = 128  # codes of K per thread-quad step of the tc kernel
+TC_MAX_TOKENS = 32  # 4 token tiles of 8
 SPLIT_WARPS = 8  # warps per CTA of the split GEMV
 SPLIT_PARTS = (1, 2, 4, 8)  # K-parts per row pair it can take
 SPLIT_CTAS_PER_SM = 4  # CTAs per SM the split plan aims the grid at
@@ -89,16 +95,50 @@ def instantiations() -> tuple[str, ...]:
     kernels = {"gemv": "quant_gemv_kernel", "stream": "quant_stream_kernel", "split": "quant_gemv_split_kernel",
                "ksplit": "quant_mma_ksplit_kernel",
                "staged": "quant_mma_staged_kernel", "mma": "quant_mma_kernel"}
-    return tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in KERNELS for dt in (0, 1) for bits in (4, 3)
-                 for tile in tiles[name] for f32 in (0, 1))
+    packed_kernels = tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in tiles for dt in (0, 1)
+                           for bits in (4, 3) for tile in tiles[name] for f32 in (0, 1))
+    tc = tuple(f"quant_tc_gemv_kernel<{dt},{tile},{mode},{f32}>" for dt in (0, 1) for tile in (1, 2, 4) for mode in (0, 1)
+               for f32 in (0, 1))
+    return packed_kernels + tc
 
 
-def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0) -> str:
-    """The kernel measured fastest for M tokens. One token: stream where K >= 4096 and N <= K (up to 11%
-    faster there: its 4 chunks of loads in flight per lane pay off on long rows), gemv elsewhere.
-    17-32 tokens: ksplit (two 16-token tiles) unless the output is at least 3x the input, where staged
-    shares its staged activations over more rows (H200, results/bench_gemv_dense_w4_nvidia_h200.json:
-    2048x2560 at 32 tokens ksplit 10.3 us, staged 16.7; 2048x22016 ksplit 52.1, staged 36.4)."""
+def tc_group_shift(in_features: int, group_size: int) -> int | None:
+    """The tc kernel finds a chunk's group as chunk >> shift: log2(G / 32), or 31 for one group per row
+    (per-channel scales); None when G / 32 is not a power of two."""
+    if group_size == in_features:
+        return 31
+    chunks = group_size // 32
+    return chunks.bit_length() - 1 if chunks & (chunks - 1) == 0 else None
+
+
+def tc_reason(bits: int, in_features: int, out_features: int, group_size: int) -> str | None:
+    """Why the tc kernel cannot take this weight (None when it can): it reads whole 16-row tiles and
+    128-code segments of 4-bit codes."""
+    if bits != 4:
+        return f"{bits}-bit weights"
+    if in_features % TC_SEGMENT or out_features % TC_ROWS_PER_CTA:
+        return f"shape {in_features}x{out_features} (needs K % {TC_SEGMENT} and N % {TC_ROWS_PER_CTA} == 0)"
+    if tc_group_shift(in_features, group_size) is None:
+        return f"group size {group_size} (needs 32 * 2^i or per-channel)"
+    return None
+
+
+def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
+    """0: codes minus whole zero points, exact, and each 128-code segment's sum scaled once (a segment must
+    lie in one group); 1: weights dequantized before the product, as the other kernels do."""
+    return 0 if zero_mode == "zero" and integer_zeros and group_size % TC_SEGMENT == 0 else 1
+
+
+def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bits: int = 4,
+                group_size: int = 128) -> str:
+    """The kernel measured fastest for M tokens. W4 weights the tc kernel takes: tc up to 32 tokens.
+    Otherwise, one token: stream where K >= 4096 and N <= K (up to 11% faster there: its 4 chunks of
+    loads in flight per lane pay off on long rows), gemv elsewhere. 17-32 tokens: ksplit (two 16-token
+    tiles) unless the output is at least 3x the input, where staged shares its staged activations over
+    more rows (H200, results/bench_gemv_dense_w4_nvidia_h200.json: 2048x2560 at 32 tokens ksplit 10.3 us,
+    staged 16.7; 2048x22016 ksplit 52.1, staged 36.4)."""
+    if num_tokens <= TC_MAX_TOKENS and tc_reason(bits, in_features, out_features, group_size) is None:
+        return "tc"
     if num_tokens == 1 and in_features >= 4096 and out_features <= in_features:
         return "stream"
     if 16 < num_tokens <= 32 and out_features < 3 * in_features:
@@ -195,6 +235,12 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         fn = get_kernel(SOURCE, f"quant_gemv_split_kernel{template}", index)
         plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (32 * SPLIT_WARPS, 1, 1),
                 splits, 0)
+    elif name == "tc":
+        row_tiles = out_features // TC_ROWS_PER_CTA
+        # 16 warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)
+        warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
+        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{splits},{scale_f32}>", index)
+        plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
@@ -225,13 +271,15 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group_size: int, zero_mode: str, bias: torch.Tensor | None = None,
                  kernel: str = "auto", tile: int | None = None, splits: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, integer_zeros: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
     kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma"; tile: tokens per CTA
     (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K
     splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
-    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a contiguous [M, N] buffer.
+    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a contiguous [M, N] buffer;
+    integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc kernel
+    scale group sums instead of weights.
     """
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
@@ -245,16 +293,23 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=device)
     if num_tokens == 0:
         return out
-    name = pick_kernel(num_tokens, in_features, out_features) if kernel == "auto" else kernel
+    name = (pick_kernel(num_tokens, in_features, out_features, bits, group_size) if kernel == "auto" else kernel)
     tile = tile or default_tile(name, num_tokens)
     index = device.index
     dt = _DTYPE_CODES[x.dtype]
+    if name == "tc":
+        reason = tc_reason(bits, in_features, out_features, group_size)
+        if reason:
+            raise ValueError(f"the tc kernel does not take {reason}")
+        splits = tc_mode(zero_mode, integer_zeros, group_size)  # the plan's cache key carries the mode here
     fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
                                                     out_features, in_features, name, tile, splits)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
-    if name in ("gemv", "stream", "ksplit"):
+    if name == "tc":
+        sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
+    if name in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)
         return out
     if name == "split":

@@ -2,7 +2,7 @@
 events over back-to-back replays), the kernels inside a replay (torch.profiler), and the host's view
 of a decoding stream's steps (cProfile), so the gap between a step's wall time and its GPU time shows.
 
-    PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64]
+    PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64] [--dtype float16]
                                                         [--out DIR]
 """
 
@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen2.5-3b")
     parser.add_argument("--buckets", default="1,32,64")
     parser.add_argument("--streams", default="1,64")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
 
@@ -32,7 +33,7 @@ def main() -> None:
     from core.engine.llm_engine import LLMEngine
     from core.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", max_model_len=4096,
+    engine = LLMEngine(EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", max_model_len=4096, dtype=args.dtype,
                                     kv_cache_memory="8GiB", max_num_seqs=64))
     runner = engine.step_runner
     bound = runner.context_bounds[0]
@@ -85,8 +86,8 @@ def main() -> None:
         assert not engine.has_unfinished_requests()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_graph_steps_{args.shape}.json").write_text(json.dumps(report, indent=1))
-    (out / f"profile_graph_steps_{args.shape}.txt").write_text(text.getvalue())
+    (out / f"profile_graph_steps_{args.shape}_{args.dtype}.json").write_text(json.dumps(report, indent=1))
+    (out / f"profile_graph_steps_{args.shape}_{args.dtype}.txt").write_text(text.getvalue())
     print(text.getvalue()[-9000:])
 
 

@@ -26,10 +26,10 @@ ATTENTION_BATCHES = (1, 4, 16, 64)
 ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
 ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
-# (kernel, most tokens it is timed at): the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
+# (kernel, most tokens it is timed at): the tc kernel (W4 weights it takes) up to 32, the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
 # tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel and the dense path always
-KERNEL_MAX_TOKENS = (("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64), ("mma", 1 << 30),
-                     ("dense", 1 << 30))
+KERNEL_MAX_TOKENS = (("tc", 32), ("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64),
+                     ("mma", 1 << 30), ("dense", 1 << 30))
 DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
 SPLIT_SWEEP_TOKENS = 1  # the split kernel is also timed at every K-part count it can take at this token count
 
@@ -85,18 +85,20 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
     }
 
 
-def quant_points(num_tokens: int, in_features: int, planned_ksplit: int) -> list[tuple[str, int | None]]:
+def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_takes: bool = True,
+                 sweep_split: bool = True) -> list[tuple[str, int | None]]:
     """(kernel, K-parts or None) of each point timed at one token count: every kernel of KERNEL_MAX_TOKENS
-    that serves it; the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS with each count K allows."""
+    that serves it (tc where `tc_takes`); the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS
+    with each count K allows when `sweep_split`."""
     from kernels.quant_matmul import SPLIT_PARTS
 
     points = []
     for kernel, most in KERNEL_MAX_TOKENS:
-        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS):
+        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS) or (kernel == "tc" and not tc_takes):
             continue
         if kernel != "split":
             points.append((kernel, None))
-        elif num_tokens == SPLIT_SWEEP_TOKENS:
+        elif num_tokens == SPLIT_SWEEP_TOKENS and sweep_split:
             points += [(kernel, parts) for parts in SPLIT_PARTS if parts == 1 or 32 * parts <= in_features // 32]
         else:
             points.append((kernel, planned_ksplit))
@@ -109,7 +111,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
     plan picks (and at SPLIT_SWEEP_TOKENS with every count it can take); a point whose launch fails is
     recorded with its error instead of a time."""
     from core.ops.quant_matmul import uses_dense
-    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit
+    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit, tc_reason
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     records = []
@@ -122,10 +124,11 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                 x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
                 planned = split_ksplit(out_features, in_features, num_sms)
-                for kernel, ksplit in quant_points(num_tokens, in_features, planned):
+                tc_takes = tc_reason(bits, in_features, out_features, group_size) is None
+                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=False):
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel, ksplit)
                     point = {"in_features": in_features, "out_features": out_features, "bits": bits,
-                             "tokens": num_tokens, "kernel": kernel}
+                             "tokens": num_tokens, "kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
                     if ksplit is not None:
                         point |= {"ksplit": ksplit, "ksplit_planned": ksplit == planned}
                     try:
@@ -139,7 +142,8 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                         "group_size": group_size,
                         "tile": 0 if kernel == "dense" else default_tile(kernel, num_tokens),
                         "auto": kernel == ("dense" if uses_dense(num_tokens, in_features, out_features)
-                                           else pick_kernel(num_tokens, in_features, out_features)),
+                                           else pick_kernel(num_tokens, in_features, out_features, bits,
+                                                            group_size)),
                         "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
                         "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -162,7 +166,7 @@ def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: li
     def launch_all() -> None:
         for weight, out in zip(weights, outs):
             quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
-                         kernel=kernel, splits=splits, out=out)
+                         kernel=kernel, splits=splits, out=out, integer_zeros=True)
     return launch_all
 
 
@@ -297,10 +301,11 @@ def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
 
 
 def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3), attention: bool = True,
-                       repeats: int = 5, probes_enabled: bool = True) -> dict:
-    """Copy bandwidth, quant-matmul sweep, decode-attention sweep and the targets, as one JSON payload."""
+                       repeats: int = 5, probes_enabled: bool = True, dtype: torch.dtype = torch.float16) -> dict:
+    """Copy bandwidth, quant-matmul sweep (activations in `dtype`), decode-attention sweep and the targets,
+    as one JSON payload."""
     copy = copy_bandwidth(device)
-    quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, repeats=repeats)
+    quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, dtype=dtype, repeats=repeats)
     attention_records = []
     if attention:
         attention_records = bench_paged_attention(device, copy["gbps_mean"], repeats=repeats)

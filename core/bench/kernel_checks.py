@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -128,6 +128,60 @@ QUANT_CASES = (
 )
 
 
+# The tc kernel (W4 only): (tokens, out_features, in_features, group size, tile, zeros, fp32 scales, bias), zeros
+# "int" (zero mode, whole zero points: group sums scaled once when G % 128 == 0), "frac" (zero mode, fractional
+# zero points) or "min" (GGUF-style offsets): the last two dequantize weights before the product.
+TC_CASES = (
+    (1, 2560, 2048, 128, 1, "int", False, False),
+    (1, 2048, 11008, 128, 1, "int", False, True),
+    (1, 22016, 2048, 128, 1, "int", False, False),
+    (1, 2048, 2048, 128, 1, "frac", False, False),
+    (1, 2048, 2048, 128, 1, "min", True, True),
+    (3, 1024, 4096, 32, 1, "int", False, False),  # G = 32: weights dequantized first
+    (2, 512, 1024, 64, 1, "min", False, False),
+    (1, 512, 1024, 256, 1, "int", True, False),
+    (4, 512, 11008, 11008, 1, "int", False, True),  # per-channel
+    (1, 16, 128, 128, 1, "int", False, False),  # one tile, one segment
+    (8, 2048, 2048, 128, 1, "int", False, False),
+    (12, 2560, 2048, 128, 2, "int", False, True),
+    (16, 2048, 11008, 128, 2, "min", False, False),
+    (24, 2048, 2048, 128, 4, "int", False, False),
+    (32, 22016, 2048, 128, 4, "int", False, True),
+    (29, 1024, 4096, 32, 4, "frac", True, False),
+    (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
+)
+
+
+def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), cases=TC_CASES) -> list[CheckResult]:
+    from kernels.quant_matmul import quant_matmul
+
+    results = []
+    for m, n, k, g, tile, zeros_kind, f32_scales, with_bias in cases:
+        for dtype in dtypes:
+            case = (f"{_DTYPE_NAMES[dtype]} W4 {zeros_kind}-zeros M={m} N={n} K={k} G={g} tc/{tile}"
+                    + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, tile=tile, zeros_kind=zeros_kind, f32_scales=f32_scales,
+                    with_bias=with_bias, dtype=dtype, case=case):
+                zero_mode = "min" if zeros_kind == "min" else "zero"
+                packed = random_packed(n, k, g, 4, zero_mode, torch.float32 if f32_scales else torch.float16,
+                                       device, bias_dtype=dtype if with_bias else None)
+                if zeros_kind == "frac":
+                    packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
+                assert packed.integer_zeros == (zeros_kind == "int"), "the case's zero points are not what it says"
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = _nan((m, n), dtype, device)
+                quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, g, zero_mode, packed.bias,
+                             kernel="tc", tile=tile, out=out, integer_zeros=packed.integer_zeros)
+                ref = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    ref = ref + packed.bias.float()
+                return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
+
+            results += guarded("quant_matmul", case, run)
+    return results
+
+
 def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUANT_CASES) -> list[CheckResult]:
     from kernels.quant_matmul import quant_matmul
 
@@ -166,7 +220,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
             return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("quant_matmul", case, run_dispatch)
-    return results
+    return results + check_quant_tc(device, dtypes)
 
 
 # ---- dequantize (the dense path of many-token products) -------------------------------------------

@@ -19,7 +19,7 @@ from core.bench.model_validation import check_tiny_model
 
 
 def check_cuda_graph(device) -> CheckResult:
-    """Capture quant_matmul (split-K) -> rms_norm, and a split decode attention, through core.ops;
+    """Capture quant_matmul -> rms_norm, and a split decode attention, through core.ops;
     replay on new inputs written into the captured buffers; the replay must equal an eager run bit for bit."""
     from core.ops.norm import rms_norm
     from core.ops.paged_attention import paged_decode_attention
@@ -53,7 +53,7 @@ def check_cuda_graph(device) -> CheckResult:
     torch.cuda.synchronize(device)
     eager = step()
     same = all(torch.equal(a, b) for a, b in zip(captured, eager))
-    case = "capture quant_matmul(split-K)+rms_norm, paged attention(split); replay on new inputs"
+    case = "capture quant_matmul (dispatch's kernel)+rms_norm, paged attention(split); replay on new inputs"
     result = kernel_checks.compare("cuda_graph", case, captured[1], eager[1], kernel_checks.REL_TOL[dtype])
     result.ok = result.ok and same
     result.detail = "replay equals eager bit for bit" if same else "replay differs from eager"

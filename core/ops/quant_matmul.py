@@ -70,5 +70,5 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
                                   packed.zero_mode, x.dtype)  # [N, K], stored column order
             return F.linear(rows, weight, packed.bias).view(*x.shape[:-1], packed.out_features)
     out = op.launch(rows, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
-                    packed.zero_mode, packed.bias)  # [M, N]
+                    packed.zero_mode, packed.bias, integer_zeros=packed.integer_zeros)  # [M, N]
     return out.view(*x.shape[:-1], packed.out_features)

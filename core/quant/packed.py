@@ -26,7 +26,7 @@ The CUDA kernels (kernels/) take 3 and 4 bits; 8-bit weights (GGUF Q8_0 kept exa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,9 @@ class PackedWeight:
     zero_mode: str = "zero"  # "zero" | "min"
     input_perm: torch.Tensor | None = None  # int32 [K]
     bias: torch.Tensor | None = None  # [N]
+    # Every zero point a whole number (GPTQ, AWQ, Q4_0, RTN): then q - z is exact in fp16/bf16 and the
+    # tensor-core GEMV can scale each group's sum once instead of every weight (kernels/quant_matmul.cu).
+    integer_zeros: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -62,3 +65,4 @@ class PackedWeight:
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
                 raise ValueError(f"{name} has shape {actual}, expected {shape}")
+        self.integer_zeros = bool(torch.equal(self.zeros, torch.round(self.zeros)))
