@@ -14,7 +14,7 @@ import argparse
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x2560,2048x2048,2048x22016,11008x2048")
-    parser.add_argument("--kernels", default="gemv,stream,ksplit")
+    parser.add_argument("--kernels", default="tc,gemv,stream,ksplit")
     parser.add_argument("--dtypes", default="bfloat16,float16")
     args = parser.parse_args()
 
@@ -34,7 +34,7 @@ def main() -> None:
                                         device=device)
                 scales = (torch.rand(out_features, groups, device=device) * 0.02).half()
                 zeros = torch.full((out_features, groups), 8.0, device=device).half()
-                quant_matmul(x, qweight, scales, zeros, 4, 128, "zero", kernel=kernel)
+                quant_matmul(x, qweight, scales, zeros, 4, 128, "zero", kernel=kernel, integer_zeros=True)
                 torch.cuda.synchronize()
                 print(f"{dtype_name} {shape} {kernel}", flush=True)
 
