@@ -13,9 +13,10 @@ Six kernels read the same packed layout (core/quant/packed.py, passed here as pl
   along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`);
 - "staged": tensor cores, 8 to 64 tokens per weight read, 128 output rows per CTA with the tokens'
   activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K;
-- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, 16 output rows per CTA of 8 or 16 warps
-  splitting K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight
-  byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves).
+- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, CTAs of 8 warps = (8 / kparts) 16-row tiles
+  x kparts K-parts (`tc_kparts`), weights streamed through a per-warp cp.async ring in shared memory
+  (`quant_tc_gemv_kernel`): ksplit's fragment layout with about half the instructions per weight byte,
+  and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves).
 `pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
 (results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
 """
@@ -43,6 +44,9 @@ KSPLIT_ROWS_PER_CTA = 16
 TC_ROWS_PER_CTA = 16
 TC_SEGMENT = 128  # codes of K per thread-quad step of the tc kernel
 TC_MAX_TOKENS = 32  # 4 token tiles of 8
+TC_WARPS = 8  # warps per CTA of the tc kernel: (8 / kparts) row tiles x kparts K-parts
+TC_KPARTS = (1, 2, 4, 8)
+TC_WARPS_PER_SM = 16  # what two resident CTAs give (~120 registers a thread)
 SPLIT_WARPS = 8  # warps per CTA of the split GEMV
 SPLIT_PARTS = (1, 2, 4, 8)  # K-parts per row pair it can take
 SPLIT_CTAS_PER_SM = 4  # CTAs per SM the split plan aims the grid at
@@ -121,6 +125,14 @@ def tc_reason(bits: int, in_features: int, out_features: int, group_size: int) -
     if tc_group_shift(in_features, group_size) is None:
         return f"group size {group_size} (needs 32 * 2^i or per-channel)"
     return None
+
+
+def tc_kparts(num_row_tiles: int, num_segments: int, num_sms: int) -> int:
+    """K-parts per 16-row tile of the tc kernel: the fewest that give every SM TC_WARPS_PER_SM warps (long K
+    segments per warp keep its cp.async ring full), at most one part per 128-code segment."""
+    allowed = [parts for parts in TC_KPARTS if parts <= max(1, num_segments)]
+    wanted = TC_WARPS_PER_SM * num_sms
+    return next((parts for parts in allowed if num_row_tiles * parts >= wanted), allowed[-1])
 
 
 def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
@@ -215,9 +227,10 @@ def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int
 
 
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
-          name: str, tile: int, splits: int | None) -> tuple:
-    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype."""
-    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits)
+          name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
+    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; for tc,
+    splits are its K-parts and `mode` its tc_mode."""
+    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -237,10 +250,14 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
                 splits, 0)
     elif name == "tc":
         row_tiles = out_features // TC_ROWS_PER_CTA
-        # 16 warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)
-        warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
-        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{splits},{scale_f32}>", index)
-        plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
+        if splits is None:
+            splits = tc_kparts(row_tiles, in_features // TC_SEGMENT, _num_sms(index))
+        elif splits not in TC_KPARTS:
+            raise ValueError(f"the tc kernel takes {TC_KPARTS} K-parts, not splits={splits}")
+        tiles_per_cta = TC_WARPS // splits
+        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
+        plan = (fn, (-(-row_tiles // tiles_per_cta), (num_tokens + 8 * tile - 1) // (8 * tile), 1),
+                (32 * TC_WARPS, 1, 1), splits, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
@@ -275,9 +292,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
     kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma"; tile: tokens per CTA
-    (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K
-    splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
-    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a contiguous [M, N] buffer;
+    (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8, tc: 1/2/4); splits:
+    K splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
+    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`) or of tc (1/2/4/8, default
+    `tc_kparts`); out: a contiguous [M, N] buffer;
     integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc kernel
     scale group sums instead of weights.
     """
@@ -297,18 +315,19 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     tile = tile or default_tile(name, num_tokens)
     index = device.index
     dt = _DTYPE_CODES[x.dtype]
+    mode = 0
     if name == "tc":
         reason = tc_reason(bits, in_features, out_features, group_size)
         if reason:
             raise ValueError(f"the tc kernel does not take {reason}")
-        splits = tc_mode(zero_mode, integer_zeros, group_size)  # the plan's cache key carries the mode here
+        mode = tc_mode(zero_mode, integer_zeros, group_size)
     fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
-                                                    out_features, in_features, name, tile, splits)
+                                                    out_features, in_features, name, tile, splits, mode)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
     if name == "tc":
-        sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
+        sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:] + (i32(split_count),)
     if name in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)
         return out
