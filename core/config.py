@@ -50,6 +50,9 @@ class EngineConfig:
     # Execution
     attention_backend: str = "auto"  # auto | torch | native
     enforce_eager: bool = False
+    # Overlap the host's per-step work with the device: schedule and launch step N+1 while step N
+    # runs, then apply N (outputs come one step later; tokens are identical). False: step by step.
+    async_scheduling: bool = True
     dummy_weights: bool = False
     shape: str | None = None  # configs/shapes/<shape>.json for dummy-weight runs
     quantization: str | None = None  # None | "w4a16" | "w3a16": round-to-nearest at load time (group 128)

@@ -300,16 +300,16 @@ def test_abort_at_any_point_frees_blocks_and_spares_the_others(loaded, abort_aft
 
 def test_a_failing_step_fails_its_requests_only_and_the_engine_goes_on(loaded):
     engine = make_engine(loaded)
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
     calls = {"n": 0}
 
-    def flaky_execute(scheduler_output):
+    def flaky_launch(*args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return real_execute(scheduler_output)
+        return real_launch(*args)
 
-    engine.runner.execute = flaky_execute
+    engine.runner.launch = flaky_launch
     engine.add_request(prompt(6, 70), greedy(5), "early")
     engine.step()
     outputs, stats = engine.step()
@@ -384,13 +384,13 @@ def test_async_engine_streams_aborts_and_counts_every_token_once(model_dir, load
         await asyncio.sleep(0.05)
         health = engine.health()
 
-        real_execute = engine.engine.runner.execute
+        real_launch = engine.engine.runner.launch
 
-        def broken_execute(scheduler_output):
-            engine.engine.runner.execute = real_execute  # fails once
+        def broken_launch(*args):
+            engine.engine.runner.launch = real_launch  # fails once
             raise RuntimeError("device fell over")
 
-        engine.engine.runner.execute = broken_execute
+        engine.engine.runner.launch = broken_launch
         failed = [out async for out in engine.add_request(p_stream, greedy(3))]
         recovered = [out async for out in engine.generate(p_stream, greedy(12))]
         await engine.shutdown()

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from core.attention.metadata import AttentionMetadata
+from core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens, to_device
 from core.engine.scheduler_output import ScheduledChunk
 from core.kv.kv_manager import cdiv
 
@@ -103,8 +104,11 @@ class StaticStepBuffers:
         int64[t:2t]         positions      int32[t:2t]                 request row of each token
         int64[2t:3t]        slot mapping   int32[2t:2t + (s + 1) * w]  block table [s + 1, w]
         int64[3t:3t + s]    logit rows (the token row of each request's last token)
+        int64[3t + s:+2k]   the fill index of k pending input tokens (inflight.stage_pending_tokens)
     Each (bucket, bound) views the first elements, so every view is contiguous and one host->device
-    copy per dtype moves a whole step.
+    copy per dtype moves a whole step. Pending tokens (async scheduling: sampled by the step still
+    in flight) are scattered into the input ids after that copy, on the same stream and outside
+    any graph, so the graphs replay unchanged.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, dummy_block: int,
@@ -114,7 +118,7 @@ class StaticStepBuffers:
         self.max_rows = max_rows
         max_blocks = cdiv(max_model_len, block_size)
         pin = device.type == "cuda"
-        self.int64 = torch.zeros(3 * max_tokens + max_rows, dtype=torch.int64, device=device)
+        self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows, dtype=torch.int64, device=device)
         self.int32 = torch.zeros(2 * max_tokens + (max_rows + 1) * max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)  # one token each
         self.host_int64 = torch.zeros(self.int64.shape, dtype=torch.int64, pin_memory=pin)
@@ -127,9 +131,10 @@ class StaticStepBuffers:
         """Logit rows of a bucket: one per request it can hold."""
         return min(tokens, self.max_rows)
 
-    def load(self, chunks: list[ScheduledChunk], tokens: int, bound: int) -> None:
+    def load(self, chunks: list[ScheduledChunk], tokens: int, bound: int,
+             previous: InflightStep | None = None) -> None:
         """Stage the chunks' tokens as rows 0..T-1 (chunk i is request row i), padding rows T..tokens-1,
-        and copy to the device."""
+        and copy to the device. Pending input tokens come from `previous`'s sampled tokens."""
         if self._copied is not None:
             self._copied.synchronize()
         bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
@@ -139,13 +144,18 @@ class StaticStepBuffers:
         seq_lens, token_rows = h32[:tokens], h32[tokens:2 * tokens]
         tables = h32[2 * tokens:2 * tokens + (rows + 1) * width].reshape(rows + 1, width)
         tables[:] = 0  # stale ids from other layouts could lie outside the pool
+        pending: list[tuple[int, str]] = []  # (input row, request id) of pending input tokens
         token = 0
         for i, chunk in enumerate(chunks):
             start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
             used = cdiv(start + n, bs)
             tables[i, :used] = table[:used]
             if n == 1:  # a decode: scalar writes beat numpy's per-call overhead
-                ids[token] = chunk.request.all_token_ids[start]
+                if start < chunk.request.num_tokens:
+                    ids[token] = chunk.request.all_token_ids[start]
+                else:  # the previous step samples it: filled on the device below
+                    ids[token] = 0
+                    pending.append((token, chunk.request_id))
                 positions[token] = start
                 slots[token] = table[start // bs] * bs + start % bs
                 seq_lens[token] = start + 1
@@ -167,8 +177,11 @@ class StaticStepBuffers:
         tables[rows, 0] = self.dummy_block
         logit_rows[len(chunks):] = 0
         n64, n32 = 3 * tokens + rows, 2 * tokens + (rows + 1) * width
-        self.int64[:n64].copy_(self.host_int64[:n64], non_blocking=True)
+        num_index = stage_pending_tokens(h64[n64:], pending, previous)
+        self.int64[:n64 + num_index].copy_(self.host_int64[:n64 + num_index], non_blocking=True)
         self.int32[:n32].copy_(self.host_int32[:n32], non_blocking=True)
+        if num_index:
+            fill_pending_tokens(self.int64[:tokens], self.int64[n64:n64 + num_index], previous)
         if self._copied is not None:
             self._copied.record()
 
@@ -241,13 +254,18 @@ class PaddedStepRunner:
         longest = max(chunk.seq_len for chunk in chunks)
         return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """-> logits [len(chunks), vocab] float32, row i for the last token of chunks[i]. With graphs
-        the rows are a view of the shared output buffer, valid until the next step."""
+    def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None) -> torch.Tensor:
+        """-> logits [n, vocab] float32 of the n chunks that sample, row i for the last token of the
+        i-th of them. With graphs the rows are a view of the shared output buffer, valid until the
+        next step. `previous`: the step in flight, which samples the chunks' pending input tokens."""
         tokens, bound = self.shape_of(chunks)
-        self.buffers.load(chunks, tokens, bound)
+        self.buffers.load(chunks, tokens, bound, previous)
         logits = self.replay(tokens, bound) if self.use_graphs else self.forward(tokens, bound)
-        return logits[:len(chunks)]
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        if len(sampling) == len(chunks):
+            return logits[:len(chunks)]
+        # A list index would copy to the device and wait for the stream; this copy does not.
+        return logits.index_select(0, to_device(sampling, torch.int64, self.device))
 
     def replay(self, tokens: int, bound: int) -> torch.Tensor:
         """Replay the (bucket, bound) graph over the buffers as they are: logits [rows, vocab] float32."""

@@ -1,8 +1,25 @@
 """LLMEngine: the synchronous engine. Load the model, size the KV pool, then `step()` forever:
 
     scheduler_output = scheduler.schedule()
-    runner_output = runner.execute(scheduler_output)
-    scheduler.update(scheduler_output, runner_output)   -> detokenize, stop strings, RequestOutputs
+    launched = runner.launch(scheduler_output, previous=in_flight)   # enqueued on the device
+    runner_output = in_flight.result()                               # waits for the previous step
+    scheduler.update(in_flight.scheduler_output, runner_output)      -> detokenize, stop strings, outputs
+    in_flight = launched
+
+Async scheduling (`EngineConfig.async_scheduling`, on by default): at most one step is in flight.
+While the device runs step N, the host schedules and launches step N+1 (its decodes read N's
+sampled tokens on the device), and only then waits for N's tokens and applies them exactly as a
+synchronous step would, so the host's per-step work hides behind the device's. Outputs therefore
+come one `step()` call after the step that computed them; `has_unfinished_requests()` stays true
+while a step is in flight, and a last call with nothing to schedule only applies it. A request
+that step N finishes (EOS, stop token or string, max_tokens, abort, error) may already be in step
+N+1; that result is discarded. Its blocks are freed at once: all device work runs on one stream,
+so a later step that reuses them runs after N+1. Without async scheduling (or when a request in
+the step in flight has penalties, which read its output tokens on the host), the step in flight
+is applied before the next one is scheduled. Tokens, logprobs, finish reasons and usage are the
+same either way; which step a request runs in may differ (a request finishing at N still holds
+its place while N+1 is scheduled), and so may its prefix-cache hits when a request it shares a
+prefix with computes those blocks in the step just before its admission.
 
 Start-up: load the model (quantized at load time when `quantization` is set), choose the attention
 backend, measure the largest step to size the KV pool, allocate it, then capture the decode CUDA
@@ -11,6 +28,9 @@ graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
 Every step is exception-safe: a failed forward fails the requests of that step alone (finish
 reason "error", blocks freed) and the next step goes on; a request whose detokenization fails
 fails alone. Bad input is refused when the request is made (`make_request_group`), never in a step.
+With a step in flight, a step whose launch fails is reported after the step in flight is applied
+(its requests keep the tokens that step gave them, then fail); an abort finishes the request at
+once and discards what the step in flight computed for it.
 
 Not thread-safe: `LLM` calls it from one thread, `AsyncEngine` from its engine thread. Only
 `make_request_group` (validation and tokenization) may run on another thread.
@@ -28,12 +48,13 @@ import torch
 from core.config import EngineConfig
 from core.engine.backends import choose_attention_backend, kernel_summary
 from core.engine.cuda_graphs import PaddedStepRunner
+from core.engine.inflight import InflightStep
 from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from core.engine.model_runner import ModelRunner, warmup_requests
 from core.engine.output_processor import OutputProcessor, RequestGroup
 from core.engine.outputs import RequestOutput
 from core.engine.request import Request, RequestStatus
-from core.engine.sampler import make_generator
+from core.engine.sampler import make_generator, reads_output_tokens
 from core.engine.sampling_params import SamplingParams
 from core.engine.scheduler import Scheduler
 from core.engine.stats import IterationStats
@@ -140,6 +161,7 @@ class LLMEngine:
             max_waiting_requests=config.max_waiting_requests, max_model_len=self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_stats = IterationStats()  # finishes outside a step (aborts), reported by the next
+        self._inflight: InflightStep | None = None  # launched, not applied yet (async scheduling)
         self._ids = itertools.count()
 
     def _make_kv_cache(self, num_blocks: int) -> KVCache:
@@ -287,38 +309,63 @@ class LLMEngine:
         return self.output_processor.make_outputs(aborted or group.samples, self._pending_stats)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is queued or running, or a step's outputs are still to come."""
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # The step ------------------------------------------------------------------------------------
 
     def step(self) -> tuple[list[RequestOutput], IterationStats]:
+        """Schedule and launch the next step, then apply the step in flight (async scheduling) or the
+        one just launched. -> the outputs of the requests the applied step (and aborts, failures) touched."""
         stats, self._pending_stats = self._pending_stats, IterationStats()
         touched: list[Request] = []
+        if self._inflight is not None and not self._may_overlap(self._inflight):
+            touched += self._apply_inflight(stats)
+        launched, failed, failure = None, None, None
         try:
             scheduler_output = self.scheduler.schedule()
         except Exception as err:  # an engine bug must not kill the loop; fail what was running
-            logger.exception("scheduling failed; failing the %d running requests", self.scheduler.num_running)
-            touched += self._fail(list(self.scheduler.running), err)
-            scheduler_output = None
+            logger.exception("scheduling failed; failing the running requests")
+            scheduler_output, failure = None, err
         if scheduler_output is not None:
             touched += scheduler_output.failed
             stats.num_preemptions = len(scheduler_output.preempted)
             stats.prefix_cache_queries = scheduler_output.prefix_cache_queries
             stats.prefix_cache_hits = scheduler_output.prefix_cache_hits
             if not scheduler_output.is_empty:
-                touched += self._run(scheduler_output, stats)
+                try:
+                    launched = self.runner.launch(scheduler_output, self._inflight)
+                except Exception as err:  # fail this step's requests only; the engine goes on
+                    failed, failure = [chunk.request for chunk in scheduler_output.chunks], err
+                    logger.exception("a step of %d requests failed; failing them", len(failed))
+        if self._inflight is not None:  # before any failure, so its requests keep what it computed
+            touched += self._apply_inflight(stats)
+        if failure is not None:  # a failed launch fails its requests; a failed schedule, every running one
+            touched += self._fail(list(self.scheduler.running) if failed is None else failed, failure)
+        self._inflight = launched
+        if launched is not None and not self.config.async_scheduling:
+            touched += self._apply_inflight(stats)
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.scheduler.kv.usage
         return self.output_processor.make_outputs(touched, stats), stats
 
-    def _run(self, scheduler_output, stats: IterationStats) -> list[Request]:
+    @staticmethod
+    def _may_overlap(inflight: InflightStep) -> bool:
+        """Whether the next step may be launched before `inflight` is applied: not when one of its
+        requests samples with penalties, which read its output tokens (the pending one too) on the host."""
+        return not any(reads_output_tokens(chunk.request.params) for chunk in inflight.sampling_chunks)
+
+    def _apply_inflight(self, stats: IterationStats) -> list[Request]:
+        """Wait for the step in flight's tokens and apply them as a synchronous step would."""
+        inflight, self._inflight = self._inflight, None
+        scheduler_output = inflight.scheduler_output
         requests = [chunk.request for chunk in scheduler_output.chunks]
-        new_prompt_tokens = sum(  # prompt tokens computed for the first time
-            max(0, min(c.seq_len, c.request.num_prompt_tokens) - c.request.max_computed_prompt_tokens)
-            for c in scheduler_output.chunks)
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = inflight.result()
+            new_prompt_tokens = sum(  # prompt tokens computed for the first time
+                max(0, min(c.seq_len, c.request.num_prompt_tokens) - c.request.max_computed_prompt_tokens)
+                for c in scheduler_output.chunks if c.request.status is RequestStatus.RUNNING)
             sampled = self.scheduler.update(scheduler_output, runner_output)
         except Exception as err:  # fail this step's requests only; the engine goes on
             logger.exception("a step of %d requests failed; failing them", len(requests))

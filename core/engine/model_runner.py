@@ -1,15 +1,19 @@
 """ModelRunner: owns the tensors of a step. SchedulerOutput in, sampled tokens out.
 
+`launch(scheduler_output, previous)` enqueues a whole step on the device and returns an
+InflightStep (core/engine/inflight.py) without waiting for it; `execute` launches and waits.
 Per step:
 1. `prepare_inputs` orders the chunks decodes first (query length 1, what AttentionMetadata
    expects), then fills host buffers (pinned on CUDA, allocated once at the largest step size)
    with input ids, positions, slot mapping, block tables, and copies them to the device
    non_blocking. All input preparation lives here, so persistent device buffers (CUDA graphs)
-   can be added in one place.
+   can be added in one place. A decode whose input token is still pending (sampled by the
+   `previous` step, in flight: async scheduling) gets it on the device, scattered from that
+   step's sampled tokens into the copied input ids.
 2. `model.forward` over the flat batch; the hidden rows of each sampling chunk's last token go
    through `compute_logits` (a prefill chunk that stops short of the prompt's end samples nothing).
-3. The sampler draws one token per sampling chunk; its `.tolist()` is the step's one GPU->CPU sync
-   (plus one for logprobs when a request asked for them).
+3. The sampler draws one token per sampling chunk on the device and starts copying the tokens
+   (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync.
 
 Steps that fit a token bucket (decodes, and mixed or prefill steps whose per-token attention stays
 cheap) can instead go to a PaddedStepRunner (core/engine/cuda_graphs.py), which pads them to a
@@ -26,6 +30,7 @@ import torch
 
 from core.attention.metadata import AttentionMetadata
 from core.engine.cuda_graphs import PaddedStepRunner
+from core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens
 from core.engine.request import Request
 from core.engine.sampler import Sampler, SamplingRow
 from core.engine.sampling_params import SamplingParams
@@ -51,7 +56,8 @@ class _HostBuffers:
             tensor = torch.zeros(shape, dtype=dtype, pin_memory=pin)
             return tensor, tensor.numpy()
 
-        self.input_ids, self.input_ids_np = make(max_tokens, torch.int64)
+        # The input ids, then room for the fill index of pending tokens (inflight.stage_pending_tokens).
+        self.input_ids, self.input_ids_np = make(max_tokens + 2 * max_requests, torch.int64)
         self.positions, self.positions_np = make(max_tokens, torch.int64)
         self.slot_mapping, self.slot_mapping_np = make(max_tokens, torch.int64)
         self.query_start_loc, self.query_start_loc_np = make(max_requests + 1, torch.int32)
@@ -78,39 +84,31 @@ class ModelRunner:
         # step that samples nothing has no sync that would order the copies before the next fill.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.step_runner is not None and self.step_runner.serves(scheduler_output.chunks):
-            return self._execute_padded(scheduler_output.chunks)
-        inputs = self.prepare_inputs(scheduler_output)
-        # [T, hidden]
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
-        if not inputs.sampling_chunks:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, vocab] float32
-        return self._sample(logits, inputs.sampling_chunks)
+        """Run one step and wait for its sampled tokens (warm-up, tests; the engine launches)."""
+        return self.launch(scheduler_output).result()
 
-    def _execute_padded(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        logits = self.step_runner.run(chunks)  # [n, vocab] float32, row i for chunks[i]
-        sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
-        if not sampling:
-            return ModelRunnerOutput()
-        if len(sampling) < len(chunks):
-            logits = logits[sampling]
-        return self._sample(logits, [chunks[i] for i in sampling])
-
-    def _sample(self, logits: torch.Tensor, sampling_chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        """logits [N, vocab] float32, row i for sampling_chunks[i] -> their sampled tokens."""
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
+        """Enqueue the step (inputs, forward, logits, sampling) without waiting for the device.
+        `previous`: the step in flight, whose sampled tokens are this step's pending input tokens."""
+        chunks = scheduler_output.chunks
+        if self.step_runner is not None and self.step_runner.serves(chunks):
+            logits = self.step_runner.run(chunks, previous)  # [n, vocab] float32, the sampling chunks'
+            sampling_chunks = [chunk for chunk in chunks if chunk.sample]
+        else:
+            inputs = self.prepare_inputs(scheduler_output, previous)
+            # [T, hidden]
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
+            sampling_chunks = inputs.sampling_chunks
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if sampling_chunks else None
+        if not sampling_chunks:
+            return InflightStep(scheduler_output, [], None)
         rows = [sampling_row(chunk.request) for chunk in sampling_chunks]
-        sampled = self.sampler.sample(logits, rows)
-        out = ModelRunnerOutput()
-        for chunk, token_id, logprob in zip(sampling_chunks, sampled.token_ids, sampled.logprobs):
-            out.sampled_token_ids[chunk.request_id] = token_id
-            if logprob is not None:
-                out.logprobs[chunk.request_id] = logprob
-        return out
+        return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows))
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, scheduler_output: SchedulerOutput,
+                       previous: InflightStep | None = None) -> StepInputs:
         chunks = sorted(scheduler_output.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
         host, bs = self._host, self.block_size
         if self._inputs_copied is not None:
@@ -120,6 +118,7 @@ class ModelRunner:
         max_blocks = max(cdiv(c.seq_len, bs) for c in chunks)
         host.block_tables_np[:num_requests, :max_blocks] = 0
         query_lens, seq_lens, sampling_chunks = [], [], []
+        pending: list[tuple[int, str]] = []  # (input row, request id) of pending input tokens
         token = 0
         host.query_start_loc_np[0] = 0
         for i, chunk in enumerate(chunks):
@@ -127,7 +126,10 @@ class ModelRunner:
             table = chunk.block_table[:cdiv(start + n, bs)]
             host.block_tables_np[i, :len(table)] = table
             if n == 1:
-                host.input_ids_np[token] = chunk.request.all_token_ids[start]
+                if start < chunk.request.num_tokens:
+                    host.input_ids_np[token] = chunk.request.all_token_ids[start]
+                else:  # the previous step samples it: filled on the device below
+                    pending.append((token, chunk.request_id))
                 host.positions_np[token] = start
                 host.slot_mapping_np[token] = table[start // bs] * bs + start % bs
             else:
@@ -156,8 +158,12 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+        num_index = stage_pending_tokens(host.input_ids_np[token:], pending, previous)
+        ids_and_index = self._to_device(host.input_ids[:token + num_index])  # one copy for both
+        if num_index:
+            fill_pending_tokens(ids_and_index[:token], ids_and_index[token:], previous)
         inputs = StepInputs(
-            input_ids=self._to_device(host.input_ids[:token]),
+            input_ids=ids_and_index[:token],
             positions=self._to_device(host.positions[:token]),
             attn_metadata=metadata,
             logits_indices=self._to_device(host.logits_indices[:len(sampling_chunks)]),

@@ -5,6 +5,12 @@ There is no prefill phase: a request is `num_computed_tokens` catching up to `nu
 the logits of that token are sampled and the new token is appended. Preemption drops the computed
 K/V (`num_computed_tokens = 0`) and the same loop recomputes prompt and generated tokens.
 
+With async scheduling the next step is scheduled while the previous one still runs, so two counts
+cover what is launched but not yet applied: `num_inflight_tokens` (positions a launched step
+computes) and `num_pending_tokens` (tokens it samples, whose values the host does not know yet;
+the next step reads them on the device). `num_computed_tokens` and the token lists change only
+when a step is applied (Scheduler.update), so the prefix cache hashes only known tokens.
+
 With `SamplingParams.n > 1` the engine makes n Requests (`sample_index` 0..n-1) sharing one
 `parent_id`; the later siblings wait for the first one's prompt blocks to land in the prefix cache
 (`wait_for`), so they share those blocks instead of computing them again.
@@ -57,7 +63,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, what the model computes
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # K/V computed by applied steps
+        self.num_inflight_tokens = 0  # positions after those that launched, unapplied steps compute
+        self.num_pending_tokens = 0  # tokens launched steps sample, not appended yet (0, 1; 2 briefly)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
         self.max_computed_prompt_tokens = 0  # high-water mark, so recomputed prompt tokens are counted once
         self.block_hashes: list[int] = []  # chained hashes of the full prompt blocks, set by the KV manager
@@ -72,6 +80,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def next_position(self) -> int:
+        """The first position no step has computed or is computing."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_missing_tokens(self) -> int:
+        """Positions still to compute, counting the pending tokens (placed after the known ones)."""
+        return self.num_tokens + self.num_pending_tokens - self.next_position
 
     @property
     def num_prompt_tokens(self) -> int:

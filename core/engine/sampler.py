@@ -22,9 +22,17 @@ call in which the row is sampled (not for greedy rows), so a request's n-th toke
 its own logits and its seed, whatever else is in the batch. Pass a row only when its token will be
 kept; if a row's token is to be discarded (e.g. a partial prefill chunk), save `generator.get_state()`
 before and restore it after. For `n > 1` give each sample its own seed (`seed + index`, as vLLM).
+(With async scheduling a request that finishes on its token's value may be sampled once more in the
+step already launched; that token is discarded, and no kept token depends on the draw.)
 
-Host transfers: one device->host copy of the sampled ids per call, plus one for the logprobs of
-the rows that asked for them. The per-row parameters go host->device in one small copy.
+Host transfers: `sample` never waits for the device, so the engine can launch it and go on (async
+scheduling). It returns a SamplerOutput whose `sampled` ids stay on the device (the next step's
+inputs read them there) while a copy to pinned host memory runs in the background, the logprobs
+of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that copy when
+first read. The per-row parameters go host->device in small non-blocking copies.
+
+Penalties read the rows' output tokens on the host (`reads_output_tokens`): a step with such a row
+can only be launched once the previous step's tokens are applied.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from core.engine.inflight import HostCopy, to_device
 from core.engine.outputs import TokenLogprob
 from core.engine.sampling_params import SamplingParams
 
@@ -52,10 +62,37 @@ class SamplingRow:
     generator: torch.Generator | None = None  # from make_generator; None for unseeded requests
 
 
-@dataclass
 class SamplerOutput:
-    token_ids: list[int]  # [N], one per row
-    logprobs: list[TokenLogprob | None]  # [N]; None for rows whose params.logprobs is None
+    """One call's tokens: `sampled` on the device at once, `token_ids` and `logprobs` on the host
+    when first read (waiting for the copy started at construction)."""
+
+    def __init__(self, sampled: torch.Tensor, logprob_table: torch.Tensor | None,
+                 num_top: list[int | None]) -> None:
+        """sampled: [N] int64; logprob_table: [L, 2 + 2K] float64 for the L rows whose num_top is
+        not None (see `_logprob_table`); num_top: [N], each row's params.logprobs."""
+        self.sampled = sampled
+        self._num_top = num_top
+        self._copy = HostCopy([sampled] if logprob_table is None else [sampled, logprob_table])
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        """[N], one per row."""
+        return self._copy.get()[0].tolist()
+
+    @cached_property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        """[N]; None for rows whose params.logprobs is None."""
+        logprobs: list[TokenLogprob | None] = [None] * len(self._num_top)
+        copied = self._copy.get()
+        if len(copied) == 1:
+            return logprobs
+        table = copied[1].tolist()
+        max_top = (len(table[0]) - 2) // 2
+        rows = [i for i, num_top in enumerate(self._num_top) if num_top is not None]
+        for row, values in zip(rows, table):
+            top = [(int(values[2 + max_top + j]), values[2 + j]) for j in range(self._num_top[row])]
+            logprobs[row] = TokenLogprob(token_id=int(values[0]), logprob=values[1], top=top)
+        return logprobs
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -74,14 +111,27 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
+def reads_output_tokens(params: SamplingParams) -> bool:
+    """Whether sampling the row reads its output tokens on the host (penalties)."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"sampler: logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None  # [L, V]
+        num_top = [row.params.logprobs for row in rows]
+        logprob_rows = [i for i, n in enumerate(num_top) if n is not None]
+        logprob_index = None  # [L] on the device; None when every row asked (no gather needed)
+        if logprob_rows and len(logprob_rows) < len(rows):
+            logprob_index = to_device(logprob_rows, torch.int64, logits.device)
+        raw_logprobs = None  # [L, V]
+        if logprob_rows:
+            chosen_logits = logits if logprob_index is None else logits.index_select(0, logprob_index)
+            raw_logprobs = torch.log_softmax(chosen_logits, dim=-1)
 
         logits = apply_penalties(logits, rows)
         greedy = [_is_greedy(row.params) for row in rows]
@@ -90,29 +140,24 @@ class Sampler:
         else:
             token_ids = _sample_random(logits, rows, greedy)
 
-        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        table = None
         if raw_logprobs is not None:
-            _fill_logprobs(logprobs, raw_logprobs, token_ids, rows, logprob_rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            chosen_ids = token_ids if logprob_index is None else token_ids.index_select(0, logprob_index)
+            table = _logprob_table(raw_logprobs, chosen_ids, max(num_top[i] for i in logprob_rows))
+        return SamplerOutput(token_ids, table, num_top)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Returns new logits [N, V] with the penalties applied to the rows that have any."""
-    penalized = [
-        i for i, row in enumerate(rows)
-        if row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0.0
-        or row.params.frequency_penalty != 0.0
-    ]
+    penalized = [i for i, row in enumerate(rows) if reads_output_tokens(row.params)]
     if not penalized:
         return logits
     device, vocab_size = logits.device, logits.shape[1]
-    index = torch.tensor(penalized, device=device)
+    index = to_device(penalized, torch.int64, device)
     params = [rows[i].params for i in penalized]
     # [P, 3]: repetition, frequency, presence; one host->device copy.
-    factors = torch.tensor(
-        [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
-        dtype=torch.float32,
-    ).to(device)
+    factors = to_device([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+                        torch.float32, device)
     output_counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab_size, device)  # [P, V]
     sub = logits[index]  # [P, V]
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -130,12 +175,13 @@ def _token_counts(histories: list[list[int]], vocab_size: int, device: torch.dev
 
     Ids must be < V: the engine checks prompt ids at admission (on CUDA a bad id is a device assert).
     """
-    lengths = torch.tensor([len(h) for h in histories])
-    flat_tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64)
-    row_of_token = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+    flat_tokens = list(itertools.chain.from_iterable(histories))
+    row_of_token = [row for row, history in enumerate(histories) for _ in history]
+    # [2, total]: one host->device copy of both indices.
+    index = to_device([row_of_token, flat_tokens], torch.int64, device)
     counts = torch.zeros(len(histories), vocab_size, dtype=torch.float32, device=device)
-    ones = torch.ones(flat_tokens.shape[0], dtype=torch.float32, device=device)
-    counts.index_put_((row_of_token.to(device), flat_tokens.to(device)), ones, accumulate=True)
+    ones = torch.ones(len(flat_tokens), dtype=torch.float32, device=device)
+    counts.index_put_((index[0], index[1]), ones, accumulate=True)
     return counts
 
 
@@ -144,7 +190,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[b
     device, vocab_size = logits.device, logits.shape[1]
     # [N, 5]: temperature (1 for greedy rows, so their division is harmless), top_p, top_k
     # (V when off; exact in float32 below 2**24), log(min_p), greedy flag. One host->device copy.
-    settings = torch.tensor(
+    settings = to_device(
         [
             (
                 1.0 if is_greedy else row.params.temperature,
@@ -155,8 +201,9 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[b
             )
             for row, is_greedy in zip(rows, greedy)
         ],
-        dtype=torch.float32,
-    ).to(device)
+        torch.float32,
+        device,
+    )
     scaled = logits / settings[:, 0:1]  # [N, V]
 
     if any(row.params.min_p > 0 for row in rows):
@@ -193,22 +240,10 @@ def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return scaled.masked_fill(outside_by_token, -math.inf)
 
 
-def _fill_logprobs(
-    logprobs: list[TokenLogprob | None],
-    raw_logprobs: torch.Tensor,
-    token_ids: torch.Tensor,
-    rows: list[SamplingRow],
-    logprob_rows: list[int],
-) -> None:
-    """Writes TokenLogprob entries for logprob_rows; raw_logprobs: [L, V] in logprob_rows order."""
-    device = raw_logprobs.device
-    chosen_ids = token_ids[torch.tensor(logprob_rows, device=device)]  # [L]
+def _logprob_table(raw_logprobs: torch.Tensor, chosen_ids: torch.Tensor, max_top: int) -> torch.Tensor:
+    """raw_logprobs [L, V], chosen_ids [L] -> [L, 2 + 2 * max_top] float64 rows: chosen id, its
+    logprob, the top max_top logprobs (best first), their ids. One table, so one device->host copy;
+    float64 holds the float32 logprobs and the token ids exactly."""
     chosen = raw_logprobs.gather(1, chosen_ids[:, None])  # [L, 1]
-    max_top = max(rows[i].params.logprobs for i in logprob_rows)
     top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)  # [L, K], best first
-    # One device->host copy: float64 holds the float32 logprobs and the token ids exactly.
-    packed = torch.cat([t.double() for t in (chosen_ids[:, None], chosen, top_values, top_ids)], dim=1)
-    for row_index, values in zip(logprob_rows, packed.tolist()):
-        num_top = rows[row_index].params.logprobs
-        top = [(int(values[2 + max_top + j]), values[2 + j]) for j in range(num_top)]
-        logprobs[row_index] = TokenLogprob(token_id=int(values[0]), logprob=values[1], top=top)
+    return torch.cat([t.double() for t in (chosen_ids[:, None], chosen, top_values, top_ids)], dim=1)

@@ -16,6 +16,18 @@ So prefill chunks and decodes of different requests share one flat batch.
 `update` then advances `num_computed_tokens`, appends sampled tokens and applies the stop rules
 that need no text (EOS, stop token ids, max_tokens, max_model_len); stop strings are the
 detokenizer's, applied by the engine through `finish_requests`.
+
+Async scheduling (LLMEngine): `schedule` may run again before the previous output is applied.
+Each chunk counts its tokens into the request's `num_inflight_tokens` and, if it samples, one
+`num_pending_tokens` (Request), and the next schedule starts after them: a request whose step is
+in flight decodes its pending token next. A request whose pending token already reaches
+max_tokens or max_model_len is not scheduled (it finishes when that token is applied); one that
+stops on a token's value (EOS, stop ids, stop strings, abort) may be scheduled once more, and
+`update` skips its chunk. Preemption keeps the pending token: the request's K/V are dropped
+either way, and `update` appends the token as a synchronous step would have, before the
+preemption (so seeded requests draw exactly as they would synchronously); it cannot be admitted
+again before that, because a schedule that preempts admits nobody and at most one step is in
+flight.
 """
 
 from __future__ import annotations
@@ -81,8 +93,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            if self._awaits_last_token(request):
+                index += 1
+                continue
+            num_new = min(request.num_missing_tokens, budget)
+            # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
+            while not self.kv.allocate_slots(request, request.num_inflight_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -147,35 +163,48 @@ class Scheduler:
             return False
         return True
 
+    def _awaits_last_token(self, request: Request) -> bool:
+        """Its pending token reaches max_tokens or max_model_len: no step after it can be kept."""
+        pending = request.num_pending_tokens
+        return pending > 0 and (request.num_output_tokens + pending >= request.params.max_tokens
+                                or request.num_tokens + pending >= self.max_model_len)
+
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        return ScheduledChunk(request=request, start_pos=start, num_tokens=num_new,
-                              block_table=self.kv.block_table(request.request_id),
-                              sample=start + num_new == request.num_tokens)
+        chunk = ScheduledChunk(request=request, start_pos=request.next_position, num_tokens=num_new,
+                               block_table=self.kv.block_table(request.request_id),
+                               sample=num_new == request.num_missing_tokens)
+        request.num_inflight_tokens += num_new
+        request.num_pending_tokens += int(chunk.sample)
+        return chunk
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0  # its in-flight K/V are dropped; a pending token is still applied
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Apply a finished forward: advance computed tokens, append sampled ones, stop finished requests.
-        Returns the requests that got a new token, in chunk order."""
+        Returns the requests that got a new token, in chunk order. A chunk of a request finished since
+        it was scheduled is skipped; one of a request preempted since only appends its sampled token."""
         sampled: list[Request] = []
         finished = False
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += chunk.num_tokens
-            computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
-            request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, computed_prompt)
-            self.kv.cache_computed_blocks(request)
+            if request.status is RequestStatus.RUNNING:
+                request.num_inflight_tokens -= chunk.num_tokens
+                request.num_computed_tokens += chunk.num_tokens
+                computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
+                request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, computed_prompt)
+                self.kv.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
+            request.num_pending_tokens -= 1
             token_id = runner_output.sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
             if request.logprobs is not None:
@@ -239,6 +268,9 @@ class Scheduler:
         assert len(self.running) + len(self.waiting) == len(self.requests), "a request is lost or duplicated"
         for request in self.waiting:
             assert not self.kv.block_table(request.request_id), f"waiting {request} holds blocks"
+            assert request.num_inflight_tokens == request.num_pending_tokens == 0, f"{request} waits in flight"
         for request in self.running:
             table = self.kv.block_table(request.request_id)
-            assert len(table) >= self.kv.blocks_needed(request.num_computed_tokens), f"{request} lacks blocks"
+            assert len(table) >= self.kv.blocks_needed(request.next_position), f"{request} lacks blocks"
+            assert request.num_pending_tokens <= 1, f"{request} has more than one step in flight"
+            assert request.num_missing_tokens >= 0, f"{request} is scheduled past its tokens"
