@@ -9,6 +9,7 @@ import typer
 
 from deepinfer_cli.errors import fail
 from deepinfer_cli.options import (
+    AsyncSchedulingOpt,
     AttentionBackendOpt,
     BlockSizeOpt,
     DeviceOpt,
@@ -71,6 +72,7 @@ def concurrency(
     kv_cache_memory: KvCacheMemoryOpt = None,
     max_vram: MaxVramOpt = None,
     enforce_eager: EnforceEagerOpt = False,
+    async_scheduling: AsyncSchedulingOpt = True,
     attention_backend: AttentionBackendOpt = "auto",
     seed: SeedOpt = 0,
     verbose: VerboseOpt = False,
@@ -88,6 +90,7 @@ def concurrency(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
         kv_cache_memory=kv_cache_memory, max_vram=max_vram, enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
         attention_backend=attention_backend, seed=seed)
     workload = ConcurrencyWorkload(
         concurrency_levels=_int_list(concurrency_levels, "--concurrency"), prompt_len=prompt_len,
@@ -135,6 +138,7 @@ def jitter(
     kv_cache_memory: KvCacheMemoryOpt = None,
     max_vram: MaxVramOpt = None,
     enforce_eager: EnforceEagerOpt = False,
+    async_scheduling: AsyncSchedulingOpt = True,
     attention_backend: AttentionBackendOpt = "auto",
     seed: SeedOpt = 0,
     verbose: VerboseOpt = False,
@@ -151,6 +155,7 @@ def jitter(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budgets), max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
         kv_cache_memory=kv_cache_memory, max_vram=max_vram, enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
         attention_backend=attention_backend, seed=seed)
     workload = JitterWorkload(
         token_budgets=budgets, long_prompt_len=long_prompt_len, long_output_len=long_output_len,

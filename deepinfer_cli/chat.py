@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from deepinfer_cli.options import (
+    AsyncSchedulingOpt,
     BlockSizeOpt,
     DeviceOpt,
     DtypeOpt,
@@ -42,6 +43,7 @@ def chat(
     block_size: BlockSizeOpt = 16,
     max_model_len: MaxModelLenOpt = None,
     max_vram: MaxVramOpt = None,
+    async_scheduling: AsyncSchedulingOpt = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show engine logs.")] = False,
 ) -> None:
     """Chat with a model (default: SmolLM2-135M-Instruct, fetched once into the user cache)."""
@@ -50,7 +52,7 @@ def chat(
 
     config = engine_config(model=model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
                            block_size=block_size, max_model_len=max_model_len, max_vram=max_vram,
-                           max_num_seqs=4)
+                           async_scheduling=async_scheduling, max_num_seqs=4)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     asyncio.run(_run(config, params, prompt, system))
 

@@ -30,6 +30,10 @@ MaxVramOpt = Annotated[str | None, typer.Option(
 PrefixCachingOpt = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching", help="Share full prompt blocks between requests.")]
 EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Never use CUDA graphs.")]
+AsyncSchedulingOpt = Annotated[bool, typer.Option(
+    "--async-scheduling/--no-async-scheduling",
+    help="Schedule and launch each step while the previous one still runs on the device, hiding the "
+         "host's per-step work (same tokens; outputs come one step later).")]
 AttentionBackendOpt = Annotated[str, typer.Option("--attention-backend", help="auto | torch | native.")]
 DummyWeightsOpt = Annotated[bool, typer.Option("--dummy-weights", help="Random weights (benchmarks).")]
 ShapeOpt = Annotated[str | None, typer.Option("--shape", help="configs/shapes/NAME.json for --dummy-weights.")]

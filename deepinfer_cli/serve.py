@@ -14,6 +14,7 @@ import typer
 
 from deepinfer_cli.errors import fail
 from deepinfer_cli.options import (
+    AsyncSchedulingOpt,
     AttentionBackendOpt,
     BlockSizeOpt,
     DeviceOpt,
@@ -70,6 +71,7 @@ def serve(
     prefix_caching: PrefixCachingOpt = True,
     max_waiting_requests: MaxWaitingOpt = 1024,
     enforce_eager: EnforceEagerOpt = False,
+    async_scheduling: AsyncSchedulingOpt = True,
     attention_backend: AttentionBackendOpt = "auto",
     dummy_weights: DummyWeightsOpt = False,
     shape: ShapeOpt = None,
@@ -91,7 +93,7 @@ def serve(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
         kv_cache_memory=kv_cache_memory, max_vram=max_vram, prefix_caching=prefix_caching,
-        max_waiting_requests=max_waiting_requests, enforce_eager=enforce_eager,
+        max_waiting_requests=max_waiting_requests, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         attention_backend=attention_backend, dummy_weights=dummy_weights, shape=shape, seed=seed)
     server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                                  max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens)
