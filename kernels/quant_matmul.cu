@@ -732,14 +732,10 @@ __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
 //     128-code segment's mma sums (one group) are scaled once in fp32: acc += s * sum((q - z) x);
 //   - MODE 1 (any other zero mode or group size): pairs are dequantized to W = q * s + b in DT first, as in
 //     the other kernels, and the mma accumulates across segments.
-// CTA = 8 warps = (8 / kparts) row tiles of 16 rows x kparts K-parts: warp w takes tile w / kparts and the
-// segments w % kparts, + kparts, ... of K. Weights stream through a ring of TC_STAGES segments per warp in
-// shared memory (cp.async, 16 B per thread and row; a thread reads back only the bytes it copied itself, so
-// no barrier is needed), which keeps TC_STAGES - 1 segments (1 KiB each) per warp in flight while it
-// computes; their scales and zero points ride along in registers. The K-parts' sums meet in shared memory.
-// (A first version held its segments in registers: ~120 registers and at most 4 KiB per warp in flight,
-// which left the long-K products latency-bound: kernels/PERFORMANCE.md.)
-constexpr int TC_WARPS = 8, TC_STAGES = 6;
+// CTA = blockDim.x / 32 warps (8 or 16) on 16 output rows, warp w taking segments w, w + WARPS, ...; each warp
+// keeps 4 segments of loads in flight (two ping-pong pairs). The warps' sums meet in shared memory.
+// CTA = 16 warps (one token tile) or 8 (more), all on the same 16 output rows.
+template <int TT> struct TcWarps { static constexpr int MAX = TT == 1 ? 16 : 8; };
 template <int SCALE_F32> struct TcScale { typedef u16 T; };
 template <> struct TcScale<1> { typedef float T; };
 
@@ -766,20 +762,26 @@ struct TcSegment {  // one 128-code segment of the thread's two rows: raw words,
   typename TcScale<SCALE_F32>::T s[2], z[2];
 };
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-  u32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
-  return address;
+template <int SCALE_F32>
+struct TcRows {  // the thread's two rows (row0, row0 + 8): chunk t of each row, scales and zeros
+  const uint4* w[2];
+  const typename TcScale<SCALE_F32>::T* s[2];
+  const typename TcScale<SCALE_F32>::T* z[2];
+};
+
+template <int SCALE_F32>
+__device__ __forceinline__ void tc_load(TcSegment<SCALE_F32>& d, const TcRows<SCALE_F32>& rows, int seg, int t,
+                                        int group_shift) {
+  // unsigned offsets: each address is one IMAD.WIDE.U32 on the row's base (signed ones cost a sign extension
+  // and a 64-bit add each)
+  const u32 chunk = (u32)seg * 4u, group = (chunk + (u32)t) >> group_shift;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    d.w[r] = __ldg(rows.w[r] + chunk);
+    d.s[r] = __ldg(rows.s[r] + group);
+    d.z[r] = __ldg(rows.z[r] + group);
+  }
 }
-
-__device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
 __device__ __forceinline__ float tc_scale_value(u16 bits) { return half_bits_to_float(bits); }
 __device__ __forceinline__ float tc_scale_value(float value) { return value; }
@@ -874,95 +876,64 @@ __device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const u16
 }
 
 template <int DT, int TT, int MODE, int SCALE_F32>
-__global__ void __launch_bounds__(32 * TC_WARPS) quant_tc_gemv_kernel(
+__global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
     const u16* __restrict__ x,          // [M, K]
     const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
     const void* __restrict__ scales,    // [N, K/G]
     const void* __restrict__ zeros,     // [N, K/G]
     const u16* __restrict__ bias,       // [N] or null
     u16* __restrict__ out,              // [M, N]
-    int M, int N, int K, int group_shift, int zero_mode, int kparts) {
+    int M, int N, int K, int group_shift, int zero_mode) {
   typedef typename TcScale<SCALE_F32>::T ST;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int tile = warp / kparts, part = warp - tile * kparts;
-  const int row0 = (blockIdx.x * (TC_WARPS / kparts) + tile) * 16 + g;
+  const int row0 = blockIdx.x * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
   const int num_segs = K >> 7, chunks_per_row = K >> 5;
   const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
-  // whole 16-row tiles: every lane of a warp agrees on whether its tile exists
-  const int my_segs = row0 < N ? (num_segs - part + kparts - 1) / kparts : 0;
-  const uint4* wrow[2];
-  const ST* srow[2];
-  const ST* zrow[2];
+  TcRows<SCALE_F32> rows;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const i64 row = row0 + 8 * r;
-    wrow[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
-    srow[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
-    zrow[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
+    rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
+    rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
+    rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
   }
-
-  __shared__ __align__(16) uint4 ring[TC_WARPS][TC_STAGES][2][32];  // [warp][slot][row g / g+8][lane]
-  ST ring_s[TC_STAGES][2], ring_z[TC_STAGES][2];  // the slots' scales and zero points (static indices only)
-  // Segment j of this warp (K segment part + j * kparts) into `slot`; one commit group per call, empty or not,
-  // so that wait_group counts stay uniform.
-  auto issue = [&](int j, int slot) {
-    if (j < my_segs) {
-      const u32 chunk = (u32)(part + j * kparts) * 4u, group = (chunk + (u32)t) >> group_shift;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        cp_async_16(&ring[warp][slot][r][lane], wrow[r] + chunk);
-        ring_s[slot][r] = __ldg(srow[r] + group);
-        ring_z[slot][r] = __ldg(zrow[r] + group);
-      }
-    }
-    cp_async_commit();
-  };
 
   float acc[TT][4];
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
-  const int tok_g = tok0 + g;
-#pragma unroll
-  for (int s = 0; s < TC_STAGES - 1; ++s) issue(s, s);
-  for (int j0 = 0; j0 < my_segs; j0 += TC_STAGES) {
-#pragma unroll
-    for (int s = 0; s < TC_STAGES; ++s) {
-      const int j = j0 + s;
-      // refill the slot segment j - 1 used (its values are in registers by now), then wait for segment j:
-      // TC_STAGES - 1 groups were committed after its own
-      issue(j + TC_STAGES - 1, (s + TC_STAGES - 1) % TC_STAGES);
-      cp_async_wait<TC_STAGES - 1>();
-      if (j < my_segs) {
-        TcSegment<SCALE_F32> d;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          d.w[r] = ring[warp][s][r][lane];
-          d.s[r] = ring_s[s][r];
-          d.z[r] = ring_z[s][r];
-        }
-        tc_step<DT, TT, MODE>(d, x, part + j * kparts, t, tok_g, M, K, zero_mode, acc);
-      }
-    }
+  // Ping-pong pairs: segments s, s + W in `a`, s + 2W, s + 3W in `b`; a pair's loads go out before the
+  // other pair's math.
+  TcSegment<SCALE_F32> a0, a1, b0, b1;
+  const int stride = warps, tok_g = tok0 + g;
+  int seg = warp;
+  if (seg < num_segs) tc_load(a0, rows, seg, t, group_shift);
+  if (seg + stride < num_segs) tc_load(a1, rows, seg + stride, t, group_shift);
+  for (; seg < num_segs; seg += 4 * stride) {
+    if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
+    if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
+    tc_step<DT, TT, MODE>(a0, x, seg, t, tok_g, M, K, zero_mode, acc);
+    if (seg + stride < num_segs) tc_step<DT, TT, MODE>(a1, x, seg + stride, t, tok_g, M, K, zero_mode, acc);
+    if (seg + 4 * stride < num_segs) tc_load(a0, rows, seg + 4 * stride, t, group_shift);
+    if (seg + 5 * stride < num_segs) tc_load(a1, rows, seg + 5 * stride, t, group_shift);
+    if (seg + 2 * stride < num_segs) tc_step<DT, TT, MODE>(b0, x, seg + 2 * stride, t, tok_g, M, K, zero_mode, acc);
+    if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, x, seg + 3 * stride, t, tok_g, M, K, zero_mode, acc);
   }
-  cp_async_wait<0>();
 
-  // The K-parts' sums: each warp writes its own into its ring (TT * 512 B of its TC_STAGES KiB), then the
-  // tile's part-0 warp adds them in part order.
-  float* mine = reinterpret_cast<float*>(&ring[warp][0][0][0]);
+  __shared__ float partial[TcWarps<TT>::MAX][TT * 4][32];
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) mine[(tt * 4 + e) * 32 + lane] = acc[tt][e];
+    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
   __syncthreads();
-  if (part != 0 || my_segs == 0) return;
+  if (warp != 0) return;
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float sum = 0.0f;
-      for (int p = 0; p < kparts; ++p) sum += reinterpret_cast<const float*>(&ring[warp + p][0][0][0])[(tt * 4 + e) * 32 + lane];
+      for (int w = 0; w < warps; ++w) sum += partial[w][tt * 4 + e][lane];
       acc[tt][e] = sum;
     }
   }

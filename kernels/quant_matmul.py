@@ -13,10 +13,9 @@ Six kernels read the same packed layout (core/quant/packed.py, passed here as pl
   along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`);
 - "staged": tensor cores, 8 to 64 tokens per weight read, 128 output rows per CTA with the tokens'
   activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K;
-- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, CTAs of 8 warps = (8 / kparts) 16-row tiles
-  x kparts K-parts (`tc_kparts`), weights streamed through a per-warp cp.async ring in shared memory
-  (`quant_tc_gemv_kernel`): ksplit's fragment layout with about half the instructions per weight byte,
-  and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves).
+- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, 16 output rows per CTA of 8 or 16 warps
+  splitting K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight
+  byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves).
 `pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
 (results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
 """
@@ -44,9 +43,7 @@ KSPLIT_ROWS_PER_CTA = 16
 TC_ROWS_PER_CTA = 16
 TC_SEGMENT = 128  # codes of K per thread-quad step of the tc kernel
 TC_MAX_TOKENS = 32  # 4 token tiles of 8
-TC_WARPS = 8  # warps per CTA of the tc kernel: (8 / kparts) row tiles x kparts K-parts
-TC_KPARTS = (1, 2, 4, 8)
-TC_WARPS_PER_SM = 16  # what two resident CTAs give (~120 registers a thread)
+TC_LONG_K = 4096  # from this many input features tc also wins at 1 and 9-32 tokens
 SPLIT_WARPS = 8  # warps per CTA of the split GEMV
 SPLIT_PARTS = (1, 2, 4, 8)  # K-parts per row pair it can take
 SPLIT_CTAS_PER_SM = 4  # CTAs per SM the split plan aims the grid at
@@ -127,14 +124,6 @@ def tc_reason(bits: int, in_features: int, out_features: int, group_size: int) -
     return None
 
 
-def tc_kparts(num_row_tiles: int, num_segments: int, num_sms: int) -> int:
-    """K-parts per 16-row tile of the tc kernel: the fewest that give every SM TC_WARPS_PER_SM warps (long K
-    segments per warp keep its cp.async ring full), at most one part per 128-code segment."""
-    allowed = [parts for parts in TC_KPARTS if parts <= max(1, num_segments)]
-    wanted = TC_WARPS_PER_SM * num_sms
-    return next((parts for parts in allowed if num_row_tiles * parts >= wanted), allowed[-1])
-
-
 def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
     """0: codes minus whole zero points, exact, and each 128-code segment's sum scaled once (a segment must
     lie in one group); 1: weights dequantized before the product, as the other kernels do."""
@@ -143,15 +132,20 @@ def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
 
 def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bits: int = 4,
                 group_size: int = 128) -> str:
-    """The kernel measured fastest for M tokens. W4 weights the tc kernel takes: tc up to 32 tokens.
-    Otherwise, one token: stream where K >= 4096 and N <= K (up to 11% faster there: its 4 chunks of
-    loads in flight per lane pay off on long rows), gemv elsewhere. 17-32 tokens: ksplit (two 16-token
-    tiles) unless the output is at least 3x the input, where staged shares its staged activations over
-    more rows (H200, results/bench_gemv_dense_w4_nvidia_h200.json: 2048x2560 at 32 tokens ksplit 10.3 us,
-    staged 16.7; 2048x22016 ksplit 52.1, staged 36.4)."""
-    if num_tokens <= TC_MAX_TOKENS and tc_reason(bits, in_features, out_features, group_size) is None:
+    """The kernel measured fastest for M tokens (H200, bf16, Qwen2.5-3B's merged shapes:
+    results/bench_gemv_tc_registers_bf16_nvidia_h200.json). W4 weights the tc kernel takes: tc at 2-8
+    tokens on every shape (2048x22016 at 4 tokens 17.7 us against ksplit 21.8; 11008x2048 9.1 against
+    13.9), and at 1 or 9-32 tokens where K >= 4096 (11008x2048: 8.6 us against stream 12.7 at one token,
+    21.9 against ksplit 23.7 at 32); elsewhere it ties gemv at one token and loses to ksplit / staged at
+    16-32. Otherwise, one token: stream where K >= 4096 and N <= K, gemv elsewhere. 17-32 tokens: ksplit
+    (two 16-token tiles) unless the output is at least 3x the input, where staged shares its staged
+    activations over more rows (2048x2560 at 32 tokens ksplit 10.3 us, staged 16.7; 2048x22016 ksplit
+    52.1, staged 36.4)."""
+    long_k = in_features >= TC_LONG_K
+    if (num_tokens <= TC_MAX_TOKENS and (long_k or 2 <= num_tokens <= 8)
+            and tc_reason(bits, in_features, out_features, group_size) is None):
         return "tc"
-    if num_tokens == 1 and in_features >= 4096 and out_features <= in_features:
+    if num_tokens == 1 and long_k and out_features <= in_features:
         return "stream"
     if 16 < num_tokens <= 32 and out_features < 3 * in_features:
         return "ksplit"
@@ -227,10 +221,9 @@ def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int
 
 
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
-          name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
-    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; for tc,
-    splits are its K-parts and `mode` its tc_mode."""
-    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode)
+          name: str, tile: int, splits: int | None) -> tuple:
+    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype."""
+    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -250,14 +243,10 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
                 splits, 0)
     elif name == "tc":
         row_tiles = out_features // TC_ROWS_PER_CTA
-        if splits is None:
-            splits = tc_kparts(row_tiles, in_features // TC_SEGMENT, _num_sms(index))
-        elif splits not in TC_KPARTS:
-            raise ValueError(f"the tc kernel takes {TC_KPARTS} K-parts, not splits={splits}")
-        tiles_per_cta = TC_WARPS // splits
-        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
-        plan = (fn, (-(-row_tiles // tiles_per_cta), (num_tokens + 8 * tile - 1) // (8 * tile), 1),
-                (32 * TC_WARPS, 1, 1), splits, 0)
+        # 16 warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)
+        warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
+        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{splits},{scale_f32}>", index)
+        plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
@@ -292,10 +281,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
     kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma"; tile: tokens per CTA
-    (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8, tc: 1/2/4); splits:
-    K splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
-    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`) or of tc (1/2/4/8, default
-    `tc_kparts`); out: a contiguous [M, N] buffer;
+    (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K
+    splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
+    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a contiguous [M, N] buffer;
     integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc kernel
     scale group sums instead of weights.
     """
@@ -315,19 +303,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     tile = tile or default_tile(name, num_tokens)
     index = device.index
     dt = _DTYPE_CODES[x.dtype]
-    mode = 0
     if name == "tc":
         reason = tc_reason(bits, in_features, out_features, group_size)
         if reason:
             raise ValueError(f"the tc kernel does not take {reason}")
-        mode = tc_mode(zero_mode, integer_zeros, group_size)
+        splits = tc_mode(zero_mode, integer_zeros, group_size)  # the plan's cache key carries the mode here
     fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
-                                                    out_features, in_features, name, tile, splits, mode)
+                                                    out_features, in_features, name, tile, splits)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
     if name == "tc":
-        sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:] + (i32(split_count),)
+        sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
     if name in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)
         return out

@@ -86,19 +86,17 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
 
 
 def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_takes: bool = True,
-                 sweep_split: bool = True, sweep_tc: bool = False) -> list[tuple[str, int | None]]:
+                 sweep_split: bool = True) -> list[tuple[str, int | None]]:
     """(kernel, K-parts or None) of each point timed at one token count: every kernel of KERNEL_MAX_TOKENS
-    that serves it (tc where `tc_takes`, with each K-part count when `sweep_tc`); the split kernel with its
-    planned K-parts, and at SPLIT_SWEEP_TOKENS with each count K allows when `sweep_split`."""
-    from kernels.quant_matmul import SPLIT_PARTS, TC_KPARTS, TC_SEGMENT
+    that serves it (tc where `tc_takes`); the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS
+    with each count K allows when `sweep_split`."""
+    from kernels.quant_matmul import SPLIT_PARTS
 
     points = []
     for kernel, most in KERNEL_MAX_TOKENS:
         if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS) or (kernel == "tc" and not tc_takes):
             continue
-        if kernel == "tc" and sweep_tc:
-            points += [(kernel, parts) for parts in TC_KPARTS if parts <= max(1, in_features // TC_SEGMENT)]
-        elif kernel != "split":
+        if kernel != "split":
             points.append((kernel, None))
         elif num_tokens == SPLIT_SWEEP_TOKENS and sweep_split:
             points += [(kernel, parts) for parts in SPLIT_PARTS if parts == 1 or 32 * parts <= in_features // 32]
@@ -108,22 +106,12 @@ def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_take
 
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
-                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5,
-                       sweep_tc: bool = True) -> list[dict]:
+                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
     """Every kernel that suits each token count (KERNEL_MAX_TOKENS), the split kernel with the K-parts its
     plan picks (and at SPLIT_SWEEP_TOKENS with every count it can take); a point whose launch fails is
     recorded with its error instead of a time."""
     from core.ops.quant_matmul import uses_dense
-    from kernels.quant_matmul import (
-        TC_ROWS_PER_CTA,
-        TC_SEGMENT,
-        default_tile,
-        pick_kernel,
-        quant_matmul,
-        split_ksplit,
-        tc_kparts,
-        tc_reason,
-    )
+    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit, tc_reason
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     records = []
@@ -135,16 +123,14 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
             for num_tokens in batches:
                 x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
-                planned = {"split": split_ksplit(out_features, in_features, num_sms),
-                           "tc": tc_kparts(out_features // TC_ROWS_PER_CTA, in_features // TC_SEGMENT, num_sms)}
+                planned = split_ksplit(out_features, in_features, num_sms)
                 tc_takes = tc_reason(bits, in_features, out_features, group_size) is None
-                for kernel, ksplit in quant_points(num_tokens, in_features, planned["split"], tc_takes,
-                                                   sweep_split=False, sweep_tc=sweep_tc):
+                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=False):
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel, ksplit)
                     point = {"in_features": in_features, "out_features": out_features, "bits": bits,
                              "tokens": num_tokens, "kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
                     if ksplit is not None:
-                        point |= {"ksplit": ksplit, "ksplit_planned": ksplit == planned[kernel]}
+                        point |= {"ksplit": ksplit, "ksplit_planned": ksplit == planned}
                     try:
                         mean_us, std_us = time_graph(launch_all, copies, repeats, device)
                     except Exception as err:  # noqa: BLE001 - one broken kernel must not end the sweep
@@ -157,8 +143,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                         "tile": 0 if kernel == "dense" else default_tile(kernel, num_tokens),
                         "auto": kernel == ("dense" if uses_dense(num_tokens, in_features, out_features)
                                            else pick_kernel(num_tokens, in_features, out_features, bits,
-                                                            group_size))
-                                and point.get("ksplit_planned", True),
+                                                            group_size)),
                         "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
                         "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
