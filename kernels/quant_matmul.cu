@@ -809,9 +809,31 @@ __device__ __forceinline__ void tc_unpack_word(u32 w, u32 lo_off, u32 hi_off, u3
 }
 
 // Multiply one loaded segment into c[tt] (MODE 0: c is this segment's own sum; MODE 1: the running sum).
-template <int DT, int TT, int MODE, int SCALE_F32>
-__device__ __forceinline__ void tc_segment(const TcSegment<SCALE_F32>& d, const u16* __restrict__ x, int seg, int t,
-                                           int tok_g, int M, int K, int zero_mode, float (&c)[TT][4]) {
+// Where a segment's activations come from, as the mma B fragments of word cw (k-steps 2cw, 2cw + 1) of token
+// tile tt: pairs (b0, b1) of k-step 2cw, then of 2cw + 1.
+struct TcGlobalX {  // read from x (tc): the thread's token g of each tile, zeros past M
+  const u16* x;
+  int seg, t, tok_g, M, K;
+  __device__ __forceinline__ uint4 get(int tt, int cw) const {
+    const uint4* xs = reinterpret_cast<const uint4*>(x + (i64)tok_g * K) + seg * 16 + t * 4;
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (tok_g + tt * 8 < M) u = __ldg(xs + (i64)tt * 8 * (K / 8) + cw);
+    // x[8cw..8cw+7] = (h0,h1) (h2,h3) (h4,h5) (h6,h7) -> pairs (h0,h4) (h1,h5) (h2,h6) (h3,h7), like the codes
+    return make_uint4(pair_of_los(u.x, u.z), pair_of_his(u.x, u.z), pair_of_los(u.y, u.w), pair_of_his(u.y, u.w));
+  }
+};
+
+template <int TT>
+struct TcStagedX {  // staged in shared memory in fragment order (tcs): xs[(s * TT + tt) * 4 + cw][lane]
+  const uint4 (*xs)[32];
+  int s, lane;
+  __device__ __forceinline__ uint4 get(int tt, int cw) const { return xs[(s * TT + tt) * 4 + cw][lane]; }
+};
+
+// Multiply one loaded segment into c[tt] (MODE 0: c is this segment's own sum; MODE 1: the running sum).
+template <int DT, int TT, int MODE, int SCALE_F32, typename XSource>
+__device__ __forceinline__ void tc_segment(const TcSegment<SCALE_F32>& d, const XSource& xsrc, int zero_mode,
+                                           float (&c)[TT][4]) {
   // per-row constants: MODE 0 -> offsets that turn magic-biased codes into q - z; MODE 1 -> q, then (s, b)
   u32 lo_off[2], hi_off[2] = {0u, 0u}, s2[2] = {0u, 0u}, b2[2] = {0u, 0u};
 #pragma unroll
@@ -834,8 +856,6 @@ __device__ __forceinline__ void tc_segment(const TcSegment<SCALE_F32>& d, const 
     }
   }
   const u32 wr[2][4] = {{d.w[0].x, d.w[0].y, d.w[0].z, d.w[0].w}, {d.w[1].x, d.w[1].y, d.w[1].z, d.w[1].w}};
-  // x[tok, 128 seg + 32 t ..] of the thread's token g of each tile (zeros past M)
-  const uint4* xs = reinterpret_cast<const uint4*>(x + (i64)tok_g * K) + seg * 16 + t * 4;
 #pragma unroll
   for (int cw = 0; cw < 4; ++cw) {  // word cw of the chunk: k-steps 2cw and 2cw + 1
     u32 a[2][4];
@@ -843,25 +863,21 @@ __device__ __forceinline__ void tc_segment(const TcSegment<SCALE_F32>& d, const 
     for (int r = 0; r < 2; ++r) tc_unpack_word<DT, MODE>(wr[r][cw], lo_off[r], hi_off[r], s2[r], b2[r], a[r]);
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) {
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);
-      if (tok_g + tt * 8 < M) u = __ldg(xs + (i64)tt * 8 * (K / 8) + cw);
-      // x[8cw..8cw+7] = (h0,h1) (h2,h3) (h4,h5) (h6,h7) -> pairs (h0,h4) (h1,h5) (h2,h6) (h3,h7), like the codes
-      const u32 x0 = pair_of_los(u.x, u.z), x1 = pair_of_his(u.x, u.z);
-      const u32 x2 = pair_of_los(u.y, u.w), x3 = pair_of_his(u.y, u.w);
-      Num<DT>::mma(c[tt], a[0][0], a[1][0], a[0][1], a[1][1], x0, x1);
-      Num<DT>::mma(c[tt], a[0][2], a[1][2], a[0][3], a[1][3], x2, x3);
+      const uint4 v = xsrc.get(tt, cw);
+      Num<DT>::mma(c[tt], a[0][0], a[1][0], a[0][1], a[1][1], v.x, v.y);
+      Num<DT>::mma(c[tt], a[0][2], a[1][2], a[0][3], a[1][3], v.z, v.w);
     }
   }
 }
 
-template <int DT, int TT, int MODE, int SCALE_F32>
-__device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const u16* __restrict__ x, int seg, int t,
-                                        int tok_g, int M, int K, int zero_mode, float (&acc)[TT][4]) {
+template <int DT, int TT, int MODE, int SCALE_F32, typename XSource>
+__device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const XSource& xsrc, int zero_mode,
+                                        float (&acc)[TT][4]) {
   if constexpr (MODE == 0) {
     float c[TT][4];
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) c[tt][0] = c[tt][1] = c[tt][2] = c[tt][3] = 0.0f;
-    tc_segment<DT, TT, MODE, SCALE_F32>(d, x, seg, t, tok_g, M, K, zero_mode, c);
+    tc_segment<DT, TT, MODE>(d, xsrc, zero_mode, c);
     const float s0 = tc_scale_value(d.s[0]), s1 = tc_scale_value(d.s[1]);
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) {  // c0, c1: row g; c2, c3: row g + 8
@@ -871,7 +887,7 @@ __device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const u16
       acc[tt][3] = fmaf(s1, c[tt][3], acc[tt][3]);
     }
   } else {
-    tc_segment<DT, TT, MODE, SCALE_F32>(d, x, seg, t, tok_g, M, K, zero_mode, acc);
+    tc_segment<DT, TT, MODE>(d, xsrc, zero_mode, acc);
   }
 }
 
@@ -907,18 +923,19 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
   // other pair's math.
   TcSegment<SCALE_F32> a0, a1, b0, b1;
   const int stride = warps, tok_g = tok0 + g;
+  auto xat = [&](int s) { return TcGlobalX{x, s, t, tok_g, M, K}; };
   int seg = warp;
   if (seg < num_segs) tc_load(a0, rows, seg, t, group_shift);
   if (seg + stride < num_segs) tc_load(a1, rows, seg + stride, t, group_shift);
   for (; seg < num_segs; seg += 4 * stride) {
     if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
     if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
-    tc_step<DT, TT, MODE>(a0, x, seg, t, tok_g, M, K, zero_mode, acc);
-    if (seg + stride < num_segs) tc_step<DT, TT, MODE>(a1, x, seg + stride, t, tok_g, M, K, zero_mode, acc);
+    tc_step<DT, TT, MODE>(a0, xat(seg), zero_mode, acc);
+    if (seg + stride < num_segs) tc_step<DT, TT, MODE>(a1, xat(seg + stride), zero_mode, acc);
     if (seg + 4 * stride < num_segs) tc_load(a0, rows, seg + 4 * stride, t, group_shift);
     if (seg + 5 * stride < num_segs) tc_load(a1, rows, seg + 5 * stride, t, group_shift);
-    if (seg + 2 * stride < num_segs) tc_step<DT, TT, MODE>(b0, x, seg + 2 * stride, t, tok_g, M, K, zero_mode, acc);
-    if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, x, seg + 3 * stride, t, tok_g, M, K, zero_mode, acc);
+    if (seg + 2 * stride < num_segs) tc_step<DT, TT, MODE>(b0, xat(seg + 2 * stride), zero_mode, acc);
+    if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, xat(seg + 3 * stride), zero_mode, acc);
   }
 
   __shared__ float partial[TcWarps<TT>::MAX][TT * 4][32];
@@ -938,4 +955,73 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
     }
   }
   store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+}
+
+// ---------------------------------------------------------------------------------------------
+// "tcs": the tc kernel's lean loads and exact (q - z) pairs for 9-32 tokens, with the staged kernel's layout:
+// CTA = 8 warps on 128 output rows (warp w: rows 16w..16w+15) sharing the activations of a K stage, staged
+// once in shared memory in mma B-fragment order (xs[(s * TT + tt) * 4 + c][lane], as quant_mma_staged_kernel
+// stages them), so the 8 warps do not each re-read and re-permute them as tc's warps do; K split across
+// CTAs (gridDim.z) with the staged kernel's split-K epilogue. Each warp keeps the next segment's loads in
+// flight while it multiplies the current one.
+template <int DT, int TT, int MODE, int SCALE_F32>
+__global__ void __launch_bounds__(256) quant_tcs_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int N, int K, int group_shift, int zero_mode, int segs_per_split) {
+  typedef typename TcScale<SCALE_F32>::T ST;
+  constexpr int WARPS = 8, SEGS = Staged<TT>::SEGS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * (16 * WARPS) + warp * 16 + g;
+  const bool rows_exist = row0 < N;  // whole 16-row tiles: the same for every lane of the warp
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int num_segs = K >> 7, chunks_per_row = K >> 5;
+  const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(num_segs, seg_begin + segs_per_split);
+  TcRows<SCALE_F32> rows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 row = rows_exist ? row0 + 8 * r : 0;
+    rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
+    rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
+    rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
+  }
+  __shared__ uint4 xs[SEGS * TT * 4][32];
+
+  float acc[TT][4];
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+  for (int stage = seg_begin; stage < seg_end; stage += SEGS) {
+    const int stage_end = min(seg_end, stage + SEGS);
+    TcSegment<SCALE_F32> cur;  // first weights in flight while the activations are staged
+    if (rows_exist) tc_load(cur, rows, stage, t, group_shift);
+    __syncthreads();  // the previous stage's readers are done with xs
+    const int items = (stage_end - stage) * TT * 32;
+    for (int item = threadIdx.x; item < items; item += 32 * WARPS) {
+      const int l = item & 31, tt = (item >> 5) % TT, s = (item >> 5) / TT;
+      const int tok = tok0 + tt * 8 + (l >> 2), kc = (stage + s) * 128 + 32 * (l & 3);
+      const bool valid = tok < M;
+      u32 xp[16];
+      load_x_pairs<DT, 4>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) xs[(s * TT + tt) * 4 + c][l] = make_uint4(xp[4 * c], xp[4 * c + 1], xp[4 * c + 2], xp[4 * c + 3]);
+    }
+    __syncthreads();
+    if (!rows_exist) continue;
+    for (int seg = stage; seg < stage_end; ++seg) {
+      TcSegment<SCALE_F32> nxt;
+      if (seg + 1 < stage_end) tc_load(nxt, rows, seg + 1, t, group_shift);
+      tc_step<DT, TT, MODE>(cur, TcStagedX<TT>{xs, seg - stage, lane}, zero_mode, acc);
+      cur = nxt;
+    }
+  }
+  reduce_splits_and_store<DT, TT>(acc, bias, out, partials, counters, row0, tok0, t, M, N);
 }

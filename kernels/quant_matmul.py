@@ -15,7 +15,9 @@ Six kernels read the same packed layout (core/quant/packed.py, passed here as pl
   activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K;
 - "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, 16 output rows per CTA of 8 or 16 warps
   splitting K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight
-  byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves).
+  byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves);
+- "tcs": tc's loads and pairs with staged's layout (128 rows per CTA, the activations of a K stage staged
+  once in shared memory, split along K), for 9-32 tokens (`quant_tcs_kernel`).
 `pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
 (results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
 """
@@ -35,7 +37,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 # 1..64 tokens: ksplit is fastest at 2-16 tokens, staged at 32 and 64 (up to 1.7x the mma kernel), and
 # mma stays for more than 64 tokens, where staged was not measured.
 AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (64, "staged"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8, "tc": 4}
+MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8, "tc": 4, "tcs": 4}
 KERNELS = tuple(MAX_TILE)
 MMA_ROWS_PER_CTA = 64
 STAGED_ROWS_PER_CTA = 128
@@ -98,8 +100,8 @@ def instantiations() -> tuple[str, ...]:
                "staged": "quant_mma_staged_kernel", "mma": "quant_mma_kernel"}
     packed_kernels = tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in tiles for dt in (0, 1)
                            for bits in (4, 3) for tile in tiles[name] for f32 in (0, 1))
-    tc = tuple(f"quant_tc_gemv_kernel<{dt},{tile},{mode},{f32}>" for dt in (0, 1) for tile in (1, 2, 4) for mode in (0, 1)
-               for f32 in (0, 1))
+    tc = tuple(f"quant_{kernel}<{dt},{tile},{mode},{f32}>" for kernel in ("tc_gemv_kernel", "tcs_kernel")
+               for dt in (0, 1) for tile in (1, 2, 4) for mode in (0, 1) for f32 in (0, 1))
     return packed_kernels + tc
 
 
@@ -221,9 +223,10 @@ def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int
 
 
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
-          name: str, tile: int, splits: int | None) -> tuple:
-    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype."""
-    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits)
+          name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
+    """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; `mode` is
+    the tc / tcs kernels' tc_mode."""
+    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -245,12 +248,21 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         row_tiles = out_features // TC_ROWS_PER_CTA
         # 16 warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)
         warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
-        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{splits},{scale_f32}>", index)
+        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
         plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
                      (num_tokens + 8 * tile - 1) // (8 * tile), 1), (256, 1, 1), 1, 0)
+    elif name == "tcs":
+        row_tiles = -(-out_features // STAGED_ROWS_PER_CTA)
+        token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
+        splits, per_split = _split_plan(in_features // TC_SEGMENT, row_tiles * token_tiles, 8 * tile * token_tiles,
+                                        in_features, index, splits)
+        if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
+            raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
+        fn = get_kernel(SOURCE, f"quant_tcs_kernel<{dt},{tile},{mode},{scale_f32}>", index)
+        plan = (fn, (row_tiles, token_tiles, splits), (256, 1, 1), splits, per_split)
     else:
         rows, threads = (STAGED_ROWS_PER_CTA, 256) if name == "staged" else (MMA_ROWS_PER_CTA, 128)
         row_tiles = (out_features + rows - 1) // rows
@@ -303,17 +315,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     tile = tile or default_tile(name, num_tokens)
     index = device.index
     dt = _DTYPE_CODES[x.dtype]
-    if name == "tc":
+    mode = 0
+    if name in ("tc", "tcs"):
         reason = tc_reason(bits, in_features, out_features, group_size)
         if reason:
-            raise ValueError(f"the tc kernel does not take {reason}")
-        splits = tc_mode(zero_mode, integer_zeros, group_size)  # the plan's cache key carries the mode here
+            raise ValueError(f"the {name} kernel does not take {reason}")
+        mode = tc_mode(zero_mode, integer_zeros, group_size)
     fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
-                                                    out_features, in_features, name, tile, splits)
+                                                    out_features, in_features, name, tile, splits, mode)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
-    if name == "tc":
+    if name in ("tc", "tcs"):
         sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
     if name in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)

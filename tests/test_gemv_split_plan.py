@@ -112,8 +112,9 @@ def test_bench_times_split_at_one_two_and_four_tokens():
     assert [p for p in quant_points(1, 4096, 4) if p[0] == "split"] == [("split", 1), ("split", 2), ("split", 4)]
     assert [p for p in quant_points(1, 14336, 8) if p[0] == "split"] == [("split", k) for k in (1, 2, 4, 8)]
     assert ("split", 2) in quant_points(2, 2048, 2) and ("split", 8) in quant_points(4, 11008, 8)
-    assert [p[0] for p in quant_points(2, 4096, 4)] == ["tc", "gemv", "stream", "split", "ksplit", "staged", "mma"]
-    assert [p[0] for p in quant_points(32, 2048, 2)] == ["tc", "ksplit", "staged", "mma", "dense"]
+    assert [p[0] for p in quant_points(2, 4096, 4)] == ["tc", "tcs", "gemv", "stream", "split", "ksplit", "staged",
+                                                          "mma"]
+    assert [p[0] for p in quant_points(32, 2048, 2)] == ["tc", "tcs", "ksplit", "staged", "mma", "dense"]
     assert [p[0] for p in quant_points(8, 2048, 2, tc_takes=False)] == ["ksplit", "staged", "mma"]  # dense from 16
     assert [p[0] for p in quant_points(33, 2048, 2)] == ["staged", "mma", "dense"]  # tc: up to 32 tokens
     assert [p for p in quant_points(1, 4096, 4, sweep_split=False) if p[0] == "split"] == [("split", 4)]

@@ -26,9 +26,9 @@ ATTENTION_BATCHES = (1, 4, 16, 64)
 ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
 ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
-# (kernel, most tokens it is timed at): the tc kernel (W4 weights it takes) up to 32, the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
+# (kernel, most tokens it is timed at): the tc and tcs kernels (W4 weights they take) up to 32, the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
 # tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel and the dense path always
-KERNEL_MAX_TOKENS = (("tc", 32), ("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64),
+KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64),
                      ("mma", 1 << 30), ("dense", 1 << 30))
 DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
 SPLIT_SWEEP_TOKENS = 1  # the split kernel is also timed at every K-part count it can take at this token count
@@ -94,7 +94,7 @@ def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_take
 
     points = []
     for kernel, most in KERNEL_MAX_TOKENS:
-        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS) or (kernel == "tc" and not tc_takes):
+        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS) or (kernel in ("tc", "tcs") and not tc_takes):
             continue
         if kernel != "split":
             points.append((kernel, None))

@@ -150,19 +150,32 @@ TC_CASES = (
     (29, 1024, 4096, 32, 4, "frac", True, False),
     (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
 )
+# The tcs kernel (tc's pairs, staged activations, split-K): the same fields.
+TCS_CASES = (
+    (9, 2560, 2048, 128, 2, "int", False, True),
+    (16, 22016, 2048, 128, 2, "int", False, False),
+    (24, 2048, 11008, 128, 4, "int", False, False),
+    (32, 2048, 2048, 128, 4, "int", True, True),
+    (32, 992, 4096, 32, 4, "frac", False, False),  # N not a multiple of 128: idle warps
+    (20, 512, 1024, 64, 4, "min", False, True),
+    (5, 16, 128, 128, 1, "int", False, False),
+    (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
+    (12, 512, 11008, 11008, 2, "int", False, False),  # per-channel
+)
 
 
-def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), cases=TC_CASES) -> list[CheckResult]:
+def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str = "tc",
+                   cases=TC_CASES) -> list[CheckResult]:
     from kernels.quant_matmul import quant_matmul
 
     results = []
     for m, n, k, g, tile, zeros_kind, f32_scales, with_bias in cases:
         for dtype in dtypes:
-            case = (f"{_DTYPE_NAMES[dtype]} W4 {zeros_kind}-zeros M={m} N={n} K={k} G={g} tc/{tile}"
+            case = (f"{_DTYPE_NAMES[dtype]} W4 {zeros_kind}-zeros M={m} N={n} K={k} G={g} {kernel}/{tile}"
                     + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
 
             def run(m=m, n=n, k=k, g=g, tile=tile, zeros_kind=zeros_kind, f32_scales=f32_scales,
-                    with_bias=with_bias, dtype=dtype, case=case):
+                    with_bias=with_bias, dtype=dtype, case=case, kernel=kernel):
                 zero_mode = "min" if zeros_kind == "min" else "zero"
                 packed = random_packed(n, k, g, 4, zero_mode, torch.float32 if f32_scales else torch.float16,
                                        device, bias_dtype=dtype if with_bias else None)
@@ -172,7 +185,7 @@ def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), cases=TC_CASE
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = _nan((m, n), dtype, device)
                 quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, g, zero_mode, packed.bias,
-                             kernel="tc", tile=tile, out=out, integer_zeros=packed.integer_zeros)
+                             kernel=kernel, tile=tile, out=out, integer_zeros=packed.integer_zeros)
                 ref = x.float() @ dequantize(packed, torch.float32).T
                 if packed.bias is not None:
                     ref = ref + packed.bias.float()
@@ -220,7 +233,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
             return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("quant_matmul", case, run_dispatch)
-    return results + check_quant_tc(device, dtypes)
+    return results + check_quant_tc(device, dtypes) + check_quant_tc(device, dtypes, "tcs", TCS_CASES)
 
 
 # ---- dequantize (the dense path of many-token products) -------------------------------------------
