@@ -135,21 +135,26 @@ def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
 def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bits: int = 4,
                 group_size: int = 128) -> str:
     """The kernel measured fastest for M tokens (H200, bf16, Qwen2.5-3B's merged shapes:
-    results/bench_gemv_tc_registers_bf16_nvidia_h200.json). W4 weights the tc kernel takes: tc at 2-8
-    tokens on every shape (2048x22016 at 4 tokens 17.7 us against ksplit 21.8; 11008x2048 9.1 against
-    13.9), and at 1 or 9-32 tokens where K >= 4096 (11008x2048: 8.6 us against stream 12.7 at one token,
-    21.9 against ksplit 23.7 at 32); elsewhere it ties gemv at one token and loses to ksplit / staged at
-    16-32. Otherwise, one token: stream where K >= 4096 and N <= K, gemv elsewhere. 17-32 tokens: ksplit
-    (two 16-token tiles) unless the output is at least 3x the input, where staged shares its staged
-    activations over more rows (2048x2560 at 32 tokens ksplit 10.3 us, staged 16.7; 2048x22016 ksplit
-    52.1, staged 36.4)."""
+    results/bench_gemv_tcs_bf16_nvidia_h200.json). W4 weights tc / tcs take, up to 32 tokens:
+    - outputs at least 3x the input (gate_up): tcs (2048x22016: 14.7 us at one token against gemv 15.4,
+      18.3 at 16 tokens against staged 27.2, 26.6 at 32 against 35.7);
+    - K >= 4096 (down): tc (11008x2048: 8.6 us at one token against stream 12.6, 22.0 at 32 against
+      ksplit 23.5);
+    - otherwise tc at 2-8 tokens (2048x2560 at 4 tokens 4.6 us against ksplit 5.3), and as below at 1 and
+      9-32 tokens, where tc ties gemv or loses to ksplit.
+    Others: one token, stream where K >= 4096 and N <= K, gemv elsewhere; 17-32 tokens, ksplit (two 16-token
+    tiles) unless the output is at least 3x the input, where staged shares its staged activations over
+    more rows; then AUTO_KERNELS by token count."""
+    wide = out_features >= 3 * in_features
     long_k = in_features >= TC_LONG_K
-    if (num_tokens <= TC_MAX_TOKENS and (long_k or 2 <= num_tokens <= 8)
-            and tc_reason(bits, in_features, out_features, group_size) is None):
-        return "tc"
+    if num_tokens <= TC_MAX_TOKENS and tc_reason(bits, in_features, out_features, group_size) is None:
+        if wide:
+            return "tcs"
+        if long_k or 2 <= num_tokens <= 8:
+            return "tc"
     if num_tokens == 1 and long_k and out_features <= in_features:
         return "stream"
-    if 16 < num_tokens <= 32 and out_features < 3 * in_features:
+    if 16 < num_tokens <= 32 and not wide:
         return "ksplit"
     return next(kernel for bound, kernel in AUTO_KERNELS if num_tokens <= bound)
 
