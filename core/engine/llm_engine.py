@@ -365,7 +365,7 @@ class LLMEngine:
             runner_output = inflight.result()
             new_prompt_tokens = sum(  # prompt tokens computed for the first time
                 max(0, min(c.seq_len, c.request.num_prompt_tokens) - c.request.max_computed_prompt_tokens)
-                for c in scheduler_output.chunks if c.request.status is RequestStatus.RUNNING)
+                for c in scheduler_output.chunks if not c.request.is_finished)
             sampled = self.scheduler.update(scheduler_output, runner_output)
         except Exception as err:  # fail this step's requests only; the engine goes on
             logger.exception("a step of %d requests failed; failing them", len(requests))

@@ -21,9 +21,10 @@ Async scheduling (LLMEngine): `schedule` may run again before the previous outpu
 Each chunk counts its tokens into the request's `num_inflight_tokens` and, if it samples, one
 `num_pending_tokens` (Request), and the next schedule starts after them: a request whose step is
 in flight decodes its pending token next. A request whose pending token already reaches
-max_tokens or max_model_len is not scheduled (it finishes when that token is applied); one that
-stops on a token's value (EOS, stop ids, stop strings, abort) may be scheduled once more, and
-`update` skips its chunk. Preemption keeps the pending token: the request's K/V are dropped
+max_tokens or max_model_len is not scheduled (it finishes when that token is applied, and its
+seat in max_num_seqs goes to a waiting request at once); one that stops on a token's value (EOS,
+stop ids, stop strings, abort) may be scheduled once more, and `update` skips its chunk.
+Preemption keeps the pending token: the request's K/V are dropped
 either way, and `update` appends the token as a synchronous step would have, before the
 preemption (so seeded requests draw exactly as they would synchronously); it cannot be admitted
 again before that, because a schedule that preempts admits nobody and at most one step is in
@@ -90,11 +91,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
 
-        index = 0
+        index, num_finishing = 0, 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if self._awaits_last_token(request):
-                index += 1
+                index, num_finishing = index + 1, num_finishing + 1
                 continue
             num_new = min(request.num_missing_tokens, budget)
             # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
@@ -111,13 +112,16 @@ class Scheduler:
             index += 1
 
         if not out.preempted:
-            budget = self._admit_waiting(out, budget, now)
+            budget = self._admit_waiting(out, budget, now, num_finishing)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, num_finishing: int) -> int:
+        """num_finishing: running requests left out of this step because the step in flight samples
+        their last token; they finish when it is applied (before the next schedule), so their seats
+        are free now."""
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) - num_finishing < self.max_num_seqs:
             request = self.waiting[0]
             if self._waits_for_sibling(request):
                 skipped.append(self.waiting.popleft())
@@ -196,11 +200,13 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:
                 continue
+            # A preempted request's K/V are gone, but its prompt tokens were computed (stats count them
+            # once, as a synchronous step would have before the preemption).
+            computed_prompt = min(chunk.seq_len, request.num_prompt_tokens)
+            request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, computed_prompt)
             if request.status is RequestStatus.RUNNING:
                 request.num_inflight_tokens -= chunk.num_tokens
                 request.num_computed_tokens += chunk.num_tokens
-                computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
-                request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, computed_prompt)
                 self.kv.cache_computed_blocks(request)
             if not chunk.sample:
                 continue
