@@ -16,10 +16,11 @@ that step N finishes (EOS, stop token or string, max_tokens, abort, error) may a
 N+1; that result is discarded. Its blocks are freed at once: all device work runs on one stream,
 so a later step that reuses them runs after N+1. Without async scheduling (or when a request in
 the step in flight has penalties, which read its output tokens on the host), the step in flight
-is applied before the next one is scheduled. Tokens, logprobs, finish reasons and usage are the
-same either way; which step a request runs in may differ (a request finishing at N still holds
-its place while N+1 is scheduled), and so may its prefix-cache hits when a request it shares a
-prefix with computes those blocks in the step just before its admission.
+is applied before the next one is scheduled. Tokens, logprobs, finish reasons, stop reasons and
+token counts are the same either way. Which step a request runs in may differ (one that stops
+on a token's value at N still holds its seat and blocks while N+1 is scheduled), and so may its
+prefix-cache hits (`num_cached_tokens`): blocks are cached when the step computing them is
+applied, so a request admitted while that step is still in flight does not find them.
 
 Start-up: load the model (quantized at load time when `quantization` is set), choose the attention
 backend, measure the largest step to size the KV pool, allocate it, then capture the decode CUDA
