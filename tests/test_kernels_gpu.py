@@ -42,6 +42,9 @@ def _assert_all_ok(results):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_quant_matmul_kernels(kernel):
+    if kernel in kernel_checks.TC_KERNEL_CASES:  # W4-only kernels, with cases of their own
+        _assert_all_ok(kernel_checks.check_quant_tc(DEVICE, kernel=kernel, cases=kernel_checks.TC_KERNEL_CASES[kernel]))
+        return
     cases = [case for case in kernel_checks.QUANT_CASES if case[4] == kernel]
     assert cases, f"no validation case for the {kernel} kernel"
     _assert_all_ok(kernel_checks.check_quant_matmul(DEVICE, cases=cases))

@@ -162,6 +162,7 @@ TCS_CASES = (
     (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
     (12, 512, 11008, 11008, 2, "int", False, False),  # per-channel
 )
+TC_KERNEL_CASES = {"tc": TC_CASES, "tcs": TCS_CASES}
 
 
 def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str = "tc",
@@ -233,7 +234,15 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
             return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("quant_matmul", case, run_dispatch)
-    return results + check_quant_tc(device, dtypes) + check_quant_tc(device, dtypes, "tcs", TCS_CASES)
+    return results
+
+
+def check_quant_matmul_all(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """Every quantized-matmul kernel's cases: QUANT_CASES, then the tc and tcs kernels' own."""
+    results = check_quant_matmul(device, dtypes)
+    for kernel, cases in TC_KERNEL_CASES.items():
+        results += check_quant_tc(device, dtypes, kernel, cases)
+    return results
 
 
 # ---- dequantize (the dense path of many-token products) -------------------------------------------

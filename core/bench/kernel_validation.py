@@ -146,7 +146,7 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
     results = [CheckResult("compile", rec["kernel"], False, detail=rec["error"]) for rec in compiled if rec["error"]]
 
     checks = {
-        "quant_matmul": kernel_checks.check_quant_matmul, "paged_decode_attention": kernel_checks.check_paged_attention,
+        "quant_matmul": kernel_checks.check_quant_matmul_all, "paged_decode_attention": kernel_checks.check_paged_attention,
         "rms_norm": kernel_checks.check_rms_norm, "act_and_mul": kernel_checks.check_act_and_mul,
         "rope_cache_write": kernel_checks.check_rope_cache_write, "dequantize": kernel_checks.check_dequantize,
     }
