@@ -106,9 +106,11 @@ def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_take
 
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
-                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
+                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5,
+                       sweep_split: bool = False) -> list[dict]:
     """Every kernel that suits each token count (KERNEL_MAX_TOKENS), the split kernel with the K-parts its
-    plan picks (and at SPLIT_SWEEP_TOKENS with every count it can take); a point whose launch fails is
+    plan picks (and, with `sweep_split`, at SPLIT_SWEEP_TOKENS with every count it can take: measured once,
+    results/bench_gemv_split_w4_nvidia_h200.json, and not dispatched); a point whose launch fails is
     recorded with its error instead of a time."""
     from core.ops.quant_matmul import uses_dense
     from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit, tc_reason
@@ -125,7 +127,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
                 planned = split_ksplit(out_features, in_features, num_sms)
                 tc_takes = tc_reason(bits, in_features, out_features, group_size) is None
-                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=False):
+                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=sweep_split):
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel, ksplit)
                     point = {"in_features": in_features, "out_features": out_features, "bits": bits,
                              "tokens": num_tokens, "kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
