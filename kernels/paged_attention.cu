@@ -13,9 +13,7 @@
 //     (c, s) pairs are d = 32c + 8t + 4s + {0,1} (a0/b0) and + {2,3} (a2/b1).
 //   P.V, output columns: in each 32-wide d block, n-tile j column g is d = 32*vb + 4g + j, so a
 //     thread loads 4 consecutive d of a V row and ends with 8 consecutive outputs d = 32*vb + 8t + {0..7}.
-// With splits > 1 each CTA writes its unnormalized output and (max, sum); the last CTA of a (sequence,
-// head tile) to finish (a counter per pair) combines the splits and writes the output, so no second
-// launch is needed.
+// With splits > 1 each CTA writes its unnormalized output and (max, sum) for paged_reduce_kernel.
 #include "common.cuh"
 
 template <int DT, int KV_INT8>
@@ -216,51 +214,6 @@ __device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile,
   }
 }
 
-// The last of a (sequence, head tile)'s split CTAs to finish combines their partial outputs:
-// out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. The other CTAs' partials are read from L2 (__ldcg)
-// after a fence on both sides of the counter (the threadFenceReduction pattern); the last CTA resets the
-// counter, so the next launch (or graph replay) starts from zero.
-template <int DT, int D>
-__device__ __forceinline__ void combine_splits_if_last(const float* __restrict__ part_out,
-                                                       const float* __restrict__ part_stats, int* __restrict__ counters,
-                                                       u16* __restrict__ out, int seq, int head_lo, int heads_here,
-                                                       int num_heads, int splits, int lane) {
-  __threadfence();
-  __syncwarp();
-  int* counter = counters + (i64)seq * gridDim.x + blockIdx.x;
-  int ticket = 0;
-  if (lane == 0) ticket = atomicAdd(counter, 1);
-  if (__shfl_sync(0xFFFFFFFFu, ticket, 0) != splits - 1) return;
-  __threadfence();
-  for (int h = 0; h < heads_here; ++h) {
-    const i64 base = ((i64)seq * num_heads + head_lo + h) * splits;
-    float global_max = -INFINITY;
-    for (int s = lane; s < splits; s += 32) global_max = fmaxf(global_max, __ldcg(part_stats + (base + s) * 2));
-    global_max = warp_max(global_max);
-    float total = 0.0f;
-    for (int s = lane; s < splits; s += 32) {
-      const float m = __ldcg(part_stats + (base + s) * 2);
-      total += m == -INFINITY ? 0.0f : __expf(m - global_max) * __ldcg(part_stats + (base + s) * 2 + 1);
-    }
-    total = warp_sum(total);
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    float acc[D / 32];
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) acc[c] = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float m = __ldcg(part_stats + (base + s) * 2);
-      if (m == -INFINITY) continue;  // a split past the sequence's end (or the window's start)
-      const float w = __expf(m - global_max);
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) acc[c] += w * __ldcg(part_out + (base + s) * D + 32 * c + lane);
-    }
-    u16* dst = out + ((i64)seq * num_heads + head_lo + h) * D + lane;
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) dst[32 * c] = Num<DT>::from_float(acc[c] * inv);
-  }
-  if (lane == 0) *counter = 0;
-}
-
 template <int DT, int D, int KV_INT8, int PIPELINE>
 __global__ void __launch_bounds__(32) paged_decode_kernel(
     const u16* __restrict__ query,          // [B, H, D]
@@ -273,7 +226,6 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
     u16* __restrict__ out,                  // [B, H, D] (one split)
     float* __restrict__ part_out,           // [B, H, splits, D] (several splits)
     float* __restrict__ part_stats,         // [B, H, splits, 2]: running max, sum of exp
-    int* __restrict__ counters,             // [B * gridDim.x] (several splits): zero before and after
     int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, int tokens_per_split,
     float scale, float softcap, int window) {
   static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
@@ -373,8 +325,6 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
       }
     }
   }
-  if (splits > 1) combine_splits_if_last<DT, D>(part_out, part_stats, counters, out, seq, head_lo, heads_here,
-                                                num_heads, splits, lane);
 }
 
 // Diagnostic for `bench gemv`: paged_decode_kernel's K/V loads alone (same grid, tiles and addressing;
@@ -425,4 +375,32 @@ __global__ void __launch_bounds__(32) paged_read_probe_kernel(
     }
   }
   if (fold == 0x9E3779B9u) sink[blockIdx.x] = fold;  // keeps the loads; practically never true
+}
+
+// Combine the splits of each (sequence, head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+// grid (num_heads, num_seqs), block 128 threads striding over D.
+template <int DT>
+__global__ void __launch_bounds__(128) paged_reduce_kernel(
+    const float* __restrict__ part_out,    // [B, H, splits, D]
+    const float* __restrict__ part_stats,  // [B, H, splits, 2]
+    u16* __restrict__ out,                 // [B, H, D]
+    int num_heads, int splits, int head_dim) {
+  const i64 base = (i64)blockIdx.y * num_heads + blockIdx.x;
+  const float* stats = part_stats + base * splits * 2;
+  float global_max = -INFINITY;
+  for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, stats[2 * s]);
+  float total = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float m = stats[2 * s];
+    total += m == -INFINITY ? 0.0f : __expf(m - global_max) * stats[2 * s + 1];
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = stats[2 * s];
+      if (m != -INFINITY) acc += __expf(m - global_max) * part_out[(base * splits + s) * head_dim + d];
+    }
+    out[base * head_dim + d] = Num<DT>::from_float(acc * inv);
+  }
 }

@@ -2,9 +2,8 @@
 
 One warp per (kv head, 16-query-head tile, sequence, context split). The context is split into
 pieces of about 256 tokens, rounded so the grid fills whole waves of the CTAs the GPU holds at
-once (a partial last wave would leave SMs idle at the end); with more than one split, the last
-split CTA of each (sequence, head tile) to finish combines the splits' partial outputs (a counter per
-pair, `_split_counters`). For CUDA-graph capture pass a fixed `max_seq_len` (the longest context
+once (a partial last wave would leave SMs idle at the end); with more than one split,
+paged_reduce_kernel combines the splits' partial outputs. For CUDA-graph capture pass a fixed `max_seq_len` (the longest context
 the graph must serve): the split count, hence the grid, depends only on it, and splits past a
 sequence's end write an empty partial.
 """
@@ -30,9 +29,6 @@ MAX_WAVES = 16
 # Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
 # fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
 PIPELINED_BY_DEFAULT = True
-# Counters of split CTAs finished per (sequence, head tile); each launch leaves them at zero.
-_COUNTER_SLOTS = 1 << 17
-_counters: dict[int, torch.Tensor] = {}
 # cudaDeviceGetAttribute numbers
 _ATTR_MULTIPROCESSORS, _ATTR_THREADS_PER_SM, _ATTR_REGISTERS_PER_SM, _ATTR_BLOCKS_PER_SM = 16, 39, 82, 106
 
@@ -85,21 +81,6 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The device's split counters, zeroed once and left at zero by every launch. Launches that split
-    must not run concurrently on two streams of one device."""
-    if needed > _COUNTER_SLOTS:
-        raise ValueError(f"{needed} (sequence, head tile) pairs exceed the {_COUNTER_SLOTS} split counters")
-    counters = _counters.get(device.index)
-    if counters is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("run paged decode attention once before capturing a CUDA graph "
-                               "(its split counters are allocated on first use)")
-        counters = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _counters[device.index] = counters
-    return counters
-
-
 def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None) -> str:
     dt, head_dim, int8 = _DTYPE_CODES[query.dtype], query.shape[-1], int(key_cache.dtype == torch.int8)
     if pipelined is None:
@@ -139,23 +120,27 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
     fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len,
                                    resident_ctas(fn.num_regs, index), tokens_per_split)
     group = num_heads // num_kv_heads
     head_tiles = (group + 15) // 16
-    part_out = part_stats = counters = None
+    part_out = part_stats = None
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_stats = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=device)
-        counters = _split_counters(device, num_seqs * num_kv_heads * head_tiles)
     launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32, 1, 1), (
         ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
         ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
-        ptr(part_stats), ptr(counters), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
+        ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
         i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0)),
         index)
+    if splits > 1:
+        reduce = get_kernel(SOURCE, f"paged_reduce_kernel<{dt}>", index)
+        launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (
+            ptr(part_out), ptr(part_stats), ptr(out), i32(num_heads), i32(splits), i32(head_dim)), index)
     return out
 
 

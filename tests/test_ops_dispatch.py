@@ -278,7 +278,6 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
-    monkeypatch.setattr(kp, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
     monkeypatch.setattr(kq, "_plans", {})
     monkeypatch.setattr(kq, "_workspaces", {})
     half = torch.float16
@@ -301,7 +300,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     assert names == {"quant_tc_gemv_kernel", "quant_tcs_kernel", "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel",
                      "quant_mma_kernel", "quant_gemv_split_kernel",
                      "quant_mma_staged_kernel", "paged_decode_kernel",
-                     "quant_read_probe_kernel", "paged_read_probe_kernel",
+                     "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name
