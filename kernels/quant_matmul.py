@@ -262,6 +262,11 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
     elif name == "tcs":
         row_tiles = -(-out_features // STAGED_ROWS_PER_CTA)
         token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
+        if splits is None and tile == 1 and row_tiles * token_tiles < 2 * _num_sms(index):
+            # Up to 8 tokens, between one and two CTAs per SM leave some SMs with twice the work of others;
+            # two K-splits even that out (2048x22016, H200: one token 12.9 us against 14.7 unsplit;
+            # results/sweep_tcs_splits_bf16_nvidia_h200_55cc580.json). From 9 tokens one split stays fastest.
+            splits = 2
         splits, per_split = _split_plan(in_features // TC_SEGMENT, row_tiles * token_tiles, 8 * tile * token_tiles,
                                         in_features, index, splits)
         if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
