@@ -721,7 +721,7 @@ __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core GEMV for 1..32 tokens, W4 only: the instruction-lean successor of ksplit. Nsight Compute on
-// an H200 (kernels/PERFORMANCE.md) showed the earlier GEMVs issue ~11 instructions per weight byte (64-bit
+// an H200 (kernels/PERFORMANCE.md) showed the earlier GEMVs issue 11-14 instructions per weight byte (64-bit
 // index math, an integer division per chunk, bounds branches, fp32 dot products in bf16): they are bound by
 // instruction issue, not by DRAM. Here a thread spends ~2-3 instructions per weight pair:
 //   - shapes are whole: N % 16 == 0 and K % 128 == 0 (the launcher checks), so no bounds tests on weights;
@@ -732,9 +732,9 @@ __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
 //     128-code segment's mma sums (one group) are scaled once in fp32: acc += s * sum((q - z) x);
 //   - MODE 1 (any other zero mode or group size): pairs are dequantized to W = q * s + b in DT first, as in
 //     the other kernels, and the mma accumulates across segments.
-// CTA = blockDim.x / 32 warps (8 or 16) on 16 output rows, warp w taking segments w, w + WARPS, ...; each warp
-// keeps 4 segments of loads in flight (two ping-pong pairs). The warps' sums meet in shared memory.
-// CTA = 16 warps (one token tile) or 8 (more), all on the same 16 output rows.
+// CTA = blockDim.x / 32 warps on 16 output rows (16 warps for one token tile when every CTA is resident at
+// once, else 8: the launcher decides), warp w taking segments w, w + WARPS, ...; each warp keeps 4 segments
+// of loads in flight (two ping-pong pairs). The warps' sums meet in shared memory.
 template <int TT> struct TcWarps { static constexpr int MAX = TT == 1 ? 16 : 8; };
 template <int SCALE_F32> struct TcScale { typedef u16 T; };
 template <> struct TcScale<1> { typedef float T; };
