@@ -1,6 +1,6 @@
 """Launchers of the W4A16/W3A16 kernels in quant_matmul.cu.
 
-Six kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
+Eight kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
 - "gemv": CUDA cores, up to 4 tokens per weight read (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
 - "stream": CUDA cores, up to 4 tokens, 2 rows per warp with 4 chunks of loads in flight per lane and
   half2 products (`quant_stream_kernel`), for one token on long rows;
@@ -137,7 +137,7 @@ def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bi
     """The kernel measured fastest for M tokens (H200, bf16, Qwen2.5-3B's merged shapes:
     results/bench_gemv_tcs_bf16_nvidia_h200.json). W4 weights tc / tcs take, up to 32 tokens:
     - outputs at least 3x the input (gate_up): tcs (2048x22016: 14.7 us at one token against gemv 15.4,
-      18.3 at 16 tokens against staged 27.2, 26.6 at 32 against 35.7);
+      12.9 with two K-splits, see _plan; 18.3 at 16 tokens against staged 27.2, 26.6 at 32 against 35.7);
     - K >= 4096 (down): tc (11008x2048: 8.6 us at one token against stream 12.6, 22.0 at 32 against
       ksplit 23.5);
     - otherwise tc at 2-8 tokens (2048x2560 at 4 tokens 4.6 us against ksplit 5.3), and as below at 1 and
@@ -302,12 +302,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  out: torch.Tensor | None = None, integer_zeros: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
-    kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma"; tile: tokens per CTA
-    (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8); splits: K
-    splits across CTAs of the staged and mma kernels (default: enough CTAs to fill the GPU), or K-parts
-    within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a contiguous [M, N] buffer;
-    integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc kernel
-    scale group sums instead of weights.
+    kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma" | "tc" | "tcs"; tile: tokens
+    per CTA (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8, tc and tcs:
+    1/2/4); splits: K splits across CTAs of the staged, mma and tcs kernels (default: enough CTAs to fill
+    the GPU), or K-parts within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a
+    contiguous [M, N] buffer;
+    integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc and tcs
+    kernels scale group sums instead of weights.
     """
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
