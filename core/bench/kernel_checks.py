@@ -161,12 +161,15 @@ TCS_CASES = (
     (5, 16, 128, 128, 1, "int", False, False),
     (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
     (12, 512, 11008, 11008, 2, "int", False, False),  # per-channel
+    (1, 22016, 2048, 128, 1, "int", False, True),  # up to 8 tokens on few row tiles: two K-splits
+    (6, 2560, 2048, 64, 1, "min", True, False),
 )
 TC_KERNEL_CASES = {"tc": TC_CASES, "tcs": TCS_CASES}
 
 
 def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str = "tc",
                    cases=TC_CASES) -> list[CheckResult]:
+    """The tc or tcs kernel on its cases against the fp32 reference product, in both activation dtypes."""
     from kernels.quant_matmul import quant_matmul
 
     results = []
