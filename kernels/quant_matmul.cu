@@ -212,6 +212,31 @@ __device__ __forceinline__ void store_tile(const float (&acc)[TT][4], const u16*
   }
 }
 
+// The CTA's `warps` warps each hold a partial sum of the same output tile (K split among them): the sums
+// meet in shared memory, warp 0 adds them in warp order (deterministic) and stores the tile.
+template <int DT, int TT, int MAX_WARPS>
+__device__ __forceinline__ void sum_warps_and_store(float (&acc)[TT][4], int warps, const u16* __restrict__ bias,
+                                                    u16* __restrict__ out, int row0, int tok0, int t, int M, int N) {
+  __shared__ float partial[MAX_WARPS][TT * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+      for (int w = 0; w < warps; ++w) sum += partial[w][tt * 4 + e][lane];
+      acc[tt][e] = sum;
+    }
+  }
+  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+}
+
 // Split-K epilogue shared by the tiled kernels. With gridDim.z > 1 splits, each CTA writes its fp32
 // partials and the last CTA of an output tile (a counter per tile) sums them in split order, resets
 // the counter and stores; the other CTAs return false. With one split, stores directly.
@@ -329,24 +354,7 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
     mma_segment_pair<DT, BITS, TT>(nxt, seg + 2 * WARPS, WARPS, num_segs, x, tok0, g, t, M, K, acc);
   }
 
-  __shared__ float partial[WARPS][TT * 4][32];
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) sum += partial[w][tt * 4 + e][lane];
-      acc[tt][e] = sum;
-    }
-  }
-  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+  sum_warps_and_store<DT, TT, WARPS>(acc, WARPS, bias, out, row0, tok0, t, M, N);
 }
 
 // Diagnostic for `bench gemv`: the ksplit kernel's weight loads alone (same grid, warps, segment order
@@ -473,6 +481,23 @@ __global__ void __launch_bounds__(128) quant_gemv_kernel(
 // stops at 48 KiB, and the split-K epilogue needs a few bytes of it).
 template <int TT> struct Staged { static constexpr int SEGS = 22 / TT; };  // a segment is TT * 2 KiB
 
+// The activations of K segments [stage, stage_end) for the CTA's TT token tiles, into xs in mma B-fragment
+// order (see above), by the CTA's THREADS threads.
+template <int DT, int BITS, int TT, int THREADS>
+__device__ __forceinline__ void stage_x_fragments(uint4 (*__restrict__ xs)[32], const u16* __restrict__ x, int stage,
+                                                  int stage_end, int tok0, int M, int K) {
+  const int items = (stage_end - stage) * TT * 32;
+  for (int item = threadIdx.x; item < items; item += THREADS) {
+    const int l = item & 31, tt = (item >> 5) % TT, s = (item >> 5) / TT;
+    const int tok = tok0 + tt * 8 + (l >> 2), kc = (stage + s) * 128 + 32 * (l & 3);
+    const bool valid = tok < M && kc < K;
+    u32 xp[16];
+    load_x_pairs<DT, BITS>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) xs[(s * TT + tt) * 4 + c][l] = make_uint4(xp[4 * c], xp[4 * c + 1], xp[4 * c + 2], xp[4 * c + 3]);
+  }
+}
+
 template <int DT, int BITS, int TT>
 __device__ __forceinline__ void mma_staged_pair(const SegmentPair<BITS>& d, int seg, int stage, int seg_end,
                                                 const uint4 (*__restrict__ xs)[32], int lane, float (&acc)[TT][4]) {
@@ -535,16 +560,7 @@ __global__ void __launch_bounds__(256) quant_mma_staged_kernel(
     load_segment_pair<DT, BITS, SCALE_F32>(cur, stage, 1, stage_end, qweight, scales, zeros, row0, t, N, K,
                                            group_size, zero_mode);
     __syncthreads();  // the previous stage's readers are done with xs
-    const int items = (stage_end - stage) * TT * 32;
-    for (int item = threadIdx.x; item < items; item += 32 * WARPS) {
-      const int l = item & 31, tt = (item >> 5) % TT, s = (item >> 5) / TT;
-      const int tok = tok0 + tt * 8 + (l >> 2), kc = (stage + s) * 128 + 32 * (l & 3);
-      const bool valid = tok < M && kc < K;
-      u32 xp[16];
-      load_x_pairs<DT, BITS>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) xs[(s * TT + tt) * 4 + c][l] = make_uint4(xp[4 * c], xp[4 * c + 1], xp[4 * c + 2], xp[4 * c + 3]);
-    }
+    stage_x_fragments<DT, BITS, TT, 32 * WARPS>(xs, x, stage, stage_end, tok0, M, K);
     __syncthreads();
     for (int seg = stage; seg < stage_end; seg += 2) {
       SegmentPair<BITS> nxt;
@@ -769,6 +785,26 @@ struct TcRows {  // the thread's two rows (row0, row0 + 8): chunk t of each row,
   const typename TcScale<SCALE_F32>::T* z[2];
 };
 
+// The thread's rows row0 and row0 + 8 of a packed [N, K] weight (K % 128 == 0): chunk t of each row, and
+// the rows' scales and zeros (a chunk's group is chunk >> group_shift; 31: one group per row).
+template <int SCALE_F32>
+__device__ __forceinline__ TcRows<SCALE_F32> tc_rows(const u32* __restrict__ qweight, const void* __restrict__ scales,
+                                                     const void* __restrict__ zeros, int row0, int t, int K,
+                                                     int group_shift) {
+  typedef typename TcScale<SCALE_F32>::T ST;
+  const int chunks_per_row = K >> 5;
+  const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
+  TcRows<SCALE_F32> rows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 row = row0 + 8 * r;
+    rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
+    rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
+    rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
+  }
+  return rows;
+}
+
 template <int SCALE_F32>
 __device__ __forceinline__ void tc_load(TcSegment<SCALE_F32>& d, const TcRows<SCALE_F32>& rows, int seg, int t,
                                         int group_shift) {
@@ -900,21 +936,12 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
     const u16* __restrict__ bias,       // [N] or null
     u16* __restrict__ out,              // [M, N]
     int M, int N, int K, int group_shift, int zero_mode) {
-  typedef typename TcScale<SCALE_F32>::T ST;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = K >> 7, chunks_per_row = K >> 5;
-  const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
-  TcRows<SCALE_F32> rows;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const i64 row = row0 + 8 * r;
-    rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
-    rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
-    rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
-  }
+  const int num_segs = K >> 7;
+  const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, t, K, group_shift);
 
   float acc[TT][4];
 #pragma unroll
@@ -938,23 +965,7 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
     if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, xat(seg + 3 * stride), zero_mode, acc);
   }
 
-  __shared__ float partial[TcWarps<TT>::MAX][TT * 4][32];
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float sum = 0.0f;
-      for (int w = 0; w < warps; ++w) sum += partial[w][tt * 4 + e][lane];
-      acc[tt][e] = sum;
-    }
-  }
-  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+  sum_warps_and_store<DT, TT, TcWarps<TT>::MAX>(acc, warps, bias, out, row0, tok0, t, M, N);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -975,25 +986,17 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
     float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
     int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
     int M, int N, int K, int group_shift, int zero_mode, int segs_per_split) {
-  typedef typename TcScale<SCALE_F32>::T ST;
   constexpr int WARPS = 8, SEGS = Staged<TT>::SEGS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * (16 * WARPS) + warp * 16 + g;
   const bool rows_exist = row0 < N;  // whole 16-row tiles: the same for every lane of the warp
   const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = K >> 7, chunks_per_row = K >> 5;
-  const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
+  const int num_segs = K >> 7;
   const int seg_begin = blockIdx.z * segs_per_split;
   const int seg_end = min(num_segs, seg_begin + segs_per_split);
-  TcRows<SCALE_F32> rows;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const i64 row = rows_exist ? row0 + 8 * r : 0;
-    rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
-    rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
-    rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
-  }
+  // rows past N (whole idle tiles) point at rows 0 and 8 instead: never read, but inside the tensor
+  const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, t, K, group_shift);
   __shared__ uint4 xs[SEGS * TT * 4][32];
 
   float acc[TT][4];
@@ -1004,16 +1007,7 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
     TcSegment<SCALE_F32> cur;  // first weights in flight while the activations are staged
     if (rows_exist) tc_load(cur, rows, stage, t, group_shift);
     __syncthreads();  // the previous stage's readers are done with xs
-    const int items = (stage_end - stage) * TT * 32;
-    for (int item = threadIdx.x; item < items; item += 32 * WARPS) {
-      const int l = item & 31, tt = (item >> 5) % TT, s = (item >> 5) / TT;
-      const int tok = tok0 + tt * 8 + (l >> 2), kc = (stage + s) * 128 + 32 * (l & 3);
-      const bool valid = tok < M;
-      u32 xp[16];
-      load_x_pairs<DT, 4>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) xs[(s * TT + tt) * 4 + c][l] = make_uint4(xp[4 * c], xp[4 * c + 1], xp[4 * c + 2], xp[4 * c + 3]);
-    }
+    stage_x_fragments<DT, 4, TT, 32 * WARPS>(xs, x, stage, stage_end, tok0, M, K);
     __syncthreads();
     if (!rows_exist) continue;
     for (int seg = stage; seg < stage_end; ++seg) {
