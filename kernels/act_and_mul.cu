@@ -19,6 +19,8 @@ template <int DT, int ACT>
 __global__ void __launch_bounds__(256) act_and_mul_kernel(
     const u16* __restrict__ gate, const u16* __restrict__ up, u16* __restrict__ out,  // out [T, I]
     int num_tokens, int inner, i64 gate_stride, i64 up_stride) {
+  launch_dependents();
+  wait_for_prior_grids();
   const int vectors_per_row = inner / 8;
   const i64 total = (i64)num_tokens * vectors_per_row;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {

@@ -134,3 +134,29 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   return v;
 }
+
+// Programmatic dependent launch (sm_90+; kernels/launch.py sets the launch attribute). A kernel first lets
+// the next kernel of the stream launch (its CTAs then start as soon as they fit, while this grid runs), and
+// reads nothing an earlier grid wrote before `wait_for_prior_grids` returns, i.e. before that grid has
+// completed and its writes are visible. Every kernel waits, in every CTA, before its first such read and
+// before its first write, so a grid never completes before the one it follows: ordering stays transitive
+// along the stream. Before the wait a kernel may only touch what no kernel writes (its weights).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Ask L2 for the 128-byte lines of [begin, begin + bytes), lines part, part + parts, ... of them. A hint:
+// prefetch never faults and returns nothing, so it holds no registers while the lines come in.
+__device__ __forceinline__ void prefetch_l2(const void* begin, i64 bytes, int part, int parts) {
+  if (bytes <= 0) return;
+  const u64 first = reinterpret_cast<u64>(begin) >> 7, last = (reinterpret_cast<u64>(begin) + bytes - 1) >> 7;
+  for (u64 line = first + part; line <= last; line += parts) asm volatile("prefetch.L2 [%0];" ::"l"(line << 7));
+}

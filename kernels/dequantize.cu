@@ -37,6 +37,8 @@ __global__ void __launch_bounds__(256) dequantize_kernel(
     const void* __restrict__ zeros,   // [N, K / group_size]
     u16* __restrict__ out,            // [N, K]
     int rows, int in_features, int group_size) {
+  launch_dependents();
+  wait_for_prior_grids();
   const int runs_per_row = in_features / 32;
   const int groups_per_row = in_features / group_size;
   const i64 total = (i64)rows * runs_per_row;

@@ -4,15 +4,19 @@ Every argument goes through one of `ptr`, `i32`, `i64`, `f32`: CuPy turns a bare
 a double and a bare int into an int64, which silently corrupts a kernel that declares `float` or
 `int` (seed 003: scale read as 0, softcap as garbage). Launches use torch's current stream, so
 they order correctly with torch ops and are recorded by torch.cuda.graph captures; nothing here
-allocates device memory or synchronizes.
+allocates device memory or synchronizes. On compute capability 9.0+ every launch is a programmatic
+dependent launch (programmatic_launch.py; DEEPINFER_PDL=0 turns that off).
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import cache
 
 import numpy as np
 import torch
+
+from kernels import programmatic_launch
 
 _streams: dict[tuple[int, int], object] = {}
 _ARG_TYPES = (np.uint64, np.int32, np.int64, np.float32)
@@ -56,13 +60,26 @@ def _torch_stream(device_index: int):
     return stream
 
 
+@cache
+def _programmatic(device_index: int) -> bool:
+    from kernels.compiler import device_arch
+
+    return programmatic_launch.enabled(device_arch(device_index))
+
+
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int,
            shared_mem: int = 0) -> None:
-    """Launch on torch's current stream of `device_index`. args: only ptr/i32/i64/f32 values."""
+    """Launch on torch's current stream of `device_index`, as a programmatic dependent launch where the GPU
+    has it (programmatic_launch.py). args: only ptr/i32/i64/f32 values."""
     for arg in args:
         if type(arg) not in _ARG_TYPES:
             raise TypeError(f"kernel argument {arg!r} must be typed with ptr/i32/i64/f32")
     import cupy
 
+    if _programmatic(device_index):
+        with cupy.cuda.Device(device_index):
+            programmatic_launch.launch(kernel, grid, block, args, torch._C._cuda_getCurrentRawStream(device_index),
+                                       device_index, shared_mem)
+        return
     with cupy.cuda.Device(device_index), _torch_stream(device_index):
         kernel(grid, block, args, shared_mem=shared_mem)

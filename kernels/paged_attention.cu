@@ -228,6 +228,8 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
     float* __restrict__ part_stats,         // [B, H, splits, 2]: running max, sum of exp
     int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, int tokens_per_split,
     float scale, float softcap, int window) {
+  launch_dependents();
+  wait_for_prior_grids();
   static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
   constexpr int CHUNKS = D / 32;
   // Up to D = 128 a tile's K and V rows are loaded whole before its math, and with PIPELINE one tile
@@ -334,6 +336,8 @@ __global__ void __launch_bounds__(32) paged_read_probe_kernel(
     const void* __restrict__ key_cache, const void* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, u32* __restrict__ sink, int num_heads, int num_kv_heads, int log2_block_size,
     int max_blocks, int tokens_per_split) {
+  launch_dependents();
+  wait_for_prior_grids();
   constexpr int CHUNKS = D / 32;
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int group = num_heads / num_kv_heads;
@@ -385,6 +389,8 @@ __global__ void __launch_bounds__(128) paged_reduce_kernel(
     const float* __restrict__ part_stats,  // [B, H, splits, 2]
     u16* __restrict__ out,                 // [B, H, D]
     int num_heads, int splits, int head_dim) {
+  launch_dependents();
+  wait_for_prior_grids();
   const i64 base = (i64)blockIdx.y * num_heads + blockIdx.x;
   const float* stats = part_stats + base * splits * 2;
   float global_max = -INFINITY;

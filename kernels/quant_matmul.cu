@@ -118,6 +118,32 @@ __device__ __forceinline__ void load_x_pairs(const u16* __restrict__ x, bool val
 }
 
 // ---------------------------------------------------------------------------------------------
+// The rows [row_begin, row_end) of a packed weight that a CTA will read -- their codes of K range [k_begin, k_end)
+// and all their groups' scales and zeros -- asked of L2 by the CTA's threads. The weights are written by no
+// kernel, so this runs before the CTA waits on the previous grid: their DRAM latency overlaps that grid's tail,
+// and the loads that follow wait on L2. Out of line: inlined, it led ptxas to cap quant_tcs_kernel at 80
+// registers, and spill.
+template <int BITS, int SCALE_F32>
+__device__ __noinline__ void prefetch_weight_rows(const u32* qweight, const void* scales, const void* zeros,
+                                                     int row_begin, int row_end, int K, int group_size, int k_begin,
+                                                     int k_end) {
+  const int tid = threadIdx.x, threads = blockDim.x, rows = row_end - row_begin;
+  if (rows <= 0) return;
+  const i64 row_bytes = (i64)K * BITS / 8, scale_bytes = (i64)(K / group_size) * (SCALE_F32 ? 4 : 2);
+  const char* codes = reinterpret_cast<const char*>(qweight) + row_begin * row_bytes;
+  if (k_begin == 0 && k_end == K) {  // whole rows: one contiguous range
+    prefetch_l2(codes, rows * row_bytes, tid, threads);
+  } else {  // each row's K range: `parts` threads per row
+    const int parts = max(1, threads / rows), step = threads / parts;
+    for (int r = tid / parts; r < rows && tid < step * parts; r += step)
+      prefetch_l2(codes + r * row_bytes + (i64)k_begin * BITS / 8, (i64)(k_end - k_begin) * BITS / 8, tid % parts,
+                  parts);
+  }
+  prefetch_l2(reinterpret_cast<const char*>(scales) + row_begin * scale_bytes, rows * scale_bytes, tid, threads);
+  prefetch_l2(reinterpret_cast<const char*>(zeros) + row_begin * scale_bytes, rows * scale_bytes, tid, threads);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tensor-core path (mma.sync m16n8k16, fp32 accumulate). A warp owns 16 output rows as the mma A
 // operand (weights) and 8*TT tokens as the n=8 operand. Thread (g = lane/4, t = lane%4) holds rows
 // +g and +g+8 and, of each 128-code K segment, the chunk [128*seg + 32t, +32).
@@ -295,6 +321,8 @@ __global__ void __launch_bounds__(128) quant_mma_kernel(
     float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
     int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
     int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
+  launch_dependents();
+  wait_for_prior_grids();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 64 + warp * 16 + g;
@@ -337,10 +365,15 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
   const int row0 = blockIdx.x * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
   const int num_segs = (K + 127) / 128;
+  launch_dependents();
+  if (blockIdx.y == 0)
+    prefetch_weight_rows<BITS, SCALE_F32>(qweight, scales, zeros, blockIdx.x * 16, min(N, blockIdx.x * 16 + 16), K,
+                                          group_size, 0, K);
 
   SegmentPair<BITS> cur, nxt;
   load_segment_pair<DT, BITS, SCALE_F32>(cur, warp, WARPS, num_segs, qweight, scales, zeros, row0, t, N, K, group_size,
                                          zero_mode);
+  wait_for_prior_grids();
 
   float acc[TT][4];
 #pragma unroll
@@ -362,6 +395,8 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
 template <int BITS>
 __global__ void __launch_bounds__(256) quant_read_probe_kernel(const u32* __restrict__ qweight, u32* __restrict__ sink,
                                                                int N, int K) {
+  launch_dependents();
+  wait_for_prior_grids();
   constexpr int WARPS = 8, WORDS = Chunk<BITS>::WORDS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -407,6 +442,11 @@ __global__ void __launch_bounds__(128) quant_gemv_kernel(
   const int words_per_row = K * BITS / 32;
   const int num_groups = K / group_size;
   const int num_chunks = K / 32;
+  launch_dependents();
+  if (blockIdx.y == 0)
+    prefetch_weight_rows<BITS, SCALE_F32>(qweight, scales, zeros, blockIdx.x * 8, min(N, blockIdx.x * 8 + 8), K,
+                                          group_size, 0, K);
+  wait_for_prior_grids();
 
   float acc[MT][2];
 #pragma unroll
@@ -541,6 +581,8 @@ __global__ void __launch_bounds__(256) quant_mma_staged_kernel(
     float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
     int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
     int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
+  launch_dependents();
+  wait_for_prior_grids();
   constexpr int WARPS = 8, SEGS = Staged<TT>::SEGS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -660,6 +702,8 @@ __global__ void __launch_bounds__(128) quant_stream_kernel(
     const u16* __restrict__ bias,       // [N] or null
     u16* __restrict__ out,              // [M, N]
     int M, int N, int K, int group_size, int zero_mode) {
+  launch_dependents();
+  wait_for_prior_grids();
   constexpr int UNROLL = MT >= 4 ? 2 : 4, ROWS = 2;  // registers: fewer loads ahead for 4 tokens
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * 4 + warp) * ROWS;
@@ -699,6 +743,8 @@ __global__ void __launch_bounds__(256) quant_gemv_split_kernel(
     const u16* __restrict__ bias,       // [N] or null
     u16* __restrict__ out,              // [M, N]
     int M, int N, int K, int group_size, int zero_mode, int ksplit) {
+  launch_dependents();
+  wait_for_prior_grids();
   // UNROLL: 2 chunks ahead for one token keeps it at <= 80 registers (3 CTAs per SM); 4 ahead took 110-116.
   // More tokens hold each chunk's weights across MT activation loads, so one chunk per step.
   constexpr int WARPS = 8, ROWS = 2, UNROLL = MT == 1 ? 2 : 1;
@@ -804,6 +850,9 @@ __device__ __forceinline__ TcRows<SCALE_F32> tc_rows(const u32* __restrict__ qwe
   }
   return rows;
 }
+
+// The group size in codes of a group shift (31: one group per row).
+__device__ __forceinline__ int tc_group_size(int K, int group_shift) { return group_shift >= 31 ? K : 32 << group_shift; }
 
 template <int SCALE_F32>
 __device__ __forceinline__ void tc_load(TcSegment<SCALE_F32>& d, const TcRows<SCALE_F32>& rows, int seg, int t,
@@ -942,6 +991,10 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
   const int tok0 = blockIdx.y * 8 * TT;
   const int num_segs = K >> 7;
   const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, t, K, group_shift);
+  launch_dependents();
+  if (blockIdx.y == 0)
+    prefetch_weight_rows<4, SCALE_F32>(qweight, scales, zeros, blockIdx.x * 16, blockIdx.x * 16 + 16, K,
+                                       tc_group_size(K, group_shift), 0, K);
 
   float acc[TT][4];
 #pragma unroll
@@ -954,6 +1007,7 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
   int seg = warp;
   if (seg < num_segs) tc_load(a0, rows, seg, t, group_shift);
   if (seg + stride < num_segs) tc_load(a1, rows, seg + stride, t, group_shift);
+  wait_for_prior_grids();
   for (; seg < num_segs; seg += 4 * stride) {
     if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
     if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
@@ -998,14 +1052,21 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
   // rows past N (whole idle tiles) point at rows 0 and 8 instead: never read, but inside the tensor
   const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, t, K, group_shift);
   __shared__ uint4 xs[SEGS * TT * 4][32];
+  launch_dependents();
+  if (blockIdx.y == 0)
+    prefetch_weight_rows<4, SCALE_F32>(qweight, scales, zeros, blockIdx.x * (16 * WARPS),
+                                       min(N, (blockIdx.x + 1) * (16 * WARPS)), K, tc_group_size(K, group_shift),
+                                       seg_begin * 128, seg_end * 128);
 
   float acc[TT][4];
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+  if (seg_begin >= seg_end) wait_for_prior_grids();  // an empty K range (the plans make none) still waits
   for (int stage = seg_begin; stage < seg_end; stage += SEGS) {
     const int stage_end = min(seg_end, stage + SEGS);
     TcSegment<SCALE_F32> cur;  // first weights in flight while the activations are staged
     if (rows_exist) tc_load(cur, rows, stage, t, group_shift);
+    if (stage == seg_begin) wait_for_prior_grids();  // x is the previous grid's output
     __syncthreads();  // the previous stage's readers are done with xs
     stage_x_fragments<DT, 4, TT, 32 * WARPS>(xs, x, stage, stage_end, tok0, M, K);
     __syncthreads();

@@ -13,6 +13,8 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(
     u16* __restrict__ out,             // [T, hidden]
     u16* __restrict__ residual_out,    // [T, hidden] (HAS_RESIDUAL)
     int hidden, float eps, float weight_offset) {
+  launch_dependents();
+  wait_for_prior_grids();
   const i64 row = blockIdx.x;
   const uint4* xv = reinterpret_cast<const uint4*>(x + row * hidden);
   const uint4* rv = reinterpret_cast<const uint4*>(residual + row * hidden);

@@ -61,6 +61,8 @@ __global__ void __launch_bounds__(128) rope_cache_kernel(
     const i64* __restrict__ slot_mapping,  // [T]
     int num_heads, int num_kv_heads, int head_dim, int log2_block_size,
     i64 q_stride, i64 k_stride, i64 v_stride) {
+  launch_dependents();
+  wait_for_prior_grids();
   const i64 tok = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int half_dim = head_dim / 2;

@@ -284,3 +284,35 @@ def test_cuda_graphs_match_eager(model_dir, quantization):
     # The unpadded eager engine batches and splits differently: equal up to near-ties.
     assert all(near_tie_or_equal(e, g, 0.02) for e, g in zip(from_eager, from_graphs))
     assert sum(e.token_ids == g.token_ids for e, g in zip(from_eager, from_graphs)) >= len(requests) - 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_programmatic_dependent_launch_changes_no_result(model_dir, monkeypatch):
+    """PDL lets a kernel start while the one before it runs; every kernel waits before reading that one's
+    output, so graphed and eager steps compute bit for bit what fully serialized launches compute."""
+    pytest.importorskip("cupy")
+    from kernels import launch as kernel_launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    settings = {"model": str(model_dir), "dtype": "bfloat16", "num_gpu_blocks": 128, "block_size": 16,
+                "max_num_seqs": 12, "max_num_batched_tokens": 64, "quantization": "w4a16"}
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2, ignore_eos=True))
+                for p, params in workload()]
+    results = {}
+    try:
+        for flag in ("1", "0"):
+            monkeypatch.setenv("DEEPINFER_PDL", flag)
+            kernel_launch._programmatic.cache_clear()
+            for eager in (False, True):
+                engine = LLMEngine(EngineConfig(**settings, enforce_eager=eager))
+                results[flag, eager] = run_all(engine, requests)
+            assert kernel_launch._programmatic(torch.cuda.current_device()) is (flag == "1")
+    finally:
+        kernel_launch._programmatic.cache_clear()
+    for eager in (False, True):
+        with_pdl, without = results["1", eager], results["0", eager]
+        assert [o.token_ids for o in with_pdl] == [o.token_ids for o in without]
+        for a, b in zip(with_pdl, without):
+            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]

@@ -1,0 +1,76 @@
+"""Programmatic dependent launch: the driver structures against cuda.h's layout, the argument buffer
+against hand-packed bytes, the switch, and the kernel-side rule that makes it safe (every kernel waits)."""
+
+import ctypes
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import programmatic_launch
+from kernels.launch import f32, i32, i64
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+
+def test_launch_structures_have_cuda_h_layout():
+    # cuda.h (CUDA 12/13): CUlaunchAttribute = {CUlaunchAttributeID id; char pad[4]; union (64 bytes) value};
+    # CUlaunchConfig = 7 unsigned ints, then CUstream, CUlaunchAttribute*, unsigned int numAttrs (x86-64)
+    assert ctypes.sizeof(programmatic_launch.LaunchAttribute) == 72
+    assert programmatic_launch.LaunchAttribute.value.offset == 8
+    config = programmatic_launch.LaunchConfig
+    assert ctypes.sizeof(config) == 56
+    assert (config.sharedMemBytes.offset, config.hStream.offset, config.attrs.offset, config.numAttrs.offset) == \
+        (24, 32, 40, 48)
+
+
+def test_arguments_pack_into_8_byte_slots():
+    args = (np.uint64(0x1122334455667788), i32(-5), i64(7), f32(0.5))
+    buffer = bytearray(32)
+    struct.pack_into(programmatic_launch.slot_format(args), buffer, 0, *args)
+    assert bytes(buffer) == (bytes.fromhex("8877665544332211") + bytes.fromhex("fbffffff") + bytes(4)
+                             + (7).to_bytes(8, "little") + bytes.fromhex("0000003f") + bytes(4))
+
+
+def test_switch_follows_capability_and_environment(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_PDL", raising=False)
+    assert [programmatic_launch.enabled(cc) for cc in ("75", "86", "89", "90", "100", "120")] == \
+        [False, False, False, True, True, True]
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    assert not programmatic_launch.enabled("90")
+
+
+def kernel_bodies(text):
+    """(name, body) of each __global__ function of a source."""
+    for match in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", text):
+        start = text.index("{", match.end())
+        depth, end = 0, start
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        yield match.group(1), text[start:end + 1]
+
+
+def test_every_kernel_waits_for_the_previous_grid_before_its_writes():
+    # Launched with the attribute, a kernel that never waited could complete before the kernel it follows,
+    # and the one after it would read stale data: every kernel must let dependents launch and then wait,
+    # before anything that is not a weight prefetch or a weight load.
+    found = 0
+    for source in sorted(KERNELS.glob("*.cu")):
+        for name, body in kernel_bodies(source.read_text()):
+            found += 1
+            assert body.count("launch_dependents();") == 1, name
+            assert "wait_for_prior_grids();" in body, name
+            before_wait = body[:body.index("wait_for_prior_grids();")]
+            assert not re.search(r"(\bout|partials|counters|sink|_out|_cache)\s*\[|\*\s*reinterpret_cast<(uint4|float4)\*>",
+                                 before_wait), name
+    assert found >= 16
+
+
+@pytest.mark.parametrize("launch_arg", [0.5, 3])
+def test_bare_python_scalars_have_no_slot(launch_arg):
+    with pytest.raises(KeyError):
+        programmatic_launch.slot_format((launch_arg,))
