@@ -152,11 +152,3 @@ __device__ __forceinline__ void wait_for_prior_grids() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-
-// Ask L2 for the 128-byte lines of [begin, begin + bytes), lines part, part + parts, ... of them. A hint:
-// prefetch never faults and returns nothing, so it holds no registers while the lines come in.
-__device__ __forceinline__ void prefetch_l2(const void* begin, i64 bytes, int part, int parts) {
-  if (bytes <= 0) return;
-  const u64 first = reinterpret_cast<u64>(begin) >> 7, last = (reinterpret_cast<u64>(begin) + bytes - 1) >> 7;
-  for (u64 line = first + part; line <= last; line += parts) asm volatile("prefetch.L2 [%0];" ::"l"(line << 7));
-}

@@ -118,32 +118,6 @@ __device__ __forceinline__ void load_x_pairs(const u16* __restrict__ x, bool val
 }
 
 // ---------------------------------------------------------------------------------------------
-// The rows [row_begin, row_end) of a packed weight that a CTA will read -- their codes of K range [k_begin, k_end)
-// and all their groups' scales and zeros -- asked of L2 by the CTA's threads. The weights are written by no
-// kernel, so this runs before the CTA waits on the previous grid: their DRAM latency overlaps that grid's tail,
-// and the loads that follow wait on L2. Out of line: inlined, it led ptxas to cap quant_tcs_kernel at 80
-// registers, and spill.
-template <int BITS, int SCALE_F32>
-__device__ __noinline__ void prefetch_weight_rows(const u32* qweight, const void* scales, const void* zeros,
-                                                     int row_begin, int row_end, int K, int group_size, int k_begin,
-                                                     int k_end) {
-  const int tid = threadIdx.x, threads = blockDim.x, rows = row_end - row_begin;
-  if (rows <= 0) return;
-  const i64 row_bytes = (i64)K * BITS / 8, scale_bytes = (i64)(K / group_size) * (SCALE_F32 ? 4 : 2);
-  const char* codes = reinterpret_cast<const char*>(qweight) + row_begin * row_bytes;
-  if (k_begin == 0 && k_end == K) {  // whole rows: one contiguous range
-    prefetch_l2(codes, rows * row_bytes, tid, threads);
-  } else {  // each row's K range: `parts` threads per row
-    const int parts = max(1, threads / rows), step = threads / parts;
-    for (int r = tid / parts; r < rows && tid < step * parts; r += step)
-      prefetch_l2(codes + r * row_bytes + (i64)k_begin * BITS / 8, (i64)(k_end - k_begin) * BITS / 8, tid % parts,
-                  parts);
-  }
-  prefetch_l2(reinterpret_cast<const char*>(scales) + row_begin * scale_bytes, rows * scale_bytes, tid, threads);
-  prefetch_l2(reinterpret_cast<const char*>(zeros) + row_begin * scale_bytes, rows * scale_bytes, tid, threads);
-}
-
-// ---------------------------------------------------------------------------------------------
 // Tensor-core path (mma.sync m16n8k16, fp32 accumulate). A warp owns 16 output rows as the mma A
 // operand (weights) and 8*TT tokens as the n=8 operand. Thread (g = lane/4, t = lane%4) holds rows
 // +g and +g+8 and, of each 128-code K segment, the chunk [128*seg + 32t, +32).
@@ -366,9 +340,6 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
   const int tok0 = blockIdx.y * 8 * TT;
   const int num_segs = (K + 127) / 128;
   launch_dependents();
-  if (blockIdx.y == 0)
-    prefetch_weight_rows<BITS, SCALE_F32>(qweight, scales, zeros, blockIdx.x * 16, min(N, blockIdx.x * 16 + 16), K,
-                                          group_size, 0, K);
 
   SegmentPair<BITS> cur, nxt;
   load_segment_pair<DT, BITS, SCALE_F32>(cur, warp, WARPS, num_segs, qweight, scales, zeros, row0, t, N, K, group_size,
@@ -443,9 +414,6 @@ __global__ void __launch_bounds__(128) quant_gemv_kernel(
   const int num_groups = K / group_size;
   const int num_chunks = K / 32;
   launch_dependents();
-  if (blockIdx.y == 0)
-    prefetch_weight_rows<BITS, SCALE_F32>(qweight, scales, zeros, blockIdx.x * 8, min(N, blockIdx.x * 8 + 8), K,
-                                          group_size, 0, K);
   wait_for_prior_grids();
 
   float acc[MT][2];
@@ -851,9 +819,6 @@ __device__ __forceinline__ TcRows<SCALE_F32> tc_rows(const u32* __restrict__ qwe
   return rows;
 }
 
-// The group size in codes of a group shift (31: one group per row).
-__device__ __forceinline__ int tc_group_size(int K, int group_shift) { return group_shift >= 31 ? K : 32 << group_shift; }
-
 template <int SCALE_F32>
 __device__ __forceinline__ void tc_load(TcSegment<SCALE_F32>& d, const TcRows<SCALE_F32>& rows, int seg, int t,
                                         int group_shift) {
@@ -992,9 +957,6 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
   const int num_segs = K >> 7;
   const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, t, K, group_shift);
   launch_dependents();
-  if (blockIdx.y == 0)
-    prefetch_weight_rows<4, SCALE_F32>(qweight, scales, zeros, blockIdx.x * 16, blockIdx.x * 16 + 16, K,
-                                       tc_group_size(K, group_shift), 0, K);
 
   float acc[TT][4];
 #pragma unroll
@@ -1053,10 +1015,6 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
   const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, t, K, group_shift);
   __shared__ uint4 xs[SEGS * TT * 4][32];
   launch_dependents();
-  if (blockIdx.y == 0)
-    prefetch_weight_rows<4, SCALE_F32>(qweight, scales, zeros, blockIdx.x * (16 * WARPS),
-                                       min(N, (blockIdx.x + 1) * (16 * WARPS)), K, tc_group_size(K, group_shift),
-                                       seg_begin * 128, seg_end * 128);
 
   float acc[TT][4];
 #pragma unroll

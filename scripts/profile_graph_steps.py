@@ -81,6 +81,27 @@ def main() -> None:
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(22)
         stats.sort_stats("cumulative").print_stats(22)
+        # The GPU's view of the same steps: busy time (union of kernel and copy intervals; PDL overlaps them)
+        # against the span, and what runs besides the graphs' kernels.
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                engine.step()
+            torch.cuda.synchronize()
+        intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                           if e.device_type.name == "CUDA")
+        busy, reach = 0.0, float("-inf")
+        for start, end, _ in intervals:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        span = intervals[-1][1] - intervals[0][0]
+        report[f"decode_gpu_busy_us_per_step_{streams}_streams"] = busy / 20
+        report[f"decode_gpu_span_us_per_step_{streams}_streams"] = span / 20
+        text.write(f"--- {streams} streams: GPU busy {busy / 20:.1f} us of a {span / 20:.1f} us step (20 steps)\n")
+        names: dict[str, list[float]] = {}
+        for start, end, name in intervals:
+            names.setdefault(name[:100], []).append(end - start)
+        for name, times in sorted(names.items(), key=lambda item: -len(item[1]) * 1000 - sum(item[1]))[:25]:
+            text.write(f"  {len(times) / 20:6.1f}/step {sum(times) / 20:9.1f} us/step  {name}\n")
         for request_id in ids:  # the next measurement starts from an idle engine
             engine.abort(request_id)
         while engine.has_unfinished_requests():  # a step may still be in flight (async scheduling)
