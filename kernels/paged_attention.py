@@ -140,7 +140,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if splits > 1:
         reduce = get_kernel(SOURCE, f"paged_reduce_kernel<{dt}>", index)
         launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (
-            ptr(part_out), ptr(part_stats), ptr(out), i32(num_heads), i32(splits), i32(head_dim)), index)
+            ptr(part_out), ptr(part_stats), ptr(out), i32(num_heads), i32(splits), i32(head_dim)), index,
+            shared_mem=4 * splits)  # a weight per split
     return out
 
 
