@@ -274,7 +274,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for module in (ka, kp, kq, kr, krc):
         monkeypatch.setattr(module, "get_kernel", lambda source, name, index: _Kernel((source, name)))
         monkeypatch.setattr(module, "launch",
-                            lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+                            lambda kernel, grid, block, args, index, shared_mem=0: launches.append((kernel, args)))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
