@@ -140,8 +140,10 @@ def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bi
       12.9 with two K-splits, see _plan; 18.3 at 16 tokens against staged 27.2, 26.6 at 32 against 35.7);
     - K >= 4096 (down): tc (11008x2048: 8.6 us at one token against stream 12.6, 22.0 at 32 against
       ksplit 23.5);
-    - otherwise tc at 2-8 tokens (2048x2560 at 4 tokens 4.6 us against ksplit 5.3), and as below at 1 and
-      9-32 tokens, where tc ties gemv or loses to ksplit.
+    - otherwise tc at 1-8 tokens (2048x2560 at 4 tokens 4.6 us against ksplit 5.3; at one token it ties gemv
+      alone, but under programmatic dependent launch its first weight loads overlap the kernel before it: a
+      one-stream decode step of Qwen2.5-3B took 1693 us against 1817 with gemv), and as below at 9-32 tokens,
+      where tc loses to ksplit.
     Others: one token, stream where K >= 4096 and N <= K, gemv elsewhere; 17-32 tokens, ksplit (two 16-token
     tiles) unless the output is at least 3x the input, where staged shares its staged activations over
     more rows; then AUTO_KERNELS by token count."""
@@ -150,7 +152,7 @@ def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bi
     if num_tokens <= TC_MAX_TOKENS and tc_reason(bits, in_features, out_features, group_size) is None:
         if wide:
             return "tcs"
-        if long_k or 2 <= num_tokens <= 8:
+        if long_k or num_tokens <= 8:
             return "tc"
     if num_tokens == 1 and long_k and out_features <= in_features:
         return "stream"
