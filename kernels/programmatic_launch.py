@@ -2,8 +2,8 @@
 programmatic-stream-serialization attribute, on GPUs that have it (compute capability 9.0 and up).
 
 With the attribute, the next kernel of a stream may start while the previous one runs: its CTAs take free
-SM slots, do what depends on no earlier kernel (the GEMVs ask L2 for their weights), then block in
-`griddepcontrol.wait` until the previous grid has completed and its writes are visible (common.cuh:
+SM slots, do what depends on no earlier kernel (the tc, tcs and ksplit GEMVs load their first weights), then
+block in `griddepcontrol.wait` until the previous grid has completed and its writes are visible (common.cuh:
 `launch_dependents`, `wait_for_prior_grids`; every deepinfer kernel calls both). A decode step is ~400
 short kernels, so each one's launch latency and first DRAM round trip, otherwise paid in series, now overlap
 the kernel before it. CUDA-graph capture records the attribute as a programmatic edge.
@@ -18,6 +18,7 @@ import ctypes
 import os
 import struct
 import threading
+from functools import cache
 
 import numpy as np
 
@@ -71,6 +72,7 @@ _functions: dict[tuple[int, int], int] = {}  # (id of a loaded kernel, device) -
 _formats: dict[tuple[type, ...], str] = {}
 
 
+@cache
 def _driver():
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
@@ -80,16 +82,11 @@ def _driver():
     return lib
 
 
-_lib = None
-
-
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream_handle: int,
            device_index: int, shared_mem: int = 0) -> None:
     """Launch a compiled cupy.RawKernel with the PDL attribute on a raw stream handle. The caller has made
     `device_index` current and typed every argument (launch.py)."""
-    global _lib
-    if _lib is None:
-        _lib = _driver()
+    lib = _driver()
     key = (id(kernel), device_index)
     function = _functions.get(key)
     if function is None:
@@ -107,8 +104,8 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = shared_mem
     config.hStream = stream_handle
-    status = _lib.cuLaunchKernelEx(ctypes.byref(config), function, state.param_ptrs, None)
+    status = lib.cuLaunchKernelEx(ctypes.byref(config), function, state.param_ptrs, None)
     if status != 0:
         name = ctypes.c_char_p()
-        _lib.cuGetErrorName(status, ctypes.byref(name))
+        lib.cuGetErrorName(status, ctypes.byref(name))
         raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({status})")

@@ -1,7 +1,7 @@
 """Where a graphed step's time goes on a GPU: the GPU time of one replay per token bucket (CUDA
 events over back-to-back replays), the kernels inside a replay (torch.profiler), and the host's view
-of a decoding stream's steps (cProfile), so the gap between a step's wall time and its GPU time shows. The replays run on padding rows (one-token
-contexts); the decoding streams' steps read real contexts of 256+ tokens.
+of a decoding stream's steps (cProfile), so the gap between a step's wall time and its GPU time shows. The
+replays run on padding rows (one-token contexts); the decoding streams' steps read real contexts of 256+ tokens.
 
     PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64] [--dtype float16]
                                                         [--out DIR]
