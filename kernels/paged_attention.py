@@ -25,6 +25,9 @@ TILE_TOKENS = 16
 # one stream: 1810 us a decode step against 1841 with 64-token splits, since the reduce reads splits in parallel).
 MIN_TOKENS_PER_SPLIT = 32
 TARGET_TOKENS_PER_SPLIT = 256
+# paged_reduce_kernel keeps a weight per split in shared memory (4 bytes each, 32 KiB at most): contexts past
+# 8192 x 32 tokens take longer splits instead.
+MAX_SPLITS = 8192
 # Beyond this many waves of CTAs the GPU is busy anyway; more splits would only grow the partials
 # (steps of many tokens, each a query of its own: [tokens, heads, splits, head_dim] fp32).
 MAX_WAVES = 16
@@ -76,7 +79,7 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
         group = num_heads // num_kv_heads
         units = num_seqs * num_kv_heads * ((group + 15) // 16)
         waves = max(1, min(MAX_WAVES, round(units * -(-max_seq_len // TARGET_TOKENS_PER_SPLIT) / resident)))
-        most = max(1, -(-max_seq_len // MIN_TOKENS_PER_SPLIT))
+        most = max(1, min(MAX_SPLITS, -(-max_seq_len // MIN_TOKENS_PER_SPLIT)))
         splits = max(1, min(most, waves * resident // units))
         tokens_per_split = -(-max_seq_len // splits)
     tokens_per_split = -(-tokens_per_split // TILE_TOKENS) * TILE_TOKENS
@@ -127,6 +130,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len,
                                    resident_ctas(fn.num_regs, index), tokens_per_split)
+    if splits > MAX_SPLITS:
+        raise ValueError(f"{splits} context splits exceed {MAX_SPLITS} (the reduce's shared memory): "
+                         f"pass a larger tokens_per_split")
     group = num_heads // num_kv_heads
     head_tiles = (group + 15) // 16
     part_out = part_stats = None

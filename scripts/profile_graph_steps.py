@@ -67,7 +67,7 @@ def main() -> None:
         for _ in range(12):  # prefills (2048-token budget) and the first decodes
             engine.step()
         # Steady decoding with nothing attached: a step's real cost (the bucket replays above run on padding
-        # rows, whose attention reads one token; these read their ~300-450-token contexts)
+        # rows, whose attention reads one token; these read their 268-368-token contexts)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(100):

@@ -208,6 +208,10 @@ def test_split_and_tile_choices(monkeypatch):
             assert ctas % resident == 0 or ctas % resident > resident // 2, (batch, context, splits)
     assert paged_attention.split_plan(16, 32, 8, 4096, resident) == (12, 352)  # one full wave of 1536 CTAs
     assert paged_attention.split_plan(1, 32, 8, 4096, resident, tokens_per_split=1 << 20)[0] == 1
+    # one stream at a 1024-token graph bound: 32 splits of two 16-token tiles (2 KV heads: 64 CTAs)
+    assert paged_attention.split_plan(1, 16, 2, 1024, resident) == (32, 32)
+    # a 4M-token context (16 waves of CTAs) stays within the reduce's shared memory (a weight per split)
+    assert paged_attention.split_plan(1, 16, 2, 1 << 22, resident)[0] == paged_attention.MAX_SPLITS
     # 2048 single-token queries (a graphed prefill step) at a 4096 bound: 16 waves, not 41
     assert paged_attention.split_plan(2048, 16, 2, 4096, resident) == (6, 688)
     assert [kq.default_tile("mma", m) for m in (1, 8, 9, 16, 17, 33, 500)] == [1, 1, 2, 2, 4, 8, 8]
