@@ -226,6 +226,16 @@ def test_split_and_tile_choices(monkeypatch):
     assert kq._split_plan(5, 1, 8, 576, 0, 3) == (3, 2)  # 5 segments over 3 requested splits: 2, 2, 1
 
 
+def test_an_explicit_tc_kernel_refuses_weights_it_cannot_take():
+    from kernels import quant_matmul as kq
+
+    packed = quantize_rtn(torch.randn(48, 256), bits=3, group_size=128)  # tc and tcs take W4 only
+    for kernel in ("tc", "tcs"):
+        with pytest.raises(ValueError, match=f"the {kernel} kernel does not take"):
+            kq.quant_matmul(torch.randn(1, 256, dtype=torch.float16), packed.qweight, packed.scales, packed.zeros, 3,
+                            128, "zero", kernel=kernel)
+
+
 def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shape():
     from core.ops.quant_matmul import uses_dense
     from kernels import quant_matmul as kq
