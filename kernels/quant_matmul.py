@@ -330,7 +330,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dt = _DTYPE_CODES[x.dtype]
     mode = 0
     if name in ("tc", "tcs"):
-        reason = tc_reason(bits, in_features, out_features, group_size) if kernel != "auto" else None  # auto: checked
+        # an automatic pick already passed tc_reason; an explicit kernel is checked here
+        reason = tc_reason(bits, in_features, out_features, group_size) if kernel != "auto" else None
         if reason:
             raise ValueError(f"the {name} kernel does not take {reason}")
         mode = tc_mode(zero_mode, integer_zeros, group_size)

@@ -57,7 +57,7 @@ def kernel_bodies(text):
 def test_every_kernel_waits_for_the_previous_grid_before_its_writes():
     # Launched with the attribute, a kernel that never waited could complete before the kernel it follows,
     # and the one after it would read stale data: every kernel must let dependents launch and then wait,
-    # before anything that is not a weight prefetch or a weight load.
+    # before anything but loads of its own weights.
     found = 0
     for source in sorted(KERNELS.glob("*.cu")):
         for name, body in kernel_bodies(source.read_text()):
