@@ -4,6 +4,7 @@
 #   1. Qwen2.5-3B body, W4A16 (dummy weights), concurrency 1,4,8,32,64, with the HF transformers peer
 #   2. the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
 #   3. the same model: long-document insertion jitter over eight token budgets (one engine each), ITL SLO 8 ms
+#   4. section 1 again with DEEPINFER_PDL=0 (every launch fully serialized, no HF peer), for the PDL ratio
 # A section that fails or runs out of time is reported and the next one still runs; the script
 # exits non-zero if any failed.
 set -uo pipefail
@@ -41,6 +42,10 @@ section jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
     --token-budgets 16,32,64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 8 \
     --max-num-seqs 4 --kv-cache-memory 4GiB \
     --output "$OUT_DIR/bench_jitter_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
+
+section concurrency-no-pdl 120 env DEEPINFER_PDL=0 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
+    --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 \
+    --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-no-pdl_${GPU}_${STAMP}.json"
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "failed: ${FAILED[*]}" | tee -a "$LOG"

@@ -3,9 +3,9 @@
 # (default results/):
 #   1. the gpu-marked tests (HF parity on CUDA in fp32/bf16/fp16, kernels, CUDA graphs, quantized engine)
 #   2. deepinfer validate-kernels  -> kernel_validation_<gpu>.json
-#   3. scripts/gpu_bench.sh        -> the issue #7 benchmark JSONs (concurrency + HF peer, 4 GiB, jitter)
+#   3. scripts/gpu_bench.sh        -> the issue #7 benchmark JSONs (concurrency + HF peer, 4 GiB, jitter,
+#                                     concurrency with DEEPINFER_PDL=0)
 #   4. scripts/profile_graph_steps.py -> GPU time per replayed step (1 and 32 tokens) and its kernels
-#   5. the concurrency sweep again with DEEPINFER_PDL=0 (every launch fully serialized), for the PDL ratio
 # A copy of the tree without .git cannot name its commit: pass it, e.g.
 #   DEEPINFER_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_final.sh
 set -uo pipefail
@@ -31,11 +31,3 @@ echo "gpu_bench exit $?"; grep -E "exit|failed|all sections" "$OUT_DIR/gpu_bench
 echo "[$(date +%H:%M:%S)] profile"
 timeout 150 python3 scripts/profile_graph_steps.py --buckets 1,32 --streams 1,32 --out "$OUT_DIR" > /dev/null 2>&1
 echo "profile exit $?"; grep -h "^---" "$OUT_DIR"/profile_graph_steps_*.txt
-
-echo "[$(date +%H:%M:%S)] concurrency without programmatic dependent launch"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/^_//; s/_$//')
-DEEPINFER_PDL=0 timeout 200 python3 -m deepinfer_cli.main bench concurrency --dummy-weights --shape qwen2.5-3b \
-    --quantization w4a16 --max-model-len 4096 --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 \
-    --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-no-pdl_${GPU:-gpu}_$(date +%Y%m%d-%H%M%S).json" \
-    > "$OUT_DIR/no_pdl.log" 2>&1
-echo "no-PDL concurrency exit $?"; grep "│" "$OUT_DIR/no_pdl.log" | head -5
