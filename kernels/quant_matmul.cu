@@ -1038,3 +1038,199 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
   }
   reduce_splits_and_store<DT, TT>(acc, bias, out, partials, counters, row0, tok0, t, M, N);
 }
+
+// ---------------------------------------------------------------------------------------------
+// "tcb": tc's segments and mma layout, fed by the Hopper bulk-copy engine, for up to 8 tokens. Every
+// register-fed design above streams at <= 1.9 TB/s: the bytes a warp keeps in flight are bounded by its
+// registers and by when it gets to issue them between its math. Here one producer warp per CTA copies a
+// 16-row tile's packed weights into a ring of `depth` shared-memory stages with cp.async.bulk (a stage = the
+// 16 rows x CW segments of 128 codes, one copy per row), each stage's completion counted in bytes on its
+// "full" mbarrier; CW consumer warps wait on a stage, take segment w of it (thread (g, t): rows g and g + 8,
+// chunk t, as tc's TcSegment) and multiply it as tc does, then release the stage on its "empty" mbarrier
+// for the producer to refill. The bytes in flight per CTA (depth x 16 rows x CW x 64 B) no longer depend
+// on registers. The tile's scales and zeros (16 x num_groups contiguous values each) ride along with stage
+// 0. No kernel writes weights, so the producer fills its first `depth` stages before the PDL wait.
+// K may be split across CTAs (gridDim.z) with the split-K epilogue. sm_90+ only (the launcher checks).
+// Shared memory (dynamic): full[depth], empty[depth] barriers (16 B each pair, rounded to 16), the tile's
+// scales and zeros (each 16 * num_groups values, rounded up to 16 B), then the stages: 16 rows of
+// CW * 64 B, each row padded by 64 B so rows g and g + 1 start half a 128-byte bank line apart (the 8
+// rows a quarter-warp reads land on distinct banks).
+template <int CW> struct TcbStage {
+  static constexpr int ROW_BYTES = CW * 64, PITCH = ROW_BYTES + 64, BYTES = 16 * PITCH;
+  static constexpr int THREADS = 32 * (CW + 1);  // CW consumer warps and the producer warp
+};
+
+__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void barrier_init(u64* bar, u32 arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+#endif
+}
+
+// Make the initialized barriers visible to the bulk-copy engine (the async proxy) before any copy uses them.
+__device__ __forceinline__ void barrier_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// Arrive once and expect `bytes` more of copies before the phase completes.
+__device__ __forceinline__ void barrier_arrive_expect_bytes(u64* bar, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}"
+               ::"r"(shared_address(bar)), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_arrive(u64* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}"
+               ::"r"(shared_address(bar)) : "memory");
+#endif
+}
+
+// Wait until the barrier's phase of parity `parity` (0 for its first phase, then alternating) has completed.
+__device__ __forceinline__ void barrier_wait(u64* bar, u32 parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}" ::"r"(shared_address(bar)), "r"(parity) : "memory");
+#endif
+}
+
+// Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory; the copy's
+// completion counts its bytes on `bar`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, u32 bytes, u64* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
+#endif
+}
+
+struct TcRegX {  // a segment's activations for one token tile, loaded into registers one segment ahead
+  uint4 v[4];
+  __device__ __forceinline__ uint4 get(int, int cw) const { return v[cw]; }
+};
+
+__device__ __forceinline__ TcRegX tc_load_x(const TcGlobalX& src) {
+  TcRegX r;
+#pragma unroll
+  for (int cw = 0; cw < 4; ++cw) r.v[cw] = src.get(0, cw);
+  return r;
+}
+
+template <int DT, int MODE, int SCALE_F32, int CW>
+__global__ void __launch_bounds__(TcbStage<CW>::THREADS) quant_tcb_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0, 16-byte aligned
+    const void* __restrict__ scales,    // [N, K/G], 16-byte aligned
+    const void* __restrict__ zeros,     // [N, K/G], 16-byte aligned
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int N, int K, int group_shift, int zero_mode, int segs_per_split, int depth) {
+  typedef typename TcScale<SCALE_F32>::T ST;
+  typedef TcbStage<CW> Stage;
+  extern __shared__ __align__(16) unsigned char tcb_shared[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile_row = blockIdx.x * 16;
+  const int tok0 = blockIdx.y * 8;
+  const int num_segs = K >> 7;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(num_segs, seg_begin + segs_per_split);
+  const int num_stages = (seg_end - seg_begin + CW - 1) / CW;
+  const int num_groups = group_shift >= 31 ? 1 : (K >> 5) >> group_shift;
+  const u32 scale_bytes = 16u * num_groups * sizeof(ST);
+  const u32 scale_pitch = (scale_bytes + 15u) & ~15u;
+
+  u64* full = reinterpret_cast<u64*>(tcb_shared);
+  u64* empty = full + depth;
+  const ST* tile_scales = reinterpret_cast<const ST*>(tcb_shared + ((16 * depth + 15) & ~15));
+  const ST* tile_zeros = reinterpret_cast<const ST*>(reinterpret_cast<const unsigned char*>(tile_scales) + scale_pitch);
+  unsigned char* stages = const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(tile_zeros)) + scale_pitch;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < depth; ++s) {
+      barrier_init(full + s, 1);    // the producer's arrive (with the stage's bytes)
+      barrier_init(empty + s, CW);  // one arrive per consumer warp
+    }
+    barrier_init_fence();
+  }
+  __syncthreads();
+  launch_dependents();
+
+  float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  if (warp == CW) {
+    // Producer: lane r < 16 copies row tile_row + r of each stage; lanes 16 and 17 the scales and zeros.
+    const unsigned char* row_bytes = reinterpret_cast<const unsigned char*>(qweight) +
+                                     (i64)(tile_row + (lane & 15)) * (K >> 1);
+    for (int i = 0; i < num_stages; ++i) {
+      const int s = i % depth;
+      if (i >= depth) barrier_wait(empty + s, (u32)((i / depth - 1) & 1));
+      const int seg0 = seg_begin + i * CW, segs = min(CW, seg_end - seg0);
+      if (lane == 0) barrier_arrive_expect_bytes(full + s, 16u * segs * 64u + (i == 0 ? 2u * scale_bytes : 0u));
+      __syncwarp();
+      unsigned char* stage = stages + (i64)s * Stage::BYTES;
+      if (lane < 16) bulk_copy_to_shared(stage + lane * Stage::PITCH, row_bytes + seg0 * 64, segs * 64u, full + s);
+      if (i == 0 && lane == 16)
+        bulk_copy_to_shared(const_cast<ST*>(tile_scales), reinterpret_cast<const ST*>(scales) + (i64)tile_row * num_groups,
+                            scale_bytes, full + s);
+      if (i == 0 && lane == 17)
+        bulk_copy_to_shared(const_cast<ST*>(tile_zeros), reinterpret_cast<const ST*>(zeros) + (i64)tile_row * num_groups,
+                            scale_bytes, full + s);
+    }
+    wait_for_prior_grids();  // writes nothing and reads no earlier grid's output; waits like every thread
+  } else {
+    // Consumer warp `warp`: segment seg_begin + i * CW + warp of stage i.
+    const int tok_g = tok0 + g;
+    auto xat = [&](int seg) { return TcGlobalX{x, seg, t, tok_g, M, K}; };
+    wait_for_prior_grids();  // x is the previous grid's output
+    int seg = seg_begin + warp;
+    TcRegX xr;
+    if (seg < seg_end) xr = tc_load_x(xat(seg));
+    for (int i = 0; i < num_stages; ++i, seg += CW) {
+      const int s = i % depth;
+      TcRegX xn;
+      if (seg + CW < seg_end) xn = tc_load_x(xat(seg + CW));
+      barrier_wait(full + s, (u32)((i / depth) & 1));
+      if (seg < seg_end) {
+        const unsigned char* stage = stages + (i64)s * Stage::BYTES + warp * 64 + t * 16;
+        const int group = (seg * 4 + t) >> group_shift;
+        TcSegment<SCALE_F32> d;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = g + 8 * r;
+          d.w[r] = *reinterpret_cast<const uint4*>(stage + row * Stage::PITCH);
+          d.s[r] = tile_scales[row * num_groups + group];
+          d.z[r] = tile_zeros[row * num_groups + group];
+        }
+        tc_step<DT, 1, MODE>(d, xr, zero_mode, acc);
+      }
+      __syncwarp();
+      if (lane == 0) barrier_arrive(empty + s);
+      xr = xn;
+    }
+  }
+
+  // The consumer warps' sums meet in shared memory; warp 0 adds them in warp order, then the split-K
+  // epilogue (every thread takes part in its barriers; only warp 0 holds rows to store).
+  __shared__ float warp_partial[CW][4][32];
+  if (warp < CW) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) warp_partial[warp][e][lane] = acc[0][e];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < CW; ++w) sum += warp_partial[w][e][lane];
+      acc[0][e] = sum;
+    }
+  }
+  reduce_splits_and_store<DT, 1>(acc, bias, out, partials, counters, tile_row + g, tok0, t, warp == 0 ? M : 0, N);
+}
