@@ -17,10 +17,7 @@ Eight kernels read the same packed layout (core/quant/packed.py, passed here as 
   splitting K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight
   byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves);
 - "tcs": tc's loads and pairs with staged's layout (128 rows per CTA, the activations of a K stage staged
-  once in shared memory, split along K), for 9-32 tokens (`quant_tcs_kernel`);
-- "tcb": tc's segments fed by the bulk-copy engine (sm_90+): a producer warp streams a 16-row tile's weights
-  into a ring of shared-memory stages (cp.async.bulk + mbarrier), consumer warps multiply them, for up to
-  8 tokens (`quant_tcb_kernel`, `tcb_reason` says when it serves).
+  once in shared memory, split along K), for 9-32 tokens (`quant_tcs_kernel`).
 `pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
 (results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
 """
@@ -31,7 +28,7 @@ from functools import cache
 
 import torch
 
-from kernels.compiler import device_arch, get_kernel
+from kernels.compiler import get_kernel
 from kernels.launch import i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
@@ -40,7 +37,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 # 1..64 tokens: ksplit is fastest at 2-16 tokens, staged at 32 and 64 (up to 1.7x the mma kernel), and
 # mma stays for more than 64 tokens, where staged was not measured.
 AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (64, "staged"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8, "tc": 4, "tcs": 4, "tcb": 1}
+MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8, "tc": 4, "tcs": 4}
 KERNELS = tuple(MAX_TILE)
 MMA_ROWS_PER_CTA = 64
 STAGED_ROWS_PER_CTA = 128
@@ -49,10 +46,6 @@ TC_ROWS_PER_CTA = 16
 TC_SEGMENT = 128  # codes of K per thread-quad step of the tc kernel
 TC_MAX_TOKENS = 32  # 4 token tiles of 8
 TC_LONG_K = 4096  # from this many input features tc also wins at 1 and 9-32 tokens
-TCB_MAX_TOKENS = 8  # one token tile
-TCB_CONSUMER_WARPS = 4  # segments a stage holds, one per consumer warp
-TCB_MAX_DEPTH = 8  # stages in flight per CTA
-TCB_MAX_SCALE_BYTES = 8192  # a tile's scales (and its zeros) ride in shared memory
 SPLIT_WARPS = 8  # warps per CTA of the split GEMV
 SPLIT_PARTS = (1, 2, 4, 8)  # K-parts per row pair it can take
 SPLIT_CTAS_PER_SM = 4  # CTAs per SM the split plan aims the grid at
@@ -109,9 +102,7 @@ def instantiations() -> tuple[str, ...]:
                            for bits in (4, 3) for tile in tiles[name] for f32 in (0, 1))
     tc = tuple(f"quant_{kernel}<{dt},{tile},{mode},{f32}>" for kernel in ("tc_gemv_kernel", "tcs_kernel")
                for dt in (0, 1) for tile in (1, 2, 4) for mode in (0, 1) for f32 in (0, 1))
-    tcb = tuple(f"quant_tcb_kernel<{dt},{mode},{f32},{warps}>" for dt in (0, 1) for mode in (0, 1) for f32 in (0, 1)
-                for warps in (4, 8))
-    return packed_kernels + tc + tcb
+    return packed_kernels + tc
 
 
 def tc_group_shift(in_features: int, group_size: int) -> int | None:
@@ -133,29 +124,6 @@ def tc_reason(bits: int, in_features: int, out_features: int, group_size: int) -
     if tc_group_shift(in_features, group_size) is None:
         return f"group size {group_size} (needs 32 * 2^i or per-channel)"
     return None
-
-
-def tcb_reason(bits: int, in_features: int, out_features: int, group_size: int, scale_bytes: int,
-               compute_capability: str) -> str | None:
-    """Why the tcb kernel cannot take this weight (None when it can): tc's shapes, a GPU with the bulk-copy
-    engine (sm_90+), and a 16-row tile's scales small enough for shared memory."""
-    reason = tc_reason(bits, in_features, out_features, group_size)
-    if reason:
-        return reason
-    if int(compute_capability) < 90:
-        return f"sm_{compute_capability} (needs sm_90+ bulk copies)"
-    groups = 1 if group_size == in_features else in_features // group_size
-    if 16 * groups * scale_bytes > TCB_MAX_SCALE_BYTES:
-        return f"{groups} groups of {scale_bytes}-byte scales per row (a 16-row tile's must fit {TCB_MAX_SCALE_BYTES} B)"
-    return None
-
-
-def tcb_shared_bytes(in_features: int, group_size: int, scale_bytes: int, depth: int, consumer_warps: int) -> int:
-    """Dynamic shared memory of a tcb CTA, laid out as quant_tcb_kernel reads it: barriers, the tile's scales
-    and zeros, then `depth` stages of 16 rows x (consumer_warps x 64 B + 64 B of padding)."""
-    groups = 1 if group_size == in_features else in_features // group_size
-    scale_pitch = -(-16 * groups * scale_bytes // 16) * 16
-    return -(-16 * depth // 16) * 16 + 2 * scale_pitch + depth * 16 * (consumer_warps * 64 + 64)
 
 
 def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
@@ -261,17 +229,11 @@ def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int
     return -(-num_segments // per_split), per_split  # no empty split
 
 
-def tcb_depth(segments_per_split: int) -> int:
-    """Stages of a tcb CTA's ring: all of its K range, up to TCB_MAX_DEPTH."""
-    return min(TCB_MAX_DEPTH, -(-segments_per_split // TCB_CONSUMER_WARPS))
-
-
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
-          name: str, tile: int, splits: int | None, mode: int = 0, group_size: int = 0) -> tuple:
+          name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
     """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; `mode` is
-    the tc / tcs / tcb kernels' tc_mode."""
-    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode, group_size,
-           TCB_CONSUMER_WARPS, TCB_MAX_DEPTH)
+    the tc / tcs kernels' tc_mode."""
+    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -295,24 +257,6 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
         fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
         plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
-    elif name == "tcb":
-        row_tiles = out_features // TC_ROWS_PER_CTA
-        token_tiles = -(-num_tokens // 8)
-        num_segments = in_features // TC_SEGMENT
-        if splits is None:
-            # about two CTAs per SM, each with at least one full stage
-            wanted = round(2 * _num_sms(index) / (row_tiles * token_tiles))
-            splits = max(1, min(num_segments // TCB_CONSUMER_WARPS, wanted))
-        per_split = -(-num_segments // splits)
-        splits = -(-num_segments // per_split)
-        if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
-            raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
-        fn = get_kernel(SOURCE, f"quant_tcb_kernel<{dt},{mode},{scale_f32},{TCB_CONSUMER_WARPS}>", index)
-        shared = tcb_shared_bytes(in_features, group_size, 4 if scale_f32 else 2, tcb_depth(per_split),
-                                  TCB_CONSUMER_WARPS)
-        if shared > 48 * 1024:  # past the default limit a kernel must opt in
-            fn.max_dynamic_shared_size_bytes = shared
-        plan = (fn, (row_tiles, token_tiles, splits), (32 * (TCB_CONSUMER_WARPS + 1), 1, 1), splits, per_split)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
@@ -360,9 +304,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  out: torch.Tensor | None = None, integer_zeros: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
-    kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma" | "tc" | "tcs" | "tcb"; tile: tokens
+    kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma" | "tc" | "tcs"; tile: tokens
     per CTA (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8, tc and tcs:
-    1/2/4, tcb: 1); splits: K splits across CTAs of the staged, mma, tcs and tcb kernels (default: enough CTAs to fill
+    1/2/4); splits: K splits across CTAs of the staged, mma and tcs kernels (default: enough CTAs to fill
     the GPU), or K-parts within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a
     contiguous [M, N] buffer;
     integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc and tcs
@@ -385,25 +329,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     index = device.index
     dt = _DTYPE_CODES[x.dtype]
     mode = 0
-    scale_f32 = int(scales.dtype == torch.float32)
-    if name in ("tc", "tcs", "tcb"):
-        # an automatic pick already passed tc_reason (tcb_reason); an explicit kernel is checked here
-        reason = None
-        if kernel != "auto":
-            reason = (tcb_reason(bits, in_features, out_features, group_size, 4 if scale_f32 else 2,
-                                 device_arch(index)) if name == "tcb"
-                      else tc_reason(bits, in_features, out_features, group_size))
-        if name == "tcb" and not reason:
-            reason = _tcb_alignment_reason(qweight, scales, zeros)
+    if name in ("tc", "tcs"):
+        # an automatic pick already passed tc_reason; an explicit kernel is checked here
+        reason = tc_reason(bits, in_features, out_features, group_size) if kernel != "auto" else None
         if reason:
             raise ValueError(f"the {name} kernel does not take {reason}")
         mode = tc_mode(zero_mode, integer_zeros, group_size)
-    fn, grid, block, split_count, per_split = _plan(index, dt, bits, scale_f32, num_tokens, out_features, in_features,
-                                                    name, tile, splits, mode, group_size)
+    fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
+                                                    out_features, in_features, name, tile, splits, mode)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
-    if name in ("tc", "tcs", "tcb"):
+    if name in ("tc", "tcs"):
         sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
     if name in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)
@@ -415,19 +352,5 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if split_count > 1:
         partials = _split_workspace(device, split_count * num_tokens * out_features)
         counters = _split_counters(device)
-    if name == "tcb":
-        depth = tcb_depth(per_split)
-        shared = tcb_shared_bytes(in_features, group_size, 4 if scale_f32 else 2, depth, TCB_CONSUMER_WARPS)
-        launch(fn, grid, block, head + (ptr(partials), ptr(counters)) + sizes + (i32(per_split), i32(depth)), index,
-               shared_mem=shared)
-        return out
     launch(fn, grid, block, head + (ptr(partials), ptr(counters)) + sizes + (i32(per_split),), index)
     return out
-
-
-def _tcb_alignment_reason(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> str | None:
-    """Bulk copies move 16-byte-aligned runs: every tile's weights and scales start on one."""
-    for name, tensor in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        if tensor.data_ptr() % 16:
-            return f"{name} not 16-byte aligned"
-    return None

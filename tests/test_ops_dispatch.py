@@ -291,7 +291,6 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
         monkeypatch.setattr(module, "launch",
                             lambda kernel, grid, block, args, index, shared_mem=0: launches.append((kernel, args)))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kq, "device_arch", lambda index: "90")  # tcb needs sm_90
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
     monkeypatch.setattr(kq, "_plans", {})
@@ -313,7 +312,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                              torch.randn(3, 2, 64, dtype=half), torch.randn(3, 32, dtype=half),
                              torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
     names = {name.split("<")[0] for (_, name), _ in launches}
-    assert names == {"quant_tc_gemv_kernel", "quant_tcs_kernel", "quant_tcb_kernel", "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel",
+    assert names == {"quant_tc_gemv_kernel", "quant_tcs_kernel", "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel",
                      "quant_mma_kernel", "quant_gemv_split_kernel",
                      "quant_mma_staged_kernel", "paged_decode_kernel",
                      "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel",

@@ -28,7 +28,7 @@ ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
 # (kernel, most tokens it is timed at): the tc and tcs kernels (W4 weights they take) up to 32, the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
 # tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel and the dense path always
-KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("tcb", 8), ("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64),
+KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64),
                      ("mma", 1 << 30), ("dense", 1 << 30))
 DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
 SPLIT_SWEEP_TOKENS = 1  # the split kernel is also timed at every K-part count it can take at this token count
@@ -86,16 +86,15 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
 
 
 def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_takes: bool = True,
-                 sweep_split: bool = True, tcb_takes: bool = False) -> list[tuple[str, int | None]]:
+                 sweep_split: bool = True) -> list[tuple[str, int | None]]:
     """(kernel, K-parts or None) of each point timed at one token count: every kernel of KERNEL_MAX_TOKENS
-    that serves it (tc and tcs where `tc_takes`, tcb where `tcb_takes`); the split kernel with its planned
-    K-parts, and at SPLIT_SWEEP_TOKENS with each count K allows when `sweep_split`."""
+    that serves it (tc where `tc_takes`); the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS
+    with each count K allows when `sweep_split`."""
     from kernels.quant_matmul import SPLIT_PARTS
 
     points = []
     for kernel, most in KERNEL_MAX_TOKENS:
-        if (num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS)
-                or (kernel in ("tc", "tcs") and not tc_takes) or (kernel == "tcb" and not tcb_takes)):
+        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS) or (kernel in ("tc", "tcs") and not tc_takes):
             continue
         if kernel != "split":
             points.append((kernel, None))
@@ -114,15 +113,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
     results/bench_gemv_split_w4_nvidia_h200.json, and not dispatched); a point whose launch fails is
     recorded with its error instead of a time."""
     from core.ops.quant_matmul import uses_dense
-    from kernels.compiler import device_arch
-    from kernels.quant_matmul import (
-        default_tile,
-        pick_kernel,
-        quant_matmul,
-        split_ksplit,
-        tc_reason,
-        tcb_reason,
-    )
+    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit, tc_reason
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     records = []
@@ -136,10 +127,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
                 planned = split_ksplit(out_features, in_features, num_sms)
                 tc_takes = tc_reason(bits, in_features, out_features, group_size) is None
-                tcb_takes = tcb_reason(bits, in_features, out_features, group_size, 2,
-                                       device_arch(torch.device(device).index or 0)) is None
-                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=sweep_split,
-                                                   tcb_takes=tcb_takes):
+                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=sweep_split):
                     launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel, ksplit)
                     point = {"in_features": in_features, "out_features": out_features, "bits": bits,
                              "tokens": num_tokens, "kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}

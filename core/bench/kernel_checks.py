@@ -164,21 +164,6 @@ TCS_CASES = (
     (1, 22016, 2048, 128, 1, "int", False, True),  # up to 8 tokens on few row tiles: two K-splits
     (6, 2560, 2048, 64, 1, "min", True, False),
 )
-# The tcb kernel (tc's segments through a bulk-copy ring, up to 8 tokens a tile): the same fields. Cases cover
-# one and several K-splits (the default plan splits short-N shapes), a ring that wraps (K = 11008: 11 stages
-# of a split in 8 slots), a partial last stage, one segment in all, two token tiles, fractional and min
-# zeros, fp32 scales at the shared-memory limit, per-channel scales and a bias.
-TCB_CASES = (
-    (1, 2560, 2048, 128, 1, "int", False, True),
-    (1, 22016, 2048, 128, 1, "int", False, False),
-    (8, 2048, 11008, 128, 1, "int", False, False),
-    (1, 2048, 11008, 128, 1, "int", False, False),
-    (5, 512, 4096, 32, 1, "frac", True, False),
-    (3, 1024, 1152, 64, 1, "min", False, True),
-    (2, 16, 128, 128, 1, "int", False, False),
-    (12, 512, 11008, 11008, 1, "int", False, False),
-    (7, 4096, 4096, 128, 1, "int", True, True),
-)
 TC_KERNEL_CASES = {"tc": TC_CASES, "tcs": TCS_CASES}
 
 
@@ -256,12 +241,10 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
 
 
 def check_quant_matmul_all(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    """Every quantized-matmul kernel's cases: QUANT_CASES, then the tc and tcs kernels' own, and tcb's on sm_90+."""
+    """Every quantized-matmul kernel's cases: QUANT_CASES, then the tc and tcs kernels' own."""
     results = check_quant_matmul(device, dtypes)
     for kernel, cases in TC_KERNEL_CASES.items():
         results += check_quant_tc(device, dtypes, kernel, cases)
-    if torch.cuda.get_device_capability(device) >= (9, 0):
-        results += check_quant_tc(device, dtypes, "tcb", TCB_CASES)
     return results
 
 
