@@ -3,43 +3,69 @@
 // KV cache per layer: [num_blocks, num_kv_heads, block_size, D], fp16/bf16 (DT) or int8 with fp16
 // per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale).
 //
-// One warp (one CTA) per (kv head, 16-head tile of its query heads, sequence, split of the context):
-// the query heads that share a KV head are the 16 rows of the mma A operand, so each K/V row is read
-// once for all of them. The split's tokens are walked in tiles of 16 with an online softmax (flash
-// decoding); Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
+// One CTA per (kv head, 16-head tile of its query heads, sequence, split of the context): the query
+// heads that share a KV head are the 16 rows of the mma A operand, so each K/V row is read once for
+// all of them. The split's tokens are walked in tiles of 16 with an online softmax (flash decoding);
+// Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
+//
+// Two ways to cover a context, one kernel (the WARPS template parameter):
+//   split path (WARPS = 1): one warp per CTA, the context cut into splits across CTAs (grid.z) sized
+//     from the host's max_seq_len; with splits > 1 each CTA writes its unnormalized output and
+//     (max, sum) and paged_reduce_kernel combines them. Long contexts: many CTAs keep the GPU busy.
+//   combined path (WARPS > 1, one split): the CTA's warps take the sequence's tiles round robin
+//     (warp w: tiles w, w + WARPS, ...) up to its real seq_len, then combine their softmax states in
+//     shared memory (combine_warps) and write the output: one kernel, no partials, and latency that
+//     follows the real context, not the graph's bound. Short contexts, where the reduce kernel's launch
+//     and round trips would cost more than walking the tiles.
 //
 // Operand permutations (any permutation of a reduction axis is fine if both operands share it):
 //   Q.K^T, reduction over d: thread t takes d = 32c + 8t + {0..7} of each 32-wide chunk c; k-step
 //     (c, s) pairs are d = 32c + 8t + 4s + {0,1} (a0/b0) and + {2,3} (a2/b1).
 //   P.V, output columns: in each 32-wide d block, n-tile j column g is d = 32*vb + 4g + j, so a
 //     thread loads 4 consecutive d of a V row and ends with 8 consecutive outputs d = 32*vb + 8t + {0..7}.
-// With splits > 1 each CTA writes its unnormalized output and (max, sum) for paged_reduce_kernel.
 #include "common.cuh"
 
+// A thread's slice of K and V rows: 8 consecutive elements of a K row (KW words as loaded) and 4 of a V
+// row (VW words). Rows are kept as loaded until the mma needs them as fp16/bf16 pairs, so a prefetched int8
+// tile holds half the registers of a converted one.
 template <int DT, int KV_INT8>
 struct KvRow {
-  // 8 consecutive elements (d .. d+7) of a K row -> 4 pairs
-  static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32* p) {
+  static constexpr int KW = KV_INT8 ? 2 : 4, VW = KV_INT8 ? 1 : 2;
+  static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
     if constexpr (KV_INT8) {
-      uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
-                      : make_uint2(0, 0);
-      int8x4_to_pairs<DT>(v.x, p[0], p[1]);
-      int8x4_to_pairs<DT>(v.y, p[2], p[3]);
+      const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
+                            : make_uint2(0, 0);
+      w[0] = v.x; w[1] = v.y;
     } else {
-      uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
-                      : make_uint4(0, 0, 0, 0);
-      p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
+      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
+                            : make_uint4(0, 0, 0, 0);
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
   }
-  // 4 consecutive elements (d .. d+3) of a V row -> 2 pairs
-  static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32* p) {
+  static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
     if constexpr (KV_INT8) {
-      u32 v = valid ? __ldg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
-      int8x4_to_pairs<DT>(v, p[0], p[1]);
+      w[0] = valid ? __ldg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
     } else {
-      uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
-                      : make_uint2(0, 0);
-      p[0] = v.x; p[1] = v.y;
+      const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
+                            : make_uint2(0, 0);
+      w[0] = v.x; w[1] = v.y;
+    }
+  }
+  // 8 elements -> 4 pairs (d, d+1), (d+2, d+3), ...
+  static __device__ __forceinline__ void pairs8(const u32 (&w)[KW], u32 (&p)[4]) {
+    if constexpr (KV_INT8) {
+      int8x4_to_pairs<DT>(w[0], p[0], p[1]);
+      int8x4_to_pairs<DT>(w[1], p[2], p[3]);
+    } else {
+      p[0] = w[0]; p[1] = w[1]; p[2] = w[2]; p[3] = w[3];
+    }
+  }
+  // 4 elements -> 2 pairs
+  static __device__ __forceinline__ void pairs4(const u32 (&w)[VW], u32 (&p)[2]) {
+    if constexpr (KV_INT8) {
+      int8x4_to_pairs<DT>(w[0], p[0], p[1]);
+    } else {
+      p[0] = w[0]; p[1] = w[1];
     }
   }
 };
@@ -47,13 +73,14 @@ struct KvRow {
 // What one 16-token tile needs from memory: the rows' addresses, int8 scales, and with PRELOAD
 // (D <= 128) the K and V rows themselves. K rows: tokens tile + 8*nt + g, elements 32c + 8t .. +7;
 // V rows: tokens tile + 2t, 2t+1, 2t+8, 2t+9 (index e), elements 32c + 4g .. +3.
-template <int D, int PRELOAD>
+template <int DT, int D, int KV_INT8, int PRELOAD>
 struct Tile {
+  using Row = KvRow<DT, KV_INT8>;
   static constexpr int CH = PRELOAD ? D / 32 : 1;
   i64 krow[2], vrow[4];
   bool kvalid[2], vvalid[4];
   float kscale[2][2], vscale[4];
-  u32 kf[2][CH][4], vf[4][CH][2];
+  u32 kw[2][CH][Row::KW], vw[4][CH][Row::VW];  // as loaded
 };
 
 struct TileContext {  // per CTA: where the sequence's rows live
@@ -66,7 +93,7 @@ struct TileContext {  // per CTA: where the sequence's rows live
 };
 
 template <int DT, int D, int KV_INT8, int PRELOAD>
-__device__ __forceinline__ void fetch_tile(Tile<D, PRELOAD>& T, int tile, const TileContext& ctx) {
+__device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int tile, const TileContext& ctx) {
   const int block_size = 1 << ctx.log2_block_size;
   const i64 head_stride = (i64)block_size * D;
 #pragma unroll
@@ -105,10 +132,10 @@ __device__ __forceinline__ void fetch_tile(Tile<D, PRELOAD>& T, int tile, const 
     for (int c = 0; c < D / 32; ++c) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kf[nt][c]);
+        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kw[nt][c]);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vf[e][c]);
+        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vw[e][c]);
     }
   }
 }
@@ -116,7 +143,7 @@ __device__ __forceinline__ void fetch_tile(Tile<D, PRELOAD>& T, int tile, const 
 // One tile of the online softmax: S = Q K^T, running max/sum update, O = O * alpha + P V.
 // qrows: this thread's two query rows (row g and g+8) offset by 8t; q rows past the tile's heads are zero.
 template <int DT, int D, int KV_INT8, int PRELOAD>
-__device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile, int begin, const TileContext& ctx,
+__device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>& T, int tile, const TileContext& ctx,
                                             const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
                                             float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
                                             float (&row_sum)[2]) {
@@ -137,10 +164,11 @@ __device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile,
     for (int nt = 0; nt < 2; ++nt) {
       u32 kf[4];
       if constexpr (PRELOAD) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) kf[i] = T.kf[nt][c][i];
+        KvRow<DT, KV_INT8>::pairs8(T.kw[nt][c], kf);
       } else {
-        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kf);
+        u32 kw[KvRow<DT, KV_INT8>::KW];
+        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kw);
+        KvRow<DT, KV_INT8>::pairs8(kw, kf);
       }
       Num<DT>::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
       Num<DT>::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
@@ -154,7 +182,7 @@ __device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile,
       const int tok = tile + 8 * nt + 2 * ctx.t + (e & 1);
       float v = s[nt][e] * scale * T.kscale[nt][e & 1];
       if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-      v = (tok >= begin && tok < ctx.end) ? v : -INFINITY;
+      v = tok < ctx.end ? v : -INFINITY;  // a tile starts at or after the range's first token
       s[nt][e] = v;
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
     }
@@ -197,10 +225,11 @@ __device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile,
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if constexpr (PRELOAD) {
-        vf[e][0] = T.vf[e][c][0];
-        vf[e][1] = T.vf[e][c][1];
+        KvRow<DT, KV_INT8>::pairs4(T.vw[e][c], vf[e]);
       } else {
-        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vf[e]);
+        u32 vw[KvRow<DT, KV_INT8>::VW];
+        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vw);
+        KvRow<DT, KV_INT8>::pairs4(vw, vf[e]);
       }
     }
 #pragma unroll
@@ -214,8 +243,97 @@ __device__ __forceinline__ void attend_tile(const Tile<D, PRELOAD>& T, int tile,
   }
 }
 
-template <int DT, int D, int KV_INT8, int PIPELINE>
-__global__ void __launch_bounds__(32) paged_decode_kernel(
+// The combined path's last step: the CTA's warps walked interleaved tiles of one context, each with its own
+// online-softmax state (o, row max m_w, quad-summed row sum l_w). Combined in a fixed order, so the result is
+// deterministic: per row the CTA max M, the total sum_w e^(m_w - M) l_w (warps in order), then o = sum_w
+// e^(m_w - M) o_w accumulated in shared memory warp after warp (0, 1, ..., WARPS - 2), the last warp adding its
+// own in registers. A warp that saw nothing (m_w = -inf) weighs 0; rows past heads_here are never written out,
+// so they skip the shared memory (half the traffic at 8 heads a tile). On return the last warp's o, row_max and
+// row_sum are the CTA's state. Shared memory: D * 64 bytes of o (16 KiB at D = 256) + WARPS * 128 of stats.
+template <int D, int WARPS>
+__device__ __forceinline__ void combine_warps(float (&o)[D / 32][4][4], float (&row_max)[2], float (&row_sum)[2],
+                                              bool walked_tiles, int heads_here) {
+  constexpr int CHUNKS = D / 32;
+  __shared__ float warp_row_max[WARPS][16], warp_row_sum[WARPS][16];
+  // o in fragment order, the same in every warp: [d block c][2 * row half r + column half h][lane] holds
+  // d = 32c + 8t + 4h + {0..3} of row g + 8r (float4 per lane: a warp's access is 512 contiguous bytes)
+  __shared__ float4 o_sum[CHUNKS][4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  if (t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      warp_row_max[warp][g + 8 * r] = row_max[r];
+      warp_row_sum[warp][g + 8 * r] = row_sum[r];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    float cta_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) cta_max = fmaxf(cta_max, warp_row_max[w][row]);
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float m = warp_row_max[w][row];
+      total += (m == -INFINITY ? 0.0f : __expf(m - cta_max)) * warp_row_sum[w][row];
+    }
+    const float weight = row_max[r] == -INFINITY ? 0.0f : __expf(row_max[r] - cta_max);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[c][j][2 * r] *= weight;
+        o[c][j][2 * r + 1] *= weight;
+      }
+    row_max[r] = cta_max;
+    row_sum[r] = total;
+  }
+  for (int w = 0; w < WARPS - 1; ++w) {
+    if (warp == w && (w == 0 || walked_tiles)) {  // warp 0 initializes; an idle warp would add zeros
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (g + 8 * r >= heads_here) continue;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float4 v = make_float4(o[c][0][2 * r + h], o[c][1][2 * r + h], o[c][2][2 * r + h], o[c][3][2 * r + h]);
+            if (w > 0) {
+              const float4 s = o_sum[c][2 * r + h][lane];
+              v = make_float4(s.x + v.x, s.y + v.y, s.z + v.z, s.w + v.w);
+            }
+            o_sum[c][2 * r + h][lane] = v;
+          }
+      }
+    }
+    __syncthreads();
+  }
+  if (warp == WARPS - 1) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (g + 8 * r >= heads_here) continue;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float4 s = o_sum[c][2 * r + h][lane];
+          o[c][0][2 * r + h] += s.x;
+          o[c][1][2 * r + h] += s.y;
+          o[c][2][2 * r + h] += s.z;
+          o[c][3][2 * r + h] += s.w;
+        }
+    }
+  }
+}
+
+// WARPS: 1 on the split path (the default, so the registry's names without it stay valid), COMBINED_WARPS on
+// the combined path. A combined CTA is meant to fill an SM's registers alone (at least one CTA an SM, or ptxas
+// may cap registers at 128 for two and spill); the split path leaves it unspecified (0), so ptxas may trade
+// registers for more one-warp CTAs an SM.
+template <int DT, int D, int KV_INT8, int PIPELINE, int WARPS = 1>
+__global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_kernel(
     const u16* __restrict__ query,          // [B, H, D]
     const void* __restrict__ key_cache,     // [NB, KVH, BS, D]
     const void* __restrict__ value_cache,   // [NB, KVH, BS, D]
@@ -236,7 +354,7 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
   // ahead of it (two register sets, ping-pong: more bytes in flight, fewer warps resident); wider
   // heads load them chunk by chunk inside the products.
   constexpr int PRELOAD = D <= 128;
-  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const int warp = WARPS == 1 ? 0 : threadIdx.x >> 5, lane = threadIdx.x - 32 * warp, g = lane >> 2, t = lane & 3;
   const int group = num_heads / num_kv_heads;
   const int head_tiles = (group + 15) / 16;
   const int kv_head = blockIdx.x / head_tiles;
@@ -266,22 +384,24 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
     for (int j = 0; j < 4; ++j) o[c][j][0] = o[c][j][1] = o[c][j][2] = o[c][j][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
+  // the warps take the split's 16-token tiles round robin: warp w walks tiles w, w + WARPS, ...
+  const int first = begin + 16 * warp, stride = 16 * WARPS;
   if constexpr (PRELOAD && PIPELINE) {
-    Tile<D, PRELOAD> a, b;
-    fetch_tile<DT, D, KV_INT8, PRELOAD>(a, begin, ctx);
-    for (int tile = begin; tile < end; tile += 32) {
-      fetch_tile<DT, D, KV_INT8, PRELOAD>(b, tile + 16, ctx);
-      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
-      if (tile + 16 >= end) break;
-      fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile + 32, ctx);
-      attend_tile<DT, D, KV_INT8, PRELOAD>(b, tile + 16, begin, ctx, qrows, qvalid, scale, softcap, o, row_max,
+    Tile<DT, D, KV_INT8, PRELOAD> a, b;
+    fetch_tile<DT, D, KV_INT8, PRELOAD>(a, first, ctx);
+    for (int tile = first; tile < end; tile += 2 * stride) {
+      fetch_tile<DT, D, KV_INT8, PRELOAD>(b, tile + stride, ctx);
+      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      if (tile + stride >= end) break;
+      fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile + 2 * stride, ctx);
+      attend_tile<DT, D, KV_INT8, PRELOAD>(b, tile + stride, ctx, qrows, qvalid, scale, softcap, o, row_max,
                                            row_sum);
     }
   } else {
-    for (int tile = begin; tile < end; tile += 16) {
-      Tile<D, PRELOAD> a;
+    for (int tile = first; tile < end; tile += stride) {
+      Tile<DT, D, KV_INT8, PRELOAD> a;
       fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx);
-      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   }
 
@@ -290,6 +410,10 @@ __global__ void __launch_bounds__(32) paged_decode_kernel(
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[r], 2);
+  }
+  if constexpr (WARPS > 1) {
+    combine_warps<D, WARPS>(o, row_max, row_sum, first < end, heads_here);
+    if (warp != WARPS - 1) return;  // the last warp holds the CTA's output
   }
   // o[c][j]: c0 = (row g, d = 32c + 8t + j), c1 = (row g, d = 32c + 8t + 4 + j), c2/c3 the same for row g+8
 #pragma unroll

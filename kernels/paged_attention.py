@@ -1,11 +1,22 @@
 """Launcher of the paged decode attention kernels in paged_attention.cu.
 
-One warp per (kv head, 16-query-head tile, sequence, context split). The context is split into
-pieces of about 256 tokens, rounded so the grid fills whole waves of the CTAs the GPU holds at
-once (a partial last wave would leave SMs idle at the end); with more than one split,
-paged_reduce_kernel combines the splits' partial outputs. For CUDA-graph capture pass a fixed `max_seq_len` (the longest context
-the graph must serve): the split count, hence the grid, depends only on it, and splits past a
-sequence's end write an empty partial.
+One CTA per (kv head, 16-query-head tile, sequence, context split), on one of two paths:
+
+- combined (max_seq_len <= COMBINED_MAX_SEQ_LEN, no explicit `tokens_per_split`): one split, a CTA of
+  COMBINED_WARPS warps that take the sequence's 16-token tiles round robin up to its real seq_len and
+  combine their softmax states in shared memory. One kernel, no partials: short contexts are pure latency
+  (one decoding stream of a 3B model has 2 CTAs per layer), and a second, dependent reduce kernel cost
+  more than the tiles. The grid does not depend on max_seq_len and the work follows the real context,
+  so a CUDA graph captured at a 1024-token bound runs a 300-token context at the cost of 300 tokens.
+- split (longer bounds, or an explicit `tokens_per_split`): one warp a CTA, the context cut into splits
+  of at least MIN_TOKENS_PER_SPLIT tokens whose count fills whole waves of the CTAs the GPU holds at once
+  (a partial last wave would leave SMs idle at the end); with more than one split, paged_reduce_kernel
+  combines the splits' partial outputs. Long contexts need the CTAs across the context to keep the GPU
+  busy. The split count, hence the grid, depends only on max_seq_len, and splits past a sequence's end
+  write an empty partial.
+
+For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the path and
+the grid depend only on it and the batch's shape.
 """
 
 from __future__ import annotations
@@ -21,8 +32,9 @@ SOURCE = "paged_attention.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
-# Down to two 16-token tiles a split: one sequence at a 1024-token bound takes 32 splits (H200, Qwen2.5-3B,
-# one stream: 1810 us a decode step against 1841 with 64-token splits, since the reduce reads splits in parallel).
+# Down to two 16-token tiles a split: one sequence at a 1024-token bound took 32 splits (H200, Qwen2.5-3B,
+# one stream: 1810 us a decode step against 1841 with 64-token splits, since the reduce reads splits in parallel;
+# measured before such bounds took the combined path).
 MIN_TOKENS_PER_SPLIT = 32
 TARGET_TOKENS_PER_SPLIT = 256
 # paged_reduce_kernel keeps a weight per split in shared memory (4 bytes each, 32 KiB at most): contexts past
@@ -31,6 +43,18 @@ MAX_SPLITS = 8192
 # Beyond this many waves of CTAs the GPU is busy anyway; more splits would only grow the partials
 # (steps of many tokens, each a query of its own: [tokens, heads, splits, head_dim] fp32).
 MAX_WAVES = 16
+# The combined path's CTA: 8 warps is the most one SM holds of the pipelined tile code (up to 255 registers a
+# thread: 8 x 32 x 256 = 65536, the whole register file; more warps would cap it at 128 and spill), and a round
+# of 8 warps covers 128 tokens (a 300-token context: 3 tiles a warp).
+COMBINED_WARPS = 8
+# Bounds up to this take the combined path. Its latency follows the real context: a warp walks up to
+# bound / 16 / COMBINED_WARPS tiles (8 at 1024), about one memory round trip each (a tile's math overlaps the
+# next tile's loads, not the one after). The split path walks 2 tiles a split at any context, then pays a second,
+# dependent kernel (launch latency and the reduce's round trips; the pair is ~9 us a layer for one stream on an
+# H200), so by that estimate the two are about even at a real context of 1024, and below it (the common case
+# under a 1024-token graph) the combined path wins. At a 2048 bound a lone long context would walk 16 tiles a
+# warp, about twice the split path. 1024 is also the engine's smallest CUDA-graph context bound (the next is 4096).
+COMBINED_MAX_SEQ_LEN = 1024
 # Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
 # fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
 PIPELINED_BY_DEFAULT = True
@@ -71,6 +95,12 @@ def resident_ctas(registers_per_thread: int, device_index: int) -> int:
     return sms * max(1, min(blocks, threads // 32, registers // per_warp))
 
 
+def combined_path(max_seq_len: int, tokens_per_split: int | None = None) -> bool:
+    """Whether paged_decode_attention takes the combined path (one split, COMBINED_WARPS warps a CTA) for this
+    bound; an explicit tokens_per_split always takes the split path. Host values only: fixed at graph capture."""
+    return tokens_per_split is None and max_seq_len <= COMBINED_MAX_SEQ_LEN
+
+
 def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
                tokens_per_split: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split): pieces of ~TARGET_TOKENS_PER_SPLIT tokens, their count rounded to
@@ -86,20 +116,30 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
-def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None) -> str:
+def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None, warps: int = 1) -> str:
+    """The split path's kernel (warps == 1) leaves WARPS at its default: the name the registry compiles ahead."""
     dt, head_dim, int8 = _DTYPE_CODES[query.dtype], query.shape[-1], int(key_cache.dtype == torch.int8)
     if pipelined is None:
         pipelined = PIPELINED_BY_DEFAULT
-    return f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}>"
+    return f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}" + (f",{warps}>" if warps > 1 else ">")
 
 
-def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
-             tokens_per_split: int | None = None, pipelined: bool | None = None) -> tuple[int, int]:
-    """The (splits, tokens per split) paged_decode_attention uses for this batch."""
+def _split_plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
+                    tokens_per_split: int | None = None, pipelined: bool | None = None) -> tuple[int, int]:
+    """split_plan for this batch, with the residency of its one-warp kernel."""
     index = query.device.index
     kernel = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     return split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
                       resident_ctas(kernel.num_regs, index), tokens_per_split)
+
+
+def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
+             tokens_per_split: int | None = None, pipelined: bool | None = None) -> tuple[int, int]:
+    """The (splits, tokens per split) paged_decode_attention uses for this batch: on the combined path
+    (combined_path) one split of max_seq_len in whole tiles."""
+    if combined_path(max_seq_len, tokens_per_split):
+        return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
+    return _split_plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined)
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -127,9 +167,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
-    splits, per_split = split_plan(num_seqs, num_heads, num_kv_heads, max_seq_len,
-                                   resident_ctas(fn.num_regs, index), tokens_per_split)
+    warps = COMBINED_WARPS if combined_path(max_seq_len, tokens_per_split) else 1
+    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps), index)
+    splits, per_split = plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined)
     if splits > MAX_SPLITS:
         raise ValueError(f"{splits} context splits exceed {MAX_SPLITS} (the reduce's shared memory): "
                          f"pass a larger tokens_per_split")
@@ -139,7 +179,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_stats = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=device)
-    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32, 1, 1), (
+    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32 * warps, 1, 1), (
         ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
         ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
         ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
@@ -155,11 +195,11 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 def kv_read_probe(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int) -> None:
-    """Diagnostic: the decode kernel's K/V loads with the same grid and addressing but no math."""
+    """Diagnostic: the split path's K/V loads with the same grid and addressing but no math."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     index = query.device.index
-    splits, per_split = plan_for(query, key_cache, max_seq_len)
+    splits, per_split = _split_plan_for(query, key_cache, max_seq_len)
     sink = torch.empty(1, dtype=torch.int32, device=query.device)
     fn = get_kernel(SOURCE, f"paged_read_probe_kernel<{_DTYPE_CODES[query.dtype]},{head_dim}>", index)
     head_tiles = (num_heads // num_kv_heads + 15) // 16

@@ -294,25 +294,42 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
 
 # ---- paged decode attention -----------------------------------------------------------------------
 
-# (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split)
+# (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split, bound).
+# bound: the max_seq_len passed (None: the longest context); a bound past every context is the CUDA-graph case,
+# whose block tables are as wide as the bound. Bounds up to COMBINED_MAX_SEQ_LEN (1024) without tokens/split take
+# the combined path (one CTA of 8 warps a sequence), the rest the split path (one-warp CTAs, then the reduce).
 ATTENTION_CASES = (
-    (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None),
-    (torch.bfloat16, False, 32, 8, 128, 16, (1, 17, 300, 5000), 256, 50.0, None),
-    (torch.float16, True, 9, 3, 64, 16, (5, 700, 2049), None, None, None),
-    (torch.bfloat16, True, 16, 2, 256, 32, (3, 129, 1500), 100, 50.0, None),
-    (torch.float16, False, 40, 2, 128, 8, (33, 1000), None, None, None),
-    (torch.bfloat16, False, 4, 4, 96, 64, (65, 129), None, None, None),
-    (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 2000), None, None, 1 << 20),
+    # split path: bounds past 1024, or an explicit tokens/split
+    (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
+    (torch.bfloat16, False, 32, 8, 128, 16, (1, 17, 300, 5000), 256, 50.0, None, None),
+    (torch.float16, True, 9, 3, 64, 16, (5, 700, 2049), None, None, None, None),
+    (torch.bfloat16, True, 16, 2, 256, 32, (3, 129, 1500), 100, 50.0, None, None),
+    (torch.bfloat16, False, 16, 2, 128, 16, (1, 300, 2048), None, None, None, None),
+    (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 2000), None, None, 1 << 20, None),  # one split
+    (torch.float16, False, 16, 2, 128, 16, (1, 17, 300), None, None, 32, 1024),  # short contexts, reduce
+    # combined path: contexts 1 and 15-17 leave most warps idle, 1024 gives each warp 8 tiles
+    (torch.float16, False, 16, 2, 128, 16, (1, 15, 16, 17, 300, 1024), None, None, None, None),  # GQA 8
+    (torch.bfloat16, False, 16, 2, 128, 16, (300, 1, 77), None, None, None, 1024),
+    (torch.bfloat16, True, 16, 2, 128, 16, (1, 15, 16, 17, 300, 1024), None, None, None, None),
+    (torch.float16, False, 8, 8, 64, 8, (1, 15, 16, 17, 300), None, None, None, 1024),  # GQA 1
+    (torch.float16, True, 9, 3, 64, 128, (5, 700, 1000), 256, None, None, None),  # window from mid-tile
+    (torch.bfloat16, True, 16, 2, 256, 32, (3, 129, 1000), 100, 50.0, None, 1024),
+    (torch.float16, False, 8, 2, 256, 16, (1, 17, 300), None, 30.0, None, None),
+    (torch.float16, False, 40, 2, 128, 8, (33, 1000), None, None, None, None),  # GQA 20: a partial head tile
+    (torch.bfloat16, False, 32, 1, 128, 64, (1, 300, 999), 64, None, None, 1024),  # GQA 32: two head tiles
+    (torch.bfloat16, False, 4, 4, 96, 64, (65, 129), None, None, None, None),
+    (torch.float16, False, 16, 2, 128, 16, tuple(range(1, 1025, 33)), None, None, None, 1024),  # 32 sequences
 )
 
 
 def random_paged_kv(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                    int8: bool, device, spare_blocks: int = 7):
-    """Caches with random contents and block tables that scatter each sequence over shuffled blocks."""
+                    int8: bool, device, spare_blocks: int = 7, table_blocks: int = 0):
+    """Caches with random contents and block tables that scatter each sequence over shuffled blocks.
+    table_blocks: the least width of the tables (a CUDA graph's are as wide as its bound)."""
     needed = [-(-length // block_size) for length in seq_lens]
     num_blocks = sum(needed) + spare_blocks
     order = torch.randperm(num_blocks).tolist()
-    max_blocks = max(needed) + 2
+    max_blocks = max(max(needed) + 2, table_blocks)
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     start = 0
     for row, count in enumerate(needed):
@@ -329,26 +346,31 @@ def random_paged_kv(seq_lens, num_kv_heads: int, head_dim: int, block_size: int,
 
 
 def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
-    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_attention import combined_path, paged_decode_attention
 
     results = []
-    for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split in cases:
+    for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split, bound in cases:
+        bound = bound or max(lengths)
+        path = "combined" if combined_path(bound, per_split) else "split"
         for pipelined in ((True, False) if head_dim <= 128 else (True,)):
-            case = (f"{_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
-                    f"D={head_dim} bs={block_size} ctx={list(lengths)}" + (f" window={window}" if window else "")
-                    + (f" softcap={softcap}" if softcap else "") + (" one-split" if per_split else "")
+            context = (f"ctx={list(lengths)}" if len(lengths) <= 8
+                       else f"{len(lengths)} ctx {min(lengths)}..{max(lengths)}")
+            case = (f"{path} {_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
+                    f"D={head_dim} bs={block_size} {context} bound={bound}" + (f" window={window}" if window else "")
+                    + (f" softcap={softcap}" if softcap else "") + (f" tokens/split={per_split}" if per_split else "")
                     + ("" if pipelined else " in-step loads"))
 
             def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     block_size=block_size, lengths=lengths, window=window, softcap=softcap, per_split=per_split,
-                    pipelined=pipelined, case=case):
+                    bound=bound, pipelined=pipelined, case=case):
                 k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
-                    lengths, kv_heads, head_dim, block_size, dtype, int8, device)
+                    lengths, kv_heads, head_dim, block_size, dtype, int8, device,
+                    table_blocks=-(-bound // block_size))
                 seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
                 query = torch.randn(len(lengths), heads, head_dim, dtype=dtype, device=device)
                 scale = head_dim**-0.5
                 out = _nan(query.shape, dtype, device)
-                paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, max(lengths), scale, window,
+                paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, bound, scale, window,
                                        softcap, k_scales, v_scales, out=out, tokens_per_split=per_split,
                                        pipelined=pipelined)
                 ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale,
