@@ -72,3 +72,40 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     out = op.launch(rows, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
                     packed.zero_mode, packed.bias, integer_zeros=packed.integer_zeros)  # [M, N]
     return out.view(*x.shape[:-1], packed.out_features)
+
+
+def norm_and_quant_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight_offset: float,
+                          residual: torch.Tensor | None, packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm(x + residual) @ W.T (+ bias), x + residual) in ONE kernel, or None where no kernel takes the pair
+    (the caller then runs core.ops.norm.rms_norm and quant_matmul apart). x, residual: [T, K]; without a residual
+    the second value is x itself.
+
+    The tc and tcs kernels apply the norm to their activations as they load them (kernels/quant_matmul.py,
+    FusedNorm), for up to 8 tokens on W4 weights without an act-order permutation: a decode step then skips the
+    separate norm launch before qkv and before gate_up, two links of its kernel chain per layer."""
+    from kernels import registry
+    from kernels.quant_matmul import NORM_MAX_TOKENS, FusedNorm, default_tile, norm_reason, pick_kernel
+
+    num_tokens = x.shape[0]
+    if num_tokens == 0 or num_tokens > NORM_MAX_TOKENS or packed.input_perm is not None or x.dim() != 2:
+        return None
+    op, norm_op = registry.get("quant_matmul"), registry.get("rms_norm")
+    if not dispatch.decide(op.name, _signature(x, packed), lambda: (
+            dispatch.kernel_blocker(x, packed.qweight)
+            or op.unsupported_reason(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size))):
+        return None
+    key = (x.device, x.dtype, x.shape[-1], norm_weight.device, norm_weight.dtype,
+           None if residual is None else residual.device)
+    if not dispatch.decide(norm_op.name, key, lambda: dispatch.kernel_blocker(x, norm_weight, residual)
+                           or norm_op.unsupported_reason(x, norm_weight)):
+        return None
+    kernel = pick_kernel(num_tokens, packed.in_features, packed.out_features, packed.bits, packed.group_size)
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    norm = FusedNorm(norm_weight.contiguous(), eps, weight_offset, residual,
+                     None if residual is None else torch.empty_like(x))
+    if norm_reason(kernel, default_tile(kernel, num_tokens), num_tokens, x, norm) is not None:
+        return None
+    out = op.launch(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size, packed.zero_mode,
+                    packed.bias, integer_zeros=packed.integer_zeros, norm=norm)  # [T, N]
+    return out, (x if residual is None else norm.residual_out)
