@@ -55,6 +55,12 @@ COMBINED_WARPS = 8
 # under a 1024-token graph) the combined path wins. At a 2048 bound a lone long context would walk 16 tiles a
 # warp, about twice the split path. 1024 is also the engine's smallest CUDA-graph context bound (the next is 4096).
 COMBINED_MAX_SEQ_LEN = 1024
+# ... but by default only from this many CTAs (sequences x KV heads x head tiles): with one CTA a sequence and KV
+# head, a few sequences leave most SMs idle while each warp walks its tiles one after another, where the split
+# path spreads them over the GPU. Measured on an H200 (Qwen2.5-3B W4A16, bf16, 268-368-token contexts under a
+# 1024 bound, scripts/profile_graph_steps.py): one stream (2 CTAs) 1785 us a steady decode step combined against
+# 1684 split; 32 streams (64 CTAs) 3263 against 3302.
+COMBINED_MIN_CTAS = 64
 # Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
 # fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
 PIPELINED_BY_DEFAULT = True
@@ -96,9 +102,23 @@ def resident_ctas(registers_per_thread: int, device_index: int) -> int:
 
 
 def combined_path(max_seq_len: int, tokens_per_split: int | None = None) -> bool:
-    """Whether paged_decode_attention takes the combined path (one split, COMBINED_WARPS warps a CTA) for this
-    bound; an explicit tokens_per_split always takes the split path. Host values only: fixed at graph capture."""
+    """Whether the combined path (one split, COMBINED_WARPS warps a CTA) may serve this bound; an explicit
+    tokens_per_split always takes the split path. Host values only: fixed at graph capture."""
     return tokens_per_split is None and max_seq_len <= COMBINED_MAX_SEQ_LEN
+
+
+def takes_combined_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
+                        tokens_per_split: int | None = None, combined: bool | None = None) -> bool:
+    """The path paged_decode_attention takes. combined None: the combined path where it may serve and the batch
+    gives it at least COMBINED_MIN_CTAS CTAs; True / False: that path (True where it may serve, else ValueError)."""
+    eligible = combined_path(max_seq_len, tokens_per_split)
+    if combined is None:
+        ctas = num_seqs * num_kv_heads * ((num_heads // num_kv_heads + 15) // 16)
+        return eligible and ctas >= COMBINED_MIN_CTAS
+    if combined and not eligible:
+        raise ValueError(f"the combined path serves bounds up to {COMBINED_MAX_SEQ_LEN} without tokens_per_split "
+                         f"(got max_seq_len={max_seq_len}, tokens_per_split={tokens_per_split})")
+    return combined
 
 
 def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
@@ -134,10 +154,12 @@ def _split_plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: i
 
 
 def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
-             tokens_per_split: int | None = None, pipelined: bool | None = None) -> tuple[int, int]:
+             tokens_per_split: int | None = None, pipelined: bool | None = None,
+             combined: bool | None = None) -> tuple[int, int]:
     """The (splits, tokens per split) paged_decode_attention uses for this batch: on the combined path
-    (combined_path) one split of max_seq_len in whole tiles."""
-    if combined_path(max_seq_len, tokens_per_split):
+    (takes_combined_path) one split of max_seq_len in whole tiles."""
+    if takes_combined_path(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len, tokens_per_split,
+                           combined):
         return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
     return _split_plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined)
 
@@ -147,7 +169,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            sliding_window: int | None = None, softcap: float | None = None,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, tokens_per_split: int | None = None,
-                           pipelined: bool | None = None) -> torch.Tensor:
+                           pipelined: bool | None = None, combined: bool | None = None) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D].
 
     key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
@@ -167,9 +189,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    warps = COMBINED_WARPS if combined_path(max_seq_len, tokens_per_split) else 1
+    combined = takes_combined_path(num_seqs, num_heads, num_kv_heads, max_seq_len, tokens_per_split, combined)
+    warps = COMBINED_WARPS if combined else 1
     fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps), index)
-    splits, per_split = plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined)
+    splits, per_split = plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined, combined)
     if splits > MAX_SPLITS:
         raise ValueError(f"{splits} context splits exceed {MAX_SPLITS} (the reduce's shared memory): "
                          f"pass a larger tokens_per_split")

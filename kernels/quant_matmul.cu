@@ -142,7 +142,7 @@ struct NormInput {
 template <int DT>
 __device__ __forceinline__ uint4 add_residual8(uint4 v, const u16* __restrict__ residual, i64 offset) {
   if (residual == nullptr) return v;
-  const uint4 r = *reinterpret_cast<const uint4*>(residual + offset);
+  const uint4 r = __ldg(reinterpret_cast<const uint4*>(residual + offset));
   u32* a = reinterpret_cast<u32*>(&v);
   const u32* b = reinterpret_cast<const u32*>(&r);
 #pragma unroll
@@ -187,7 +187,7 @@ __device__ __forceinline__ void norm_scales(const u16* __restrict__ x, const Nor
     for (int r = 0; r < 8; ++r) {
       if (r >= rows) break;
       const i64 offset = (i64)(tok0 + r) * K + 8 * i;
-      const uint4 h = add_residual8<DT>(*reinterpret_cast<const uint4*>(x + offset), norm.residual, offset);
+      const uint4 h = add_residual8<DT>(__ldg(reinterpret_cast<const uint4*>(x + offset)), norm.residual, offset);
       if (write_residual && norm.residual_out != nullptr) *reinterpret_cast<uint4*>(norm.residual_out + offset) = h;
       const u32* a = reinterpret_cast<const u32*>(&h);
 #pragma unroll
@@ -219,7 +219,8 @@ __device__ __forceinline__ void load_norm_x_pairs(const u16* __restrict__ x, con
   if (valid) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint4 h = add_residual8<DT>(*reinterpret_cast<const uint4*>(x + offset + 8 * c), norm.residual, offset + 8 * c);
+      const uint4 h = add_residual8<DT>(__ldg(reinterpret_cast<const uint4*>(x + offset + 8 * c)), norm.residual,
+                                        offset + 8 * c);
       u[c] = normalize8<DT, NORM>(h, __ldg(reinterpret_cast<const uint4*>(norm.weight + kc) + c), r, norm.offset);
     }
   }
@@ -997,7 +998,7 @@ struct TcNormX {  // read from x with the norm applied (tc with NORM, one token 
     uint4 u = make_uint4(0u, 0u, 0u, 0u);
     if (tok_g < M) {
       const i64 offset = (i64)tok_g * K + seg * 128 + t * 32 + cw * 8;
-      const uint4 h = add_residual8<DT>(*reinterpret_cast<const uint4*>(x + offset), norm.residual, offset);
+      const uint4 h = add_residual8<DT>(__ldg(reinterpret_cast<const uint4*>(x + offset)), norm.residual, offset);
       const uint4 w = __ldg(reinterpret_cast<const uint4*>(norm.weight + seg * 128 + t * 32) + cw);
       u = normalize8<DT, NORM>(h, w, r, norm.offset);
     }
@@ -1171,15 +1172,15 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
   float acc[TT][4];
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
-  if (seg_begin >= seg_end) wait_for_prior_grids();  // an empty K range (the plans make none) still waits
+  TcSegment<SCALE_F32> cur;  // each stage's first weights in flight while its activations are staged
+  if (rows_exist && seg_begin < seg_end) tc_load(cur, rows, seg_begin, t, group_shift);
+  wait_for_prior_grids();  // x is the previous grid's output
+  // outside the stage loop, where ptxas sees the warps converged (inside it, the norm's shuffles compiled to
+  // WARPSYNC.COLLECTIVE loops)
+  if constexpr (NORM > 0) norm_scales<DT>(x, norm, tok0, M, K, blockIdx.x == 0 && blockIdx.z == 0, rstd);
   for (int stage = seg_begin; stage < seg_end; stage += SEGS) {
     const int stage_end = min(seg_end, stage + SEGS);
-    TcSegment<SCALE_F32> cur;  // first weights in flight while the activations are staged
-    if (rows_exist) tc_load(cur, rows, stage, t, group_shift);
-    if (stage == seg_begin) {
-      wait_for_prior_grids();  // x is the previous grid's output
-      if constexpr (NORM > 0) norm_scales<DT>(x, norm, tok0, M, K, blockIdx.x == 0 && blockIdx.z == 0, rstd);
-    }
+    if (rows_exist && stage != seg_begin) tc_load(cur, rows, stage, t, group_shift);
     __syncthreads();  // the previous stage's readers are done with xs
     stage_x_fragments<DT, 4, TT, 32 * WARPS, NORM>(xs, x, stage, stage_end, tok0, M, K, norm, rstd);
     __syncthreads();

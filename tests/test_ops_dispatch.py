@@ -305,8 +305,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
         norm = kq.FusedNorm(torch.randn(512, dtype=half), 1e-6, 0.0, torch.randn_like(hidden), torch.empty_like(hidden))
         kq.quant_matmul(hidden, packed.qweight, packed.scales, packed.zeros, 4, 128, "zero", kernel=kernel, norm=norm)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
-    kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
-                              torch.tensor([300, 5], dtype=torch.int32), 300, 0.125)
+    for combined in (False, True):  # the split path (decode + reduce) and the combined kernel
+        kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache,
+                                  torch.zeros(2, 20, dtype=torch.int32), torch.tensor([300, 5], dtype=torch.int32), 300,
+                                  0.125, combined=combined)
     kq.weight_read_probe(packed.qweight, 4, 512)
     kp.kv_read_probe(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
                      torch.tensor([300, 5], dtype=torch.int32), 300)

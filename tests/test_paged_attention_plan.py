@@ -39,10 +39,30 @@ def _inputs(num_seqs=3, heads=16, kv_heads=2, head_dim=64, dtype=torch.float16, 
     return query, cache, scales, tables, seq_lens
 
 
-def _attend(max_seq_len, tokens_per_split=None, pipelined=None, **shape):
+def _attend(max_seq_len, tokens_per_split=None, pipelined=None, combined=None, **shape):
     query, cache, scales, tables, seq_lens = _inputs(**shape)
     kp.paged_decode_attention(query, cache, cache, tables, seq_lens, max_seq_len, 0.125, key_scales=scales,
-                              value_scales=scales, tokens_per_split=tokens_per_split, pipelined=pipelined)
+                              value_scales=scales, tokens_per_split=tokens_per_split, pipelined=pipelined,
+                              combined=combined)
+
+
+def test_the_default_path_is_combined_only_with_enough_ctas():
+    assert kp.COMBINED_MIN_CTAS == 64
+    # Qwen2.5-3B's 16 / 2 heads: one CTA per sequence and KV head
+    assert not kp.takes_combined_path(1, 16, 2, 1024) and not kp.takes_combined_path(31, 16, 2, 1024)
+    assert kp.takes_combined_path(32, 16, 2, 1024) and kp.takes_combined_path(64, 16, 2, 300)
+    assert kp.takes_combined_path(2, 64, 2, 1024) is False  # 2 x 2 x 2 head tiles = 8 CTAs
+    assert not kp.takes_combined_path(64, 16, 2, 2048)  # past the bound: split
+    assert not kp.takes_combined_path(64, 16, 2, 1024, tokens_per_split=64)
+    assert kp.takes_combined_path(1, 16, 2, 1024, combined=True)  # forced
+    assert not kp.takes_combined_path(64, 16, 2, 300, combined=False)
+    with pytest.raises(ValueError, match="combined path serves bounds up to 1024"):
+        kp.takes_combined_path(1, 16, 2, 2048, combined=True)
+
+
+def test_few_sequences_take_the_split_path_by_default(launches):
+    _attend(300)  # 3 sequences x 2 KV heads = 6 CTAs
+    assert [name for name, *_ in launches] == ["paged_decode_kernel<0,64,0,1>", "paged_reduce_kernel<0>"]
 
 
 def test_bounds_up_to_1024_without_explicit_splits_take_the_combined_path():
@@ -61,7 +81,7 @@ def test_combined_path_is_one_kernel_of_8_warps_whose_grid_ignores_the_bound(lau
     grids = set()
     for bound in (17, 300, 1024):
         launches.clear()
-        _attend(bound)
+        _attend(bound, combined=True)
         assert len(launches) == 1  # no reduce
         name, grid, block, args, shared_mem = launches[0]
         assert name == "paged_decode_kernel<0,64,0,1,8>"
@@ -74,9 +94,9 @@ def test_combined_path_is_one_kernel_of_8_warps_whose_grid_ignores_the_bound(lau
 
 
 def test_combined_kernel_follows_dtype_head_dim_int8_and_pipelining(launches):
-    _attend(300, pipelined=False, dtype=torch.bfloat16, int8=True, head_dim=256)
-    _attend(1024, heads=32, kv_heads=1, head_dim=128)  # GQA 32: two 16-head tiles of the one KV head
-    _attend(300, heads=8, kv_heads=8, head_dim=96)  # GQA 1
+    _attend(300, pipelined=False, combined=True, dtype=torch.bfloat16, int8=True, head_dim=256)
+    _attend(1024, combined=True, heads=32, kv_heads=1, head_dim=128)  # GQA 32: two 16-head tiles of the one KV head
+    _attend(300, combined=True, heads=8, kv_heads=8, head_dim=96)  # GQA 1
     assert [(name, grid) for name, grid, *_ in launches] == [
         ("paged_decode_kernel<1,256,1,0,8>", (2, 3, 1)),
         ("paged_decode_kernel<0,128,0,1,8>", (2, 3, 1)),
@@ -108,8 +128,8 @@ def test_long_bounds_and_explicit_splits_keep_the_split_path(launches):
 
 def test_plan_for_reports_one_split_on_the_combined_path_without_compiling(monkeypatch, launches):
     query, cache, *_ = _inputs()
-    assert kp.plan_for(query, cache, 300) == (1, 304)
-    assert kp.plan_for(query, cache, 1024) == (1, 1024)
+    assert kp.plan_for(query, cache, 300, combined=True) == (1, 304)
+    assert kp.plan_for(query, cache, 1024, combined=True) == (1, 1024)
     assert kp.plan_for(query, cache, 5000) == kp.split_plan(3, 16, 2, 5000, kp.resident_ctas(255, None))
     assert kp.plan_for(query, cache, 300, tokens_per_split=64) == (5, 64)
 
@@ -117,7 +137,7 @@ def test_plan_for_reports_one_split_on_the_combined_path_without_compiling(monke
         raise AssertionError(f"compiled {name}")
 
     monkeypatch.setattr(kp, "get_kernel", no_compile)
-    assert kp.plan_for(query, cache, 17) == (1, 32)
+    assert kp.plan_for(query, cache, 17, combined=True) == (1, 32)
 
 
 def test_the_read_probe_keeps_the_split_paths_grid_at_short_bounds(launches):

@@ -406,7 +406,7 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
 
             def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     block_size=block_size, lengths=lengths, window=window, softcap=softcap, per_split=per_split,
-                    bound=bound, pipelined=pipelined, case=case):
+                    bound=bound, pipelined=pipelined, case=case, path=path):
                 k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
                     lengths, kv_heads, head_dim, block_size, dtype, int8, device,
                     table_blocks=-(-bound // block_size))
@@ -416,7 +416,7 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
                 out = _nan(query.shape, dtype, device)
                 paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, bound, scale, window,
                                        softcap, k_scales, v_scales, out=out, tokens_per_split=per_split,
-                                       pipelined=pipelined)
+                                       pipelined=pipelined, combined=path == "combined")
                 ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale,
                                                        window, softcap, k_scales, v_scales, max(lengths))
                 return compare("paged_decode_attention", case, out, ref, REL_TOL[dtype])
