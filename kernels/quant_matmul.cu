@@ -92,9 +92,12 @@ __device__ __forceinline__ void load_scale(const void* __restrict__ scales, cons
   b2 = Num<DT>::pack(b, b);
 }
 
-// The 32 activations of one chunk (u[c] = x[8c..8c+7]) permuted like the weight pairs: 16 pairs.
-template <int BITS>
-__device__ __forceinline__ void permute_x_pairs(const uint4 (&u)[4], u32* xp) {
+// Activations of one chunk for one token, permuted like the weight pairs: 16 pairs.
+template <int DT, int BITS>
+__device__ __forceinline__ void load_x_pairs(const u16* __restrict__ x, bool valid, u32* xp) {
+  uint4 u[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) u[c] = valid ? __ldg(reinterpret_cast<const uint4*>(x) + c) : make_uint4(0, 0, 0, 0);
   if constexpr (BITS == 4) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {  // x[8c..8c+7] = (h0,h1) (h2,h3) (h4,h5) (h6,h7)
@@ -112,119 +115,6 @@ __device__ __forceinline__ void permute_x_pairs(const uint4 (&u)[4], u32* xp) {
       xp[i] = (i % 2 == 0) ? pair_of_los(a, b) : pair_of_his(a, b);
     }
   }
-}
-
-// Activations of one chunk for one token, permuted like the weight pairs: 16 pairs.
-template <int DT, int BITS>
-__device__ __forceinline__ void load_x_pairs(const u16* __restrict__ x, bool valid, u32* xp) {
-  uint4 u[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) u[c] = valid ? __ldg(reinterpret_cast<const uint4*>(x) + c) : make_uint4(0, 0, 0, 0);
-  permute_x_pairs<BITS>(u, xp);
-}
-
-// ---------------------------------------------------------------------------------------------
-// RMSNorm inside the product (NORM > 0; tc and tcs, one token tile). x is then the hidden state before its
-// norm, and the kernel multiplies the weights by what rms_norm.cu would output for it, with its roundings:
-//   h = DT(x + residual)  (h = x without a residual; the CTAs at blockIdx.x == 0, z == 0 write h to residual_out)
-//   NORM 1 (Llama): a = DT(w * DT(h * r));  NORM 2 (Gemma): a = DT(h * r * (offset + w)) in fp32;
-//   r = rsqrt(mean(h^2) + eps) per token.
-// Every CTA computes r itself, in the same order, so all output rows see the same activations; this saves the
-// separate norm launch and its round trip through memory (a ~2-3 us link of the decode step's kernel chain).
-struct NormInput {
-  const u16* residual;  // [M, K] or null
-  const u16* weight;    // [K]
-  u16* residual_out;    // [M, K] or null
-  float eps, offset;
-};
-
-// h = DT(x + residual) for 8 consecutive elements (rms_norm_kernel's rounding of the sum).
-template <int DT>
-__device__ __forceinline__ uint4 add_residual8(uint4 v, const u16* __restrict__ residual, i64 offset) {
-  if (residual == nullptr) return v;
-  const uint4 r = __ldg(reinterpret_cast<const uint4*>(residual + offset));
-  u32* a = reinterpret_cast<u32*>(&v);
-  const u32* b = reinterpret_cast<const u32*>(&r);
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    a[j] = Num<DT>::pack(pair_lo<DT>(a[j]) + pair_lo<DT>(b[j]), pair_hi<DT>(a[j]) + pair_hi<DT>(b[j]));
-  return v;
-}
-
-// The normalized activations of 8 consecutive elements of h, given the token's r and the norm weight there.
-template <int DT, int NORM>
-__device__ __forceinline__ uint4 normalize8(uint4 h, uint4 w, float r, float offset) {
-  u32* a = reinterpret_cast<u32*>(&h);
-  const u32* b = reinterpret_cast<const u32*>(&w);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float lo = pair_lo<DT>(a[j]) * r, hi = pair_hi<DT>(a[j]) * r;
-    if constexpr (NORM == 2) {
-      lo *= offset + pair_lo<DT>(b[j]);
-      hi *= offset + pair_hi<DT>(b[j]);
-    } else {
-      lo = pair_lo<DT>(b[j]) * Num<DT>::to_float(Num<DT>::from_float(lo));
-      hi = pair_hi<DT>(b[j]) * Num<DT>::to_float(Num<DT>::from_float(hi));
-    }
-    a[j] = Num<DT>::pack(lo, hi);
-  }
-  return h;
-}
-
-// r of the CTA's tokens tok0 .. tok0 + 7 (those < M) into rstd[8], by all `threads` threads of the CTA (at most
-// 512); the CTAs with write_residual also store h to residual_out. Ends with the CTA synchronized.
-template <int DT>
-__device__ __forceinline__ void norm_scales(const u16* __restrict__ x, const NormInput& norm, int tok0, int M, int K,
-                                            bool write_residual, float* rstd) {
-  __shared__ float warp_sums[16][8];
-  const int vectors = K >> 3, threads = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rows = min(8, M - tok0);
-  float sum_sq[8];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) sum_sq[r] = 0.0f;
-  for (int i = threadIdx.x; i < vectors; i += threads) {
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      if (r >= rows) break;
-      const i64 offset = (i64)(tok0 + r) * K + 8 * i;
-      const uint4 h = add_residual8<DT>(__ldg(reinterpret_cast<const uint4*>(x + offset)), norm.residual, offset);
-      if (write_residual && norm.residual_out != nullptr) *reinterpret_cast<uint4*>(norm.residual_out + offset) = h;
-      const u32* a = reinterpret_cast<const u32*>(&h);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float lo = pair_lo<DT>(a[j]), hi = pair_hi<DT>(a[j]);
-        sum_sq[r] = fmaf(lo, lo, fmaf(hi, hi, sum_sq[r]));
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const float total = warp_sum(sum_sq[r]);
-    if (lane == 0) warp_sums[warp][r] = total;
-  }
-  __syncthreads();
-  if (threadIdx.x < 8) {
-    float total = 0.0f;
-    for (int w = 0; w < (threads >> 5); ++w) total += warp_sums[w][threadIdx.x];
-    rstd[threadIdx.x] = rsqrtf(total / (float)K + norm.eps);
-  }
-  __syncthreads();
-}
-
-// One chunk's activations for one token with the norm applied, permuted like the weight pairs.
-template <int DT, int NORM>
-__device__ __forceinline__ void load_norm_x_pairs(const u16* __restrict__ x, const NormInput& norm, i64 offset, int kc,
-                                                  float r, bool valid, u32* xp) {
-  uint4 u[4] = {};
-  if (valid) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint4 h = add_residual8<DT>(__ldg(reinterpret_cast<const uint4*>(x + offset + 8 * c)), norm.residual,
-                                        offset + 8 * c);
-      u[c] = normalize8<DT, NORM>(h, __ldg(reinterpret_cast<const uint4*>(norm.weight + kc) + c), r, norm.offset);
-    }
-  }
-  permute_x_pairs<4>(u, xp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -601,21 +491,16 @@ template <int TT> struct Staged { static constexpr int SEGS = 22 / TT; };  // a 
 
 // The activations of K segments [stage, stage_end) for the CTA's TT token tiles, into xs in mma B-fragment
 // order (see above), by the CTA's THREADS threads.
-// With NORM (one token tile), x is the hidden state before its norm and rstd[8] its tokens' r (norm_scales).
-template <int DT, int BITS, int TT, int THREADS, int NORM = 0>
+template <int DT, int BITS, int TT, int THREADS>
 __device__ __forceinline__ void stage_x_fragments(uint4 (*__restrict__ xs)[32], const u16* __restrict__ x, int stage,
-                                                  int stage_end, int tok0, int M, int K,
-                                                  const NormInput& norm = NormInput{}, const float* rstd = nullptr) {
+                                                  int stage_end, int tok0, int M, int K) {
   const int items = (stage_end - stage) * TT * 32;
   for (int item = threadIdx.x; item < items; item += THREADS) {
     const int l = item & 31, tt = (item >> 5) % TT, s = (item >> 5) / TT;
     const int tok = tok0 + tt * 8 + (l >> 2), kc = (stage + s) * 128 + 32 * (l & 3);
     const bool valid = tok < M && kc < K;
     u32 xp[16];
-    if constexpr (NORM > 0)
-      load_norm_x_pairs<DT, NORM>(x, norm, valid ? (i64)tok * K + kc : 0, kc, rstd[l >> 2], valid, xp);
-    else
-      load_x_pairs<DT, BITS>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
+    load_x_pairs<DT, BITS>(x + (valid ? (i64)tok * K + kc : 0), valid, xp);
 #pragma unroll
     for (int c = 0; c < 4; ++c) xs[(s * TT + tt) * 4 + c][l] = make_uint4(xp[4 * c], xp[4 * c + 1], xp[4 * c + 2], xp[4 * c + 3]);
   }
@@ -988,24 +873,6 @@ struct TcGlobalX {  // read from x (tc): the thread's token g of each tile, zero
   }
 };
 
-template <int DT, int NORM>
-struct TcNormX {  // read from x with the norm applied (tc with NORM, one token tile): the thread's token g
-  const u16* x;
-  NormInput norm;
-  float r;  // the token's rsqrt(mean(h^2) + eps)
-  int seg, t, tok_g, M, K;
-  __device__ __forceinline__ uint4 get(int, int cw) const {
-    uint4 u = make_uint4(0u, 0u, 0u, 0u);
-    if (tok_g < M) {
-      const i64 offset = (i64)tok_g * K + seg * 128 + t * 32 + cw * 8;
-      const uint4 h = add_residual8<DT>(__ldg(reinterpret_cast<const uint4*>(x + offset)), norm.residual, offset);
-      const uint4 w = __ldg(reinterpret_cast<const uint4*>(norm.weight + seg * 128 + t * 32) + cw);
-      u = normalize8<DT, NORM>(h, w, r, norm.offset);
-    }
-    return make_uint4(pair_of_los(u.x, u.z), pair_of_his(u.x, u.z), pair_of_los(u.y, u.w), pair_of_his(u.y, u.w));
-  }
-};
-
 template <int TT>
 struct TcStagedX {  // staged in shared memory in fragment order (tcs): xs[(s * TT + tt) * 4 + cw][lane]
   const uint4 (*xs)[32];
@@ -1074,19 +941,15 @@ __device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const XSo
   }
 }
 
-template <int DT, int TT, int MODE, int SCALE_F32, int NORM>
+template <int DT, int TT, int MODE, int SCALE_F32>
 __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
-    const u16* __restrict__ x,          // [M, K] (NORM: before the norm)
+    const u16* __restrict__ x,          // [M, K]
     const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
     const void* __restrict__ scales,    // [N, K/G]
     const void* __restrict__ zeros,     // [N, K/G]
     const u16* __restrict__ bias,       // [N] or null
     u16* __restrict__ out,              // [M, N]
-    const u16* __restrict__ residual,   // NORM: [M, K] or null
-    const u16* __restrict__ norm_weight,  // NORM: [K]
-    u16* __restrict__ residual_out,     // NORM: [M, K] or null
-    int M, int N, int K, int group_shift, int zero_mode, float eps, float norm_offset) {
-  static_assert(NORM == 0 || TT == 1, "the fused norm serves one token tile");
+    int M, int N, int K, int group_shift, int zero_mode) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16 + g;
@@ -1102,21 +965,11 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
   // other pair's math.
   TcSegment<SCALE_F32> a0, a1, b0, b1;
   const int stride = warps, tok_g = tok0 + g;
-  const NormInput norm{residual, norm_weight, residual_out, eps, norm_offset};
-  float r = 0.0f;
-  auto xat = [&](int s) {
-    if constexpr (NORM > 0) return TcNormX<DT, NORM>{x, norm, r, s, t, tok_g, M, K};
-    else return TcGlobalX{x, s, t, tok_g, M, K};
-  };
+  auto xat = [&](int s) { return TcGlobalX{x, s, t, tok_g, M, K}; };
   int seg = warp;
   if (seg < num_segs) tc_load(a0, rows, seg, t, group_shift);
   if (seg + stride < num_segs) tc_load(a1, rows, seg + stride, t, group_shift);
   wait_for_prior_grids();
-  if constexpr (NORM > 0) {
-    __shared__ float rstd[8];
-    norm_scales<DT>(x, norm, tok0, M, K, blockIdx.x == 0, rstd);
-    r = rstd[g];
-  }
   for (; seg < num_segs; seg += 4 * stride) {
     if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
     if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
@@ -1138,9 +991,9 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
 // stages them), so the 8 warps do not each re-read and re-permute them as tc's warps do; K split across
 // CTAs (gridDim.z) with the staged kernel's split-K epilogue. Each warp keeps the next segment's loads in
 // flight while it multiplies the current one.
-template <int DT, int TT, int MODE, int SCALE_F32, int NORM>
+template <int DT, int TT, int MODE, int SCALE_F32>
 __global__ void __launch_bounds__(256) quant_tcs_kernel(
-    const u16* __restrict__ x,          // [M, K] (NORM: before the norm)
+    const u16* __restrict__ x,          // [M, K]
     const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
     const void* __restrict__ scales,    // [N, K/G]
     const void* __restrict__ zeros,     // [N, K/G]
@@ -1148,11 +1001,7 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
     u16* __restrict__ out,              // [M, N]
     float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
     int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
-    const u16* __restrict__ residual,   // NORM: [M, K] or null
-    const u16* __restrict__ norm_weight,  // NORM: [K]
-    u16* __restrict__ residual_out,     // NORM: [M, K] or null
-    int M, int N, int K, int group_shift, int zero_mode, int segs_per_split, float eps, float norm_offset) {
-  static_assert(NORM == 0 || TT == 1, "the fused norm serves one token tile");
+    int M, int N, int K, int group_shift, int zero_mode, int segs_per_split) {
   constexpr int WARPS = 8, SEGS = Staged<TT>::SEGS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -1165,24 +1014,19 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
   // rows past N (whole idle tiles) point at rows 0 and 8 instead: never read, but inside the tensor
   const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, t, K, group_shift);
   __shared__ uint4 xs[SEGS * TT * 4][32];
-  __shared__ float rstd[8];  // NORM: the tokens' r
-  const NormInput norm{residual, norm_weight, residual_out, eps, norm_offset};
   launch_dependents();
 
   float acc[TT][4];
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
-  TcSegment<SCALE_F32> cur;  // each stage's first weights in flight while its activations are staged
-  if (rows_exist && seg_begin < seg_end) tc_load(cur, rows, seg_begin, t, group_shift);
-  wait_for_prior_grids();  // x is the previous grid's output
-  // outside the stage loop, where ptxas sees the warps converged (inside it, the norm's shuffles compiled to
-  // WARPSYNC.COLLECTIVE loops)
-  if constexpr (NORM > 0) norm_scales<DT>(x, norm, tok0, M, K, blockIdx.x == 0 && blockIdx.z == 0, rstd);
+  if (seg_begin >= seg_end) wait_for_prior_grids();  // an empty K range (the plans make none) still waits
   for (int stage = seg_begin; stage < seg_end; stage += SEGS) {
     const int stage_end = min(seg_end, stage + SEGS);
-    if (rows_exist && stage != seg_begin) tc_load(cur, rows, stage, t, group_shift);
+    TcSegment<SCALE_F32> cur;  // first weights in flight while the activations are staged
+    if (rows_exist) tc_load(cur, rows, stage, t, group_shift);
+    if (stage == seg_begin) wait_for_prior_grids();  // x is the previous grid's output
     __syncthreads();  // the previous stage's readers are done with xs
-    stage_x_fragments<DT, 4, TT, 32 * WARPS, NORM>(xs, x, stage, stage_end, tok0, M, K, norm, rstd);
+    stage_x_fragments<DT, 4, TT, 32 * WARPS>(xs, x, stage, stage_end, tok0, M, K);
     __syncthreads();
     if (!rows_exist) continue;
     for (int seg = stage; seg < stage_end; ++seg) {

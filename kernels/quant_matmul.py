@@ -24,13 +24,12 @@ Eight kernels read the same packed layout (core/quant/packed.py, passed here as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from kernels.compiler import get_kernel
-from kernels.launch import f32, i32, launch, ptr
+from kernels.launch import i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
@@ -101,9 +100,8 @@ def instantiations() -> tuple[str, ...]:
                "staged": "quant_mma_staged_kernel", "mma": "quant_mma_kernel"}
     packed_kernels = tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in tiles for dt in (0, 1)
                            for bits in (4, 3) for tile in tiles[name] for f32 in (0, 1))
-    tc = tuple(f"quant_{kernel}<{dt},{tile},{mode},{f32},{norm}>" for kernel in ("tc_gemv_kernel", "tcs_kernel")
-               for dt in (0, 1) for tile in (1, 2, 4) for mode in (0, 1) for f32 in (0, 1)
-               for norm in ((0, 1, 2) if tile == 1 else (0,)))
+    tc = tuple(f"quant_{kernel}<{dt},{tile},{mode},{f32}>" for kernel in ("tc_gemv_kernel", "tcs_kernel")
+               for dt in (0, 1) for tile in (1, 2, 4) for mode in (0, 1) for f32 in (0, 1))
     return packed_kernels + tc
 
 
@@ -132,35 +130,6 @@ def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
     """0: codes minus whole zero points, exact, and each 128-code segment's sum scaled once (a segment must
     lie in one group); 1: weights dequantized before the product, as the other kernels do."""
     return 0 if zero_mode == "zero" and integer_zeros and group_size % TC_SEGMENT == 0 else 1
-
-
-@dataclass(frozen=True)
-class FusedNorm:
-    """An RMSNorm (with its residual add) for the tc / tcs kernels to apply to x before the product:
-    rms_norm.cu's numerics (kernels/rms_norm.py), computed per CTA."""
-    weight: torch.Tensor  # [K], x's dtype
-    eps: float
-    weight_offset: float = 0.0  # 1.0: Gemma's (1 + weight)
-    residual: torch.Tensor | None = None  # [M, K] added to x first, or None
-    residual_out: torch.Tensor | None = None  # [M, K] receives x + residual (with a residual)
-
-
-NORM_MAX_TOKENS = 8  # the fused norm serves one token tile
-
-
-def norm_reason(kernel: str, tile: int, num_tokens: int, x: torch.Tensor, norm: FusedNorm) -> str | None:
-    """Why the `kernel` launch cannot apply `norm` itself (None when it can)."""
-    if kernel not in ("tc", "tcs") or tile != 1 or num_tokens > NORM_MAX_TOKENS:
-        return f"{kernel}/{tile} at {num_tokens} tokens (the fused norm runs in tc or tcs, one tile of 8 tokens)"
-    if norm.weight.dtype != x.dtype or norm.weight.shape != (x.shape[1],) or not norm.weight.is_contiguous():
-        return f"norm weight {norm.weight.dtype} {tuple(norm.weight.shape)} for x {x.dtype} {tuple(x.shape)}"
-    for name, tensor in (("residual", norm.residual), ("residual_out", norm.residual_out)):
-        if tensor is not None and (tensor.shape != x.shape or tensor.dtype != x.dtype or not tensor.is_contiguous()
-                                   or tensor.data_ptr() % 16):
-            return f"{name} {tensor.dtype} {tuple(tensor.shape)} (needs x's dtype and shape, contiguous, 16-byte aligned)"
-    if (norm.residual is None) != (norm.residual_out is None):
-        return "residual and residual_out come together"
-    return None
 
 
 def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bits: int = 4,
@@ -261,10 +230,10 @@ def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int
 
 
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
-          name: str, tile: int, splits: int | None, mode: int = 0, norm: int = 0) -> tuple:
+          name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
     """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; `mode` is
-    the tc / tcs kernels' tc_mode, `norm` their fused norm (0: none, 1: Llama, 2: Gemma's offset weight)."""
-    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode, norm)
+    the tc / tcs kernels' tc_mode."""
+    key = (index, dt, bits, scale_f32, num_tokens, out_features, in_features, name, tile, splits, mode)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -286,7 +255,7 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         row_tiles = out_features // TC_ROWS_PER_CTA
         # 16 warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)
         warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
-        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32},{norm}>", index)
+        fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
         plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
@@ -304,7 +273,7 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
                                         in_features, index, splits)
         if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
             raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
-        fn = get_kernel(SOURCE, f"quant_tcs_kernel<{dt},{tile},{mode},{scale_f32},{norm}>", index)
+        fn = get_kernel(SOURCE, f"quant_tcs_kernel<{dt},{tile},{mode},{scale_f32}>", index)
         plan = (fn, (row_tiles, token_tiles, splits), (256, 1, 1), splits, per_split)
     else:
         rows, threads = (STAGED_ROWS_PER_CTA, 256) if name == "staged" else (MMA_ROWS_PER_CTA, 128)
@@ -332,8 +301,7 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group_size: int, zero_mode: str, bias: torch.Tensor | None = None,
                  kernel: str = "auto", tile: int | None = None, splits: int | None = None,
-                 out: torch.Tensor | None = None, integer_zeros: bool = False,
-                 norm: FusedNorm | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, integer_zeros: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
 
     kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma" | "tc" | "tcs"; tile: tokens
@@ -342,10 +310,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     the GPU), or K-parts within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a
     contiguous [M, N] buffer;
     integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc and tcs
-    kernels scale group sums instead of weights;
-    norm: x is the hidden state before an RMSNorm that the tc or tcs kernel applies itself (`norm_reason`
-    says when it can); the product is then W @ RMSNorm(x + norm.residual), and norm.residual_out receives
-    x + norm.residual.
+    kernels scale group sums instead of weights.
     """
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
@@ -370,27 +335,15 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         if reason:
             raise ValueError(f"the {name} kernel does not take {reason}")
         mode = tc_mode(zero_mode, integer_zeros, group_size)
-    norm_code = 0
-    if norm is not None:
-        reason = norm_reason(name, tile, num_tokens, x, norm)
-        if reason:
-            raise ValueError(f"no fused norm: {reason}")
-        norm_code = 2 if norm.weight_offset else 1
     fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
-                                                    out_features, in_features, name, tile, splits, mode, norm_code)
+                                                    out_features, in_features, name, tile, splits, mode)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
     if name in ("tc", "tcs"):
         sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
-        norm_args = ((ptr(norm.residual), ptr(norm.weight), ptr(norm.residual_out)) if norm is not None
-                     else (ptr(None), ptr(None), ptr(None)))
-        norm_scalars = (f32(norm.eps), f32(norm.weight_offset)) if norm is not None else (f32(0.0), f32(0.0))
-    if name in ("gemv", "stream", "ksplit"):
+    if name in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)
-        return out
-    if name == "tc":
-        launch(fn, grid, block, head + norm_args + sizes + norm_scalars, index)
         return out
     if name == "split":
         launch(fn, grid, block, head + sizes + (i32(split_count),), index)
@@ -399,9 +352,5 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if split_count > 1:
         partials = _split_workspace(device, split_count * num_tokens * out_features)
         counters = _split_counters(device)
-    if name == "tcs":
-        launch(fn, grid, block, head + (ptr(partials), ptr(counters)) + norm_args + sizes + (i32(per_split),)
-               + norm_scalars, index)
-        return out
     launch(fn, grid, block, head + (ptr(partials), ptr(counters)) + sizes + (i32(per_split),), index)
     return out

@@ -38,10 +38,8 @@ _OPS = (
              "W4A16/W3A16 matmul: tensor-core GEMV (W4, up to 32 tokens), CUDA-core GEMV, mma.sync K-split "
              "(few tokens) and 64-row tiles (many tokens)",
              quant_matmul.quant_matmul, quant_matmul.unsupported_reason,
-             _names("quant_tc_gemv_kernel<{dt},{tile},{mode},{f32},0>", dt=_DT, tile=(1, 2, 4), mode=(0, 1), f32=(0, 1))
-             + _names("quant_tcs_kernel<{dt},{tile},{mode},{f32},0>", dt=_DT, tile=(1, 2, 4), mode=(0, 1), f32=(0, 1))
-             + _names("quant_tc_gemv_kernel<{dt},1,{mode},{f32},{norm}>", dt=_DT, mode=(0, 1), f32=(0, 1), norm=(1, 2))
-             + _names("quant_tcs_kernel<{dt},1,{mode},{f32},{norm}>", dt=_DT, mode=(0, 1), f32=(0, 1), norm=(1, 2))
+             _names("quant_tc_gemv_kernel<{dt},{tile},{mode},{f32}>", dt=_DT, tile=(1, 2, 4), mode=(0, 1), f32=(0, 1))
+             + _names("quant_tcs_kernel<{dt},{tile},{mode},{f32}>", dt=_DT, tile=(1, 2, 4), mode=(0, 1), f32=(0, 1))
              + _names("quant_mma_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8), f32=(0, 1))
              + _names("quant_mma_ksplit_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2), f32=(0, 1))
              + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),

@@ -50,35 +50,6 @@ def test_quant_matmul_kernels(kernel):
     _assert_all_ok(kernel_checks.check_quant_matmul(DEVICE, cases=cases))
 
 
-def test_fused_norm_kernels():
-    _assert_all_ok(kernel_checks.check_fused_norm(DEVICE))
-
-
-@pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_norm_fused_into_the_w4_projection_matches_norm_then_projection(offset, monkeypatch):
-    """core.ops.norm_and_quant_matmul (what the decoder layers call before qkv and gate_up) takes the fused kernel
-    at one and four tokens and agrees with the rms_norm kernel followed by the product; its residual stream is
-    x + residual exactly (x itself where the stream starts)."""
-    from core.ops import dispatch
-    from core.ops.norm import rms_norm
-    from core.ops.quant_matmul import norm_and_quant_matmul, quant_matmul
-
-    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
-    results = []
-    for n, k, m in ((2560, 2048, 1), (22016, 2048, 4)):  # qkv on tc, gate_up on tcs
-        packed = kernel_checks.random_packed(n, k, 128, 4, "zero", torch.float16, DEVICE)
-        hidden = torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE) * 3
-        weight = torch.randn(k, dtype=torch.bfloat16, device=DEVICE) * 0.5 + (0.0 if offset else 1.0)
-        for residual in (None, torch.randn_like(hidden)):
-            fused = norm_and_quant_matmul(hidden, weight, 1e-6, offset, residual, packed)
-            assert fused is not None, "no kernel took the fused norm"
-            normed, summed = rms_norm(hidden, weight, 1e-6, offset, residual)
-            results.append(kernel_checks.compare("norm_and_quant_matmul", f"M={m} N={n} residual={residual is not None}",
-                                                 fused[0], quant_matmul(normed, packed), 1e-2))
-            assert torch.equal(fused[1], hidden if residual is None else summed)
-    _assert_all_ok(results)
-
-
 def test_dequantize_kernel_is_bit_identical_and_the_dense_path_matches():
     _assert_all_ok(kernel_checks.check_dequantize(DEVICE))
 

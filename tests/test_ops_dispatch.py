@@ -300,10 +300,6 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for kernel in kq.KERNELS:
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
-    hidden = torch.randn(3, 512, dtype=half)
-    for kernel in ("tc", "tcs"):  # with the norm fused in: three more pointers and two floats
-        norm = kq.FusedNorm(torch.randn(512, dtype=half), 1e-6, 0.0, torch.randn_like(hidden), torch.empty_like(hidden))
-        kq.quant_matmul(hidden, packed.qweight, packed.scales, packed.zeros, 4, 128, "zero", kernel=kernel, norm=norm)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
     for combined in (False, True):  # the split path (decode + reduce) and the combined kernel
         kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache,

@@ -240,56 +240,12 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
     return results
 
 
-# The RMSNorm fused into tc / tcs (kernels/quant_matmul.py FusedNorm): (tokens, out, in, kernel, residual,
-# Gemma offset). One token tile, with and without a residual, Llama and Gemma weights, tc's 8- and 16-warp CTAs,
-# tcs with one and two K-splits.
-FUSED_NORM_CASES = (
-    (1, 2560, 2048, "tc", True, 0.0),
-    (8, 2048, 2048, "tc", True, 1.0),
-    (3, 256, 2048, "tc", False, 0.0),  # 16 row tiles: 16-warp CTAs
-    (1, 22016, 2048, "tcs", True, 0.0),  # two K-splits
-    (5, 11008, 4096, "tcs", False, 1.0),
-    (8, 6144, 1024, "tcs", True, 0.0),
-)
-
-
-def check_fused_norm(device, dtypes=(torch.float16, torch.bfloat16), cases=FUSED_NORM_CASES) -> list[CheckResult]:
-    """W @ RMSNorm(x + residual) with the norm inside tc / tcs, against rms_norm_reference then the fp32 product;
-    the residual stream it writes must equal x + residual exactly."""
-    from kernels.quant_matmul import FusedNorm, quant_matmul
-
-    results = []
-    for m, n, k, kernel, with_residual, offset in cases:
-        for dtype in dtypes:
-            case = (f"{_DTYPE_NAMES[dtype]} W4 fused norm M={m} N={n} K={k} {kernel} residual={with_residual} "
-                    f"offset={offset}")
-
-            def run(m=m, n=n, k=k, kernel=kernel, with_residual=with_residual, offset=offset, dtype=dtype, case=case):
-                packed = random_packed(n, k, 128, 4, "zero", torch.float16, device)
-                x = torch.randn(m, k, dtype=dtype, device=device) * 3
-                residual = torch.randn_like(x) if with_residual else None
-                weight = torch.randn(k, dtype=dtype, device=device) * 0.5 + (0.0 if offset else 1.0)
-                norm = FusedNorm(weight, 1e-6, offset, residual, _nan(x.shape, dtype, device) if with_residual else None)
-                out = _nan((m, n), dtype, device)
-                quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, 128, "zero", kernel=kernel, out=out,
-                             integer_zeros=packed.integer_zeros, norm=norm)
-                normed, summed = rms_norm_reference(x, weight, 1e-6, offset, residual)
-                ref = normed.float() @ dequantize(packed, torch.float32).T
-                result = compare("quant_matmul", case, out, ref, REL_TOL[dtype])
-                if with_residual and not torch.equal(norm.residual_out, summed):
-                    result.ok, result.detail = False, "residual stream differs from x + residual"
-                return result
-
-            results += guarded("quant_matmul", case, run)
-    return results
-
-
 def check_quant_matmul_all(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    """Every quantized-matmul kernel's cases: QUANT_CASES, then the tc and tcs kernels' own, and the fused norm's."""
+    """Every quantized-matmul kernel's cases: QUANT_CASES, then the tc and tcs kernels' own."""
     results = check_quant_matmul(device, dtypes)
     for kernel, cases in TC_KERNEL_CASES.items():
         results += check_quant_tc(device, dtypes, kernel, cases)
-    return results + check_fused_norm(device, dtypes)
+    return results
 
 
 # ---- dequantize (the dense path of many-token products) -------------------------------------------

@@ -25,9 +25,7 @@ from core.errors import ModelLoadError
 from core.models.spec import ModelSpec, RopeScaling
 from core.ops.activation import act_and_mul
 from core.ops.norm import rms_norm
-from core.ops.quant_matmul import norm_and_quant_matmul
 from core.ops.rotary import rotary_and_cache_write
-from core.quant.quant_linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -43,22 +41,6 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(x + residual), x + residual) in one fused op. x, residual: [T, dim]."""
         return rms_norm(x, self.weight, self.eps, self.weight_offset, residual=residual)
-
-    def norm_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """add_and_norm, or (RMSNorm(x), x) where the residual stream starts (residual None)."""
-        return (self(x), x) if residual is None else self.add_and_norm(x, residual)
-
-
-def norm_and_project(norm: RMSNorm, proj: nn.Module, hidden: torch.Tensor,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(proj(RMSNorm(hidden + residual)), hidden + residual) [T, out], [T, dim]; a W4 projection's kernel applies
-    the norm itself where it can (core.ops.quant_matmul.norm_and_quant_matmul), else they run apart."""
-    if isinstance(proj, QuantLinear):
-        fused = norm_and_quant_matmul(hidden, norm.weight, norm.eps, norm.weight_offset, residual, proj.packed)
-        if fused is not None:
-            return fused
-    x, residual = norm.norm_residual(hidden, residual)
-    return proj(x), residual
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -112,16 +94,13 @@ class GatedMLP(nn.Module):
         self.inner = inner
         self.hidden_act = spec.hidden_act
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP(norm(hidden + residual)), hidden + residual), each [T, hidden]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_proj is not None:
-            gate_up, residual = norm_and_project(norm, self.gate_up_proj, hidden, residual)  # [T, 2 * inner]
+            gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
             gate, up = gate_up[..., :self.inner], gate_up[..., self.inner:]
         else:
-            x, residual = norm.norm_residual(hidden, residual)
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(act_and_mul(gate, up, self.hidden_act)), residual  # inner: [T, inner]
+        return self.down_proj(act_and_mul(gate, up, self.hidden_act))  # inner: [T, inner]
 
 
 class Attention(nn.Module):
@@ -144,16 +123,13 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_windows[layer_idx]
         self.softcap = spec.attn_logit_softcap
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos: torch.Tensor,
-                sin: torch.Tensor, backend: Any, attn_metadata: Any, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention(norm(hidden + residual)), hidden + residual), each [T, hidden]."""
-        num_tokens = hidden.shape[0]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+                attn_metadata: Any, kv_cache: Any) -> torch.Tensor:
+        num_tokens = x.shape[0]
         if self.qkv_proj is not None:
             # views of one [T, (H + 2 * KVH) * D] product; the ops below take strided token rows
-            qkv, residual = norm_and_project(norm, self.qkv_proj, hidden, residual)
-            query, key, value = qkv.split(self.qkv_sizes, dim=-1)
+            query, key, value = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
-            x, residual = norm.norm_residual(hidden, residual)
             query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -168,7 +144,7 @@ class Attention(nn.Module):
                                             key_scales, value_scales)
         out = backend.forward(layer, query, key, value, attn_metadata, kv_cache, self.scale, self.sliding_window,
                               self.softcap, kv_written=True)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)), residual
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -194,10 +170,13 @@ class DecoderLayer(nn.Module):
 
         The true stream is `hidden + residual`; the first layer gets residual None.
         """
-        attn_out, residual = self.self_attn(hidden, residual, self.input_layernorm, cos, sin, backend, attn_metadata,
-                                            kv_cache)
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(x, cos, sin, backend, attn_metadata, kv_cache)
         if self.sandwich_norm:
-            mlp_out, residual = self.mlp(self.post_attention_layernorm(attn_out), residual,
-                                         self.pre_feedforward_layernorm)
-            return self.post_feedforward_layernorm(mlp_out), residual
-        return self.mlp(attn_out, residual, self.post_attention_layernorm)
+            x, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn_out), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(x), residual
