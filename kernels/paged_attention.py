@@ -2,13 +2,14 @@
 
 One CTA per (kv head, 16-query-head tile, sequence, context split), on one of two paths:
 
-- combined (max_seq_len <= COMBINED_MAX_SEQ_LEN, no explicit `tokens_per_split`): one split, a CTA of
-  COMBINED_WARPS warps that take the sequence's 16-token tiles round robin up to its real seq_len and
-  combine their softmax states in shared memory. One kernel, no partials: short contexts are pure latency
-  (one decoding stream of a 3B model has 2 CTAs per layer), and a second, dependent reduce kernel cost
-  more than the tiles. The grid does not depend on max_seq_len and the work follows the real context,
-  so a CUDA graph captured at a 1024-token bound runs a 300-token context at the cost of 300 tokens.
-- split (longer bounds, or an explicit `tokens_per_split`): one warp a CTA, the context cut into splits
+- combined (max_seq_len <= COMBINED_MAX_SEQ_LEN, no explicit `tokens_per_split`, and by default at least
+  COMBINED_MIN_CTAS CTAs; `combined=` forces either path): one split, a CTA of COMBINED_WARPS warps that take
+  the sequence's 16-token tiles round robin up to its real seq_len and combine their softmax states in shared
+  memory. One kernel, no partials, no dependent reduce launch. The grid does not depend on max_seq_len and the
+  work follows the real context, so a CUDA graph captured at a 1024-token bound runs a 300-token context at
+  the cost of 300 tokens. With few sequences its warps walk their tiles one after another on a few SMs, which
+  measured slower than the split path (one decoding stream of a 3B model has 2 CTAs a layer).
+- split (longer bounds, an explicit `tokens_per_split`, or few CTAs): one warp a CTA, the context cut into splits
   of at least MIN_TOKENS_PER_SPLIT tokens whose count fills whole waves of the CTAs the GPU holds at once
   (a partial last wave would leave SMs idle at the end); with more than one split, paged_reduce_kernel
   combines the splits' partial outputs. Long contexts need the CTAs across the context to keep the GPU

@@ -20,8 +20,9 @@ sum of the tokens' context lengths; a step whose sum (times the KV heads) passes
 GRAPH_ATTENTION_WORK runs eagerly instead, where prefill chunks go to SDPA. Short prompts, chunked
 long prompts and every decode batch stay under it.
 
-Why context bounds: the decode kernel sizes its grid (context splits) from a host-side upper bound
-of the step's context lengths, which a graph fixes at capture. Capturing every bucket at
+Why context bounds: the decode kernel's split path sizes its grid (context splits) from a host-side upper
+bound of the step's context lengths, which a graph fixes at capture (its combined path, taken by larger
+batches under a 1024-token bound, does not). Capturing every bucket at
 max_model_len only would make short contexts pay for the longest one (empty splits still launch
 and write); a few bounds at 4x apart keep that waste small at a few graphs per bucket. The block
 table a graph reads is `[rows, cdiv(bound, block_size)]`, also fixed per bound.
