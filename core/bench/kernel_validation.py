@@ -19,8 +19,9 @@ from core.bench.model_validation import check_tiny_model
 
 
 def check_cuda_graph(device) -> CheckResult:
-    """Capture quant_matmul -> rms_norm, and a split decode attention, through core.ops;
-    replay on new inputs written into the captured buffers; the replay must equal an eager run bit for bit."""
+    """Capture quant_matmul -> rms_norm, and decode attention on both paths (4 sequences: split; 16: combined,
+    kernels/paged_attention.py), through core.ops; replay on new inputs written into the captured buffers; the
+    replay must equal an eager run bit for bit."""
     from core.ops.norm import rms_norm
     from core.ops.paged_attention import paged_decode_attention
     from core.ops.quant_matmul import quant_matmul
@@ -33,11 +34,17 @@ def check_cuda_graph(device) -> CheckResult:
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     x = torch.randn(4, 4096, dtype=dtype, device=device)
     query = torch.randn(4, 32, 128, dtype=dtype, device=device)
+    many_lengths = (1000, 517, 64, 1024, 1, 300, 17, 999) * 2  # 16 sequences x 8 KV heads: the combined path
+    many = kernel_checks.random_paged_kv(many_lengths, 8, 128, 16, dtype, False, device)
+    many_seq_lens = torch.tensor(many_lengths, dtype=torch.int32, device=device)
+    many_query = torch.randn(16, 32, 128, dtype=dtype, device=device)
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         normed, _ = rms_norm(quant_matmul(x, packed), norm_weight, 1e-6)
         attended = paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 128**-0.5, max_seq_len=1024)
-        return normed, attended
+        attended_many = paged_decode_attention(many_query, many[0], many[1], many[4], many_seq_lens, 128**-0.5,
+                                               max_seq_len=1024)
+        return normed, attended, attended_many
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -49,12 +56,15 @@ def check_cuda_graph(device) -> CheckResult:
         captured = step()
     x.copy_(torch.randn_like(x))
     query.copy_(torch.randn_like(query))
+    many_query.copy_(torch.randn_like(many_query))
     graph.replay()
     torch.cuda.synchronize(device)
     eager = step()
     same = all(torch.equal(a, b) for a, b in zip(captured, eager))
-    case = "capture quant_matmul (dispatch's kernel)+rms_norm, paged attention(split); replay on new inputs"
-    result = kernel_checks.compare("cuda_graph", case, captured[1], eager[1], kernel_checks.REL_TOL[dtype])
+    case = ("capture quant_matmul (dispatch's kernel)+rms_norm, paged attention (split and combined); "
+            "replay on new inputs")
+    result = kernel_checks.compare("cuda_graph", case, torch.cat([captured[1], captured[2]]),
+                                   torch.cat([eager[1], eager[2]]), kernel_checks.REL_TOL[dtype])
     result.ok = result.ok and same
     result.detail = "replay equals eager bit for bit" if same else "replay differs from eager"
     return result
