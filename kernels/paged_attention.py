@@ -48,13 +48,11 @@ MAX_WAVES = 16
 # thread: 8 x 32 x 256 = 65536, the whole register file; more warps would cap it at 128 and spill), and a round
 # of 8 warps covers 128 tokens (a 300-token context: 3 tiles a warp).
 COMBINED_WARPS = 8
-# Bounds up to this take the combined path. Its latency follows the real context: a warp walks up to
+# Bounds up to this may take the combined path. Its latency follows the real context: a warp walks up to
 # bound / 16 / COMBINED_WARPS tiles (8 at 1024), about one memory round trip each (a tile's math overlaps the
-# next tile's loads, not the one after). The split path walks 2 tiles a split at any context, then pays a second,
-# dependent kernel (launch latency and the reduce's round trips; the pair is ~9 us a layer for one stream on an
-# H200), so by that estimate the two are about even at a real context of 1024, and below it (the common case
-# under a 1024-token graph) the combined path wins. At a 2048 bound a lone long context would walk 16 tiles a
-# warp, about twice the split path. 1024 is also the engine's smallest CUDA-graph context bound (the next is 4096).
+# next tile's loads, not the one after), where the split path walks 2 tiles a split at any context and then pays
+# a second, dependent kernel. At a 2048 bound a lone long context would walk 16 tiles a warp. 1024 is also the
+# engine's smallest CUDA-graph context bound (the next is 4096).
 COMBINED_MAX_SEQ_LEN = 1024
 # ... but by default only from this many CTAs (sequences x KV heads x head tiles): with one CTA a sequence and KV
 # head, a few sequences leave most SMs idle while each warp walks its tiles one after another, where the split
