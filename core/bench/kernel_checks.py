@@ -296,8 +296,9 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
 
 # (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split, bound).
 # bound: the max_seq_len passed (None: the longest context); a bound past every context is the CUDA-graph case,
-# whose block tables are as wide as the bound. Bounds up to COMBINED_MAX_SEQ_LEN (1024) without tokens/split take
-# the combined path (one CTA of 8 warps a sequence), the rest the split path (one-warp CTAs, then the reduce).
+# whose block tables are as wide as the bound. Bounds up to COMBINED_MAX_SEQ_LEN (1024) without tokens/split run on
+# the combined path (one CTA of 8 warps a sequence), forced whatever the batch's CTA count (by default it needs 64),
+# the rest on the split path (one-warp CTAs, then the reduce).
 ATTENTION_CASES = (
     # split path: bounds past 1024, or an explicit tokens/split
     (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
