@@ -243,6 +243,22 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>&
   }
 }
 
+// fn(c, e, sum) over the fragments of the rows this thread writes out (rows g and g + 8 below heads_here):
+// its o values o[c][0..3][e] (e = 2 * row half + column half) and their float4 in the CTA's o_sum.
+template <int CHUNKS, typename Fn>
+__device__ __forceinline__ void each_written_fragment(float4 (&o_sum)[CHUNKS][4][32], int lane, int heads_here,
+                                                      Fn&& fn) {
+  const int g = lane >> 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (g + 8 * r >= heads_here) continue;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) fn(c, 2 * r + h, o_sum[c][2 * r + h][lane]);
+  }
+}
+
 // The combined path's last step: the CTA's warps walked interleaved tiles of one context, each with its own
 // online-softmax state (o, row max m_w, quad-summed row sum l_w). Combined in a fixed order, so the result is
 // deterministic: per row the CTA max M, the total sum_w e^(m_w - M) l_w (warps in order), then o = sum_w
@@ -292,39 +308,20 @@ __device__ __forceinline__ void combine_warps(float (&o)[D / 32][4][4], float (&
   }
   for (int w = 0; w < WARPS - 1; ++w) {
     if (warp == w && (w == 0 || walked_tiles)) {  // warp 0 initializes; an idle warp would add zeros
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (g + 8 * r >= heads_here) continue;
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float4 v = make_float4(o[c][0][2 * r + h], o[c][1][2 * r + h], o[c][2][2 * r + h], o[c][3][2 * r + h]);
-            if (w > 0) {
-              const float4 s = o_sum[c][2 * r + h][lane];
-              v = make_float4(s.x + v.x, s.y + v.y, s.z + v.z, s.w + v.w);
-            }
-            o_sum[c][2 * r + h][lane] = v;
-          }
-      }
+      each_written_fragment(o_sum, lane, heads_here, [&](int c, int e, float4& sum) {
+        const float4 v = make_float4(o[c][0][e], o[c][1][e], o[c][2][e], o[c][3][e]);
+        sum = w == 0 ? v : make_float4(sum.x + v.x, sum.y + v.y, sum.z + v.z, sum.w + v.w);
+      });
     }
     __syncthreads();
   }
   if (warp == WARPS - 1) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (g + 8 * r >= heads_here) continue;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float4 s = o_sum[c][2 * r + h][lane];
-          o[c][0][2 * r + h] += s.x;
-          o[c][1][2 * r + h] += s.y;
-          o[c][2][2 * r + h] += s.z;
-          o[c][3][2 * r + h] += s.w;
-        }
-    }
+    each_written_fragment(o_sum, lane, heads_here, [&](int c, int e, float4& sum) {
+      o[c][0][e] += sum.x;
+      o[c][1][e] += sum.y;
+      o[c][2][e] += sum.z;
+      o[c][3][e] += sum.w;
+    });
   }
 }
 
