@@ -28,25 +28,29 @@
 // A thread's slice of K and V rows: 8 consecutive elements of a K row (KW words as loaded) and 4 of a V
 // row (VW words). Rows are kept as loaded until the mma needs them as fp16/bf16 pairs, so a prefetched int8
 // tile holds half the registers of a converted one.
+// Cache rows, block tables, lengths and scales are read with ld.global.cg (L2, the point of coherence), not
+// through the SM's non-coherent read-only cache: paged_decode_kernel reads some of them before its PDL wait,
+// where a line that cache kept from an earlier kernel may predate writes since (a CUDA-graph test saw stale
+// block tables that way), and only the wait makes the cached path safe.
 template <int DT, int KV_INT8>
 struct KvRow {
   static constexpr int KW = KV_INT8 ? 2 : 4, VW = KV_INT8 ? 1 : 2;
   static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
     if constexpr (KV_INT8) {
-      const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
+      const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
                             : make_uint2(0, 0);
       w[0] = v.x; w[1] = v.y;
     } else {
-      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
+      const uint4 v = valid ? __ldcg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
                             : make_uint4(0, 0, 0, 0);
       w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
   }
   static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
     if constexpr (KV_INT8) {
-      w[0] = valid ? __ldg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
+      w[0] = valid ? __ldcg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
     } else {
-      const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
+      const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
                             : make_uint2(0, 0);
       w[0] = v.x; w[1] = v.y;
     }
@@ -100,7 +104,7 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
   for (int nt = 0; nt < 2; ++nt) {
     const int tok = tile + 8 * nt + ctx.g;
     T.kvalid[nt] = tok < ctx.end;
-    const int blk = T.kvalid[nt] ? ctx.table[tok >> ctx.log2_block_size] : 0;
+    const int blk = T.kvalid[nt] ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
     T.krow[nt] = ((i64)blk * ctx.num_kv_heads + ctx.kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
     T.kscale[nt][0] = T.kscale[nt][1] = 1.0f;
     if constexpr (KV_INT8) {
@@ -108,9 +112,10 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
       for (int e = 0; e < 2; ++e) {  // scales of this thread's score columns: tokens 2t, 2t+1
         const int ctok = tile + 8 * nt + 2 * ctx.t + e;
         if (ctok < ctx.end) {
-          const int cblk = ctx.table[ctok >> ctx.log2_block_size];
+          const int cblk = __ldcg(ctx.table + (ctok >> ctx.log2_block_size));
           T.kscale[nt][e] = half_bits_to_float(
-              ctx.key_scales[((i64)cblk * ctx.num_kv_heads + ctx.kv_head) * block_size + (ctok & (block_size - 1))]);
+              __ldcg(ctx.key_scales + ((i64)cblk * ctx.num_kv_heads + ctx.kv_head) * block_size +
+                     (ctok & (block_size - 1))));
         }
       }
     }
@@ -119,12 +124,13 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
   for (int e = 0; e < 4; ++e) {
     const int tok = tile + 2 * ctx.t + (e & 1) + 8 * (e >> 1);
     T.vvalid[e] = tok < ctx.end;
-    const int blk = T.vvalid[e] ? ctx.table[tok >> ctx.log2_block_size] : 0;
+    const int blk = T.vvalid[e] ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
     const i64 slot = (i64)blk * ctx.num_kv_heads + ctx.kv_head;
     T.vrow[e] = slot * head_stride + (i64)(tok & (block_size - 1)) * D;
     T.vscale[e] = 1.0f;
     if constexpr (KV_INT8) {
-      if (T.vvalid[e]) T.vscale[e] = half_bits_to_float(ctx.value_scales[slot * block_size + (tok & (block_size - 1))]);
+      if (T.vvalid[e])
+        T.vscale[e] = half_bits_to_float(__ldcg(ctx.value_scales + slot * block_size + (tok & (block_size - 1))));
     }
   }
   if constexpr (PRELOAD) {
@@ -342,9 +348,9 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
     float* __restrict__ part_out,           // [B, H, splits, D] (several splits)
     float* __restrict__ part_stats,         // [B, H, splits, 2]: running max, sum of exp
     int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, int tokens_per_split,
-    float scale, float softcap, int window) {
+    float scale, float softcap, int window,
+    int fresh_tokens) {  // at most this many of a sequence's newest positions are the previous kernel's writes
   launch_dependents();
-  wait_for_prior_grids();
   static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
   constexpr int CHUNKS = D / 32;
   // Up to D = 128 a tile's K and V rows are loaded whole before its math, and with PIPELINE one tile
@@ -358,7 +364,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   const int head_lo = kv_head * group + (blockIdx.x % head_tiles) * 16;  // first query head of the tile
   const int heads_here = min(16, kv_head * group + group - head_lo);
   const int seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  const int seq_len = seq_lens[seq];
+  const int seq_len = __ldcg(seq_lens + seq);
 
   const int window_start = window > 0 ? max(0, seq_len - window) : 0;
   const int begin = max(split * tokens_per_split, window_start);
@@ -383,9 +389,17 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 
   // the warps take the split's 16-token tiles round robin: warp w walks tiles w, w + WARPS, ...
   const int first = begin + 16 * warp, stride = 16 * WARPS;
+  // Up to here the kernel has read only the step's inputs (lengths, block tables), which no kernel of the
+  // layer writes. Cache rows older than the sequence's `fresh_tokens` newest positions were written by earlier
+  // steps, so a first tile that ends before those is fetched before waiting for the kernel just before this one
+  // (the step's cache write): its block-table and K/V round trips overlap that kernel instead of following it.
+  // Everything else (the query, the fresh rows, every write) waits.
+  const bool settled_first_tile = first + 15 < seq_len - fresh_tokens;
   if constexpr (PRELOAD && PIPELINE) {
     Tile<DT, D, KV_INT8, PRELOAD> a, b;
+    if (!settled_first_tile) wait_for_prior_grids();
     fetch_tile<DT, D, KV_INT8, PRELOAD>(a, first, ctx);
+    if (settled_first_tile) wait_for_prior_grids();
     for (int tile = first; tile < end; tile += 2 * stride) {
       fetch_tile<DT, D, KV_INT8, PRELOAD>(b, tile + stride, ctx);
       attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
@@ -395,6 +409,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
                                            row_sum);
     }
   } else {
+    wait_for_prior_grids();
     for (int tile = first; tile < end; tile += stride) {
       Tile<DT, D, KV_INT8, PRELOAD> a;
       fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx);

@@ -168,12 +168,15 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            sliding_window: int | None = None, softcap: float | None = None,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, tokens_per_split: int | None = None,
-                           pipelined: bool | None = None, combined: bool | None = None) -> torch.Tensor:
+                           pipelined: bool | None = None, combined: bool | None = None,
+                           fresh_tokens: int = 1) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D].
 
     key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
     key_scales/value_scales [num_blocks, KVH, block_size]); block_tables [B, max_blocks] int32;
-    seq_lens [B] int32 (context length including this token); max_seq_len >= every seq_len.
+    seq_lens [B] int32 (context length including this token); max_seq_len >= every seq_len;
+    fresh_tokens: at most this many of each sequence's newest positions were written by the launch just before
+    this one (the kernel reads the older ones before waiting for it).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -205,8 +208,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
         ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
         ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
-        i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0)),
-        index)
+        i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0),
+        i32(fresh_tokens)), index)
     if splits > 1:
         reduce = get_kernel(SOURCE, f"paged_reduce_kernel<{dt}>", index)
         launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (

@@ -213,10 +213,10 @@ __device__ __forceinline__ void store_tile(const float (&acc)[TT][4], const u16*
 }
 
 // The CTA's `warps` warps each hold a partial sum of the same output tile (K split among them): the sums
-// meet in shared memory, warp 0 adds them in warp order (deterministic) and stores the tile.
-template <int DT, int TT, int MAX_WARPS>
-__device__ __forceinline__ void sum_warps_and_store(float (&acc)[TT][4], int warps, const u16* __restrict__ bias,
-                                                    u16* __restrict__ out, int row0, int tok0, int t, int M, int N) {
+// meet in shared memory and warp 0 adds them in warp order (deterministic). True in warp 0, whose acc then
+// holds the tile's sums.
+template <int TT, int MAX_WARPS>
+__device__ __forceinline__ bool sum_warps(float (&acc)[TT][4], int warps) {
   __shared__ float partial[MAX_WARPS][TT * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -224,7 +224,7 @@ __device__ __forceinline__ void sum_warps_and_store(float (&acc)[TT][4], int war
 #pragma unroll
     for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
   __syncthreads();
-  if (warp != 0) return;
+  if (warp != 0) return false;
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) {
 #pragma unroll
@@ -234,7 +234,7 @@ __device__ __forceinline__ void sum_warps_and_store(float (&acc)[TT][4], int war
       acc[tt][e] = sum;
     }
   }
-  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+  return true;
 }
 
 // Split-K epilogue shared by the tiled kernels. With gridDim.z > 1 splits, each CTA writes its fp32
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
     mma_segment_pair<DT, BITS, TT>(nxt, seg + 2 * WARPS, WARPS, num_segs, x, tok0, g, t, M, K, acc);
   }
 
-  sum_warps_and_store<DT, TT, WARPS>(acc, WARPS, bias, out, row0, tok0, t, M, N);
+  if (sum_warps<TT, WARPS>(acc, WARPS)) store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
 }
 
 // Diagnostic for `bench gemv`: the ksplit kernel's weight loads alone (same grid, warps, segment order
@@ -799,19 +799,20 @@ struct TcRows {  // the thread's two rows (row0, row0 + 8): chunk t of each row,
   const typename TcScale<SCALE_F32>::T* z[2];
 };
 
-// The thread's rows row0 and row0 + 8 of a packed [N, K] weight (K % 128 == 0): chunk t of each row, and
-// the rows' scales and zeros (a chunk's group is chunk >> group_shift; 31: one group per row).
+// The thread's rows row0 and row0 + row_step of a packed [N, K] weight (K % 128 == 0; the mma tile's rows g and
+// g + 8, which are 8 apart except in quant_tc_rope_kernel): chunk t of each row, and the rows' scales and zeros
+// (a chunk's group is chunk >> group_shift; 31: one group per row).
 template <int SCALE_F32>
 __device__ __forceinline__ TcRows<SCALE_F32> tc_rows(const u32* __restrict__ qweight, const void* __restrict__ scales,
-                                                     const void* __restrict__ zeros, int row0, int t, int K,
-                                                     int group_shift) {
+                                                     const void* __restrict__ zeros, int row0, int row_step, int t,
+                                                     int K, int group_shift) {
   typedef typename TcScale<SCALE_F32>::T ST;
   const int chunks_per_row = K >> 5;
   const int num_groups = group_shift >= 31 ? 1 : chunks_per_row >> group_shift;
   TcRows<SCALE_F32> rows;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const i64 row = row0 + 8 * r;
+    const i64 row = row0 + row_step * r;
     rows.w[r] = opaque(reinterpret_cast<const uint4*>(qweight) + row * chunks_per_row + t);
     rows.s[r] = opaque(reinterpret_cast<const ST*>(scales) + row * num_groups);
     rows.z[r] = opaque(reinterpret_cast<const ST*>(zeros) + row * num_groups);
@@ -941,6 +942,42 @@ __device__ __forceinline__ void tc_step(const TcSegment<SCALE_F32>& d, const XSo
   }
 }
 
+// A warp's share of a tc tile: segments warp, warp + warps, ... of the thread's two rows. Its first two segments'
+// loads go out before the kernel's PDL wait (weights are no earlier kernel's output): tc_first_loads, then the
+// wait, then tc_warp_sums, which sums every segment into acc. Ping-pong pairs: segments s, s + W in `a`,
+// s + 2W, s + 3W in `b`; a pair's loads go out before the other pair's math.
+template <int SCALE_F32>
+__device__ __forceinline__ void tc_first_loads(TcSegment<SCALE_F32>& a0, TcSegment<SCALE_F32>& a1,
+                                               const TcRows<SCALE_F32>& rows, int warp, int warps, int t, int K,
+                                               int group_shift) {
+  const int num_segs = K >> 7;
+  if (warp < num_segs) tc_load(a0, rows, warp, t, group_shift);
+  if (warp + warps < num_segs) tc_load(a1, rows, warp + warps, t, group_shift);
+}
+
+template <int DT, int TT, int MODE, int SCALE_F32>
+__device__ __forceinline__ void tc_warp_sums(TcSegment<SCALE_F32>& a0, TcSegment<SCALE_F32>& a1,
+                                             const TcRows<SCALE_F32>& rows, const u16* __restrict__ x, int warp,
+                                             int warps, int tok_g, int t, int M, int K, int group_shift,
+                                             int zero_mode, float (&acc)[TT][4]) {
+  const int num_segs = K >> 7;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+  TcSegment<SCALE_F32> b0, b1;
+  const int stride = warps;
+  auto xat = [&](int s) { return TcGlobalX{x, s, t, tok_g, M, K}; };
+  for (int seg = warp; seg < num_segs; seg += 4 * stride) {
+    if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
+    if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
+    tc_step<DT, TT, MODE>(a0, xat(seg), zero_mode, acc);
+    if (seg + stride < num_segs) tc_step<DT, TT, MODE>(a1, xat(seg + stride), zero_mode, acc);
+    if (seg + 4 * stride < num_segs) tc_load(a0, rows, seg + 4 * stride, t, group_shift);
+    if (seg + 5 * stride < num_segs) tc_load(a1, rows, seg + 5 * stride, t, group_shift);
+    if (seg + 2 * stride < num_segs) tc_step<DT, TT, MODE>(b0, xat(seg + 2 * stride), zero_mode, acc);
+    if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, xat(seg + 3 * stride), zero_mode, acc);
+  }
+}
+
 template <int DT, int TT, int MODE, int SCALE_F32>
 __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
     const u16* __restrict__ x,          // [M, K]
@@ -954,34 +991,93 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = K >> 7;
-  const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, t, K, group_shift);
+  const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, 8, t, K, group_shift);
   launch_dependents();
-
-  float acc[TT][4];
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
-  // Ping-pong pairs: segments s, s + W in `a`, s + 2W, s + 3W in `b`; a pair's loads go out before the
-  // other pair's math.
-  TcSegment<SCALE_F32> a0, a1, b0, b1;
-  const int stride = warps, tok_g = tok0 + g;
-  auto xat = [&](int s) { return TcGlobalX{x, s, t, tok_g, M, K}; };
-  int seg = warp;
-  if (seg < num_segs) tc_load(a0, rows, seg, t, group_shift);
-  if (seg + stride < num_segs) tc_load(a1, rows, seg + stride, t, group_shift);
+  TcSegment<SCALE_F32> a0, a1;
+  tc_first_loads(a0, a1, rows, warp, warps, t, K, group_shift);
   wait_for_prior_grids();
-  for (; seg < num_segs; seg += 4 * stride) {
-    if (seg + 2 * stride < num_segs) tc_load(b0, rows, seg + 2 * stride, t, group_shift);
-    if (seg + 3 * stride < num_segs) tc_load(b1, rows, seg + 3 * stride, t, group_shift);
-    tc_step<DT, TT, MODE>(a0, xat(seg), zero_mode, acc);
-    if (seg + stride < num_segs) tc_step<DT, TT, MODE>(a1, xat(seg + stride), zero_mode, acc);
-    if (seg + 4 * stride < num_segs) tc_load(a0, rows, seg + 4 * stride, t, group_shift);
-    if (seg + 5 * stride < num_segs) tc_load(a1, rows, seg + 5 * stride, t, group_shift);
-    if (seg + 2 * stride < num_segs) tc_step<DT, TT, MODE>(b0, xat(seg + 2 * stride), zero_mode, acc);
-    if (seg + 3 * stride < num_segs) tc_step<DT, TT, MODE>(b1, xat(seg + 3 * stride), zero_mode, acc);
-  }
+  float acc[TT][4];
+  tc_warp_sums<DT, TT, MODE>(a0, a1, rows, x, warp, warps, tok0 + g, t, M, K, group_shift, zero_mode, acc);
+  if (sum_warps<TT, TcWarps<TT>::MAX>(acc, warps)) store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+}
 
-  sum_warps_and_store<DT, TT, TcWarps<TT>::MAX>(acc, warps, bias, out, row0, tok0, t, M, N);
+// The merged q/k/v projection of an attention layer with its epilogue fused: RoPE (HF rotate-half) on the q and
+// k heads and the paged KV-cache write of k and v, what rope_cache_kernel<DT, 0, 1> does after a tc product,
+// with the same roundings (so the results are bit for bit the unfused ones). Saves that kernel's launch and
+// round trips in every decode step.
+// Rows [q heads | k heads | v heads] x D. A CTA's 16-row tile is 8 rows of the first half of one head and the 8
+// rows D/2 further (tile j of head h: rows h*D + 8j + g and h*D + D/2 + 8j + g, j < D/16), i.e. the mma tile's
+// rows g and g + 8 are a rotation pair, so warp 0 holds both elements of each pair after sum_warps. Each thread
+// then finishes tokens tok0 + 2t, 2t + 1 (TT = 1: up to 8 tokens a CTA row): q -> query_out, k -> key_out and the
+// key cache, v -> out (its v columns) and the value cache. Slots < 0 skip the cache write.
+template <int DT, int MODE, int SCALE_F32>
+__global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
+    const u16* __restrict__ x,             // [M, K]
+    const u32* __restrict__ qweight,       // [N, K/8], N = (H + 2 KVH) D, K % 128 == 0
+    const void* __restrict__ scales,       // [N, K/G]
+    const void* __restrict__ zeros,        // [N, K/G]
+    const u16* __restrict__ bias,          // [N] or null
+    u16* __restrict__ out,                 // [M, N]: only the v columns are written
+    u16* __restrict__ query_out,           // [M, H, D]
+    u16* __restrict__ key_out,             // [M, KVH, D]
+    const u16* __restrict__ cos,           // [M, D/2]
+    const u16* __restrict__ sin,           // [M, D/2]
+    u16* __restrict__ key_cache,           // [NB, KVH, BS, D]
+    u16* __restrict__ value_cache,         // [NB, KVH, BS, D]
+    const i64* __restrict__ slot_mapping,  // [M]
+    int M, int N, int K, int group_shift, int zero_mode, int num_heads, int num_kv_heads, int head_dim,
+    int log2_block_size) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int half = head_dim >> 1, tiles_per_head = head_dim >> 4;
+  const int head = blockIdx.x / tiles_per_head;
+  const int i = (blockIdx.x - head * tiles_per_head) * 8 + g;  // the pair's element in the head's first half
+  const int row0 = head * head_dim + i;
+  const int tok0 = blockIdx.y * 8;
+  const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, half, t, K, group_shift);
+  launch_dependents();
+  TcSegment<SCALE_F32> a0, a1;
+  tc_first_loads(a0, a1, rows, warp, warps, t, K, group_shift);
+  wait_for_prior_grids();
+  float acc[1][4];
+  tc_warp_sums<DT, 1, MODE>(a0, a1, rows, x, warp, warps, tok0 + g, t, M, K, group_shift, zero_mode, acc);
+  if (!sum_warps<1, TcWarps<1>::MAX>(acc, warps)) return;
+  const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
+  const int kv_head = is_q ? 0 : head - num_heads - (is_k ? 0 : num_kv_heads);
+  const float b1 = bias != nullptr ? Num<DT>::to_float(bias[row0]) : 0.0f;
+  const float b2 = bias != nullptr ? Num<DT>::to_float(bias[row0 + half]) : 0.0f;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // acc[0][e]: (row0, token 2t + e); acc[0][2 + e]: (row0 + D/2, token 2t + e)
+    const int tok = tok0 + 2 * t + e;
+    if (tok >= M) continue;
+    // the product's output as the unfused path stores it, then rope_cache_kernel's arithmetic
+    float x1 = Num<DT>::to_float(Num<DT>::from_float(acc[0][e] + b1));
+    float x2 = Num<DT>::to_float(Num<DT>::from_float(acc[0][2 + e] + b2));
+    if (!is_q && !is_k) {
+      out[(i64)tok * N + row0] = Num<DT>::from_float(x1);
+      out[(i64)tok * N + row0 + half] = Num<DT>::from_float(x2);
+    } else {
+      const float c = Num<DT>::to_float(cos[(i64)tok * half + i]);
+      const float s = Num<DT>::to_float(sin[(i64)tok * half + i]);
+      const float x1c = Num<DT>::to_float(Num<DT>::from_float(x1 * c));
+      const float x2s = Num<DT>::to_float(Num<DT>::from_float(x2 * s));
+      const float x2c = Num<DT>::to_float(Num<DT>::from_float(x2 * c));
+      const float x1s = Num<DT>::to_float(Num<DT>::from_float(x1 * s));
+      x1 = Num<DT>::to_float(Num<DT>::from_float(x1c - x2s));
+      x2 = Num<DT>::to_float(Num<DT>::from_float(x2c + x1s));
+      u16* dst = is_q ? query_out + ((i64)tok * num_heads + head) * head_dim
+                      : key_out + ((i64)tok * num_kv_heads + kv_head) * head_dim;
+      dst[i] = Num<DT>::from_float(x1);
+      dst[i + half] = Num<DT>::from_float(x2);
+    }
+    const i64 slot = slot_mapping[tok];
+    if (is_q || slot < 0) continue;
+    const int block_size = 1 << log2_block_size;
+    const i64 slot_row = ((slot >> log2_block_size) * num_kv_heads + kv_head) * block_size + (slot & (block_size - 1));
+    u16* cache = (is_k ? key_cache : value_cache) + slot_row * head_dim;
+    cache[i] = Num<DT>::from_float(x1);
+    cache[i + half] = Num<DT>::from_float(x2);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1012,7 +1108,8 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
   const int seg_begin = blockIdx.z * segs_per_split;
   const int seg_end = min(num_segs, seg_begin + segs_per_split);
   // rows past N (whole idle tiles) point at rows 0 and 8 instead: never read, but inside the tensor
-  const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, t, K, group_shift);
+  const TcRows<SCALE_F32> rows =
+      tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, 8, t, K, group_shift);
   __shared__ uint4 xs[SEGS * TT * 4][32];
   launch_dependents();
 

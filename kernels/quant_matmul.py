@@ -92,6 +92,11 @@ def default_tile(kernel: str, num_tokens: int) -> int:
     return next((size for size in sizes if num_tokens <= size * unit), sizes[-1])
 
 
+def rope_instantiations() -> tuple[str, ...]:
+    """quant_tc_rope_kernel's instantiations (compiled ahead by validate-kernels)."""
+    return tuple(f"quant_tc_rope_kernel<{dt},{mode},{f32}>" for dt in (0, 1) for mode in (0, 1) for f32 in (0, 1))
+
+
 def instantiations() -> tuple[str, ...]:
     """Every template instantiation the launcher can ask for (compiled ahead by validate-kernels)."""
     tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "split": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8), "mma": (1, 2, 4, 8)}
@@ -354,3 +359,77 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         counters = _split_counters(device)
     launch(fn, grid, block, head + (ptr(partials), ptr(counters)) + sizes + (i32(per_split),), index)
     return out
+
+
+QKV_ROPE_MAX_TOKENS = 8  # one token tile of quant_tc_rope_kernel
+
+
+def qkv_rope_unsupported_reason(qweight: torch.Tensor, bits: int, group_size: int, in_features: int, num_heads: int,
+                                num_kv_heads: int, head_dim: int, key_cache: torch.Tensor,
+                                dtype: torch.dtype) -> str | None:
+    """Why quant_matmul_rope_cache cannot serve this merged q/k/v projection at any token count (None when it can;
+    qkv_rope_takes then says which token counts): a weight the tc kernel takes, heads that tile into rotation
+    pairs, and a cache in the activations' dtype (an int8 cache's per-head scale needs the whole head, which spans
+    CTAs)."""
+    out_features = qweight.shape[0]
+    reason = tc_reason(bits, in_features, out_features, group_size)
+    if reason:
+        return f"the tc kernel does not take {reason}"
+    if head_dim % 16:
+        return f"head_dim {head_dim} (needs a multiple of 16: a tile is 8 rotation pairs)"
+    if out_features != (num_heads + 2 * num_kv_heads) * head_dim:
+        return f"{out_features} outputs are not ({num_heads} + 2 x {num_kv_heads}) heads x {head_dim}"
+    if key_cache.dtype != dtype:
+        return f"KV cache dtype {key_cache.dtype} with activations {dtype}"
+    block_size = key_cache.shape[2]
+    if block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two"
+    return None
+
+
+def qkv_rope_takes(num_tokens: int, in_features: int, out_features: int) -> bool:
+    """Whether quant_matmul_rope_cache serves an M-token product of a weight qkv_rope_unsupported_reason accepts:
+    where dispatch would pick tc for the plain product, up to one token tile (decode steps)."""
+    return 0 < num_tokens <= QKV_ROPE_MAX_TOKENS and pick_kernel(num_tokens, in_features, out_features) == "tc"
+
+
+def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            bias: torch.Tensor | None, group_size: int, zero_mode: str, integer_zeros: bool,
+                            num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                            key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merged q/k/v product x [M, K] @ W.T (+ bias) with RoPE on q and k and the k/v cache write fused into its
+    epilogue (quant_tc_rope_kernel; for weights qkv_rope_unsupported_reason accepts, at token counts qkv_rope_takes).
+    cos/sin [M, D/2] (or [M, 1, D/2]) in x's dtype, slot_mapping [M] int64. Returns (rotated query [M, H, D],
+    rotated key [M, KVH, D], value [M, KVH, D] as a view of the product's v columns): what quant_matmul followed by
+    rope_cache.rope_and_cache_write give, bit for bit."""
+    num_tokens, in_features = x.shape
+    out_features = qweight.shape[0]
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # the kernel reads activations 16 bytes at a time
+        x = x.clone()
+    device = x.device
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=device)
+    query = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=device)
+    key = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=x.dtype, device=device)
+    value = out[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    if num_tokens == 0:
+        return query, key, value
+    cos = cos.reshape(num_tokens, head_dim // 2).contiguous()
+    sin = sin.reshape(num_tokens, head_dim // 2).contiguous()
+    index = device.index
+    mode = tc_mode(zero_mode, integer_zeros, group_size)
+    # the tc plan's grid and block (16 warps when every CTA is resident at once, else 8)
+    _, grid, block, _, _ = _plan(index, _DTYPE_CODES[x.dtype], 4, int(scales.dtype == torch.float32), num_tokens,
+                                 out_features, in_features, "tc", 1, None, mode)
+    scale_f32 = int(scales.dtype == torch.float32)
+    fn = get_kernel(SOURCE, f"quant_tc_rope_kernel<{_DTYPE_CODES[x.dtype]},{mode},{scale_f32}>", index)
+    launch(fn, grid, block, (
+        ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), ptr(query), ptr(key), ptr(cos), ptr(sin),
+        ptr(key_cache), ptr(value_cache), ptr(slot_mapping.to(torch.int64).contiguous()), i32(num_tokens),
+        i32(out_features), i32(in_features), i32(tc_group_shift(in_features, group_size)),
+        i32(0 if zero_mode == "zero" else 1), i32(num_heads), i32(num_kv_heads), i32(head_dim),
+        i32(key_cache.shape[2].bit_length() - 1)), index)
+    return query, key, value

@@ -43,6 +43,11 @@ _OPS = (
              + _names("quant_mma_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8), f32=(0, 1))
              + _names("quant_mma_ksplit_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2), f32=(0, 1))
              + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
+    KernelOp("quant_matmul_rope_cache", quant_matmul.SOURCE,
+             "the merged q/k/v W4 product (tc, up to 8 tokens) with RoPE on q/k and the KV-cache write fused into "
+             "its epilogue (fp16/bf16 KV)",
+             quant_matmul.quant_matmul_rope_cache, quant_matmul.qkv_rope_unsupported_reason,
+             _names("quant_tc_rope_kernel<{dt},{mode},{f32}>", dt=_DT, mode=(0, 1), f32=(0, 1))),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
              dequantize.dequantize, dequantize.unsupported_reason,

@@ -8,6 +8,7 @@ formulation harmless.
 On a GPU (marked `gpu`): captured graphs against the padded-eager and the unpadded eager engine.
 """
 
+import logging
 import random
 
 import pytest
@@ -78,6 +79,9 @@ def test_static_buffers_hold_the_replay_inputs_with_padding_on_the_dummy_block()
     assert meta.query_start_loc.tolist() == list(range(9))
     assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len) == (8, 1, 16)
     assert meta.query_lens == [1] * 8 and meta.seq_lens_host == [16] * 8  # the bound the graph serves
+    # Request p's 3 new tokens are rows of their own whose contexts include each other: the decode kernel must
+    # not read a request's newest `fresh_tokens` positions before the step's cache write (here up to the bucket).
+    assert meta.fresh_tokens == 8
 
 
 def test_runner_picks_the_smallest_bucket_and_bound():
@@ -144,6 +148,16 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
     # head_dim 32: the smallest the native decode kernel serves, so the GPU tests run it.
     save_tiny_model("llama", directory, tiny_tokenizer, seed=11, initializer_range=0.2, num_hidden_layers=2,
                     head_dim=32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory, tiny_tokenizer):
+    """Hidden 256 (whole 128-code segments): in W4 its merged q/k/v product takes the fused RoPE + cache-write
+    epilogue (quant_tc_rope_kernel) in decode steps of up to 8 tokens."""
+    directory = tmp_path_factory.mktemp("graph_llama_wide")
+    save_tiny_model("llama", directory, tiny_tokenizer, seed=12, initializer_range=0.2, num_hidden_layers=2,
+                    hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
     return directory
 
 
@@ -316,3 +330,37 @@ def test_programmatic_dependent_launch_changes_no_result(model_dir, monkeypatch)
         assert [o.token_ids for o in with_pdl] == [o.token_ids for o in without]
         for a, b in zip(with_pdl, without):
             assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_qkv_rope_replays_and_overlaps_like_the_serialized_eager_steps(wide_model_dir, caplog, monkeypatch):
+    """A W4 model whose merged q/k/v product carries RoPE and the cache write in its epilogue: graph replays
+    compute what the padded eager steps compute, and with programmatic dependent launch off the same again (the
+    decode kernel reads older cache rows before the step's cache write has finished; a race would show here)."""
+    pytest.importorskip("cupy")
+    from core.ops import dispatch
+    from kernels import launch as kernel_launch
+
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
+    dispatch.reset_log()
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    settings = {"model": str(wide_model_dir), "dtype": "bfloat16", "num_gpu_blocks": 128, "block_size": 16,
+                "max_num_seqs": 12, "max_num_batched_tokens": 64, "quantization": "w4a16"}
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2, ignore_eos=True))
+                for p, params in workload()]
+    results = {}
+    try:
+        for flag in ("1", "0"):
+            monkeypatch.setenv("DEEPINFER_PDL", flag)
+            kernel_launch._programmatic.cache_clear()
+            for mode in ("graphs", "padded"):
+                results[flag, mode] = run_all(LLMEngine(EngineConfig(**settings), decode_mode=mode), requests)
+    finally:
+        kernel_launch._programmatic.cache_clear()
+    assert "quant_matmul_rope_cache: CUDA kernel" in [r.getMessage() for r in caplog.records]
+    reference = results["0", "padded"]
+    for key, outputs in results.items():
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in reference], key
+        for a, b in zip(outputs, reference):
+            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs], key

@@ -142,3 +142,49 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
     assert "rope_cache_write: CUDA kernel" in messages and "paged_decode_attention: CUDA kernel" in messages
     _assert_all_ok([compare("end_to_end", f"native vs torch backend, kv_written, {dtype}, int8 KV {int8_kv}",
                             logits["native"], logits["torch"], 2e-2 if int8_kv else 5e-3)])
+
+
+def test_merged_w4_projection_with_rope_in_its_epilogue_equals_the_unfused_kernels(caplog, monkeypatch):
+    """Decode steps of a model whose merged q/k/v projection the fused kernel serves (K % 128 == 0, head_dim 128):
+    logits and KV caches must be the same bits as with the product and rope_cache_write run one after the other,
+    over prefill, mixed and decode steps (only the decode steps of at most 8 tokens take the fused kernel)."""
+    import core.models.layers as layers
+    from core.attention.native_backend import NativePagedAttention
+    from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+    from core.bench.model_validation import BLOCK_SIZE, STEPS, VOCAB, build_tiny_llama
+    from core.kv.cache import KVCache
+    from core.models.merged_projections import merge_projections
+    from core.ops import dispatch
+
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
+    dispatch.reset_log()
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    dtype = torch.bfloat16
+    model = build_tiny_llama(dtype, DEVICE, 4, 128, hidden_size=1024, intermediate_size=2048,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    merge_projections(model)
+    model.attention_backend = NativePagedAttention()
+    generator = torch.Generator().manual_seed(3)
+    tokens = {name: torch.randint(0, VOCAB, (48,), generator=generator).to(DEVICE) for name in "abc"}
+    tables = {"a": [3, 7, 1, 12], "b": [5, 0], "c": [9]}
+    fused_op = layers.qkv_rotary_and_cache_write
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(layers, "qkv_rotary_and_cache_write", fused_op if fused else lambda *a, **k: None)
+        spec = model.spec
+        cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, DEVICE)
+        rows = []
+        with torch.no_grad():
+            for step in STEPS:
+                chunks = [SequenceChunk(tables[name], start, count) for name, start, count in step]
+                metadata, positions = build_attention_metadata(chunks, BLOCK_SIZE, DEVICE)
+                input_ids = torch.cat([tokens[name][start:start + count] for name, start, count in step])
+                hidden = model(input_ids, positions, metadata, cache)
+                rows.append(model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1]))
+        runs[fused] = (torch.cat(rows), cache)
+    messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
+    assert "quant_matmul_rope_cache: CUDA kernel" in messages
+    assert torch.equal(runs[True][0], runs[False][0])
+    for layer in range(model.spec.num_layers):
+        assert torch.equal(runs[True][1].key_caches[layer], runs[False][1].key_caches[layer])
+        assert torch.equal(runs[True][1].value_caches[layer], runs[False][1].value_caches[layer])

@@ -313,11 +313,51 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     krc.rope_and_cache_write(torch.randn(3, 8, 64, dtype=half), torch.randn(3, 2, 64, dtype=half),
                              torch.randn(3, 2, 64, dtype=half), torch.randn(3, 32, dtype=half),
                              torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
+    qkv = quantize_rtn(torch.randn((8 + 2 * 2) * 64, 512), bits=4, group_size=128)  # 8 q + 2 k + 2 v heads of 64
+    kq.quant_matmul_rope_cache(torch.randn(3, 512, dtype=half), qkv.qweight, qkv.scales, qkv.zeros, None, 128, "zero",
+                               qkv.integer_zeros, 8, 2, 64, torch.randn(3, 32, dtype=half),
+                               torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
     names = {name.split("<")[0] for (_, name), _ in launches}
-    assert names == {"quant_tc_gemv_kernel", "quant_tcs_kernel", "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel",
+    assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_gemv_kernel",
+                     "quant_stream_kernel", "quant_mma_ksplit_kernel",
                      "quant_mma_kernel", "quant_gemv_split_kernel",
                      "quant_mma_staged_kernel", "paged_decode_kernel",
                      "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name
+
+
+def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
+    """Where the q/k/v product takes RoPE and the cache write into its epilogue: a W4 weight tc takes, heads that
+    tile into rotation pairs, a cache in the activations' dtype, and the token counts tc serves up to one tile."""
+    from kernels import quant_matmul as kq
+
+    bf16 = torch.bfloat16
+    qwen_3b = torch.zeros((16 + 2 * 2) * 128, 2048 // 8, dtype=torch.int32)  # Qwen2.5-3B's merged q/k/v
+    cache = torch.zeros(4, 2, 16, 128, dtype=bf16)
+    assert kq.qkv_rope_unsupported_reason(qwen_3b, 4, 128, 2048, 16, 2, 128, cache, bf16) is None
+    assert [kq.qkv_rope_takes(m, 2048, 2560) for m in (0, 1, 4, 8, 9, 32)] == [False, True, True, True, False, False]
+    assert "int8" in kq.qkv_rope_unsupported_reason(qwen_3b, 4, 128, 2048, 16, 2, 128, cache.to(torch.int8), bf16)
+    assert "3-bit" in kq.qkv_rope_unsupported_reason(qwen_3b, 3, 128, 2048, 16, 2, 128, cache, bf16)
+    assert "heads" in kq.qkv_rope_unsupported_reason(qwen_3b, 4, 128, 2048, 16, 4, 128, cache, bf16)
+    odd_heads = torch.zeros((8 + 2 * 4) * 72, 2048 // 8, dtype=torch.int32)  # 1152 rows: whole tc tiles
+    assert "head_dim 72" in kq.qkv_rope_unsupported_reason(odd_heads, 4, 128, 2048, 8, 4, 72, cache, bf16)
+    smollm = torch.zeros((9 + 2 * 3) * 64, 576 // 8, dtype=torch.int32)  # K = 576: not whole 128-code segments
+    assert "tc kernel" in kq.qkv_rope_unsupported_reason(smollm, 4, 64, 576, 9, 3, 64, cache, bf16)
+    # long-K weights (K >= 4096) go to tc at 9-32 tokens as well, but the fused kernel stops at one token tile
+    assert kq.pick_kernel(12, 4096, 6144) == "tc" and not kq.qkv_rope_takes(12, 4096, 6144)
+
+
+def test_qkv_rotary_and_cache_write_leaves_cpu_and_unquantized_layers_to_the_unfused_ops():
+    from core.ops.qkv_rotary import qkv_rotary_and_cache_write
+    from core.quant.quant_linear import QuantLinear
+
+    cache = torch.zeros(4, 2, 16, 128)
+    cos = sin = torch.zeros(1, 64)
+    dense = torch.nn.Linear(256, (4 + 2 * 2) * 128)
+    assert qkv_rotary_and_cache_write(torch.randn(1, 256), dense, 4, 2, 128, cos, sin, cache, cache,
+                                      torch.tensor([3])) is None
+    layer = QuantLinear(quantize_rtn(torch.randn((4 + 2 * 2) * 128, 256), bits=4, group_size=128))
+    assert qkv_rotary_and_cache_write(torch.randn(1, 256), layer, 4, 2, 128, cos, sin, cache, cache,
+                                      torch.tensor([3])) is None  # on the CPU

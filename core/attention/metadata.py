@@ -34,6 +34,10 @@ class AttentionMetadata:
     num_decodes: int  # requests [0, num_decodes) have query length 1
     max_query_len: int
     max_seq_len: int
+    # At most this many of a request's newest context positions get their K/V written in this step: 1 when
+    # the decode rows are true decodes; a graphed step, where each token of a prefill chunk is a row of its
+    # own, sets its token bucket. The decode kernel reads the older positions before the step's cache write.
+    fresh_tokens: int = 1
 
     @property
     def num_requests(self) -> int:

@@ -48,7 +48,7 @@ class NativePagedAttention:
         paged_decode_attention(query[:num_decodes], key_cache, value_cache, attn_metadata.block_tables[:num_decodes],
                                attn_metadata.seq_lens[:num_decodes], scale, sliding_window, softcap, key_scales,
                                value_scales, max_seq_len=max(attn_metadata.seq_lens_host[:num_decodes]),
-                               out=out[:num_decodes])
+                               out=out[:num_decodes], fresh_tokens=attn_metadata.fresh_tokens)
         if num_decodes < attn_metadata.num_requests:
             out[num_decodes:] = self._reference.forward(
                 layer_idx, query[num_decodes:], key[num_decodes:], value[num_decodes:],

@@ -500,6 +500,78 @@ def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> li
     return results
 
 
+# The merged q/k/v product with RoPE and the cache write in its epilogue: (tokens, q heads, KV heads, head_dim,
+# in_features, group size, zeros, bias), zeros as in TC_CASES.
+QKV_ROPE_CASES = (
+    (1, 16, 2, 128, 2048, 128, "int", True),  # Qwen2.5-3B
+    (8, 16, 2, 128, 2048, 128, "int", True),
+    (3, 32, 8, 128, 4096, 128, "int", False),  # Llama-3-8B
+    (5, 8, 4, 64, 1024, 64, "min", False),
+    (2, 12, 4, 256, 2048, 128, "frac", True),
+)
+
+
+def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """quant_matmul_rope_cache against the unfused kernels it replaces (tc product, then rope_cache_kernel): the
+    rotated q and k, the v columns and the cache rows must be the same bits, and no other cache row written;
+    and against the fp32 reference product rotated in fp32 within the usual tolerance."""
+    from kernels.quant_matmul import qkv_rope_takes, qkv_rope_unsupported_reason, quant_matmul, quant_matmul_rope_cache
+    from kernels.rope_cache import rope_and_cache_write
+
+    results = []
+    num_blocks, block_size = 24, 16
+    for m, heads, kv_heads, head_dim, k, g, zeros_kind, with_bias in QKV_ROPE_CASES:
+        for dtype in dtypes:
+            case = (f"{_DTYPE_NAMES[dtype]} M={m} H={heads}/{kv_heads} D={head_dim} K={k} G={g} {zeros_kind}-zeros"
+                    + (" bias" if with_bias else ""))
+
+            def run(m=m, heads=heads, kv_heads=kv_heads, head_dim=head_dim, k=k, g=g, zeros_kind=zeros_kind,
+                    with_bias=with_bias, dtype=dtype, case=case):
+                n = (heads + 2 * kv_heads) * head_dim
+                zero_mode = "min" if zeros_kind == "min" else "zero"
+                packed = random_packed(n, k, g, 4, zero_mode, torch.float16, device,
+                                       bias_dtype=dtype if with_bias else None)
+                if zeros_kind == "frac":
+                    packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                cos, sin = _rope_tables(m, head_dim, dtype, device)
+                shape = (num_blocks, kv_heads, block_size, head_dim)
+                caches = [_nan(shape, dtype, device) for _ in range(4)]
+                reason = qkv_rope_unsupported_reason(packed.qweight, 4, g, k, heads, kv_heads, head_dim, caches[0],
+                                                     dtype)
+                assert reason is None and qkv_rope_takes(m, k, n), f"not a case the engine sends here: {reason}"
+                slots = torch.randperm(num_blocks * block_size, device=device)[:m]
+                if m > 2:
+                    slots[m // 2] = -1  # a padding row: no cache write
+                args = (packed.qweight, packed.scales, packed.zeros)
+                query, key, value = quant_matmul_rope_cache(
+                    x, *args, packed.bias, g, zero_mode, packed.integer_zeros, heads, kv_heads, head_dim, cos, sin,
+                    caches[0], caches[1], slots)
+                qkv = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, kernel="tc", tile=1,
+                                   integer_zeros=packed.integer_zeros)
+                q_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+                q_raw, k_raw, v_raw = (part.reshape(m, -1, head_dim) for part in qkv.split(q_sizes, dim=-1))
+                ref_q, ref_k = rope_and_cache_write(q_raw, k_raw, v_raw, cos, sin, caches[2], caches[3], slots)
+                checks = []
+                for name, got, want in (("q", query, ref_q), ("k", key, ref_k), ("v", value, v_raw),
+                                        ("k cache", caches[0], caches[2]), ("v cache", caches[1], caches[3])):
+                    same = torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
+                    checks.append(CheckResult("quant_matmul_rope_cache", f"{case} {name} == unfused", same,
+                                              detail="" if same else "differs from the unfused kernels' bits"))
+                full = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    full = full + packed.bias.float()
+                fq, fk, _ = (part.reshape(m, -1, head_dim) for part in full.split(q_sizes, dim=-1))
+                checks.append(compare("quant_matmul_rope_cache", f"{case} q vs fp32",
+                                      query, apply_rotary_reference(fq, cos.float(), sin.float()), REL_TOL[dtype]))
+                checks.append(compare("quant_matmul_rope_cache", f"{case} k vs fp32",
+                                      key, apply_rotary_reference(fk, cos.float(), sin.float()), REL_TOL[dtype]))
+                return checks
+
+            results += guarded("quant_matmul_rope_cache", case, run)
+    return results
+
+
 def summarize(results: list[CheckResult]) -> dict:
     failed = [r for r in results if not r.ok]
     worst = max((r.rel_err for r in results if r.rel_err is not None and not math.isnan(r.rel_err)), default=None)

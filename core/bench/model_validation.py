@@ -32,12 +32,16 @@ BLOCK_SIZE = 16
 VOCAB = 1024
 
 
-def build_tiny_llama(dtype: torch.dtype, device, bits: int, group_size: int, seed: int = 0) -> DecoderModel:
+def build_tiny_llama(dtype: torch.dtype, device, bits: int, group_size: int, seed: int = 0,
+                     **config_overrides) -> DecoderModel:
+    """A 2-layer Llama with random weights, its projections quantized (RTN); config_overrides replace fields of
+    the default SmolLM-like shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    fields = dict(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                  num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = LlamaConfig(**(fields | config_overrides))
     torch.manual_seed(seed)
     hf_model = LlamaForCausalLM(config)
     model = DecoderModel(ModelSpec.from_hf_config(config.to_dict()), dtype=dtype, device=device, max_positions=512)

@@ -208,6 +208,7 @@ class StaticStepBuffers:
             num_decodes=tokens,
             max_query_len=1,
             max_seq_len=bound,
+            fresh_tokens=tokens,  # one sequence's chunk may fill the bucket
         )
         logit_rows = self.int64[3 * tokens:3 * tokens + rows]
         return self.int64[:tokens], self.int64[tokens:2 * tokens], logit_rows, metadata

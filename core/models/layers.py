@@ -10,7 +10,8 @@ Norms, gated activations and RoPE go through core/ops (a fused CUDA kernel on GP
 math elsewhere); the residual stream is carried beside the hidden states so each residual add
 fuses into the norm that follows it, as vLLM does. The attention layer rotates q/k and writes the
 new K/V into the paged cache in one op (`rotary_and_cache_write`), then asks the backend only to
-attend (`kv_written=True`).
+attend (`kv_written=True`); in decode steps with a W4 merged q/k/v projection that op runs inside the
+product's epilogue (`qkv_rotary_and_cache_write`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from core.errors import ModelLoadError
 from core.models.spec import ModelSpec, RopeScaling
 from core.ops.activation import act_and_mul
 from core.ops.norm import rms_norm
+from core.ops.qkv_rotary import qkv_rotary_and_cache_write
 from core.ops.rotary import rotary_and_cache_write
 
 
@@ -126,22 +128,30 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 attn_metadata: Any, kv_cache: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.qkv_proj is not None:
-            # views of one [T, (H + 2 * KVH) * D] product; the ops below take strided token rows
-            query, key, value = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        else:
-            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
         layer = self.layer_idx
-        key_scales, value_scales = ((kv_cache.key_scales[layer], kv_cache.value_scales[layer]) if kv_cache.quantized
-                                    else (None, None))
-        query, key = rotary_and_cache_write(query, key, value, cos, sin, kv_cache.key_caches[layer],
-                                            kv_cache.value_caches[layer], attn_metadata.slot_mapping,
-                                            key_scales, value_scales)
+        key_cache, value_cache = kv_cache.key_caches[layer], kv_cache.value_caches[layer]
+        fused = None
+        if self.qkv_proj is not None and self.q_norm is None:
+            # decode steps: the product's epilogue rotates q/k and writes the cache (None where it cannot)
+            fused = qkv_rotary_and_cache_write(x, self.qkv_proj, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               cos, sin, key_cache, value_cache, attn_metadata.slot_mapping)
+        if fused is not None:
+            query, key, value = fused
+        else:
+            if self.qkv_proj is not None:
+                # views of one [T, (H + 2 * KVH) * D] product; the ops below take strided token rows
+                query, key, value = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            else:
+                query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            query = query.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            key = key.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            if self.q_norm is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            key_scales, value_scales = ((kv_cache.key_scales[layer], kv_cache.value_scales[layer])
+                                        if kv_cache.quantized else (None, None))
+            query, key = rotary_and_cache_write(query, key, value, cos, sin, key_cache, value_cache,
+                                                attn_metadata.slot_mapping, key_scales, value_scales)
         out = backend.forward(layer, query, key, value, attn_metadata, kv_cache, self.scale, self.sliding_window,
                               self.softcap, kv_written=True)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -52,10 +52,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
-                           max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, out: torch.Tensor | None = None,
+                           fresh_tokens: int = 1) -> torch.Tensor:
     """query [B, H, D] -> [B, H, D]. key/value_cache [num_blocks, KVH, block_size, D];
     block_tables [B, max_blocks] int32; seq_lens [B] (context incl. the new token, already cached);
-    max_seq_len: a host upper bound of seq_lens (saves a GPU->CPU sync; fixed for CUDA graphs)."""
+    max_seq_len: a host upper bound of seq_lens (saves a GPU->CPU sync; fixed for CUDA graphs);
+    fresh_tokens: at most this many of each sequence's newest positions were cached by the op just before
+    (AttentionMetadata.fresh_tokens)."""
     from kernels import registry
 
     op = registry.get("paged_decode_attention")
@@ -68,7 +71,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return op.launch(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,
-                         sliding_window, softcap, key_scales, value_scales, out=out)
+                         sliding_window, softcap, key_scales, value_scales, out=out, fresh_tokens=fresh_tokens)
     result = paged_decode_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                               sliding_window, softcap, key_scales, value_scales, max_seq_len)
     if out is not None:
