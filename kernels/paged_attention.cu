@@ -520,7 +520,12 @@ __global__ void __launch_bounds__(32) paged_read_probe_kernel(
 // Combine the splits of each (sequence, head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 // grid (num_heads, num_seqs), block 128 threads: first a split per thread (the max M, each split's weight
 // e^(m_s - M) into shared memory, the total), then a dimension per thread, summing the splits in order with
-// independent loads (a loop over splits with one L2 round trip per step cost ~0.15 us a split).
+// independent loads (a loop over splits with one L2 round trip per step cost ~0.15 us a split). With up to
+// REDUCE_HELD_SPLITS splits and head_dim <= 128 (one dimension a thread) a thread's partials are all loaded
+// right after the PDL wait, with the stats, so the kernel waits on L2 once instead of once for the stats and
+// again per batch of partials (a one-stream decode step at a 1024-token bound has 32 splits).
+constexpr int REDUCE_HELD_SPLITS = 32;
+
 template <int DT>
 __global__ void __launch_bounds__(128) paged_reduce_kernel(
     const float* __restrict__ part_out,    // [B, H, splits, D]
@@ -534,6 +539,13 @@ __global__ void __launch_bounds__(128) paged_reduce_kernel(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const i64 base = (i64)blockIdx.y * num_heads + blockIdx.x;
   const float* stats = part_stats + base * splits * 2;
+  const float* parts = part_out + base * splits * head_dim;
+  const bool held = splits <= REDUCE_HELD_SPLITS && head_dim <= 128;
+  float held_parts[REDUCE_HELD_SPLITS];  // this thread's dimension tid of each split (when held)
+  if (held && tid < head_dim) {
+#pragma unroll
+    for (int s = 0; s < REDUCE_HELD_SPLITS; ++s) held_parts[s] = s < splits ? parts[(i64)s * head_dim + tid] : 0.0f;
+  }
 
   float global_max = -INFINITY;
   for (int s = tid; s < splits; s += 128) global_max = fmaxf(global_max, stats[2 * s]);
@@ -556,7 +568,19 @@ __global__ void __launch_bounds__(128) paged_reduce_kernel(
   total = (warp_value[0] + warp_value[1]) + (warp_value[2] + warp_value[3]);
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 
-  const float* parts = part_out + base * splits * head_dim;
+  if (held) {
+    if (tid < head_dim) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int s = 0; s < REDUCE_HELD_SPLITS; ++s) {
+        if (s >= splits) break;
+        const float weight = split_weight[s];
+        acc += weight != 0.0f ? weight * held_parts[s] : 0.0f;  // an empty split's partial is never written
+      }
+      out[base * head_dim + tid] = Num<DT>::from_float(acc * inv);
+    }
+    return;
+  }
   for (int d = tid; d < head_dim; d += 128) {
     float acc = 0.0f;
 #pragma unroll 8
