@@ -97,6 +97,19 @@ __device__ __forceinline__ float pair_hi(u32 p) { return Num<DT>::to_float((u16)
 
 __device__ __forceinline__ float half_bits_to_float(u16 h) { return Num<0>::to_float(h); }
 
+// RoPE on one rotation pair (x1 = element i, x2 = element i + D/2 of a head, both DT values as floats) with the
+// position's cos/sin of i (DT values): HF's rotate-half in DT arithmetic, x1*cos and x2*sin each rounded to DT,
+// then their difference (sum) rounded. rope_cache_kernel and quant_tc_rope_kernel both rotate with it.
+template <int DT>
+__device__ __forceinline__ void rotate_pair(float& x1, float& x2, float c, float s) {
+  const float x1c = Num<DT>::to_float(Num<DT>::from_float(x1 * c));
+  const float x2s = Num<DT>::to_float(Num<DT>::from_float(x2 * s));
+  const float x2c = Num<DT>::to_float(Num<DT>::from_float(x2 * c));
+  const float x1s = Num<DT>::to_float(Num<DT>::from_float(x1 * s));
+  x1 = Num<DT>::to_float(Num<DT>::from_float(x1c - x2s));
+  x2 = Num<DT>::to_float(Num<DT>::from_float(x2c + x1s));
+}
+
 // Pairs (a.lo, b.lo) and (a.hi, b.hi) of two pairs: the element-wise interleave mma operands need.
 __device__ __forceinline__ u32 pair_of_los(u32 a, u32 b) { return __byte_perm(a, b, 0x5410); }
 __device__ __forceinline__ u32 pair_of_his(u32 a, u32 b) { return __byte_perm(a, b, 0x7632); }

@@ -1057,14 +1057,8 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
       out[(i64)tok * N + row0] = Num<DT>::from_float(x1);
       out[(i64)tok * N + row0 + half] = Num<DT>::from_float(x2);
     } else {
-      const float c = Num<DT>::to_float(cos[(i64)tok * half + i]);
-      const float s = Num<DT>::to_float(sin[(i64)tok * half + i]);
-      const float x1c = Num<DT>::to_float(Num<DT>::from_float(x1 * c));
-      const float x2s = Num<DT>::to_float(Num<DT>::from_float(x2 * s));
-      const float x2c = Num<DT>::to_float(Num<DT>::from_float(x2 * c));
-      const float x1s = Num<DT>::to_float(Num<DT>::from_float(x1 * s));
-      x1 = Num<DT>::to_float(Num<DT>::from_float(x1c - x2s));
-      x2 = Num<DT>::to_float(Num<DT>::from_float(x2c + x1s));
+      rotate_pair<DT>(x1, x2, Num<DT>::to_float(cos[(i64)tok * half + i]),
+                      Num<DT>::to_float(sin[(i64)tok * half + i]));
       u16* dst = is_q ? query_out + ((i64)tok * num_heads + head) * head_dim
                       : key_out + ((i64)tok * num_kv_heads + kv_head) * head_dim;
       dst[i] = Num<DT>::from_float(x1);

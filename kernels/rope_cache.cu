@@ -86,14 +86,8 @@ __global__ void __launch_bounds__(128) rope_cache_kernel(
         x1 = Num<DT>::to_float(src[i]);
         x2 = Num<DT>::to_float(src[i + half_dim]);
         if (HAS_ROPE && (is_q || is_k)) {
-          const float c = Num<DT>::to_float(cos[tok * half_dim + i]);
-          const float s = Num<DT>::to_float(sin[tok * half_dim + i]);
-          const float x1c = Num<DT>::to_float(Num<DT>::from_float(x1 * c));
-          const float x2s = Num<DT>::to_float(Num<DT>::from_float(x2 * s));
-          const float x2c = Num<DT>::to_float(Num<DT>::from_float(x2 * c));
-          const float x1s = Num<DT>::to_float(Num<DT>::from_float(x1 * s));
-          x1 = Num<DT>::to_float(Num<DT>::from_float(x1c - x2s));
-          x2 = Num<DT>::to_float(Num<DT>::from_float(x2c + x1s));
+          rotate_pair<DT>(x1, x2, Num<DT>::to_float(cos[tok * half_dim + i]),
+                          Num<DT>::to_float(sin[tok * half_dim + i]));
         }
       }
       vals[2 * p] = x1;
