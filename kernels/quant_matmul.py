@@ -303,6 +303,17 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
     return plan
 
 
+def _activation_operands(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x as the kernels read it (contiguous, 16-byte aligned: they load activations 16 bytes at a time) and the
+    bias in x's dtype, contiguous."""
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    return x, bias
+
+
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group_size: int, zero_mode: str, bias: torch.Tensor | None = None,
                  kernel: str = "auto", tile: int | None = None, splits: int | None = None,
@@ -319,12 +330,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # the kernels read activations 16 bytes at a time
-        x = x.clone()
+    x, bias = _activation_operands(x, bias)
     device = x.device
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
     if out is None:
         out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=device)
     if num_tokens == 0:
@@ -405,12 +412,8 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     rope_cache.rope_and_cache_write give, bit for bit."""
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # the kernel reads activations 16 bytes at a time
-        x = x.clone()
+    x, bias = _activation_operands(x, bias)
     device = x.device
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
     out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=device)
     query = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=device)
     key = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=x.dtype, device=device)

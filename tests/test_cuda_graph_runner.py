@@ -300,16 +300,11 @@ def test_cuda_graphs_match_eager(model_dir, quantization):
     assert sum(e.token_ids == g.token_ids for e, g in zip(from_eager, from_graphs)) >= len(requests) - 1
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_programmatic_dependent_launch_changes_no_result(model_dir, monkeypatch):
-    """PDL lets a kernel start while the one before it runs; every kernel waits before reading that one's
-    output, so graphed and eager steps compute bit for bit what fully serialized launches compute."""
-    pytest.importorskip("cupy")
+def runs_with_and_without_pdl(monkeypatch, model_dir, variants: dict) -> dict:
+    """The workload's greedy outputs (logprobs on) of a bf16 W4A16 engine per variant (`enforce_eager` for the
+    config, `decode_mode` for the engine), with DEEPINFER_PDL=1 and =0: {(flag, variant name): outputs}."""
     from kernels import launch as kernel_launch
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     settings = {"model": str(model_dir), "dtype": "bfloat16", "num_gpu_blocks": 128, "block_size": 16,
                 "max_num_seqs": 12, "max_num_batched_tokens": 64, "quantization": "w4a16"}
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2, ignore_eos=True))
@@ -319,12 +314,26 @@ def test_programmatic_dependent_launch_changes_no_result(model_dir, monkeypatch)
         for flag in ("1", "0"):
             monkeypatch.setenv("DEEPINFER_PDL", flag)
             kernel_launch._programmatic.cache_clear()
-            for eager in (False, True):
-                engine = LLMEngine(EngineConfig(**settings, enforce_eager=eager))
-                results[flag, eager] = run_all(engine, requests)
+            for name, options in variants.items():
+                config = EngineConfig(**settings, enforce_eager=options.get("enforce_eager", False))
+                engine = LLMEngine(config, decode_mode=options.get("decode_mode"))
+                results[flag, name] = run_all(engine, requests)
             assert kernel_launch._programmatic(torch.cuda.current_device()) is (flag == "1")
     finally:
         kernel_launch._programmatic.cache_clear()
+    return results
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_programmatic_dependent_launch_changes_no_result(model_dir, monkeypatch):
+    """PDL lets a kernel start while the one before it runs; every kernel waits before reading that one's
+    output, so graphed and eager steps compute bit for bit what fully serialized launches compute."""
+    pytest.importorskip("cupy")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    results = runs_with_and_without_pdl(monkeypatch, model_dir, {False: {"enforce_eager": False},
+                                                                 True: {"enforce_eager": True}})
     for eager in (False, True):
         with_pdl, without = results["1", eager], results["0", eager]
         assert [o.token_ids for o in with_pdl] == [o.token_ids for o in without]
@@ -340,24 +349,14 @@ def test_fused_qkv_rope_replays_and_overlaps_like_the_serialized_eager_steps(wid
     decode kernel reads older cache rows before the step's cache write has finished; a race would show here)."""
     pytest.importorskip("cupy")
     from core.ops import dispatch
-    from kernels import launch as kernel_launch
 
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
     dispatch.reset_log()
     caplog.set_level(logging.INFO, logger="deepinfer.ops")
-    settings = {"model": str(wide_model_dir), "dtype": "bfloat16", "num_gpu_blocks": 128, "block_size": 16,
-                "max_num_seqs": 12, "max_num_batched_tokens": 64, "quantization": "w4a16"}
-    requests = [(p, SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2, ignore_eos=True))
-                for p, params in workload()]
-    results = {}
-    try:
-        for flag in ("1", "0"):
-            monkeypatch.setenv("DEEPINFER_PDL", flag)
-            kernel_launch._programmatic.cache_clear()
-            for mode in ("graphs", "padded"):
-                results[flag, mode] = run_all(LLMEngine(EngineConfig(**settings), decode_mode=mode), requests)
-    finally:
-        kernel_launch._programmatic.cache_clear()
+    results = runs_with_and_without_pdl(monkeypatch, wide_model_dir, {"graphs": {"decode_mode": "graphs"},
+                                                                      "padded": {"decode_mode": "padded"}})
     assert "quant_matmul_rope_cache: CUDA kernel" in [r.getMessage() for r in caplog.records]
     reference = results["0", "padded"]
     for key, outputs in results.items():

@@ -148,11 +148,11 @@ def test_merged_w4_projection_with_rope_in_its_epilogue_equals_the_unfused_kerne
     """Decode steps of a model whose merged q/k/v projection the fused kernel serves (K % 128 == 0, head_dim 128):
     logits and KV caches must be the same bits as with the product and rope_cache_write run one after the other,
     over prefill, mixed and decode steps (only the decode steps of at most 8 tokens take the fused kernel)."""
-    import core.models.layers as layers
     from core.attention.native_backend import NativePagedAttention
     from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
     from core.bench.model_validation import BLOCK_SIZE, STEPS, VOCAB, build_tiny_llama
     from core.kv.cache import KVCache
+    from core.models import layers
     from core.models.merged_projections import merge_projections
     from core.ops import dispatch
 

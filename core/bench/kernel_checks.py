@@ -515,7 +515,12 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
     """quant_matmul_rope_cache against the unfused kernels it replaces (tc product, then rope_cache_kernel): the
     rotated q and k, the v columns and the cache rows must be the same bits, and no other cache row written;
     and against the fp32 reference product rotated in fp32 within the usual tolerance."""
-    from kernels.quant_matmul import qkv_rope_takes, qkv_rope_unsupported_reason, quant_matmul, quant_matmul_rope_cache
+    from kernels.quant_matmul import (
+        qkv_rope_takes,
+        qkv_rope_unsupported_reason,
+        quant_matmul,
+        quant_matmul_rope_cache,
+    )
     from kernels.rope_cache import rope_and_cache_write
 
     results = []

@@ -38,9 +38,9 @@ def build_tiny_llama(dtype: torch.dtype, device, bits: int, group_size: int, see
     the default SmolLM-like shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fields = dict(vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                  num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    fields = {"vocab_size": VOCAB, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     config = LlamaConfig(**(fields | config_overrides))
     torch.manual_seed(seed)
     hf_model = LlamaForCausalLM(config)
