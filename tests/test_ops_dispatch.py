@@ -349,15 +349,21 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     assert kq.pick_kernel(12, 4096, 6144) == "tc" and not kq.qkv_rope_takes(12, 4096, 6144)
 
 
-def test_qkv_rotary_and_cache_write_leaves_cpu_and_unquantized_layers_to_the_unfused_ops():
+def test_qkv_rotary_and_cache_write_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):
+    from core.ops import dispatch
     from core.ops.qkv_rotary import qkv_rotary_and_cache_write
     from core.quant.quant_linear import QuantLinear
 
+    dispatch.reset_log()
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+
     cache = torch.zeros(4, 2, 16, 128)
     cos = sin = torch.zeros(1, 64)
-    dense = torch.nn.Linear(256, (4 + 2 * 2) * 128)
-    assert qkv_rotary_and_cache_write(torch.randn(1, 256), dense, 4, 2, 128, cos, sin, cache, cache,
+    dense = torch.nn.Linear(512, (4 + 2 * 2) * 128)
+    assert qkv_rotary_and_cache_write(torch.randn(1, 512), dense, 4, 2, 128, cos, sin, cache, cache,
                                       torch.tensor([3])) is None
-    layer = QuantLinear(quantize_rtn(torch.randn((4 + 2 * 2) * 128, 256), bits=4, group_size=128))
-    assert qkv_rotary_and_cache_write(torch.randn(1, 256), layer, 4, 2, 128, cos, sin, cache, cache,
+    layer = QuantLinear(quantize_rtn(torch.randn((4 + 2 * 2) * 128, 512), bits=4, group_size=128))
+    assert qkv_rotary_and_cache_write(torch.randn(1, 512), layer, 4, 2, 128, cos, sin, cache, cache,
                                       torch.tensor([3])) is None  # on the CPU
+    messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
+    assert messages == ["quant_matmul_rope_cache: separate ops (tensors are not on a CUDA device)"]

@@ -44,31 +44,32 @@ def kernel_blocker(*tensors: torch.Tensor | None) -> str | None:
     return cuda_unavailable_reason() or (device_unsupported_reason(present[0].device.index) if present else None)
 
 
-def use_kernel(op: str, reason: str | None) -> bool:
-    """True when `reason` is None. Logs 'op: CUDA kernel' or 'op: torch reference (reason)' once each."""
+def use_kernel(op: str, reason: str | None, fallback: str = "torch reference") -> bool:
+    """True when `reason` is None. Logs 'op: CUDA kernel' or 'op: <fallback> (reason)' once each; `fallback`
+    names what runs instead (the torch reference, or for a fused op the separate ops it fuses)."""
     key = (op, reason or "")
     if key not in _logged:
         _logged.add(key)
         if reason is None:
             logger.info("%s: CUDA kernel", op)
         else:
-            logger.info("%s: torch reference (%s)", op, reason)
+            logger.info("%s: %s (%s)", op, fallback, reason)
     return reason is None
 
 
-def decide(op: str, key: tuple, reason: Callable[[], str | None]) -> bool:
-    """`use_kernel(op, reason())`, with `reason()` (kernel_blocker + the op's own check) evaluated
+def decide(op: str, key: tuple, reason: Callable[[], str | None], fallback: str = "torch reference") -> bool:
+    """`use_kernel(op, reason(), fallback)`, with `reason()` (kernel_blocker + the op's own check) evaluated
     once per (op, key, DEEPINFER_FORCE_REFERENCE value). `key` must determine reason()'s answer:
     the tensors' devices, dtypes, token-independent shapes, strides and alignments it looks at.
     While autograd records nothing is cached, since the answer then depends on requires_grad."""
     if torch.is_grad_enabled():
-        return use_kernel(op, reason())
+        return use_kernel(op, reason(), fallback)
     cache_key = (op, os.environ.get(FORCE_REFERENCE_ENV), key)
     try:
         return _decisions[cache_key] is None
     except KeyError:
         why = _decisions[cache_key] = reason()
-        return use_kernel(op, why)
+        return use_kernel(op, why, fallback)
 
 
 def reset_log() -> None:

@@ -42,7 +42,7 @@ def qkv_rotary_and_cache_write(x: torch.Tensor, qkv_proj: torch.nn.Module, num_h
                                                                 packed.bits, packed.group_size)
             or (None if cos.dtype == x.dtype else f"cos/sin {cos.dtype} with activations {x.dtype}")
             or op.unsupported_reason(packed.qweight, packed.bits, packed.group_size, packed.in_features, num_heads,
-                                     num_kv_heads, head_dim, key_cache, x.dtype))):
+                                     num_kv_heads, head_dim, key_cache, x.dtype)), fallback="separate ops"):
         return None
     if packed.input_perm is not None:
         x = x.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
