@@ -119,3 +119,25 @@ def test_bench_times_split_at_one_two_and_four_tokens():
     assert [p[0] for p in quant_points(33, 2048, 2)] == ["staged", "mma", "dense"]  # tc: up to 32 tokens
     assert [p for p in quant_points(1, 4096, 4, sweep_split=False) if p[0] == "split"] == [("split", 4)]
     assert all(p[0] != "split" for p in quant_points(8, 4096, 4))
+
+
+def test_bench_gemv_attention_rows_name_their_path():
+    """The attention table says which path a row timed: the combined kernel (one split, no reduce) or the split
+    path with its split count; rows recorded before the path was stored show their split count."""
+    from rich.console import Console
+
+    from core.bench.gemv_bench import gemv_tables
+
+    row = {"batch": 64, "context": 1024, "heads": 16, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16",
+           "kv": "same", "pipelined": True, "splits": 1, "us_mean": 10.0, "us_std": 0.1, "gbps": 3000.0,
+           "fraction_of_copy": 0.7, "torch_us_mean": None, "speedup_vs_torch": None}
+    targets = {"w4_batch1_bandwidth": [], "w4_batch16_cost": [], "decode_attention_bandwidth": []}
+    payload = {"copy_bandwidth": {"gbps_mean": 4252.0, "gbps_std": 8.0}, "quant_matmul": [], "targets": targets,
+               "paged_attention": [row | {"path": "combined"}, row | {"batch": 1, "path": "split", "splits": 32},
+                                   row | {"batch": 2, "splits": 16}]}
+    console = Console(record=True, width=200)
+    for table in gemv_tables(payload):
+        console.print(table)
+    lines = [line for line in console.export_text().splitlines() if "16/2x128" in line]
+    assert len(lines) == 3
+    assert "combined" in lines[0] and "split 32" in lines[1] and "split 16" in lines[2]

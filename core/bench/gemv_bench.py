@@ -190,7 +190,12 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
                           torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None) -> list[dict]:
-    from kernels.paged_attention import PIPELINED_BY_DEFAULT, paged_decode_attention, plan_for
+    from kernels.paged_attention import (
+        PIPELINED_BY_DEFAULT,
+        paged_decode_attention,
+        plan_for,
+        takes_combined_path,
+    )
 
     pipelined = PIPELINED_BY_DEFAULT if pipelined is None else pipelined
 
@@ -222,6 +227,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                 "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",
                 "pipelined": pipelined, "default_variant": pipelined == PIPELINED_BY_DEFAULT,
+                "path": "combined" if takes_combined_path(num_seqs, heads, kv_heads, context) else "split",
                 "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
                 "bytes": moved, "gbps": moved / (mean_us * 1e-6) / 1e9,
                 "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -332,6 +338,12 @@ def _ksplit_label(record: dict) -> str:
     return f" k{record['ksplit']}" + ("" if record["ksplit_planned"] else " sweep")
 
 
+def _attention_path_label(record: dict) -> str:
+    """'combined' (one CTA of warps a sequence and KV head, no reduce) or the split path's split count; records
+    written before the path was recorded show their split count."""
+    return "combined" if record.get("path") == "combined" else f"split {record['splits']}"
+
+
 def gemv_tables(payload: dict) -> list:
     """Rich tables of a run_gemv_benchmark payload: quant matmul, decode attention, targets."""
     from rich.table import Table
@@ -353,14 +365,15 @@ def gemv_tables(payload: dict) -> list:
     tables = [quant]
     if payload["paged_attention"]:
         attn = Table(title="Paged decode attention (one query token per sequence)")
-        for column in ("batch", "context", "H/KVH x D", "KV", "tile loads", "splits", "us / call", "GB/s",
+        for column in ("batch", "context", "H/KVH x D", "KV", "tile loads", "path / splits", "us / call", "GB/s",
                        "% copy BW", "torch us", "speedup"):
             attn.add_column(column, justify="right")
         for r in payload["paged_attention"]:
             torch_us = "-" if r["torch_us_mean"] is None else f"{r['torch_us_mean']:.1f}"
             speedup = "-" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.1f}x"
             attn.add_row(str(r["batch"]), str(r["context"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
-                         f"{r['dtype']}/{r['kv']}", "ahead" if r["pipelined"] else "in-step", str(r["splits"]),
+                         f"{r['dtype']}/{r['kv']}", "ahead" if r["pipelined"] else "in-step",
+                         _attention_path_label(r),
                          f"{r['us_mean']:.1f} ± {r['us_std']:.1f}",
                          f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}", torch_us, speedup)
         tables.append(attn)
