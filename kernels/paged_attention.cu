@@ -30,8 +30,9 @@
 // tile holds half the registers of a converted one.
 // Cache rows, block tables, lengths and scales are read with ld.global.cg (L2, the point of coherence), not
 // through the SM's non-coherent read-only cache: paged_decode_kernel reads some of them before its PDL wait,
-// where a line that cache kept from an earlier kernel may predate writes since (a CUDA-graph test saw stale
-// block tables that way), and only the wait makes the cached path safe.
+// where a line that cache kept from an earlier kernel may predate writes since (a CUDA-graph test read stale data
+// that way; the block tables, which a gather rewrites every replay, are the suspect), and only the wait makes the
+// cached path safe.
 template <int DT, int KV_INT8>
 struct KvRow {
   static constexpr int KW = KV_INT8 ? 2 : 4, VW = KV_INT8 ? 1 : 2;
