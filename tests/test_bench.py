@@ -181,6 +181,16 @@ def test_shared_prefix_is_served_from_the_prefix_cache(tmp_path, tiny_llama_dir,
 
 
 def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatch):
+    from core.bench import engine_client
+
+    warm_up_lengths = []
+    real_warm_up = engine_client.warm_up
+
+    async def recording_warm_up(engine, vocab_size, prompt_len, *args):
+        warm_up_lengths.append(prompt_len)
+        await real_warm_up(engine, vocab_size, prompt_len, *args)
+
+    monkeypatch.setattr(engine_client, "warm_up", recording_warm_up)
     output = tmp_path / "jitter.json"
     _run_cli(["bench", "jitter", "--model", str(tiny_llama_dir), "--token-budgets", "8,32", "--long-prompt-len", "48",
               "--stream-prompt-len", "6", "--insert-after", "3", "--itl-slo-ms", "100000", "--output", str(output)], monkeypatch)
@@ -200,6 +210,8 @@ def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatc
     # Budget 8 needs ceil(48 / 7) = 7 prefill steps for the long prompt; budget 32 needs 2.
     assert data["budgets"][0]["insertion_window_engine_steps"] > data["budgets"][1]["insertion_window_engine_steps"]
     assert data["slo"]["chosen_token_budget"] == 32  # every budget meets a 100 s SLO: the largest wins
+    # each budget's engine warms up on a whole long prompt, so every chunk shape is seen before "alone" is timed
+    assert warm_up_lengths == [48, 48]
 
 
 def test_insertion_window_steps_include_the_step_that_finished_the_prefill():
