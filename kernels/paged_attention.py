@@ -100,6 +100,11 @@ def resident_ctas(registers_per_thread: int, device_index: int) -> int:
     return sms * max(1, min(blocks, threads // 32, registers // per_warp))
 
 
+def ctas_per_split(num_seqs: int, num_heads: int, num_kv_heads: int) -> int:
+    """CTAs a context split takes: one per (sequence, KV head, 16-query-head tile)."""
+    return num_seqs * num_kv_heads * ((num_heads // num_kv_heads + 15) // 16)
+
+
 def combined_path(max_seq_len: int, tokens_per_split: int | None = None) -> bool:
     """Whether the combined path (one split, COMBINED_WARPS warps a CTA) may serve this bound; an explicit
     tokens_per_split always takes the split path. Host values only: fixed at graph capture."""
@@ -112,8 +117,7 @@ def takes_combined_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_se
     gives it at least COMBINED_MIN_CTAS CTAs; True / False: that path (True where it may serve, else ValueError)."""
     eligible = combined_path(max_seq_len, tokens_per_split)
     if combined is None:
-        ctas = num_seqs * num_kv_heads * ((num_heads // num_kv_heads + 15) // 16)
-        return eligible and ctas >= COMBINED_MIN_CTAS
+        return eligible and ctas_per_split(num_seqs, num_heads, num_kv_heads) >= COMBINED_MIN_CTAS
     if combined and not eligible:
         raise ValueError(f"the combined path serves bounds up to {COMBINED_MAX_SEQ_LEN} without tokens_per_split "
                          f"(got max_seq_len={max_seq_len}, tokens_per_split={tokens_per_split})")
@@ -125,8 +129,7 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     """(splits, tokens per split): pieces of ~TARGET_TOKENS_PER_SPLIT tokens, their count rounded to
     whole waves of `resident` CTAs, at most MAX_WAVES of them."""
     if tokens_per_split is None:
-        group = num_heads // num_kv_heads
-        units = num_seqs * num_kv_heads * ((group + 15) // 16)
+        units = ctas_per_split(num_seqs, num_heads, num_kv_heads)
         waves = max(1, min(MAX_WAVES, round(units * -(-max_seq_len // TARGET_TOKENS_PER_SPLIT) / resident)))
         most = max(1, min(MAX_SPLITS, -(-max_seq_len // MIN_TOKENS_PER_SPLIT)))
         splits = max(1, min(most, waves * resident // units))

@@ -92,11 +92,6 @@ def default_tile(kernel: str, num_tokens: int) -> int:
     return next((size for size in sizes if num_tokens <= size * unit), sizes[-1])
 
 
-def rope_instantiations() -> tuple[str, ...]:
-    """quant_tc_rope_kernel's instantiations (compiled ahead by validate-kernels)."""
-    return tuple(f"quant_tc_rope_kernel<{dt},{mode},{f32}>" for dt in (0, 1) for mode in (0, 1) for f32 in (0, 1))
-
-
 def instantiations() -> tuple[str, ...]:
     """Every template instantiation the launcher can ask for (compiled ahead by validate-kernels)."""
     tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "split": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8), "mma": (1, 2, 4, 8)}
@@ -234,6 +229,14 @@ def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int
     return -(-num_segments // per_split), per_split  # no empty split
 
 
+def _tc_grid_block(index: int, tile: int, num_tokens: int, out_features: int) -> tuple[tuple, tuple]:
+    """(grid, block) of quant_tc_gemv_kernel and quant_tc_rope_kernel: a CTA per 16-row tile and token tile, of 16
+    warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)."""
+    row_tiles = out_features // TC_ROWS_PER_CTA
+    warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
+    return (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1)
+
+
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
           name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
     """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; `mode` is
@@ -257,11 +260,8 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (32 * SPLIT_WARPS, 1, 1),
                 splits, 0)
     elif name == "tc":
-        row_tiles = out_features // TC_ROWS_PER_CTA
-        # 16 warps when every CTA is resident at once (one per SM at ~120 registers), else 8 (two per SM)
-        warps = 16 if tile == 1 and row_tiles <= _num_sms(index) else 8
         fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
-        plan = (fn, (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1), 1, 0)
+        plan = (fn, *_tc_grid_block(index, tile, num_tokens, out_features), 1, 0)
     elif name == "ksplit":
         fn = get_kernel(SOURCE, f"quant_mma_ksplit_kernel{template}", index)
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
@@ -424,9 +424,7 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     sin = sin.reshape(num_tokens, head_dim // 2).contiguous()
     index = device.index
     mode = tc_mode(zero_mode, integer_zeros, group_size)
-    # the tc plan's grid and block (16 warps when every CTA is resident at once, else 8)
-    _, grid, block, _, _ = _plan(index, _DTYPE_CODES[x.dtype], 4, int(scales.dtype == torch.float32), num_tokens,
-                                 out_features, in_features, "tc", 1, None, mode)
+    grid, block = _tc_grid_block(index, 1, num_tokens, out_features)
     scale_f32 = int(scales.dtype == torch.float32)
     fn = get_kernel(SOURCE, f"quant_tc_rope_kernel<{_DTYPE_CODES[x.dtype]},{mode},{scale_f32}>", index)
     launch(fn, grid, block, (
