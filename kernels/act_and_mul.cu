@@ -5,16 +5,6 @@
 // row t of gate starts at gate + t * gate_stride. Each thread handles 8 consecutive elements.
 #include "common.cuh"
 
-template <int ACT>
-__device__ __forceinline__ float activation(float x) {
-  if constexpr (ACT == 0) {
-    return x / (1.0f + expf(-x));
-  } else {
-    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);  // sqrt(2/pi)
-    return 0.5f * x * (1.0f + tanhf(inner));
-  }
-}
-
 template <int DT, int ACT>
 __global__ void __launch_bounds__(256) act_and_mul_kernel(
     const u16* __restrict__ gate, const u16* __restrict__ up, u16* __restrict__ out,  // out [T, I]
@@ -34,8 +24,8 @@ __global__ void __launch_bounds__(256) act_and_mul_kernel(
     u32* oa = reinterpret_cast<u32*>(&ov);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float act_lo = Num<DT>::to_float(Num<DT>::from_float(activation<ACT>(pair_lo<DT>(ga[j]))));
-      const float act_hi = Num<DT>::to_float(Num<DT>::from_float(activation<ACT>(pair_hi<DT>(ga[j]))));
+      const float act_lo = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(pair_lo<DT>(ga[j]))));
+      const float act_hi = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(pair_hi<DT>(ga[j]))));
       oa[j] = Num<DT>::pack(act_lo * pair_lo<DT>(ua[j]), act_hi * pair_hi<DT>(ua[j]));
     }
     *reinterpret_cast<uint4*>(out + tok * inner + col) = ov;

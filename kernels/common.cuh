@@ -110,6 +110,18 @@ __device__ __forceinline__ void rotate_pair(float& x1, float& x2, float c, float
   x2 = Num<DT>::to_float(Num<DT>::from_float(x2c + x1s));
 }
 
+// The gated MLP's activation of the gate in fp32: ACT 0 = SiLU (x / (1 + e^-x)), 1 = GeLU tanh approximation.
+// act_and_mul_kernel and quant_tcs_act_kernel both apply it (then round to DT), so their results are the same bits.
+template <int ACT>
+__device__ __forceinline__ float gate_activation(float x) {
+  if constexpr (ACT == 0) {
+    return x / (1.0f + expf(-x));
+  } else {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);  // sqrt(2/pi)
+    return 0.5f * x * (1.0f + tanhf(inner));
+  }
+}
+
 // Pairs (a.lo, b.lo) and (a.hi, b.hi) of two pairs: the element-wise interleave mma operands need.
 __device__ __forceinline__ u32 pair_of_los(u32 a, u32 b) { return __byte_perm(a, b, 0x5410); }
 __device__ __forceinline__ u32 pair_of_his(u32 a, u32 b) { return __byte_perm(a, b, 0x7632); }

@@ -238,46 +238,51 @@ __device__ __forceinline__ bool sum_warps(float (&acc)[TT][4], int warps) {
 }
 
 // Split-K epilogue shared by the tiled kernels. With gridDim.z > 1 splits, each CTA writes its fp32
-// partials and the last CTA of an output tile (a counter per tile) sums them in split order, resets
-// the counter and stores; the other CTAs return false. With one split, stores directly.
+// partials and the last CTA of an output tile (a counter per tile) sums them in split order into acc and
+// resets the counter; the other CTAs return false. With one split, acc already holds the tile's sums.
+template <int TT>
+__device__ __forceinline__ bool reduce_splits(float (&acc)[TT][4], float* __restrict__ partials,
+                                              int* __restrict__ counters, int row0, int tok0, int t, int M, int N) {
+  const int splits = gridDim.z;
+  if (splits == 1) return true;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+      if (row < N && tok < M) partials[((i64)blockIdx.z * M + tok) * N + row] = acc[tt][e];
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == splits - 1;
+  __syncthreads();
+  if (!is_last) return false;
+  __threadfence();
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+      float sum = 0.0f;
+      if (row < N && tok < M) {
+        for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((i64)s * M + tok) * N + row);
+      }
+      acc[tt][e] = sum;
+    }
+  }
+  if (threadIdx.x == 0) counters[tile] = 0;
+  return true;
+}
+
 template <int DT, int TT>
 __device__ __forceinline__ void reduce_splits_and_store(float (&acc)[TT][4], const u16* __restrict__ bias,
                                                         u16* __restrict__ out, float* __restrict__ partials,
                                                         int* __restrict__ counters, int row0, int tok0, int t, int M,
                                                         int N) {
-  const int splits = gridDim.z;
-  if (splits > 1) {
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
-        if (row < N && tok < M) partials[((i64)blockIdx.z * M + tok) * N + row] = acc[tt][e];
-      }
-    }
-    __threadfence();
-    __syncthreads();
-    __shared__ int is_last;
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    if (threadIdx.x == 0) is_last = atomicAdd(counters + tile, 1) == splits - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
-        float sum = 0.0f;
-        if (row < N && tok < M) {
-          for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((i64)s * M + tok) * N + row);
-        }
-        acc[tt][e] = sum;
-      }
-    }
-    if (threadIdx.x == 0) counters[tile] = 0;
-  }
-  store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
+  if (reduce_splits<TT>(acc, partials, counters, row0, tok0, t, M, N)) store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
 }
 
 // CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` segments; the 4 warps
@@ -1081,33 +1086,16 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
 // stages them), so the 8 warps do not each re-read and re-permute them as tc's warps do; K split across
 // CTAs (gridDim.z) with the staged kernel's split-K epilogue. Each warp keeps the next segment's loads in
 // flight while it multiplies the current one.
+// A tcs CTA's main loop: each warp's 16-row tile (`rows`; rows_exist is the same for every lane of a warp) over
+// the K segments [seg_begin, seg_end), in stages of Staged<TT>::SEGS segments whose activations the CTA's 8 warps
+// stage in xs. Each warp keeps the next segment's loads in flight while it multiplies the current one; the first
+// weights go out before the PDL wait. acc: the thread's sums of its two rows.
 template <int DT, int TT, int MODE, int SCALE_F32>
-__global__ void __launch_bounds__(256) quant_tcs_kernel(
-    const u16* __restrict__ x,          // [M, K]
-    const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
-    const void* __restrict__ scales,    // [N, K/G]
-    const void* __restrict__ zeros,     // [N, K/G]
-    const u16* __restrict__ bias,       // [N] or null
-    u16* __restrict__ out,              // [M, N]
-    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
-    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
-    int M, int N, int K, int group_shift, int zero_mode, int segs_per_split) {
+__device__ __forceinline__ void tcs_sums(uint4 (*__restrict__ xs)[32], const TcRows<SCALE_F32> rows, bool rows_exist,
+                                         const u16* __restrict__ x, int seg_begin, int seg_end, int tok0, int M, int K,
+                                         int group_shift, int zero_mode, float (&acc)[TT][4]) {
   constexpr int WARPS = 8, SEGS = Staged<TT>::SEGS;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * (16 * WARPS) + warp * 16 + g;
-  const bool rows_exist = row0 < N;  // whole 16-row tiles: the same for every lane of the warp
-  const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = K >> 7;
-  const int seg_begin = blockIdx.z * segs_per_split;
-  const int seg_end = min(num_segs, seg_begin + segs_per_split);
-  // rows past N (whole idle tiles) point at rows 0 and 8 instead: never read, but inside the tensor
-  const TcRows<SCALE_F32> rows =
-      tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, 8, t, K, group_shift);
-  __shared__ uint4 xs[SEGS * TT * 4][32];
-  launch_dependents();
-
-  float acc[TT][4];
+  const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
   if (seg_begin >= seg_end) wait_for_prior_grids();  // an empty K range (the plans make none) still waits
@@ -1127,5 +1115,96 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
       cur = nxt;
     }
   }
+}
+
+template <int DT, int TT, int MODE, int SCALE_F32>
+__global__ void __launch_bounds__(256) quant_tcs_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [N, K/8], N % 16 == 0, K % 128 == 0
+    const void* __restrict__ scales,    // [N, K/G]
+    const void* __restrict__ zeros,     // [N, K/G]
+    const u16* __restrict__ bias,       // [N] or null
+    u16* __restrict__ out,              // [M, N]
+    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int N, int K, int group_shift, int zero_mode, int segs_per_split) {
+  constexpr int WARPS = 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * (16 * WARPS) + warp * 16 + g;
+  const bool rows_exist = row0 < N;  // whole 16-row tiles: the same for every lane of the warp
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(K >> 7, seg_begin + segs_per_split);
+  // rows past N (whole idle tiles) point at rows 0 and 8 instead: never read, but inside the tensor
+  const TcRows<SCALE_F32> rows =
+      tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, 8, t, K, group_shift);
+  __shared__ uint4 xs[Staged<TT>::SEGS * TT * 4][32];
+  launch_dependents();
+  float acc[TT][4];
+  tcs_sums<DT, TT, MODE>(xs, rows, rows_exist, x, seg_begin, seg_end, tok0, M, K, group_shift, zero_mode, acc);
   reduce_splits_and_store<DT, TT>(acc, bias, out, partials, counters, row0, tok0, t, M, N);
+}
+
+// The merged gate/up projection of a gated MLP with the activation in its epilogue: out = act(gate) * up [M, I],
+// what the tcs product followed by act_and_mul_kernel<DT, ACT> gives, bit for bit, without that kernel's launch
+// and the [M, 2I] product's round trip. Rows [gate | up] x I. A CTA's warps 0-3 take the gate rows
+// 64 bx + 16 w .. + 15 and warps 4-7 the up rows I further, so once the CTA's K splits are summed (tcs's split-K
+// epilogue) warp w + 4 hands its sums to warp w through shared memory: the same fragment positions, i.e. the same
+// (row, token) pairs. Each sum becomes the product's output as the unfused path stores it (bias added, rounded to
+// DT), then act_and_mul_kernel's arithmetic: act in fp32 rounded to DT, times up, rounded.
+template <int DT, int TT, int MODE, int SCALE_F32, int ACT>
+__global__ void __launch_bounds__(256) quant_tcs_act_kernel(
+    const u16* __restrict__ x,          // [M, K]
+    const u32* __restrict__ qweight,    // [2I, K/8], I % 16 == 0, K % 128 == 0
+    const void* __restrict__ scales,    // [2I, K/G]
+    const void* __restrict__ zeros,     // [2I, K/G]
+    const u16* __restrict__ bias,       // [2I] or null
+    u16* __restrict__ out,              // [M, I]
+    float* __restrict__ partials,       // [splits, M, 2I] when gridDim.z > 1
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    int M, int inner, int K, int group_shift, int zero_mode, int segs_per_split) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int N = 2 * inner;
+  const int gate_row0 = blockIdx.x * 64 + (warp & 3) * 16 + g;  // also the output column
+  const bool rows_exist = gate_row0 - g < inner;  // whole 16-row tiles: the same for every lane of the warp
+  // idle tiles get row N: the split-K epilogue's row < N tests then skip them (an up row would be a live one)
+  const int row0 = !rows_exist ? N : warp < 4 ? gate_row0 : gate_row0 + inner;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min(K >> 7, seg_begin + segs_per_split);
+  const TcRows<SCALE_F32> rows =
+      tc_rows<SCALE_F32>(qweight, scales, zeros, rows_exist ? row0 : 0, 8, t, K, group_shift);
+  __shared__ uint4 xs[Staged<TT>::SEGS * TT * 4][32];
+  launch_dependents();
+  float acc[TT][4];
+  tcs_sums<DT, TT, MODE>(xs, rows, rows_exist, x, seg_begin, seg_end, tok0, M, K, group_shift, zero_mode, acc);
+  if (!reduce_splits<TT>(acc, partials, counters, row0, tok0, t, M, N)) return;
+  // up's outputs go through xs, which no warp reads any more once all have passed the barrier
+  float (*up)[TT * 4][32] = reinterpret_cast<float (*)[TT * 4][32]>(&xs[0][0]);
+  __syncthreads();
+  if (warp >= 4 && rows_exist) {
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row0 + 8 * (e >> 1)]) : 0.0f;
+        up[warp - 4][tt * 4 + e][lane] = Num<DT>::to_float(Num<DT>::from_float(acc[tt][e] + b));
+      }
+  }
+  __syncthreads();
+  if (warp >= 4 || !rows_exist) return;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = gate_row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+      if (tok >= M) continue;
+      const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+      const float gate = Num<DT>::to_float(Num<DT>::from_float(acc[tt][e] + b));
+      const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate)));
+      out[(i64)tok * inner + row] = Num<DT>::from_float(act * up[warp][tt * 4 + e][lane]);
+    }
+  }
 }

@@ -28,6 +28,7 @@ from functools import cache
 
 import torch
 
+from kernels.act_and_mul import ACTIVATIONS
 from kernels.compiler import get_kernel
 from kernels.launch import i32, launch, ptr
 
@@ -237,6 +238,23 @@ def _tc_grid_block(index: int, tile: int, num_tokens: int, out_features: int) ->
     return (row_tiles, (num_tokens + 8 * tile - 1) // (8 * tile), 1), (32 * warps, 1, 1)
 
 
+def _tcs_grid_splits(index: int, tile: int, num_tokens: int, row_tiles: int, in_features: int,
+                     splits: int | None) -> tuple:
+    """(grid, block, splits, segments per split) of quant_tcs_kernel and quant_tcs_act_kernel: 8-warp CTAs of 128
+    output rows and `tile` token tiles, split along K."""
+    token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
+    if splits is None and tile == 1 and row_tiles * token_tiles < 2 * _num_sms(index):
+        # Up to 8 tokens, between one and two CTAs per SM leave some SMs with twice the work of others;
+        # two K-splits even that out (2048x22016, H200: one token 12.9 us against 14.7 unsplit;
+        # results/sweep_tcs_splits_bf16_nvidia_h200_55cc580.json). From 9 tokens one split stays fastest.
+        splits = 2
+    splits, per_split = _split_plan(in_features // TC_SEGMENT, row_tiles * token_tiles, 8 * tile * token_tiles,
+                                    in_features, index, splits)
+    if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
+        raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
+    return (row_tiles, token_tiles, splits), (256, 1, 1), splits, per_split
+
+
 def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_features: int, in_features: int,
           name: str, tile: int, splits: int | None, mode: int = 0) -> tuple:
     """(kernel, grid, block, splits, segments per split) of one launch, cached per shape and dtype; `mode` is
@@ -267,19 +285,9 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         plan = (fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA,
                      (num_tokens + 8 * tile - 1) // (8 * tile), 1), (256, 1, 1), 1, 0)
     elif name == "tcs":
-        row_tiles = -(-out_features // STAGED_ROWS_PER_CTA)
-        token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
-        if splits is None and tile == 1 and row_tiles * token_tiles < 2 * _num_sms(index):
-            # Up to 8 tokens, between one and two CTAs per SM leave some SMs with twice the work of others;
-            # two K-splits even that out (2048x22016, H200: one token 12.9 us against 14.7 unsplit;
-            # results/sweep_tcs_splits_bf16_nvidia_h200_55cc580.json). From 9 tokens one split stays fastest.
-            splits = 2
-        splits, per_split = _split_plan(in_features // TC_SEGMENT, row_tiles * token_tiles, 8 * tile * token_tiles,
-                                        in_features, index, splits)
-        if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
-            raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
         fn = get_kernel(SOURCE, f"quant_tcs_kernel<{dt},{tile},{mode},{scale_f32}>", index)
-        plan = (fn, (row_tiles, token_tiles, splits), (256, 1, 1), splits, per_split)
+        plan = (fn, *_tcs_grid_splits(index, tile, num_tokens, -(-out_features // STAGED_ROWS_PER_CTA), in_features,
+                                      splits))
     else:
         rows, threads = (STAGED_ROWS_PER_CTA, 256) if name == "staged" else (MMA_ROWS_PER_CTA, 128)
         row_tiles = (out_features + rows - 1) // rows
@@ -434,3 +442,58 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
         i32(0 if zero_mode == "zero" else 1), i32(num_heads), i32(num_kv_heads), i32(head_dim),
         i32(key_cache.shape[2].bit_length() - 1)), index)
     return query, key, value
+
+
+def gate_up_act_unsupported_reason(qweight: torch.Tensor, bits: int, group_size: int, in_features: int,
+                                   activation: str) -> str | None:
+    """Why quant_matmul_act_and_mul cannot serve this merged [gate | up] projection at any token count (None when
+    it can; gate_up_act_takes then says which token counts): a weight the tcs kernel takes, halves of whole 16-row
+    tiles, and an activation act_and_mul has."""
+    out_features = qweight.shape[0]
+    reason = tc_reason(bits, in_features, out_features, group_size)
+    if reason:
+        return f"the tcs kernel does not take {reason}"
+    if out_features % (2 * TC_ROWS_PER_CTA):
+        return f"{out_features} outputs are not two halves of whole {TC_ROWS_PER_CTA}-row tiles"
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r}"
+    return None
+
+
+def gate_up_act_takes(num_tokens: int, in_features: int, out_features: int) -> bool:
+    """Whether quant_matmul_act_and_mul serves an M-token product of a weight gate_up_act_unsupported_reason
+    accepts: where dispatch would pick tcs for the plain product (1-32 tokens)."""
+    return num_tokens > 0 and pick_kernel(num_tokens, in_features, out_features) == "tcs"
+
+
+def quant_matmul_act_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                             bias: torch.Tensor | None, group_size: int, zero_mode: str, integer_zeros: bool,
+                             activation: str) -> torch.Tensor:
+    """The merged [gate | up] product x [M, K] @ W.T (+ bias), W [2I, K], with the gated activation in its epilogue
+    (quant_tcs_act_kernel; for weights gate_up_act_unsupported_reason accepts, at token counts gate_up_act_takes):
+    act(gate) * up [M, I], what quant_matmul followed by act_and_mul.act_and_mul gives, bit for bit."""
+    num_tokens, in_features = x.shape
+    inner = qweight.shape[0] // 2
+    x, bias = _activation_operands(x, bias)
+    device = x.device
+    out = torch.empty(num_tokens, inner, dtype=x.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    index = device.index
+    tile = default_tile("tcs", num_tokens)
+    mode = tc_mode(zero_mode, integer_zeros, group_size)
+    scale_f32 = int(scales.dtype == torch.float32)
+    fn = get_kernel(SOURCE, f"quant_tcs_act_kernel<{_DTYPE_CODES[x.dtype]},{tile},{mode},{scale_f32},"
+                            f"{ACTIVATIONS[activation]}>", index)
+    # a CTA's 128 rows are 64 of gate and the 64 matching rows of up
+    grid, block, splits, per_split = _tcs_grid_splits(index, tile, num_tokens, -(-inner // (STAGED_ROWS_PER_CTA // 2)),
+                                                      in_features, None)
+    partials = counters = None
+    if splits > 1:
+        partials = _split_workspace(device, splits * num_tokens * 2 * inner)
+        counters = _split_counters(device)
+    launch(fn, grid, block, (
+        ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), ptr(partials), ptr(counters),
+        i32(num_tokens), i32(inner), i32(in_features), i32(tc_group_shift(in_features, group_size)),
+        i32(0 if zero_mode == "zero" else 1), i32(per_split)), index)
+    return out

@@ -154,7 +154,8 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory, tiny_tokenizer):
     """Hidden 256 (whole 128-code segments): in W4 its merged q/k/v product takes the fused RoPE + cache-write
-    epilogue (quant_tc_rope_kernel) in decode steps of up to 8 tokens."""
+    epilogue (quant_tc_rope_kernel) in decode steps of up to 8 tokens, and its merged gate/up product (2I >= 3K)
+    the fused activation (quant_tcs_act_kernel) in steps of up to 32."""
     directory = tmp_path_factory.mktemp("graph_llama_wide")
     save_tiny_model("llama", directory, tiny_tokenizer, seed=12, initializer_range=0.2, num_hidden_layers=2,
                     hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
@@ -343,10 +344,12 @@ def test_programmatic_dependent_launch_changes_no_result(model_dir, monkeypatch)
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fused_qkv_rope_replays_and_overlaps_like_the_serialized_eager_steps(wide_model_dir, caplog, monkeypatch):
-    """A W4 model whose merged q/k/v product carries RoPE and the cache write in its epilogue: graph replays
-    compute what the padded eager steps compute, and with programmatic dependent launch off the same again (the
-    decode kernel reads older cache rows before the step's cache write has finished; a race would show here)."""
+def test_fused_epilogues_replay_and_overlap_like_the_serialized_eager_steps(wide_model_dir, caplog, monkeypatch):
+    """A W4 model whose merged q/k/v product carries RoPE and the cache write in its epilogue and whose merged
+    gate/up product carries the activation: graph replays compute what the padded eager steps compute, and with
+    programmatic dependent launch off the same again (the decode kernel reads older cache rows before the step's
+    cache write has finished, and the gate/up product's split-K counters live across replays; a race would show
+    here)."""
     pytest.importorskip("cupy")
     from core.ops import dispatch
 
@@ -357,7 +360,8 @@ def test_fused_qkv_rope_replays_and_overlaps_like_the_serialized_eager_steps(wid
     caplog.set_level(logging.INFO, logger="deepinfer.ops")
     results = runs_with_and_without_pdl(monkeypatch, wide_model_dir, {"graphs": {"decode_mode": "graphs"},
                                                                       "padded": {"decode_mode": "padded"}})
-    assert "quant_matmul_rope_cache: CUDA kernel" in [r.getMessage() for r in caplog.records]
+    messages = [r.getMessage() for r in caplog.records]
+    assert "quant_matmul_rope_cache: CUDA kernel" in messages and "quant_matmul_act_and_mul: CUDA kernel" in messages
     reference = results["0", "padded"]
     for key, outputs in results.items():
         assert [o.token_ids for o in outputs] == [o.token_ids for o in reference], key

@@ -70,6 +70,10 @@ def test_rope_cache_write_kernel():
     _assert_all_ok(kernel_checks.check_rope_cache_write(DEVICE))
 
 
+def test_gate_up_product_with_the_activation_in_its_epilogue():
+    _assert_all_ok(kernel_checks.check_quant_matmul_act_and_mul(DEVICE))
+
+
 def test_kernels_capture_and_replay_in_a_cuda_graph():
     _assert_all_ok([check_cuda_graph(DEVICE)])
 
@@ -144,10 +148,11 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
                             logits["native"], logits["torch"], 2e-2 if int8_kv else 5e-3)])
 
 
-def test_merged_w4_projection_with_rope_in_its_epilogue_equals_the_unfused_kernels(caplog, monkeypatch):
-    """Decode steps of a model whose merged q/k/v projection the fused kernel serves (K % 128 == 0, head_dim 128):
-    logits and KV caches must be the same bits as with the product and rope_cache_write run one after the other,
-    over prefill, mixed and decode steps (only the decode steps of at most 8 tokens take the fused kernel)."""
+def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(caplog, monkeypatch):
+    """A model whose merged q/k/v projection (K % 128 == 0, head_dim 128) and merged gate/up projection (2I >= 3K)
+    the fused kernels serve: logits and KV caches must be the same bits as with the products and rope_cache_write /
+    act_and_mul run one after the other, over prefill, mixed and decode steps (the q/k/v fusion takes the steps of
+    at most 8 tokens, the gate/up one those of at most 32)."""
     from core.attention.native_backend import NativePagedAttention
     from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
     from core.bench.model_validation import BLOCK_SIZE, STEPS, VOCAB, build_tiny_llama
@@ -167,10 +172,11 @@ def test_merged_w4_projection_with_rope_in_its_epilogue_equals_the_unfused_kerne
     generator = torch.Generator().manual_seed(3)
     tokens = {name: torch.randint(0, VOCAB, (48,), generator=generator).to(DEVICE) for name in "abc"}
     tables = {"a": [3, 7, 1, 12], "b": [5, 0], "c": [9]}
-    fused_op = layers.qkv_rotary_and_cache_write
+    fused_ops = {name: getattr(layers, name) for name in ("qkv_rotary_and_cache_write", "gate_up_act_and_mul")}
     runs = {}
     for fused in (True, False):
-        monkeypatch.setattr(layers, "qkv_rotary_and_cache_write", fused_op if fused else lambda *a, **k: None)
+        for name, op in fused_ops.items():
+            monkeypatch.setattr(layers, name, op if fused else lambda *a, **k: None)
         spec = model.spec
         cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, DEVICE)
         rows = []
@@ -183,7 +189,7 @@ def test_merged_w4_projection_with_rope_in_its_epilogue_equals_the_unfused_kerne
                 rows.append(model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1]))
         runs[fused] = (torch.cat(rows), cache)
     messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
-    assert "quant_matmul_rope_cache: CUDA kernel" in messages
+    assert "quant_matmul_rope_cache: CUDA kernel" in messages and "quant_matmul_act_and_mul: CUDA kernel" in messages
     assert torch.equal(runs[True][0], runs[False][0])
     for layer in range(model.spec.num_layers):
         assert torch.equal(runs[True][1].key_caches[layer], runs[False][1].key_caches[layer])

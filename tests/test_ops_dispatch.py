@@ -317,8 +317,12 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     kq.quant_matmul_rope_cache(torch.randn(3, 512, dtype=half), qkv.qweight, qkv.scales, qkv.zeros, None, 128, "zero",
                                qkv.integer_zeros, 8, 2, 64, torch.randn(3, 32, dtype=half),
                                torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
+    gate_up = quantize_rtn(torch.randn(2 * 768, 512), bits=4, group_size=128)  # [gate | up], I = 768
+    kq.quant_matmul_act_and_mul(torch.randn(3, 512, dtype=half), gate_up.qweight, gate_up.scales, gate_up.zeros, None,
+                                128, "zero", gate_up.integer_zeros, "silu")
     names = {name.split("<")[0] for (_, name), _ in launches}
-    assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_gemv_kernel",
+    assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
+                     "quant_gemv_kernel",
                      "quant_stream_kernel", "quant_mma_ksplit_kernel",
                      "quant_mma_kernel", "quant_gemv_split_kernel",
                      "quant_mma_staged_kernel", "paged_decode_kernel",
@@ -347,6 +351,41 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     assert "tc kernel" in kq.qkv_rope_unsupported_reason(smollm, 4, 64, 576, 9, 3, 64, cache, bf16)
     # long-K weights (K >= 4096) go to tc at 9-32 tokens as well, but the fused kernel stops at one token tile
     assert kq.pick_kernel(12, 4096, 6144) == "tc" and not kq.qkv_rope_takes(12, 4096, 6144)
+
+
+def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
+    """Where the gate/up product takes the activation into its epilogue: a W4 weight tcs takes (whole 16-row tiles
+    in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-32)."""
+    from kernels import quant_matmul as kq
+
+    qwen_3b = torch.zeros(2 * 11008, 2048 // 8, dtype=torch.int32)  # Qwen2.5-3B's merged gate/up
+    assert kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "silu") is None
+    assert kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "gelu_tanh") is None
+    assert [kq.gate_up_act_takes(m, 2048, 22016) for m in (0, 1, 8, 9, 32, 33)] == [False, True, True, True, True,
+                                                                                    False]
+    assert "activation 'gelu'" in kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "gelu")
+    assert "3-bit" in kq.gate_up_act_unsupported_reason(qwen_3b, 3, 128, 2048, "silu")
+    halves = torch.zeros(1040, 2048 // 8, dtype=torch.int32)  # whole 16-row tiles, but halves of 520 rows
+    assert "two halves" in kq.gate_up_act_unsupported_reason(halves, 4, 128, 2048, "silu")
+    smollm = torch.zeros(2 * 1536, 576 // 8, dtype=torch.int32)  # K = 576: not whole 128-code segments
+    assert "tcs kernel" in kq.gate_up_act_unsupported_reason(smollm, 4, 64, 576, "silu")
+    # a narrow merged MLP (2I < 3K) goes to tc, not tcs: the separate ops serve it
+    assert kq.pick_kernel(1, 4096, 4096) == "tc" and not kq.gate_up_act_takes(1, 4096, 4096)
+
+
+def test_gate_up_act_and_mul_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):
+    from core.ops import dispatch
+    from core.ops.gate_up_activation import gate_up_act_and_mul
+    from core.quant.quant_linear import QuantLinear
+
+    dispatch.reset_log()
+    caplog.set_level(logging.INFO, logger="deepinfer.ops")
+    assert gate_up_act_and_mul(torch.randn(1, 512), torch.nn.Linear(512, 2 * 1024), "silu") is None
+    layer = QuantLinear(quantize_rtn(torch.randn(2 * 1024, 512), bits=4, group_size=128))
+    assert gate_up_act_and_mul(torch.randn(1, 512), layer, "silu") is None  # on the CPU
+    assert gate_up_act_and_mul(torch.randn(40, 512), layer, "silu") is None  # 40 tokens: not tcs, nothing logged
+    messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
+    assert messages == ["quant_matmul_act_and_mul: separate ops (tensors are not on a CUDA device)"]
 
 
 def test_qkv_rotary_and_cache_write_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):

@@ -42,9 +42,9 @@ def test_switch_follows_capability_and_environment(monkeypatch):
     assert not programmatic_launch.enabled("90")
 
 
-def kernel_bodies(text):
-    """(name, body) of each __global__ function of a source."""
-    for match in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", text):
+def function_bodies(text, qualifier):
+    """(name, body) of each `qualifier` function of a source ("__global__ void", or "__device__ __forceinline__ void")."""
+    for match in re.finditer(qualifier + r" (?:__launch_bounds__\([^)]*\) )?(\w+)\(", text):
         start = text.index("{", match.end())
         depth, end = 0, start
         for end in range(start, len(text)):
@@ -54,19 +54,28 @@ def kernel_bodies(text):
         yield match.group(1), text[start:end + 1]
 
 
+WRITES = r"(\bout|partials|counters|sink|_out|_cache)\s*\[|\*\s*reinterpret_cast<(uint4|float4)\*>"
+
+
 def test_every_kernel_waits_for_the_previous_grid_before_its_writes():
     # Launched with the attribute, a kernel that never waited could complete before the kernel it follows,
     # and the one after it would read stale data: every kernel must let dependents launch and then wait,
-    # before anything but loads of its own weights.
+    # before anything but loads of its own weights. A kernel may wait inside a helper that waits (tcs_sums).
+    common = (KERNELS / "common.cuh").read_text()
     found = 0
     for source in sorted(KERNELS.glob("*.cu")):
-        for name, body in kernel_bodies(source.read_text()):
+        text = source.read_text()
+        waiting_helpers = {name: body for name, body in function_bodies(common + text, "__device__ __forceinline__ void")
+                           if "wait_for_prior_grids();" in body and name != "wait_for_prior_grids"}
+        for name, body in waiting_helpers.items():
+            assert not re.search(WRITES, body[:body.index("wait_for_prior_grids();")]), name
+        for name, body in function_bodies(text, "__global__ void"):
             found += 1
             assert body.count("launch_dependents();") == 1, name
-            assert "wait_for_prior_grids();" in body, name
-            before_wait = body[:body.index("wait_for_prior_grids();")]
-            writes = r"(\bout|partials|counters|sink|_out|_cache)\s*\[|\*\s*reinterpret_cast<(uint4|float4)\*>"
-            assert not re.search(writes, before_wait), name
+            waits = [body.index(call) for call in ["wait_for_prior_grids();"] + [h + "<" for h in waiting_helpers]
+                     if call in body]
+            assert waits, name
+            assert not re.search(WRITES, body[:min(waits)]), name
     assert found >= 16
 
 

@@ -577,6 +577,64 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
     return results
 
 
+# The merged gate/up product with the activation in its epilogue: (tokens, inner I, in_features, group size, zeros,
+# fp32 scales, bias, activation), zeros as in TC_CASES; the weight is [2I, K].
+GATE_UP_ACT_CASES = (
+    (1, 11008, 2048, 128, "int", False, False, "silu"),  # Qwen2.5-3B at one token: two K-splits
+    (8, 11008, 2048, 128, "int", False, True, "silu"),
+    (12, 11008, 2048, 128, "int", False, False, "silu"),  # two token tiles a CTA
+    (32, 11008, 2048, 128, "frac", True, False, "gelu_tanh"),  # four token tiles, one split
+    (2, 14336, 4096, 128, "int", False, False, "silu"),  # Llama-3-8B
+    (5, 1504, 512, 64, "min", False, True, "gelu_tanh"),  # I not a multiple of 64: idle warps in the last CTA
+    (4, 2048, 512, 512, "int", False, False, "silu"),  # per-channel
+)
+
+
+def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """quant_matmul_act_and_mul against the unfused kernels it replaces (the tcs product, then act_and_mul_kernel):
+    the same bits; and against the fp32 reference product's act(gate) * up within the usual tolerance."""
+    from kernels.act_and_mul import act_and_mul
+    from kernels.quant_matmul import (
+        gate_up_act_takes,
+        gate_up_act_unsupported_reason,
+        quant_matmul,
+        quant_matmul_act_and_mul,
+    )
+
+    results = []
+    for m, inner, k, g, zeros_kind, f32_scales, with_bias, activation in GATE_UP_ACT_CASES:
+        for dtype in dtypes:
+            case = (f"{_DTYPE_NAMES[dtype]} {activation} M={m} I={inner} K={k} G={g} {zeros_kind}-zeros"
+                    + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, inner=inner, k=k, g=g, zeros_kind=zeros_kind, f32_scales=f32_scales, with_bias=with_bias,
+                    activation=activation, dtype=dtype, case=case):
+                zero_mode = "min" if zeros_kind == "min" else "zero"
+                packed = random_packed(2 * inner, k, g, 4, zero_mode, torch.float32 if f32_scales else torch.float16,
+                                       device, bias_dtype=dtype if with_bias else None)
+                if zeros_kind == "frac":
+                    packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
+                reason = gate_up_act_unsupported_reason(packed.qweight, 4, g, k, activation)
+                assert reason is None and gate_up_act_takes(m, k, 2 * inner), f"not a case the engine sends here: {reason}"
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                args = (packed.qweight, packed.scales, packed.zeros)
+                out = quant_matmul_act_and_mul(x, *args, packed.bias, g, zero_mode, packed.integer_zeros, activation)
+                gate_up = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, integer_zeros=packed.integer_zeros)
+                want = act_and_mul(gate_up[:, :inner], gate_up[:, inner:], activation)
+                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+                checks = [CheckResult("quant_matmul_act_and_mul", f"{case} == unfused", same,
+                                      detail="" if same else "differs from the unfused kernels' bits")]
+                full = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    full = full + packed.bias.float()
+                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                checks.append(compare("quant_matmul_act_and_mul", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype]))
+                return checks
+
+            results += guarded("quant_matmul_act_and_mul", case, run)
+    return results
+
+
 def summarize(results: list[CheckResult]) -> dict:
     failed = [r for r in results if not r.ok]
     worst = max((r.rel_err for r in results if r.rel_err is not None and not math.isnan(r.rel_err)), default=None)

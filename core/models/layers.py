@@ -25,6 +25,7 @@ from torch import nn
 from core.errors import ModelLoadError
 from core.models.spec import ModelSpec, RopeScaling
 from core.ops.activation import act_and_mul
+from core.ops.gate_up_activation import gate_up_act_and_mul
 from core.ops.norm import rms_norm
 from core.ops.qkv_rotary import qkv_rotary_and_cache_write
 from core.ops.rotary import rotary_and_cache_write
@@ -98,6 +99,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_proj is not None:
+            # decode steps: the product's epilogue applies the activation (None where it cannot)
+            fused = gate_up_act_and_mul(x, self.gate_up_proj, self.hidden_act)  # [T, inner]
+            if fused is not None:
+                return self.down_proj(fused)
             gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
             gate, up = gate_up[..., :self.inner], gate_up[..., self.inner:]
         else:
