@@ -68,18 +68,20 @@ def _programmatic(device_index: int) -> bool:
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int,
-           shared_mem: int = 0) -> None:
+           shared_mem: int = 0, cluster: tuple[int, int, int] | None = None) -> None:
     """Launch on torch's current stream of `device_index`, as a programmatic dependent launch where the GPU
-    has it (programmatic_launch.py). args: only ptr/i32/i64/f32 values."""
+    has it (programmatic_launch.py). args: only ptr/i32/i64/f32 values. cluster: thread-block cluster dimensions
+    (compute capability 9.0+; such launches always go through the driver, with PDL or without)."""
     for arg in args:
         if type(arg) not in _ARG_TYPES:
             raise TypeError(f"kernel argument {arg!r} must be typed with ptr/i32/i64/f32")
     import cupy
 
-    if _programmatic(device_index):
+    programmatic = _programmatic(device_index)
+    if programmatic or cluster is not None:
         with cupy.cuda.Device(device_index):
             programmatic_launch.launch(kernel, grid, block, args, torch._C._cuda_getCurrentRawStream(device_index),
-                                       device_index, shared_mem)
+                                       device_index, shared_mem, programmatic, cluster)
         return
     with cupy.cuda.Device(device_index), _torch_stream(device_index):
         kernel(grid, block, args, shared_mem=shared_mem)

@@ -332,11 +332,124 @@ __device__ __forceinline__ void combine_warps(float (&o)[D / 32][4][4], float (&
   }
 }
 
+// Thread-block clusters (SM90+): a CTA reads another CTA's shared memory of its cluster (distributed shared memory)
+// through the address `mapa` gives for that rank; the barrier's release / acquire order those accesses.
+// RELEASE: the CTA's shared-memory writes before the barrier are visible to the cluster's reads after it (a
+// fence); without it the barrier only waits for every rank to arrive (the reads before it are complete).
+template <bool RELEASE>
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (RELEASE) {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+  } else {
+    asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
+  }
+#endif
+}
+
+__device__ __forceinline__ u32 cluster_address(const void* shared, int rank) {
+  u32 remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const u32 local = (u32)__cvta_generic_to_shared(shared);
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+#endif
+  return remote;
+}
+
+__device__ __forceinline__ float4 cluster_load4(u32 address) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address) : "memory");
+#endif
+  return v;
+}
+
+__device__ __forceinline__ float cluster_load(u32 address) {
+  float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+#endif
+  return v;
+}
+
+// The clustered path's last step, after combine_warps: the CLUSTER CTAs of a (KV head tile, sequence) walked
+// interleaved tiles of its context, and each one's last warp (`holder`) holds the CTA's state. Each publishes it
+// in its shared memory; after a cluster barrier every holder reads the states of all ranks through distributed
+// shared memory, in rank order (deterministic), and combines the d blocks its CTA writes (c % CLUSTER == rank)
+// as combine_warps combines warps: the cluster max M, total sum_q e^(m_q - M) l_q, o = sum_q e^(m_q - M) o_q. A
+// rank that saw nothing (m_q = -inf) weighs 0. A second barrier keeps every CTA's shared memory alive until all
+// have read it, so every thread of every CTA must reach both barriers.
+template <int D, int CLUSTER>
+__device__ __forceinline__ void combine_cluster(float (&o)[D / 32][4][4], float (&row_max)[2], float (&row_sum)[2],
+                                                bool holder, int rank) {
+  constexpr int CHUNKS = D / 32;
+  __shared__ float4 cluster_o[CHUNKS][4][32];  // the holder's o in fragment order, as combine_warps' o_sum
+  __shared__ float cluster_stats[2][16];       // per row: the CTA's max, its total
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (holder) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cluster_o[c][e][lane] = make_float4(o[c][0][e], o[c][1][e], o[c][2][e], o[c][3][e]);
+    if (t == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        cluster_stats[0][g + 8 * r] = row_max[r];
+        cluster_stats[1][g + 8 * r] = row_sum[r];
+      }
+    }
+  }
+  cluster_barrier<true>();
+  if (holder) {
+    float weight[CLUSTER][2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float rank_max[CLUSTER], rank_sum[CLUSTER], cluster_max = -INFINITY;
+#pragma unroll
+      for (int q = 0; q < CLUSTER; ++q) {
+        rank_max[q] = cluster_load(cluster_address(&cluster_stats[0][g + 8 * r], q));
+        rank_sum[q] = cluster_load(cluster_address(&cluster_stats[1][g + 8 * r], q));
+        cluster_max = fmaxf(cluster_max, rank_max[q]);
+      }
+      float total = 0.0f;
+#pragma unroll
+      for (int q = 0; q < CLUSTER; ++q) {
+        weight[q][r] = rank_max[q] == -INFINITY ? 0.0f : __expf(rank_max[q] - cluster_max);
+        total += weight[q][r] * rank_sum[q];
+      }
+      row_max[r] = cluster_max;
+      row_sum[r] = total;
+    }
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      if (c % CLUSTER != rank) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int q = 0; q < CLUSTER; ++q) {
+          const float4 v = cluster_load4(cluster_address(&cluster_o[c][e][lane], q));
+          const float w = weight[q][e >> 1];
+          sum = make_float4(sum.x + w * v.x, sum.y + w * v.y, sum.z + w * v.z, sum.w + w * v.w);
+        }
+        o[c][0][e] = sum.x;
+        o[c][1][e] = sum.y;
+        o[c][2][e] = sum.z;
+        o[c][3][e] = sum.w;
+      }
+    }
+  }
+  cluster_barrier<false>();
+}
+
 // WARPS: 1 on the split path (the default, so the registry's names without it stay valid), COMBINED_WARPS on
-// the combined path. A combined CTA is meant to fill an SM's registers alone (at least one CTA an SM, or ptxas
-// may cap registers at 128 for two and spill); the split path leaves it unspecified (0), so ptxas may trade
-// registers for more one-warp CTAs an SM.
-template <int DT, int D, int KV_INT8, int PIPELINE, int WARPS = 1>
+// the combined and clustered paths. A combined CTA is meant to fill an SM's registers alone (at least one CTA an
+// SM, or ptxas may cap registers at 128 for two and spill); the split path leaves it unspecified (0), so ptxas
+// may trade registers for more one-warp CTAs an SM. CLUSTER > 1 (the clustered path, SM90+): grid.z is CLUSTER
+// CTAs of one thread-block cluster, whose CLUSTER x WARPS warps take the context's tiles round robin and combine
+// in combine_warps, then combine_cluster; no split, no partials.
+template <int DT, int D, int KV_INT8, int PIPELINE, int WARPS = 1, int CLUSTER = 1>
 __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_kernel(
     const u16* __restrict__ query,          // [B, H, D]
     const void* __restrict__ key_cache,     // [NB, KVH, BS, D]
@@ -364,7 +477,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   const int kv_head = blockIdx.x / head_tiles;
   const int head_lo = kv_head * group + (blockIdx.x % head_tiles) * 16;  // first query head of the tile
   const int heads_here = min(16, kv_head * group + group - head_lo);
-  const int seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int seq = blockIdx.y;
+  // clustered: grid.z is the cluster (dims (1, 1, CLUSTER)), so a CTA's rank in it is blockIdx.z
+  const int rank = CLUSTER > 1 ? blockIdx.z : 0, split = CLUSTER > 1 ? 0 : blockIdx.z;
+  const int splits = CLUSTER > 1 ? 1 : gridDim.z;
   const int seq_len = __ldcg(seq_lens + seq);
 
   const int window_start = window > 0 ? max(0, seq_len - window) : 0;
@@ -388,8 +504,9 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
     for (int j = 0; j < 4; ++j) o[c][j][0] = o[c][j][1] = o[c][j][2] = o[c][j][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
-  // the warps take the split's 16-token tiles round robin: warp w walks tiles w, w + WARPS, ...
-  const int first = begin + 16 * warp, stride = 16 * WARPS;
+  // the warps take the split's 16-token tiles round robin: warp w walks tiles w, w + WARPS, ... (clustered: the
+  // cluster's warps, rank after rank)
+  const int first = begin + 16 * (rank * WARPS + warp), stride = 16 * WARPS * CLUSTER;
   // Up to here the kernel has read only the step's inputs (lengths, block tables), which no kernel of the
   // layer writes. Cache rows older than the sequence's `fresh_tokens` newest positions were written by earlier
   // steps, so a first tile that ends before those is fetched before waiting for the kernel just before this one
@@ -426,6 +543,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   }
   if constexpr (WARPS > 1) {
     combine_warps<D, WARPS>(o, row_max, row_sum, first < end, heads_here);
+    if constexpr (CLUSTER > 1) combine_cluster<D, CLUSTER>(o, row_max, row_sum, warp == WARPS - 1, rank);
     if (warp != WARPS - 1) return;  // the last warp holds the CTA's output
   }
   // o[c][j]: c0 = (row g, d = 32c + 8t + j), c1 = (row g, d = 32c + 8t + 4 + j), c2/c3 the same for row g+8
@@ -438,6 +556,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
       const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
+        if (CLUSTER > 1 && c % CLUSTER != rank) continue;  // another rank of the cluster writes it
         u32 packed[4];
 #pragma unroll
         for (int w = 0; w < 4; ++w) {  // elements 2w, 2w+1 of d = 32c + 8t + 0..7

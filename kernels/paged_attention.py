@@ -9,7 +9,12 @@ One CTA per (kv head, 16-query-head tile, sequence, context split), on one of tw
   work follows the real context, so a CUDA graph captured at a 1024-token bound runs a 300-token context at
   the cost of 300 tokens. With few sequences its warps walk their tiles one after another on a few SMs, which
   measured slower than the split path (one decoding stream of a 3B model has 2 CTAs a layer).
-- split (longer bounds, an explicit `tokens_per_split`, or few CTAs): one warp a CTA, the context cut into splits
+- clustered (the combined path's bounds with fewer than COMBINED_MIN_CTAS CTAs, on SM90+): the combined path's
+  kernel with each (KV head tile, sequence) spread over a thread-block cluster of CLUSTER_CTAS CTAs, whose warps
+  take the tiles round robin and combine their states through distributed shared memory. One kernel, like the
+  combined path, with the split path's spread over SMs for few sequences (a decoding stream of a 3B model: 8 CTAs
+  a layer instead of 2).
+- split (longer bounds, an explicit `tokens_per_split`, or few CTAs without clusters): one warp a CTA, the context cut into splits
   of at least MIN_TOKENS_PER_SPLIT tokens whose count fills whole waves of the CTAs the GPU holds at once
   (a partial last wave would leave SMs idle at the end); with more than one split, paged_reduce_kernel
   combines the splits' partial outputs. Long contexts need the CTAs across the context to keep the GPU
@@ -60,6 +65,9 @@ COMBINED_MAX_SEQ_LEN = 1024
 # 1024 bound, scripts/profile_graph_steps.py): one stream (2 CTAs) 1785 us a steady decode step combined against
 # 1684 split; 32 streams (64 CTAs) 3263 against 3302.
 COMBINED_MIN_CTAS = 64
+# The clustered path's cluster: CTAs a (KV head tile, sequence) spreads over. 4 x 8 warps cover a 512-token round
+# (a 1024 bound: two tiles a warp); clusters of 4 full-SM CTAs fit the H200's GPCs of 16-18 SMs.
+CLUSTER_CTAS = 4
 # Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
 # fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
 PIPELINED_BY_DEFAULT = True
@@ -124,6 +132,33 @@ def takes_combined_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_se
     return combined
 
 
+@cache
+def _cluster_capable(device_index: int) -> bool:
+    """Whether the device launches thread-block clusters (compute capability 9.0+)."""
+    from kernels.compiler import device_arch
+
+    return int(device_arch(device_index)) >= 90
+
+
+def takes_clustered_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
+                         tokens_per_split: int | None = None, combined: bool | None = None,
+                         clustered: bool | None = None) -> bool:
+    """Whether paged_decode_attention takes the clustered path. clustered None: where the combined path may serve
+    but is not taken for want of CTAs (takes_combined_path with combined None), the device has clusters and
+    the clusters' CTAs fit the SMs at once; False: never; True: wherever the combined path may serve (ValueError
+    elsewhere or without clusters)."""
+    eligible = combined_path(max_seq_len, tokens_per_split)
+    if clustered:
+        if not eligible or combined or not _cluster_capable(device_index):
+            raise ValueError("the clustered path serves bounds up to "
+                             f"{COMBINED_MAX_SEQ_LEN} without tokens_per_split or combined=True, on SM90+")
+        return True
+    if clustered is False or combined is not None or not eligible or not _cluster_capable(device_index):
+        return False
+    ctas = ctas_per_split(num_seqs, num_heads, num_kv_heads)
+    return ctas < COMBINED_MIN_CTAS and ctas * CLUSTER_CTAS <= _device_limits(device_index)[0]
+
+
 def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
                tokens_per_split: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split): pieces of ~TARGET_TOKENS_PER_SPLIT tokens, their count rounded to
@@ -138,12 +173,15 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
-def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None, warps: int = 1) -> str:
-    """The split path's kernel (warps == 1) leaves WARPS at its default: the name the registry compiles ahead."""
+def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None, warps: int = 1,
+                 cluster: int = 1) -> str:
+    """The split path's kernel (warps == 1) leaves WARPS at its default, the combined path's CLUSTER: the names
+    the registry compiles ahead."""
     dt, head_dim, int8 = _DTYPE_CODES[query.dtype], query.shape[-1], int(key_cache.dtype == torch.int8)
     if pipelined is None:
         pipelined = PIPELINED_BY_DEFAULT
-    return f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}" + (f",{warps}>" if warps > 1 else ">")
+    name = f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}"
+    return name + (f",{warps},{cluster}>" if cluster > 1 else f",{warps}>" if warps > 1 else ">")
 
 
 def _split_plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
@@ -157,11 +195,12 @@ def _split_plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: i
 
 def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
              tokens_per_split: int | None = None, pipelined: bool | None = None,
-             combined: bool | None = None) -> tuple[int, int]:
-    """The (splits, tokens per split) paged_decode_attention uses for this batch: on the combined path
-    (takes_combined_path) one split of max_seq_len in whole tiles."""
-    if takes_combined_path(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len, tokens_per_split,
-                           combined):
+             combined: bool | None = None, clustered: bool | None = None) -> tuple[int, int]:
+    """The (splits, tokens per split) paged_decode_attention uses for this batch: on the combined and clustered
+    paths (takes_combined_path, takes_clustered_path) one split of max_seq_len in whole tiles."""
+    shape = (query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len)
+    if (takes_combined_path(*shape, tokens_per_split, combined)
+            or takes_clustered_path(*shape, query.device.index, tokens_per_split, combined, clustered)):
         return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
     return _split_plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined)
 
@@ -172,7 +211,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, tokens_per_split: int | None = None,
                            pipelined: bool | None = None, combined: bool | None = None,
-                           fresh_tokens: int = 1) -> torch.Tensor:
+                           clustered: bool | None = None, fresh_tokens: int = 1) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D].
 
     key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
@@ -194,10 +233,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    combined = takes_combined_path(num_seqs, num_heads, num_kv_heads, max_seq_len, tokens_per_split, combined)
-    warps = COMBINED_WARPS if combined else 1
-    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps), index)
-    splits, per_split = plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined, combined)
+    clustered = takes_clustered_path(num_seqs, num_heads, num_kv_heads, max_seq_len, index, tokens_per_split,
+                                     combined, clustered)
+    combined = not clustered and takes_combined_path(num_seqs, num_heads, num_kv_heads, max_seq_len,
+                                                     tokens_per_split, combined)
+    warps = COMBINED_WARPS if combined or clustered else 1
+    cluster = CLUSTER_CTAS if clustered else 1
+    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps, cluster), index)
+    splits, per_split = plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined, combined, clustered)
     if splits > MAX_SPLITS:
         raise ValueError(f"{splits} context splits exceed {MAX_SPLITS} (the reduce's shared memory): "
                          f"pass a larger tokens_per_split")
@@ -207,12 +250,12 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_stats = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=device)
-    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32 * warps, 1, 1), (
+    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits * cluster), (32 * warps, 1, 1), (
         ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
         ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
         ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
         i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0),
-        i32(fresh_tokens)), index)
+        i32(fresh_tokens)), index, cluster=(1, 1, cluster) if clustered else None)
     if splits > 1:
         reduce = get_kernel(SOURCE, f"paged_reduce_kernel<{dt}>", index)
         launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (

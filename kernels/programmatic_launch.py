@@ -22,7 +22,8 @@ from functools import cache
 
 import numpy as np
 
-# cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+# cuda.h: CUlaunchAttributeID values
+_CLUSTER_DIMENSION = 4
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _MAX_ARGS = 64
 _SLOT = 8  # bytes per kernel argument in the parameter buffer: every deepinfer argument is 4 or 8 bytes
@@ -31,9 +32,10 @@ _SLOT_FORMATS = {np.uint64: "Q", np.int32: "i4x", np.int64: "q", np.float32: "f4
 
 
 class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: a 4-byte id, padding to 8, and a 64-byte value union (here its first int)."""
+    """CUlaunchAttribute: a 4-byte id, padding to 8, and a 64-byte value union, here as 16 unsigned ints (the
+    programmatic flag is the first; a cluster's dimensions are the first three)."""
 
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_uint * 16)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -63,8 +65,8 @@ class _Launcher(threading.local):
         self.params = ctypes.create_string_buffer(_SLOT * _MAX_ARGS)
         base = ctypes.addressof(self.params)
         self.param_ptrs = (ctypes.c_void_p * _MAX_ARGS)(*(base + _SLOT * i for i in range(_MAX_ARGS)))
-        self.attribute = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        self.config = LaunchConfig(attrs=ctypes.pointer(self.attribute), numAttrs=1)
+        self.attributes = (LaunchAttribute * 2)()
+        self.config = LaunchConfig(attrs=self.attributes)
 
 
 _launcher = _Launcher()
@@ -83,9 +85,11 @@ def _driver():
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, stream_handle: int,
-           device_index: int, shared_mem: int = 0) -> None:
-    """Launch a compiled cupy.RawKernel with the PDL attribute on a raw stream handle. The caller has made
-    `device_index` current and typed every argument (launch.py)."""
+           device_index: int, shared_mem: int = 0, programmatic: bool = True,
+           cluster: tuple[int, int, int] | None = None) -> None:
+    """Launch a compiled cupy.RawKernel on a raw stream handle through cuLaunchKernelEx: with the PDL attribute
+    (`programmatic`) and/or as thread-block clusters of `cluster` CTAs (x, y, z; SM90+, each grid dimension a
+    multiple). The caller has made `device_index` current and typed every argument (launch.py)."""
     lib = _driver()
     key = (id(kernel), device_index)
     function = _functions.get(key)
@@ -104,6 +108,16 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = shared_mem
     config.hStream = stream_handle
+    count = 0
+    if programmatic:
+        state.attributes[count].id, state.attributes[count].value[0] = _PROGRAMMATIC_STREAM_SERIALIZATION, 1
+        count += 1
+    if cluster is not None:
+        attribute = state.attributes[count]
+        attribute.id = _CLUSTER_DIMENSION
+        attribute.value[0], attribute.value[1], attribute.value[2] = cluster
+        count += 1
+    config.numAttrs = count
     status = lib.cuLaunchKernelEx(ctypes.byref(config), function, state.param_ptrs, None)
     if status != 0:
         name = ctypes.c_char_p()

@@ -60,11 +60,14 @@ _OPS = (
              _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3), mode=(0, 1), f32=(0, 1))),
     KernelOp("paged_decode_attention", paged_attention.SOURCE,
              "paged GQA decode attention over the block table: split-K + reduce, or one 8-warp CTA a sequence "
-             "and KV head (many sequences, bounds up to 1024); fp16/bf16/int8 KV",
+             "and KV head (many sequences, bounds up to 1024), or a cluster of 4 such CTAs (few sequences, SM90+); "
+             "fp16/bf16/int8 KV",
              paged_attention.paged_decode_attention, paged_attention.unsupported_reason,
              _names("paged_decode_kernel<{dt},{d},{int8},{pipe}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
                     pipe=(0, 1))
              + _names("paged_decode_kernel<{dt},{d},{int8},{pipe},8>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
+                      pipe=(0, 1))
+             + _names("paged_decode_kernel<{dt},{d},{int8},{pipe},8,4>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
                       pipe=(0, 1))
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",

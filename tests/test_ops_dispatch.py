@@ -288,8 +288,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     launches = []
     for module in (ka, kp, kq, kr, krc):
         monkeypatch.setattr(module, "get_kernel", lambda source, name, index: _Kernel((source, name)))
-        monkeypatch.setattr(module, "launch",
-                            lambda kernel, grid, block, args, index, shared_mem=0: launches.append((kernel, args)))
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, block, args, index, shared_mem=0, cluster=None:
+                            launches.append((kernel, args)))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
@@ -300,11 +300,12 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for kernel in kq.KERNELS:
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
+    monkeypatch.setattr(kp, "_cluster_capable", lambda index: True)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
-    for combined in (False, True):  # the split path (decode + reduce) and the combined kernel
+    for combined, clustered in ((False, None), (True, None), (None, True)):  # split (decode + reduce), combined, clustered
         kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache,
                                   torch.zeros(2, 20, dtype=torch.int32), torch.tensor([300, 5], dtype=torch.int32), 300,
-                                  0.125, combined=combined)
+                                  0.125, combined=combined, clustered=clustered)
     kq.weight_read_probe(packed.qweight, 4, 512)
     kp.kv_read_probe(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
                      torch.tensor([300, 5], dtype=torch.int32), 300)

@@ -1,8 +1,9 @@
 """Which path paged decode attention takes and what it launches (CPU: kernels and launches faked).
 
 Combined path (bounds up to COMBINED_MAX_SEQ_LEN, no explicit tokens_per_split): one kernel, one split, CTAs of
-COMBINED_WARPS warps, a grid that does not depend on the bound. Split path: one-warp CTAs over split_plan's
-splits, then the reduce kernel when there is more than one split.
+COMBINED_WARPS warps, a grid that does not depend on the bound. Clustered path (the same bounds, fewer CTAs, SM90+):
+that kernel over clusters of CLUSTER_CTAS CTAs. Split path: one-warp CTAs over split_plan's splits, then the
+reduce kernel when there is more than one split.
 """
 
 from __future__ import annotations
@@ -21,13 +22,25 @@ class _Kernel(tuple):  # (source, name), with the register count the split plan 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch paged_attention makes: (name, grid, block, args, shared_mem)."""
-    recorded = []
+    """Every launch paged_attention makes: (name, grid, block, args, shared_mem), on a device of 132 SMs without
+    thread-block clusters (the clustered path's tests switch them on), and the cluster of each in `.clusters`."""
+    recorded = Launches()
     monkeypatch.setattr(kp, "get_kernel", lambda source, name, index: _Kernel((source, name)))
-    monkeypatch.setattr(kp, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
-                        recorded.append((kernel[1], grid, block, args, shared_mem)))
-    monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))  # an H100/H200
+
+    def launch(kernel, grid, block, args, index, shared_mem=0, cluster=None):
+        recorded.append((kernel[1], grid, block, args, shared_mem))
+        recorded.clusters.append(cluster)
+
+    monkeypatch.setattr(kp, "launch", launch)
+    monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
+    monkeypatch.setattr(kp, "_cluster_capable", lambda index: False)
     return recorded
+
+
+class Launches(list):
+    def __init__(self):
+        super().__init__()
+        self.clusters = []
 
 
 def _inputs(num_seqs=3, heads=16, kv_heads=2, head_dim=64, dtype=torch.float16, int8=False, block_size=16):
@@ -60,9 +73,48 @@ def test_the_default_path_is_combined_only_with_enough_ctas():
         kp.takes_combined_path(1, 16, 2, 2048, combined=True)
 
 
-def test_few_sequences_take_the_split_path_by_default(launches):
+def test_few_sequences_take_the_split_path_by_default_without_clusters(launches):
     _attend(300)  # 3 sequences x 2 KV heads = 6 CTAs
     assert [name for name, *_ in launches] == ["paged_decode_kernel<0,64,0,1>", "paged_reduce_kernel<0>"]
+    assert launches.clusters == [None, None]
+
+
+def test_few_sequences_take_the_clustered_path_on_sm90(launches, monkeypatch):
+    monkeypatch.setattr(kp, "_cluster_capable", lambda index: True)
+    for bound in (17, 300, 1024):
+        launches.clear()
+        launches.clusters.clear()
+        _attend(bound)  # 3 sequences x 2 KV heads = 6 CTAs a split: a cluster of 4 each
+        [(name, grid, block, args, shared_mem)] = launches  # no reduce
+        assert name == "paged_decode_kernel<0,64,0,1,8,4>" and block == (256, 1, 1) and shared_mem == 0
+        assert grid == (2, 3, 4) and launches.clusters == [(1, 1, 4)]
+        part_out, part_stats, tokens_per_split = int(args[8]), int(args[9]), int(args[14])
+        assert part_out == part_stats == 0  # no partials
+        assert bound <= tokens_per_split < bound + kp.TILE_TOKENS
+    query, cache, *_ = _inputs()
+    assert kp.plan_for(query, cache, 300) == (1, 304)
+
+
+def test_the_clustered_path_serves_few_sequences_whose_clusters_fit_the_sms(monkeypatch):
+    monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
+    monkeypatch.setattr(kp, "_cluster_capable", lambda index: True)
+    assert kp.CLUSTER_CTAS == 4
+    # Qwen2.5-3B's 16 / 2 heads: a stream is 2 CTAs a split, 8 clustered
+    assert kp.takes_clustered_path(1, 16, 2, 1024, 0) and kp.takes_clustered_path(16, 16, 2, 300, 0)  # 128 CTAs
+    assert not kp.takes_clustered_path(17, 16, 2, 1024, 0)  # 136 CTAs would not all be resident on 132 SMs
+    assert not kp.takes_clustered_path(32, 16, 2, 1024, 0)  # 64 CTAs: the combined path's
+    assert not kp.takes_clustered_path(1, 16, 2, 2048, 0)  # past the bound: split
+    assert not kp.takes_clustered_path(1, 16, 2, 1024, 0, tokens_per_split=64)
+    assert not kp.takes_clustered_path(1, 16, 2, 1024, 0, combined=True)  # a forced path is that path
+    assert not kp.takes_clustered_path(1, 16, 2, 1024, 0, combined=False)
+    assert not kp.takes_clustered_path(1, 16, 2, 1024, 0, clustered=False)
+    assert kp.takes_clustered_path(64, 16, 2, 300, 0, clustered=True)  # forced
+    with pytest.raises(ValueError, match="clustered path serves bounds up to 1024"):
+        kp.takes_clustered_path(1, 16, 2, 2048, 0, clustered=True)
+    monkeypatch.setattr(kp, "_cluster_capable", lambda index: False)
+    assert not kp.takes_clustered_path(1, 16, 2, 1024, 0)
+    with pytest.raises(ValueError, match="on SM90"):
+        kp.takes_clustered_path(1, 16, 2, 1024, 0, clustered=True)
 
 
 def test_bounds_up_to_1024_without_explicit_splits_take_the_combined_path():
@@ -149,7 +201,7 @@ def test_the_read_probe_keeps_the_split_paths_grid_at_short_bounds(launches):
     assert int(args[-1]) == per_split
 
 
-def test_split_path_kernels_keep_the_names_the_registry_compiles_ahead():
+def test_every_paths_kernels_keep_the_names_the_registry_compiles_ahead():
     from kernels import registry
     from kernels.compiler import source_text
 
@@ -159,7 +211,8 @@ def test_split_path_kernels_keep_the_names_the_registry_compiles_ahead():
             for int8 in (False, True):
                 for pipelined in (False, True):
                     query, cache, *_ = _inputs(dtype=dtype, head_dim=head_dim, int8=int8)
-                    assert kp._kernel_name(query, cache, pipelined) in compiled_ahead
-    # those names leave WARPS out: the kernel template must default it to one warp
-    assert re.search(r"int WARPS = 1>\s*__global__ void __launch_bounds__\([^)]*\) paged_decode_kernel\(",
-                     source_text(kp.SOURCE))
+                    for warps, cluster in ((1, 1), (kp.COMBINED_WARPS, 1), (kp.COMBINED_WARPS, kp.CLUSTER_CTAS)):
+                        assert kp._kernel_name(query, cache, pipelined, warps, cluster) in compiled_ahead
+    # the split path's names leave WARPS out and the combined path's CLUSTER: the template must default them to one
+    assert re.search(r"int WARPS = 1, int CLUSTER = 1>\s*__global__ void __launch_bounds__\([^)]*\) "
+                     r"paged_decode_kernel\(", source_text(kp.SOURCE))

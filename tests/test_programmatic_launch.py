@@ -83,3 +83,38 @@ def test_every_kernel_waits_for_the_previous_grid_before_its_writes():
 def test_bare_python_scalars_have_no_slot(launch_arg):
     with pytest.raises(KeyError):
         programmatic_launch.slot_format((launch_arg,))
+
+
+class _FakeDriver:
+    """libcuda's cuLaunchKernelEx, recording the attributes of each launch config."""
+
+    def __init__(self):
+        self.launches = []
+
+    def cuLaunchKernelEx(self, config, function, params, extra):  # the driver's name
+        cfg = config._obj
+        attrs = [(cfg.attrs[i].id, tuple(cfg.attrs[i].value[:3])) for i in range(cfg.numAttrs)]
+        self.launches.append(((cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), (cfg.blockDimX,), attrs))
+        return 0
+
+
+class _FakeKernel:
+    class kernel:  # cupy.RawKernel's attribute
+        ptr = 1234
+
+
+def test_launch_attributes_carry_pdl_and_cluster_dimensions(monkeypatch):
+    # cuda.h: CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4 with value.clusterDim {x, y, z};
+    # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 with value.programmaticStreamSerializationAllowed = 1
+    driver = _FakeDriver()
+    monkeypatch.setattr(programmatic_launch, "_driver", lambda: driver)
+    args = (i32(1),)
+    programmatic_launch.launch(_FakeKernel, (2, 3, 4), (256, 1, 1), args, 0, 0)
+    programmatic_launch.launch(_FakeKernel, (2, 3, 4), (256, 1, 1), args, 0, 0, cluster=(1, 1, 4))
+    programmatic_launch.launch(_FakeKernel, (2, 3, 4), (256, 1, 1), args, 0, 0, programmatic=False, cluster=(1, 1, 4))
+    assert [attrs for *_, attrs in driver.launches] == [
+        [(6, (1, 0, 0))],
+        [(6, (1, 0, 0)), (4, (1, 1, 4))],
+        [(4, (1, 1, 4))],
+    ]
+    assert driver.launches[0][:2] == ((2, 3, 4), (256,))

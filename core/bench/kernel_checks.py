@@ -297,8 +297,9 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
 # (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split, bound).
 # bound: the max_seq_len passed (None: the longest context); a bound past every context is the CUDA-graph case,
 # whose block tables are as wide as the bound. Bounds up to COMBINED_MAX_SEQ_LEN (1024) without tokens/split run on
-# the combined path (one CTA of 8 warps a sequence), forced whatever the batch's CTA count (by default it needs 64),
-# the rest on the split path (one-warp CTAs, then the reduce).
+# the combined path (one CTA of 8 warps a sequence) and the clustered path (a cluster of such CTAs), forced whatever
+# the batch's CTA count (by default the combined path needs 64, the clustered one fewer), the rest on the split
+# path (one-warp CTAs, then the reduce).
 ATTENTION_CASES = (
     # split path: bounds past 1024, or an explicit tokens/split
     (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
@@ -347,13 +348,16 @@ def random_paged_kv(seq_lens, num_kv_heads: int, head_dim: int, block_size: int,
 
 
 def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
-    from kernels.paged_attention import combined_path, paged_decode_attention
+    """Each case on its paths, forced: the split path, or (bounds up to 1024 without tokens/split) the combined
+    path and, on SM90+, the clustered path."""
+    from kernels.paged_attention import _cluster_capable, combined_path, paged_decode_attention
 
+    one_split_paths = ("combined", "clustered") if _cluster_capable(device.index) else ("combined",)
     results = []
     for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split, bound in cases:
         bound = bound or max(lengths)
-        path = "combined" if combined_path(bound, per_split) else "split"
-        for pipelined in ((True, False) if head_dim <= 128 else (True,)):
+        paths = one_split_paths if combined_path(bound, per_split) else ("split",)
+        for path, pipelined in ((p, pipe) for p in paths for pipe in ((True, False) if head_dim <= 128 else (True,))):
             context = (f"ctx={list(lengths)}" if len(lengths) <= 8
                        else f"{len(lengths)} ctx {min(lengths)}..{max(lengths)}")
             case = (f"{path} {_DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
@@ -373,7 +377,8 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
                 out = _nan(query.shape, dtype, device)
                 paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, bound, scale, window,
                                        softcap, k_scales, v_scales, out=out, tokens_per_split=per_split,
-                                       pipelined=pipelined, combined=path == "combined")
+                                       pipelined=pipelined, combined=path == "combined",
+                                       clustered=path == "clustered")
                 ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale,
                                                        window, softcap, k_scales, v_scales, max(lengths))
                 return compare("paged_decode_attention", case, out, ref, REL_TOL[dtype])
