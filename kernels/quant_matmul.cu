@@ -225,14 +225,15 @@ __device__ __forceinline__ bool sum_warps(float (&acc)[TT][4], int warps) {
     for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
   __syncthreads();
   if (warp != 0) return false;
+  // warps outside, the 4 * TT sums inside: a warp's partials are read together; each sum adds the warps in order
 #pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
+  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+#pragma unroll 4
+  for (int w = 0; w < warps; ++w) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float sum = 0.0f;
-      for (int w = 0; w < warps; ++w) sum += partial[w][tt * 4 + e][lane];
-      acc[tt][e] = sum;
-    }
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[tt][e] += partial[w][tt * 4 + e][lane];
   }
   return true;
 }
@@ -261,16 +262,18 @@ __device__ __forceinline__ bool reduce_splits(float (&acc)[TT][4], float* __rest
   __syncthreads();
   if (!is_last) return false;
   __threadfence();
+  // splits outside, the thread's 4 * TT outputs inside: a split's loads go out together (one L2 round trip a split,
+  // not one per output); each output still sums the splits in order
 #pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
+  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.0f;
+  for (int s = 0; s < splits; ++s) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
-      float sum = 0.0f;
-      if (row < N && tok < M) {
-        for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((i64)s * M + tok) * N + row);
+    for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+        if (row < N && tok < M) acc[tt][e] += __ldcg(partials + ((i64)s * M + tok) * N + row);
       }
-      acc[tt][e] = sum;
     }
   }
   if (threadIdx.x == 0) counters[tile] = 0;
@@ -1043,14 +1046,31 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
   launch_dependents();
   TcSegment<SCALE_F32> a0, a1;
   tc_first_loads(a0, a1, rows, warp, warps, t, K, group_shift);
+  // warp 0's epilogue operands go out early, so their round trips overlap the product: the bias (a weight) before
+  // the PDL wait, the tokens' cos / sin and cache slots (this step's inputs) right after it
+  u16 bias_bits[2] = {0, 0}, cos_bits[2] = {0, 0}, sin_bits[2] = {0, 0};
+  i64 slot[2] = {-1, -1};
+  if (warp == 0 && bias != nullptr) {
+    bias_bits[0] = bias[row0];
+    bias_bits[1] = bias[row0 + half];
+  }
   wait_for_prior_grids();
+  if (warp == 0) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = tok0 + 2 * t + e;
+      if (tok >= M) continue;
+      cos_bits[e] = cos[(i64)tok * half + i];
+      sin_bits[e] = sin[(i64)tok * half + i];
+      slot[e] = slot_mapping[tok];
+    }
+  }
   float acc[1][4];
   tc_warp_sums<DT, 1, MODE>(a0, a1, rows, x, warp, warps, tok0 + g, t, M, K, group_shift, zero_mode, acc);
   if (!sum_warps<1, TcWarps<1>::MAX>(acc, warps)) return;
   const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
   const int kv_head = is_q ? 0 : head - num_heads - (is_k ? 0 : num_kv_heads);
-  const float b1 = bias != nullptr ? Num<DT>::to_float(bias[row0]) : 0.0f;
-  const float b2 = bias != nullptr ? Num<DT>::to_float(bias[row0 + half]) : 0.0f;
+  const float b1 = Num<DT>::to_float(bias_bits[0]), b2 = Num<DT>::to_float(bias_bits[1]);  // 0 without a bias
 #pragma unroll
   for (int e = 0; e < 2; ++e) {  // acc[0][e]: (row0, token 2t + e); acc[0][2 + e]: (row0 + D/2, token 2t + e)
     const int tok = tok0 + 2 * t + e;
@@ -1062,17 +1082,16 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
       out[(i64)tok * N + row0] = Num<DT>::from_float(x1);
       out[(i64)tok * N + row0 + half] = Num<DT>::from_float(x2);
     } else {
-      rotate_pair<DT>(x1, x2, Num<DT>::to_float(cos[(i64)tok * half + i]),
-                      Num<DT>::to_float(sin[(i64)tok * half + i]));
+      rotate_pair<DT>(x1, x2, Num<DT>::to_float(cos_bits[e]), Num<DT>::to_float(sin_bits[e]));
       u16* dst = is_q ? query_out + ((i64)tok * num_heads + head) * head_dim
                       : key_out + ((i64)tok * num_kv_heads + kv_head) * head_dim;
       dst[i] = Num<DT>::from_float(x1);
       dst[i + half] = Num<DT>::from_float(x2);
     }
-    const i64 slot = slot_mapping[tok];
-    if (is_q || slot < 0) continue;
+    if (is_q || slot[e] < 0) continue;
     const int block_size = 1 << log2_block_size;
-    const i64 slot_row = ((slot >> log2_block_size) * num_kv_heads + kv_head) * block_size + (slot & (block_size - 1));
+    const i64 slot_row =
+        ((slot[e] >> log2_block_size) * num_kv_heads + kv_head) * block_size + (slot[e] & (block_size - 1));
     u16* cache = (is_k ? key_cache : value_cache) + slot_row * head_dim;
     cache[i] = Num<DT>::from_float(x1);
     cache[i + half] = Num<DT>::from_float(x2);

@@ -14,15 +14,28 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(
     u16* __restrict__ residual_out,    // [T, hidden] (HAS_RESIDUAL)
     int hidden, float eps, float weight_offset) {
   launch_dependents();
+  // the weights of the thread's held vectors (below) are no kernel's output: loaded before the PDL wait
+  constexpr int HELD = 2;
+  const uint4* wv = reinterpret_cast<const uint4*>(weight);
+  const int vectors = hidden / 8;
+  uint4 held_weight[HELD];
+#pragma unroll
+  for (int k = 0; k < HELD; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < vectors) held_weight[k] = __ldg(wv + i);
+  }
   wait_for_prior_grids();
   const i64 row = blockIdx.x;
   const uint4* xv = reinterpret_cast<const uint4*>(x + row * hidden);
   const uint4* rv = reinterpret_cast<const uint4*>(residual + row * hidden);
   uint4* sv = reinterpret_cast<uint4*>(residual_out + row * hidden);
-  const int vectors = hidden / 8;
 
+  // The sum x + residual of a thread's first HELD vectors stays in registers for the second pass (re-reading the
+  // new residual from global memory would add an L2 round trip); vectors past them (hidden > 8 * HELD * threads,
+  // i.e. past 4096 at 256 threads) are re-read. A thread sums its squares in vector order either way.
+  uint4 held[HELD];
   float sum_sq = 0.0f;
-  for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+  auto sum_vector = [&](int i) {
     uint4 v = xv[i];
     if constexpr (HAS_RESIDUAL) {
       const uint4 r = rv[i];
@@ -39,25 +52,26 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(
       const float lo = pair_lo<DT>(a[j]), hi = pair_hi<DT>(a[j]);
       sum_sq = fmaf(lo, lo, fmaf(hi, hi, sum_sq));
     }
+    return v;
+  };
+#pragma unroll
+  for (int k = 0; k < HELD; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < vectors) held[k] = sum_vector(i);
   }
+  for (int i = threadIdx.x + HELD * blockDim.x; i < vectors; i += blockDim.x) sum_vector(i);
+
+  // one barrier: every warp sums the warps' partial sums with the same butterfly (the same value in every lane)
   __shared__ float warp_sums[32];
   sum_sq = warp_sum(sum_sq);
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum_sq;
   __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x + 31) / 32 ? warp_sums[threadIdx.x] : 0.0f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) warp_sums[0] = v;
-  }
-  __syncthreads();
-  const float inv_rms = rsqrtf(warp_sums[0] / (float)hidden + eps);
+  const float total = warp_sum((threadIdx.x & 31) < (blockDim.x + 31) / 32 ? warp_sums[threadIdx.x & 31] : 0.0f);
+  const float inv_rms = rsqrtf(total / (float)hidden + eps);
 
-  const uint4* src = HAS_RESIDUAL ? reinterpret_cast<const uint4*>(sv) : xv;  // re-read this thread's own writes
-  const uint4* wv = reinterpret_cast<const uint4*>(weight);
+  const uint4* src = HAS_RESIDUAL ? reinterpret_cast<const uint4*>(sv) : xv;  // past the held vectors: re-read
   uint4* ov = reinterpret_cast<uint4*>(out + row * hidden);
-  for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
-    uint4 v = src[i];
-    const uint4 w = __ldg(wv + i);
+  auto normalize_vector = [&](int i, uint4 v, uint4 w) {
     u32* a = reinterpret_cast<u32*>(&v);
     const u32* b = reinterpret_cast<const u32*>(&w);
 #pragma unroll
@@ -73,5 +87,11 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(
       a[j] = Num<DT>::pack(lo, hi);
     }
     ov[i] = v;
+  };
+#pragma unroll
+  for (int k = 0; k < HELD; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < vectors) normalize_vector(i, held[k], held_weight[k]);
   }
+  for (int i = threadIdx.x + HELD * blockDim.x; i < vectors; i += blockDim.x) normalize_vector(i, src[i], __ldg(wv + i));
 }
