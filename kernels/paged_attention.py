@@ -159,6 +159,16 @@ def takes_clustered_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_s
     return ctas < COMBINED_MIN_CTAS and ctas * CLUSTER_CTAS <= _device_limits(device_index)[0]
 
 
+def decode_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
+                tokens_per_split: int | None = None, combined: bool | None = None,
+                clustered: bool | None = None) -> str:
+    """The path paged_decode_attention takes: "clustered", "combined" or "split"."""
+    shape = (num_seqs, num_heads, num_kv_heads, max_seq_len)
+    if takes_clustered_path(*shape, device_index, tokens_per_split, combined, clustered):
+        return "clustered"
+    return "combined" if takes_combined_path(*shape, tokens_per_split, combined) else "split"
+
+
 def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
                tokens_per_split: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split): pieces of ~TARGET_TOKENS_PER_SPLIT tokens, their count rounded to
@@ -233,10 +243,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    clustered = takes_clustered_path(num_seqs, num_heads, num_kv_heads, max_seq_len, index, tokens_per_split,
-                                     combined, clustered)
-    combined = not clustered and takes_combined_path(num_seqs, num_heads, num_kv_heads, max_seq_len,
-                                                     tokens_per_split, combined)
+    path = decode_path(num_seqs, num_heads, num_kv_heads, max_seq_len, index, tokens_per_split, combined, clustered)
+    clustered, combined = path == "clustered", path == "combined"
     warps = COMBINED_WARPS if combined or clustered else 1
     cluster = CLUSTER_CTAS if clustered else 1
     fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps, cluster), index)

@@ -122,8 +122,8 @@ def test_bench_times_split_at_one_two_and_four_tokens():
 
 
 def test_bench_gemv_attention_rows_name_their_path():
-    """The attention table says which path a row timed: the combined kernel (one split, no reduce) or the split
-    path with its split count; rows recorded before the path was stored show their split count."""
+    """The attention table says which path a row timed: the combined or clustered kernel (one split, no reduce) or
+    the split path with its split count; rows recorded before the path was stored show their split count."""
     from rich.console import Console
 
     from core.bench.gemv_bench import gemv_tables
@@ -134,10 +134,10 @@ def test_bench_gemv_attention_rows_name_their_path():
     targets = {"w4_batch1_bandwidth": [], "w4_batch16_cost": [], "decode_attention_bandwidth": []}
     payload = {"copy_bandwidth": {"gbps_mean": 4252.0, "gbps_std": 8.0}, "quant_matmul": [], "targets": targets,
                "paged_attention": [row | {"path": "combined"}, row | {"batch": 1, "path": "split", "splits": 32},
-                                   row | {"batch": 2, "splits": 16}]}
+                                   row | {"batch": 2, "splits": 16}, row | {"batch": 4, "path": "clustered"}]}
     console = Console(record=True, width=200)
     for table in gemv_tables(payload):
         console.print(table)
     lines = [line for line in console.export_text().splitlines() if "16/2x128" in line]
-    assert len(lines) == 3
-    assert "combined" in lines[0] and "split 32" in lines[1] and "split 16" in lines[2]
+    assert len(lines) == 4
+    assert "combined" in lines[0] and "split 32" in lines[1] and "split 16" in lines[2] and "clustered" in lines[3]

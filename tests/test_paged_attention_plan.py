@@ -109,6 +109,8 @@ def test_the_clustered_path_serves_few_sequences_whose_clusters_fit_the_sms(monk
     assert not kp.takes_clustered_path(1, 16, 2, 1024, 0, combined=False)
     assert not kp.takes_clustered_path(1, 16, 2, 1024, 0, clustered=False)
     assert kp.takes_clustered_path(64, 16, 2, 300, 0, clustered=True)  # forced
+    assert [kp.decode_path(n, 16, 2, bound, 0) for n, bound in ((1, 1024), (32, 1024), (1, 2048))] == [
+        "clustered", "combined", "split"]
     with pytest.raises(ValueError, match="clustered path serves bounds up to 1024"):
         kp.takes_clustered_path(1, 16, 2, 2048, 0, clustered=True)
     monkeypatch.setattr(kp, "_cluster_capable", lambda index: False)

@@ -190,12 +190,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
                           torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None) -> list[dict]:
-    from kernels.paged_attention import (
-        PIPELINED_BY_DEFAULT,
-        paged_decode_attention,
-        plan_for,
-        takes_combined_path,
-    )
+    from kernels.paged_attention import PIPELINED_BY_DEFAULT, decode_path, paged_decode_attention, plan_for
 
     pipelined = PIPELINED_BY_DEFAULT if pipelined is None else pipelined
 
@@ -227,7 +222,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                 "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",
                 "pipelined": pipelined, "default_variant": pipelined == PIPELINED_BY_DEFAULT,
-                "path": "combined" if takes_combined_path(num_seqs, heads, kv_heads, context) else "split",
+                "path": decode_path(num_seqs, heads, kv_heads, context, device.index),
                 "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
                 "bytes": moved, "gbps": moved / (mean_us * 1e-6) / 1e9,
                 "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -339,9 +334,10 @@ def _ksplit_label(record: dict) -> str:
 
 
 def _attention_path_label(record: dict) -> str:
-    """'combined' (one CTA of warps a sequence and KV head, no reduce) or the split path's split count; records
-    written before the path was recorded show their split count."""
-    return "combined" if record.get("path") == "combined" else f"split {record['splits']}"
+    """'combined' (one CTA of warps a sequence and KV head, no reduce), 'clustered' (a cluster of such CTAs) or the
+    split path's split count; records written before the path was recorded show their split count."""
+    path = record.get("path")
+    return path if path in ("combined", "clustered") else f"split {record['splits']}"
 
 
 def gemv_tables(payload: dict) -> list:
