@@ -1,6 +1,6 @@
 """Launcher of the paged decode attention kernels in paged_attention.cu.
 
-One CTA per (kv head, 16-query-head tile, sequence, context split), on one of two paths:
+One CTA per (kv head, 16-query-head tile, sequence, context split), on one of three paths:
 
 - combined (max_seq_len <= COMBINED_MAX_SEQ_LEN, no explicit `tokens_per_split`, and by default at least
   COMBINED_MIN_CTAS CTAs; `combined=` forces either path): one split, a CTA of COMBINED_WARPS warps that take
@@ -9,15 +9,15 @@ One CTA per (kv head, 16-query-head tile, sequence, context split), on one of tw
   work follows the real context, so a CUDA graph captured at a 1024-token bound runs a 300-token context at
   the cost of 300 tokens. With few sequences its warps walk their tiles one after another on a few SMs, which
   measured slower than the split path (one decoding stream of a 3B model has 2 CTAs a layer).
-- clustered (the combined path's bounds with fewer than COMBINED_MIN_CTAS CTAs, on SM90+): the combined path's
-  kernel with each (KV head tile, sequence) spread over a thread-block cluster of CLUSTER_CTAS CTAs, whose warps
-  take the tiles round robin and combine their states through distributed shared memory. One kernel, like the
-  combined path, with the split path's spread over SMs for few sequences (a decoding stream of a 3B model: 8 CTAs
-  a layer instead of 2).
-- split (longer bounds, an explicit `tokens_per_split`, or few CTAs without clusters): one warp a CTA, the context cut into splits
-  of at least MIN_TOKENS_PER_SPLIT tokens whose count fills whole waves of the CTAs the GPU holds at once
-  (a partial last wave would leave SMs idle at the end); with more than one split, paged_reduce_kernel
-  combines the splits' partial outputs. Long contexts need the CTAs across the context to keep the GPU
+- clustered (the combined path's bounds with fewer than COMBINED_MIN_CTAS CTAs whose clusters all fit the SMs at
+  once, on SM90+; `clustered=` forces or forbids it): the combined path's kernel with each (KV head tile,
+  sequence) spread over a thread-block cluster of CLUSTER_CTAS CTAs, whose warps take the tiles round robin and
+  combine their states through distributed shared memory. One kernel, like the combined path, with the split
+  path's spread over SMs for few sequences (a decoding stream of a 3B model: 8 CTAs a layer instead of 2).
+- split (longer bounds, an explicit `tokens_per_split`, or few CTAs without clusters): one warp a CTA, the
+  context cut into splits of at least MIN_TOKENS_PER_SPLIT tokens whose count fills whole waves of the CTAs
+  the GPU holds at once (a partial last wave would leave SMs idle at the end); with more than one split,
+  paged_reduce_kernel combines the splits' partial outputs. Long contexts need the CTAs across the context to keep the GPU
   busy. The split count, hence the grid, depends only on max_seq_len, and splits past a sequence's end
   write an empty partial.
 
@@ -150,8 +150,8 @@ def takes_clustered_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_s
     eligible = combined_path(max_seq_len, tokens_per_split)
     if clustered:
         if not eligible or combined or not _cluster_capable(device_index):
-            raise ValueError("the clustered path serves bounds up to "
-                             f"{COMBINED_MAX_SEQ_LEN} without tokens_per_split or combined=True, on SM90+")
+            raise ValueError(f"the clustered path serves bounds up to {COMBINED_MAX_SEQ_LEN} without tokens_per_split, "
+                             "on SM90+, and not with combined=True")
         return True
     if clustered is False or combined is not None or not eligible or not _cluster_capable(device_index):
         return False

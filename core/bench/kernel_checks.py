@@ -167,6 +167,18 @@ TCS_CASES = (
 TC_KERNEL_CASES = {"tc": TC_CASES, "tcs": TCS_CASES}
 
 
+def tc_case_weight(out_features: int, in_features: int, group_size: int, zeros_kind: str, f32_scales: bool,
+                   bias_dtype: torch.dtype | None, device):
+    """A random W4 PackedWeight with the zero points a tc case names ("int", "frac" or "min"; see TC_CASES)."""
+    zero_mode = "min" if zeros_kind == "min" else "zero"
+    packed = random_packed(out_features, in_features, group_size, 4, zero_mode,
+                           torch.float32 if f32_scales else torch.float16, device, bias_dtype=bias_dtype)
+    if zeros_kind == "frac":
+        packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
+    assert packed.integer_zeros == (zeros_kind == "int"), "the case's zero points are not what it says"
+    return packed
+
+
 def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str = "tc",
                    cases=TC_CASES) -> list[CheckResult]:
     """The tc or tcs kernel on its cases against the fp32 reference product, in both activation dtypes."""
@@ -180,12 +192,8 @@ def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str =
 
             def run(m=m, n=n, k=k, g=g, tile=tile, zeros_kind=zeros_kind, f32_scales=f32_scales,
                     with_bias=with_bias, dtype=dtype, case=case, kernel=kernel):
-                zero_mode = "min" if zeros_kind == "min" else "zero"
-                packed = random_packed(n, k, g, 4, zero_mode, torch.float32 if f32_scales else torch.float16,
-                                       device, bias_dtype=dtype if with_bias else None)
-                if zeros_kind == "frac":
-                    packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
-                assert packed.integer_zeros == (zeros_kind == "int"), "the case's zero points are not what it says"
+                packed = tc_case_weight(n, k, g, zeros_kind, f32_scales, dtype if with_bias else None, device)
+                zero_mode = packed.zero_mode
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = _nan((m, n), dtype, device)
                 quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, g, zero_mode, packed.bias,
@@ -538,11 +546,8 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
             def run(m=m, heads=heads, kv_heads=kv_heads, head_dim=head_dim, k=k, g=g, zeros_kind=zeros_kind,
                     with_bias=with_bias, dtype=dtype, case=case):
                 n = (heads + 2 * kv_heads) * head_dim
-                zero_mode = "min" if zeros_kind == "min" else "zero"
-                packed = random_packed(n, k, g, 4, zero_mode, torch.float16, device,
-                                       bias_dtype=dtype if with_bias else None)
-                if zeros_kind == "frac":
-                    packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
+                packed = tc_case_weight(n, k, g, zeros_kind, False, dtype if with_bias else None, device)
+                zero_mode = packed.zero_mode
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 cos, sin = _rope_tables(m, head_dim, dtype, device)
                 shape = (num_blocks, kv_heads, block_size, head_dim)
@@ -614,11 +619,9 @@ def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16
 
             def run(m=m, inner=inner, k=k, g=g, zeros_kind=zeros_kind, f32_scales=f32_scales, with_bias=with_bias,
                     activation=activation, dtype=dtype, case=case):
-                zero_mode = "min" if zeros_kind == "min" else "zero"
-                packed = random_packed(2 * inner, k, g, 4, zero_mode, torch.float32 if f32_scales else torch.float16,
-                                       device, bias_dtype=dtype if with_bias else None)
-                if zeros_kind == "frac":
-                    packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(packed.zeros.dtype))
+                packed = tc_case_weight(2 * inner, k, g, zeros_kind, f32_scales, dtype if with_bias else None,
+                                        device)
+                zero_mode = packed.zero_mode
                 reason = gate_up_act_unsupported_reason(packed.qweight, 4, g, k, activation)
                 assert reason is None and gate_up_act_takes(m, k, 2 * inner), f"not a case the engine sends here: {reason}"
                 x = torch.randn(m, k, device=device, dtype=dtype)
