@@ -67,6 +67,14 @@ def _programmatic(device_index: int) -> bool:
     return programmatic_launch.enabled(device_arch(device_index))
 
 
+@cache
+def clusters_available(device_index: int) -> bool:
+    """Whether the device launches thread-block clusters (compute capability 9.0+)."""
+    from kernels.compiler import device_arch
+
+    return int(device_arch(device_index)) >= 90
+
+
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int,
            shared_mem: int = 0, cluster: tuple[int, int, int] | None = None) -> None:
     """Launch on torch's current stream of `device_index`, as a programmatic dependent launch where the GPU

@@ -332,47 +332,6 @@ __device__ __forceinline__ void combine_warps(float (&o)[D / 32][4][4], float (&
   }
 }
 
-// Thread-block clusters (SM90+): a CTA reads another CTA's shared memory of its cluster (distributed shared memory)
-// through the address `mapa` gives for that rank; the barrier's release / acquire order those accesses.
-// RELEASE: the CTA's shared-memory writes before the barrier are visible to the cluster's reads after it (a
-// fence); without it the barrier only waits for every rank to arrive (the reads before it are complete).
-template <bool RELEASE>
-__device__ __forceinline__ void cluster_barrier() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (RELEASE) {
-    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-  } else {
-    asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
-  }
-#endif
-}
-
-__device__ __forceinline__ u32 cluster_address(const void* shared, int rank) {
-  u32 remote = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const u32 local = (u32)__cvta_generic_to_shared(shared);
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-#endif
-  return remote;
-}
-
-__device__ __forceinline__ float4 cluster_load4(u32 address) {
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address) : "memory");
-#endif
-  return v;
-}
-
-__device__ __forceinline__ float cluster_load(u32 address) {
-  float v = 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
-#endif
-  return v;
-}
-
 // The clustered path's last step, after combine_warps: the CLUSTER CTAs of a (KV head tile, sequence) walked
 // interleaved tiles of its context, and each one's last warp (`holder`) holds the CTA's state. Each publishes it
 // in its shared memory; after a cluster barrier every holder reads the states of all ranks through distributed

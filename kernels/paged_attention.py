@@ -32,7 +32,7 @@ from functools import cache
 import torch
 
 from kernels.compiler import get_kernel
-from kernels.launch import f32, i32, launch, ptr
+from kernels.launch import clusters_available, f32, i32, launch, ptr
 
 SOURCE = "paged_attention.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
@@ -132,14 +132,6 @@ def takes_combined_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_se
     return combined
 
 
-@cache
-def _cluster_capable(device_index: int) -> bool:
-    """Whether the device launches thread-block clusters (compute capability 9.0+)."""
-    from kernels.compiler import device_arch
-
-    return int(device_arch(device_index)) >= 90
-
-
 def takes_clustered_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
                          tokens_per_split: int | None = None, combined: bool | None = None,
                          clustered: bool | None = None) -> bool:
@@ -149,11 +141,11 @@ def takes_clustered_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_s
     elsewhere or without clusters)."""
     eligible = combined_path(max_seq_len, tokens_per_split)
     if clustered:
-        if not eligible or combined or not _cluster_capable(device_index):
+        if not eligible or combined or not clusters_available(device_index):
             raise ValueError(f"the clustered path serves bounds up to {COMBINED_MAX_SEQ_LEN} without tokens_per_split, "
                              "on SM90+, and not with combined=True")
         return True
-    if clustered is False or combined is not None or not eligible or not _cluster_capable(device_index):
+    if clustered is False or combined is not None or not eligible or not clusters_available(device_index):
         return False
     ctas = ctas_per_split(num_seqs, num_heads, num_kv_heads)
     return ctas < COMBINED_MIN_CTAS and ctas * CLUSTER_CTAS <= _device_limits(device_index)[0]

@@ -288,6 +288,39 @@ __device__ __forceinline__ void reduce_splits_and_store(float (&acc)[TT][4], con
   if (reduce_splits<TT>(acc, partials, counters, row0, tok0, t, M, N)) store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
 }
 
+// Split-K over a thread-block cluster (SM90+): the gridDim.z splits of an output tile are one cluster (dims (1, 1,
+// splits)), so instead of fp32 partials in global memory, a fence and a counter, each split's CTA leaves its sums in
+// its shared memory (`exchange`, [8 warps][TT * 4][32] floats: the staging buffer, free once every warp of the CTA
+// has passed the barrier below) and the CTA of split 0 adds them in split order through distributed shared memory,
+// 0 + split 0 + split 1 + ..., as reduce_splits does, so the sums are the same bits. True in that CTA.
+template <int TT>
+__device__ __forceinline__ bool reduce_cluster_splits(float (&acc)[TT][4], float* __restrict__ exchange) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, split = blockIdx.z;
+  float(*mine)[TT * 4][32] = reinterpret_cast<float(*)[TT * 4][32]>(exchange);
+  __syncthreads();  // every warp of this CTA is done reading the staging buffer
+  if (split != 0) {
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[warp][tt * 4 + e][lane] = acc[tt][e];
+  }
+  cluster_barrier<true>();
+  if (split == 0) {
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[tt][e] = 0.0f + acc[tt][e];
+    for (int s = 1; s < gridDim.z; ++s) {
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[tt][e] += cluster_load(cluster_address(&mine[warp][tt * 4 + e][lane], s));
+    }
+  }
+  cluster_barrier<false>();  // the other splits' shared memory stays until split 0 has read it
+  return split == 0;
+}
+
 // CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` segments; the 4 warps
 // read the same activations (L1 hits after the first). With gridDim.z > 1 splits, each CTA writes
 // fp32 partials and the last CTA of an output tile (a counter per tile) sums them in split order,
@@ -1171,8 +1204,9 @@ __global__ void __launch_bounds__(256) quant_tcs_kernel(
 // 64 bx + 16 w .. + 15 and warps 4-7 the up rows I further, so once the CTA's K splits are summed (tcs's split-K
 // epilogue) warp w + 4 hands its sums to warp w through shared memory: the same fragment positions, i.e. the same
 // (row, token) pairs. Each sum becomes the product's output as the unfused path stores it (bias added, rounded to
-// DT), then act_and_mul_kernel's arithmetic: act in fp32 rounded to DT, times up, rounded.
-template <int DT, int TT, int MODE, int SCALE_F32, int ACT>
+// DT), then act_and_mul_kernel's arithmetic: act in fp32 rounded to DT, times up, rounded. CLUSTER_SPLITS (SM90+):
+// the K splits of a tile are a thread-block cluster and meet in distributed shared memory (reduce_cluster_splits).
+template <int DT, int TT, int MODE, int SCALE_F32, int ACT, int CLUSTER_SPLITS = 0>
 __global__ void __launch_bounds__(256) quant_tcs_act_kernel(
     const u16* __restrict__ x,          // [M, K]
     const u32* __restrict__ qweight,    // [2I, K/8], I % 16 == 0, K % 128 == 0
@@ -1180,8 +1214,8 @@ __global__ void __launch_bounds__(256) quant_tcs_act_kernel(
     const void* __restrict__ zeros,     // [2I, K/G]
     const u16* __restrict__ bias,       // [2I] or null
     u16* __restrict__ out,              // [M, I]
-    float* __restrict__ partials,       // [splits, M, 2I] when gridDim.z > 1
-    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
+    float* __restrict__ partials,       // [splits, M, 2I] when gridDim.z > 1 (not with CLUSTER_SPLITS)
+    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after (not with CLUSTER_SPLITS)
     int M, int inner, int K, int group_shift, int zero_mode, int segs_per_split) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -1199,7 +1233,13 @@ __global__ void __launch_bounds__(256) quant_tcs_act_kernel(
   launch_dependents();
   float acc[TT][4];
   tcs_sums<DT, TT, MODE>(xs, rows, rows_exist, x, seg_begin, seg_end, tok0, M, K, group_shift, zero_mode, acc);
-  if (!reduce_splits<TT>(acc, partials, counters, row0, tok0, t, M, N)) return;
+  bool summed;  // this CTA holds the tile's sums (the last split to finish, or split 0 of a cluster)
+  if constexpr (CLUSTER_SPLITS) {
+    summed = reduce_cluster_splits<TT>(acc, reinterpret_cast<float*>(&xs[0][0]));
+  } else {
+    summed = reduce_splits<TT>(acc, partials, counters, row0, tok0, t, M, N);
+  }
+  if (!summed) return;
   // up's outputs go through xs, which no warp reads any more once all have passed the barrier
   float (*up)[TT * 4][32] = reinterpret_cast<float (*)[TT * 4][32]>(&xs[0][0]);
   __syncthreads();

@@ -30,7 +30,7 @@ import torch
 
 from kernels.act_and_mul import ACTIVATIONS
 from kernels.compiler import get_kernel
-from kernels.launch import i32, launch, ptr
+from kernels.launch import clusters_available, i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
@@ -466,12 +466,17 @@ def gate_up_act_takes(num_tokens: int, in_features: int, out_features: int) -> b
     return num_tokens > 0 and pick_kernel(num_tokens, in_features, out_features) == "tcs"
 
 
+MAX_CLUSTER_SPLITS = 8  # the portable thread-block cluster size
+
+
 def quant_matmul_act_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                              bias: torch.Tensor | None, group_size: int, zero_mode: str, integer_zeros: bool,
-                             activation: str) -> torch.Tensor:
+                             activation: str, cluster_splits: bool | None = None) -> torch.Tensor:
     """The merged [gate | up] product x [M, K] @ W.T (+ bias), W [2I, K], with the gated activation in its epilogue
     (quant_tcs_act_kernel; for weights gate_up_act_unsupported_reason accepts, at token counts gate_up_act_takes):
-    act(gate) * up [M, I], what quant_matmul followed by act_and_mul.act_and_mul gives, bit for bit."""
+    act(gate) * up [M, I], what quant_matmul followed by act_and_mul.act_and_mul gives, bit for bit.
+    cluster_splits: with K splits, a tile's splits meet in a thread-block cluster's shared memory instead of fp32
+    partials in global memory (None: where the device has clusters and there are at most MAX_CLUSTER_SPLITS)."""
     num_tokens, in_features = x.shape
     inner = qweight.shape[0] // 2
     x, bias = _activation_operands(x, bias)
@@ -483,17 +488,22 @@ def quant_matmul_act_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     tile = default_tile("tcs", num_tokens)
     mode = tc_mode(zero_mode, integer_zeros, group_size)
     scale_f32 = int(scales.dtype == torch.float32)
-    fn = get_kernel(SOURCE, f"quant_tcs_act_kernel<{_DTYPE_CODES[x.dtype]},{tile},{mode},{scale_f32},"
-                            f"{ACTIVATIONS[activation]}>", index)
     # a CTA's 128 rows are 64 of gate and the 64 matching rows of up
     grid, block, splits, per_split = _tcs_grid_splits(index, tile, num_tokens, -(-inner // (STAGED_ROWS_PER_CTA // 2)),
                                                       in_features, None)
+    if cluster_splits is None:
+        cluster_splits = 1 < splits <= MAX_CLUSTER_SPLITS and clusters_available(index)
+    elif cluster_splits and not (1 < splits <= MAX_CLUSTER_SPLITS and clusters_available(index)):
+        raise ValueError(f"cluster_splits needs 2-{MAX_CLUSTER_SPLITS} K splits (this product has {splits}) on SM90+")
+    name = f"quant_tcs_act_kernel<{_DTYPE_CODES[x.dtype]},{tile},{mode},{scale_f32},{ACTIVATIONS[activation]}"
+    fn = get_kernel(SOURCE, name + (",1>" if cluster_splits else ">"), index)
     partials = counters = None
-    if splits > 1:
+    if splits > 1 and not cluster_splits:
         partials = _split_workspace(device, splits * num_tokens * 2 * inner)
         counters = _split_counters(device)
     launch(fn, grid, block, (
         ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), ptr(partials), ptr(counters),
         i32(num_tokens), i32(inner), i32(in_features), i32(tc_group_shift(in_features, group_size)),
-        i32(0 if zero_mode == "zero" else 1), i32(per_split)), index)
+        i32(0 if zero_mode == "zero" else 1), i32(per_split)), index,
+        cluster=(1, 1, splits) if cluster_splits else None)
     return out

@@ -50,10 +50,12 @@ _OPS = (
              _names("quant_tc_rope_kernel<{dt},{mode},{f32}>", dt=_DT, mode=(0, 1), f32=(0, 1))),
     KernelOp("quant_matmul_act_and_mul", quant_matmul.SOURCE,
              "the merged gate/up W4 product (tcs, up to 32 tokens) with SiLU / GeLU-tanh gate times up fused into "
-             "its epilogue",
+             "its epilogue; K splits meet in a thread-block cluster on SM90+",
              quant_matmul.quant_matmul_act_and_mul, quant_matmul.gate_up_act_unsupported_reason,
              _names("quant_tcs_act_kernel<{dt},{tile},{mode},{f32},{act}>", dt=_DT, tile=(1, 2, 4), mode=(0, 1),
-                    f32=(0, 1), act=(0, 1))),
+                    f32=(0, 1), act=(0, 1))
+             + _names("quant_tcs_act_kernel<{dt},{tile},{mode},{f32},{act},1>", dt=_DT, tile=(1, 2, 4), mode=(0, 1),
+                      f32=(0, 1), act=(0, 1))),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
              dequantize.dequantize, dequantize.unsupported_reason,

@@ -300,7 +300,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for kernel in kq.KERNELS:
         kq.quant_matmul(torch.randn(3, 512, dtype=half), packed.qweight, packed.scales, packed.zeros, 4, 128, "zero",
                         kernel=kernel)
-    monkeypatch.setattr(kp, "_cluster_capable", lambda index: True)
+    monkeypatch.setattr(kp, "clusters_available", lambda index: True)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
     for combined, clustered in ((False, None), (True, None), (None, True)):  # split (decode + reduce), combined, clustered
         kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache,
@@ -319,8 +319,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                                qkv.integer_zeros, 8, 2, 64, torch.randn(3, 32, dtype=half),
                                torch.randn(3, 32, dtype=half), cache, cache, torch.tensor([0, 5, 9]))
     gate_up = quantize_rtn(torch.randn(2 * 768, 512), bits=4, group_size=128)  # [gate | up], I = 768
-    kq.quant_matmul_act_and_mul(torch.randn(3, 512, dtype=half), gate_up.qweight, gate_up.scales, gate_up.zeros, None,
-                                128, "zero", gate_up.integer_zeros, "silu")
+    monkeypatch.setattr(kq, "clusters_available", lambda index: True)
+    for cluster_splits in (False, True):  # two K splits: through global memory, or a cluster
+        kq.quant_matmul_act_and_mul(torch.randn(3, 512, dtype=half), gate_up.qweight, gate_up.scales, gate_up.zeros,
+                                    None, 128, "zero", gate_up.integer_zeros, "silu", cluster_splits=cluster_splits)
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel",
@@ -372,6 +374,41 @@ def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
     assert "tcs kernel" in kq.gate_up_act_unsupported_reason(smollm, 4, 64, 576, "silu")
     # a narrow merged MLP (2I < 3K) goes to tc, not tcs: the separate ops serve it
     assert kq.pick_kernel(1, 4096, 4096) == "tc" and not kq.gate_up_act_takes(1, 4096, 4096)
+
+
+@pytest.mark.parametrize("clusters", [True, False])
+def test_gate_up_products_k_splits_meet_in_a_cluster_where_the_device_has_clusters(monkeypatch, clusters):
+    """At 1-8 tokens the fused gate/up product splits K in two (few row tiles); on SM90+ the two splits of a tile are
+    one thread-block cluster (no partials, no counters), elsewhere they meet through fp32 partials in global
+    memory. From 9 tokens there is one split and no cluster."""
+    from kernels import quant_matmul as kq
+
+    launches = []
+    monkeypatch.setattr(kq, "get_kernel", lambda source, name, index: name)
+    monkeypatch.setattr(kq, "launch", lambda kernel, grid, block, args, index, shared_mem=0, cluster=None:
+                        launches.append((kernel, grid, args, cluster)))
+    monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kq, "clusters_available", lambda index: clusters)
+    monkeypatch.setattr(kq, "_counters", {None: torch.zeros(8, dtype=torch.int32)})
+    monkeypatch.setattr(kq, "_workspaces", {})
+    gate_up = quantize_rtn(torch.randn(2 * 11008, 512), bits=4, group_size=128)  # Qwen2.5-3B's inner size
+    for tokens in (1, 12):
+        kq.quant_matmul_act_and_mul(torch.randn(tokens, 512, dtype=torch.float16), gate_up.qweight, gate_up.scales,
+                                    gate_up.zeros, None, 128, "zero", gate_up.integer_zeros, "silu")
+    (one_name, one_grid, one_args, one_cluster), (twelve_name, twelve_grid, twelve_args, twelve_cluster) = launches
+    assert one_grid == (172, 1, 2) and twelve_grid == (172, 1, 1)  # 11008 / 64 row tiles; two K splits at one token
+    partials, counters = int(one_args[6]), int(one_args[7])
+    if clusters:
+        assert one_name == "quant_tcs_act_kernel<0,1,0,0,0,1>" and one_cluster == (1, 1, 2)
+        assert partials == counters == 0
+    else:
+        assert one_name == "quant_tcs_act_kernel<0,1,0,0,0>" and one_cluster is None
+        assert partials != 0 and counters != 0
+    assert twelve_name == "quant_tcs_act_kernel<0,2,0,0,0>" and twelve_cluster is None and int(twelve_args[6]) == 0
+    with pytest.raises(ValueError, match="cluster_splits needs 2-8 K splits"):
+        kq.quant_matmul_act_and_mul(torch.randn(12, 512, dtype=torch.float16), gate_up.qweight, gate_up.scales,
+                                    gate_up.zeros, None, 128, "zero", gate_up.integer_zeros, "silu",
+                                    cluster_splits=True)
 
 
 def test_gate_up_act_and_mul_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):

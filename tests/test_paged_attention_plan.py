@@ -33,7 +33,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(kp, "launch", launch)
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
-    monkeypatch.setattr(kp, "_cluster_capable", lambda index: False)
+    monkeypatch.setattr(kp, "clusters_available", lambda index: False)
     return recorded
 
 
@@ -80,7 +80,7 @@ def test_few_sequences_take_the_split_path_by_default_without_clusters(launches)
 
 
 def test_few_sequences_take_the_clustered_path_on_sm90(launches, monkeypatch):
-    monkeypatch.setattr(kp, "_cluster_capable", lambda index: True)
+    monkeypatch.setattr(kp, "clusters_available", lambda index: True)
     for bound in (17, 300, 1024):
         launches.clear()
         launches.clusters.clear()
@@ -97,7 +97,7 @@ def test_few_sequences_take_the_clustered_path_on_sm90(launches, monkeypatch):
 
 def test_the_clustered_path_serves_few_sequences_whose_clusters_fit_the_sms(monkeypatch):
     monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
-    monkeypatch.setattr(kp, "_cluster_capable", lambda index: True)
+    monkeypatch.setattr(kp, "clusters_available", lambda index: True)
     assert kp.CLUSTER_CTAS == 4
     # Qwen2.5-3B's 16 / 2 heads: a stream is 2 CTAs a split, 8 clustered
     assert kp.takes_clustered_path(1, 16, 2, 1024, 0) and kp.takes_clustered_path(16, 16, 2, 300, 0)  # 128 CTAs
@@ -113,7 +113,7 @@ def test_the_clustered_path_serves_few_sequences_whose_clusters_fit_the_sms(monk
         "clustered", "combined", "split"]
     with pytest.raises(ValueError, match="clustered path serves bounds up to 1024"):
         kp.takes_clustered_path(1, 16, 2, 2048, 0, clustered=True)
-    monkeypatch.setattr(kp, "_cluster_capable", lambda index: False)
+    monkeypatch.setattr(kp, "clusters_available", lambda index: False)
     assert not kp.takes_clustered_path(1, 16, 2, 1024, 0)
     with pytest.raises(ValueError, match="on SM90"):
         kp.takes_clustered_path(1, 16, 2, 1024, 0, clustered=True)

@@ -358,9 +358,10 @@ def random_paged_kv(seq_lens, num_kv_heads: int, head_dim: int, block_size: int,
 def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
     """Each case on its paths, forced: the split path, or (bounds up to 1024 without tokens/split) the combined
     path and, on SM90+, the clustered path."""
-    from kernels.paged_attention import _cluster_capable, combined_path, paged_decode_attention
+    from kernels.launch import clusters_available
+    from kernels.paged_attention import combined_path, paged_decode_attention
 
-    one_split_paths = ("combined", "clustered") if _cluster_capable(device.index) else ("combined",)
+    one_split_paths = ("combined", "clustered") if clusters_available(device.index) else ("combined",)
     results = []
     for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split, bound in cases:
         bound = bound or max(lengths)
@@ -629,9 +630,14 @@ def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16
                 out = quant_matmul_act_and_mul(x, *args, packed.bias, g, zero_mode, packed.integer_zeros, activation)
                 gate_up = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, integer_zeros=packed.integer_zeros)
                 want = act_and_mul(gate_up[:, :inner], gate_up[:, inner:], activation)
-                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
-                checks = [CheckResult("quant_matmul_act_and_mul", f"{case} == unfused", same,
-                                      detail="" if same else "differs from the unfused kernels' bits")]
+                # the default (K splits in a cluster where the device has them) and splits through global memory
+                global_splits = quant_matmul_act_and_mul(x, *args, packed.bias, g, zero_mode, packed.integer_zeros,
+                                                         activation, cluster_splits=False)
+                checks = []
+                for name, got in (("", out), (" global split-K", global_splits)):
+                    same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    checks.append(CheckResult("quant_matmul_act_and_mul", f"{case}{name} == unfused", same,
+                                              detail="" if same else "differs from the unfused kernels' bits"))
                 full = x.float() @ dequantize(packed, torch.float32).T
                 if packed.bias is not None:
                     full = full + packed.bias.float()
