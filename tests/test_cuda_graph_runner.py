@@ -348,8 +348,8 @@ def test_fused_epilogues_replay_and_overlap_like_the_serialized_eager_steps(wide
     """A W4 model whose merged q/k/v product carries RoPE and the cache write in its epilogue and whose merged
     gate/up product carries the activation: graph replays compute what the padded eager steps compute, and with
     programmatic dependent launch off the same again (the decode kernel reads older cache rows before the step's
-    cache write has finished, and the gate/up product's split-K counters live across replays; a race would show
-    here)."""
+    cache write has finished, and the gate/up product's K splits meet across CTAs, through a cluster on SM90+; a
+    race would show here)."""
     pytest.importorskip("cupy")
     from core.ops import dispatch
 
