@@ -31,6 +31,9 @@ def _names(template: str, **axes: tuple) -> tuple[str, ...]:
 
 
 _DT = (0, 1)  # float16, bfloat16
+# paged_decode_kernel's trailing template arguments on the split, combined and clustered paths
+_ATTENTION_PATHS = ("", f",{paged_attention.COMBINED_WARPS}",
+                    f",{paged_attention.COMBINED_WARPS},{paged_attention.CLUSTER_CTAS}")
 
 
 _OPS = (
@@ -52,10 +55,8 @@ _OPS = (
              "the merged gate/up W4 product (tcs, up to 32 tokens) with SiLU / GeLU-tanh gate times up fused into "
              "its epilogue; K splits meet in a thread-block cluster on SM90+",
              quant_matmul.quant_matmul_act_and_mul, quant_matmul.gate_up_act_unsupported_reason,
-             _names("quant_tcs_act_kernel<{dt},{tile},{mode},{f32},{act}>", dt=_DT, tile=(1, 2, 4), mode=(0, 1),
-                    f32=(0, 1), act=(0, 1))
-             + _names("quant_tcs_act_kernel<{dt},{tile},{mode},{f32},{act},1>", dt=_DT, tile=(1, 2, 4), mode=(0, 1),
-                      f32=(0, 1), act=(0, 1))),
+             _names("quant_tcs_act_kernel<{dt},{tile},{mode},{f32},{act}{splits}>", dt=_DT, tile=(1, 2, 4),
+                    mode=(0, 1), f32=(0, 1), act=(0, 1), splits=("", ",1"))),  # K splits: global memory, a cluster
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
              dequantize.dequantize, dequantize.unsupported_reason,
@@ -65,12 +66,8 @@ _OPS = (
              "and KV head (many sequences, bounds up to 1024), or a cluster of 4 such CTAs (few sequences, SM90+); "
              "fp16/bf16/int8 KV",
              paged_attention.paged_decode_attention, paged_attention.unsupported_reason,
-             _names("paged_decode_kernel<{dt},{d},{int8},{pipe}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
-                    pipe=(0, 1))
-             + _names("paged_decode_kernel<{dt},{d},{int8},{pipe},8>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
-                      pipe=(0, 1))
-             + _names("paged_decode_kernel<{dt},{d},{int8},{pipe},8,4>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
-                      pipe=(0, 1))
+             _names("paged_decode_kernel<{dt},{d},{int8},{pipe}{path}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
+                    pipe=(0, 1), path=_ATTENTION_PATHS)
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
              rms_norm.rms_norm, rms_norm.unsupported_reason,
