@@ -72,6 +72,35 @@ def decide(op: str, key: tuple, reason: Callable[[], str | None], fallback: str 
         return use_kernel(op, why, fallback)
 
 
+def fused_product_inputs(op: str, x: torch.Tensor, projection: torch.nn.Module,
+                         takes: Callable[[int, int, int], bool], key: tuple, tensors: tuple,
+                         reason: Callable[[object], str | None]) -> tuple[torch.Tensor, object] | None:
+    """Whether a W4 product with a fused epilogue (kernel op `op`) serves `projection(x)` for x [T, K]: (x in the
+    weight's stored column order, the PackedWeight) where it does, None where the caller runs the separate ops.
+    It serves a QuantLinear at the token counts `takes(T, K, N)` accepts, when the tensors (x, the weight and the
+    op's own `tensors`) can run kernels, the plain product's kernels take the weight, and `reason(packed)` (the
+    op's own check) is None; `key` holds what that check reads beyond x and the weight."""
+    from core.quant.quant_linear import QuantLinear
+    from kernels import registry
+
+    if not isinstance(projection, QuantLinear):
+        return None
+    packed = projection.packed
+    if not takes(x.shape[0], packed.in_features, packed.out_features):
+        return None
+    signature = (x.device, x.dtype, packed.qweight.device, packed.bits, packed.group_size, packed.in_features,
+                 packed.out_features, packed.scales.dtype, packed.qweight.data_ptr() % 16) + key
+    if not decide(op, signature, lambda: (
+            kernel_blocker(x, packed.qweight, *tensors)
+            or registry.get("quant_matmul").unsupported_reason(x, packed.qweight, packed.scales, packed.zeros,
+                                                                packed.bits, packed.group_size)
+            or reason(packed)), fallback="separate ops"):
+        return None
+    if packed.input_perm is not None:
+        x = x.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
+    return x, packed
+
+
 def reset_log() -> None:
     """Forget which paths were logged and the cached decisions (tests)."""
     _logged.clear()

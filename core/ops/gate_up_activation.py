@@ -18,26 +18,16 @@ def gate_up_act_and_mul(x: torch.Tensor, gate_up_proj: torch.nn.Module, activati
     """x [T, hidden] through the merged projection `gate_up_proj` ([gate | up] outputs, 2I) -> act(gate) * up
     [T, I] as `gate_up_proj(x)` + act_and_mul would give, or None where the fused kernel does not serve (the caller
     then runs those two)."""
-    from core.quant.quant_linear import QuantLinear
     from kernels import registry
     from kernels.quant_matmul import gate_up_act_takes
 
-    if not isinstance(gate_up_proj, QuantLinear):
-        return None
-    packed = gate_up_proj.packed
-    if not gate_up_act_takes(x.shape[0], packed.in_features, packed.out_features):
-        return None
     op = registry.get("quant_matmul_act_and_mul")
-    signature = (x.device, x.dtype, packed.qweight.device, packed.bits, packed.group_size, packed.in_features,
-                 packed.out_features, activation, packed.scales.dtype, packed.qweight.data_ptr() % 16)
-    if not dispatch.decide(op.name, signature, lambda: (
-            dispatch.kernel_blocker(x, packed.qweight)
-            or registry.get("quant_matmul").unsupported_reason(x, packed.qweight, packed.scales, packed.zeros,
-                                                                packed.bits, packed.group_size)
-            or op.unsupported_reason(packed.qweight, packed.bits, packed.group_size, packed.in_features, activation)),
-            fallback="separate ops"):
+    served = dispatch.fused_product_inputs(
+        op.name, x, gate_up_proj, gate_up_act_takes, (activation,), (),
+        lambda packed: op.unsupported_reason(packed.qweight, packed.bits, packed.group_size, packed.in_features,
+                                             activation))
+    if served is None:
         return None
-    if packed.input_perm is not None:
-        x = x.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
+    x, packed = served
     return op.launch(x, packed.qweight, packed.scales, packed.zeros, packed.bias, packed.group_size, packed.zero_mode,
                      packed.integer_zeros, activation)
