@@ -23,9 +23,9 @@ def validate_kernels(
     seed: Annotated[int | None, typer.Option(help="Seed of the random inputs (default: from the clock).")] = None,
     show_passed: Annotated[bool, typer.Option(help="List passing checks too, not only failures.")] = True,
     only: Annotated[str | None, typer.Option(
-        help="Comma-separated check groups to run (quant_matmul, dequantize, paged_decode_attention, rms_norm, "
-             "act_and_mul, rope_cache_write, quant_matmul_rope_cache, quant_matmul_act_and_mul, cuda_graph, "
-             "end_to_end); default all.")] = None,
+        help="Comma-separated check groups to run (quant_matmul, dequantize, paged_decode_attention, "
+             "paged_prefill_attention, rms_norm, act_and_mul, rope_cache_write, quant_matmul_rope_cache, "
+             "quant_matmul_act_and_mul, cuda_graph, end_to_end); default all.")] = None,
 ) -> None:
     """Check each CUDA kernel against its torch reference and write results/kernel_validation_<gpu>.json."""
     from rich.console import Console

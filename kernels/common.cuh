@@ -201,6 +201,22 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Asynchronous global -> shared copies (sm_80+), 16 bytes each, through L2 only (.cg). An invalid source copies
+// nothing and zero-fills the 16 bytes. Groups of copies are committed and waited for in order: wait_group<N>
+// returns once at most N of the thread's committed groups are still in flight.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global, bool valid) {
+  const u32 address = (u32)__cvta_generic_to_shared(shared);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(address), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Programmatic dependent launch (sm_90+; kernels/launch.py sets the launch attribute). A kernel first lets
 // the next kernel of the stream launch (its CTAs then start as soon as they fit, while this grid runs), and
 // reads nothing an earlier grid wrote before `wait_for_prior_grids` returns, i.e. before that grid has

@@ -5,8 +5,10 @@
 // kernels once enough tokens share the weight.
 // Numerics are core.quant.packing.dequantize's: fp32, (q - z) * s or q * s + z with each operation
 // rounded on its own (no fused multiply-add), then rounded to DT.
-// One thread handles one run of 32 codes (BITS words), which lies inside one group because the
-// group size is a multiple of 32. SCALE_F32: scales/zeros are float32 (else float16).
+// One thread dequantizes one unit: a 32-bit word (8 codes, 16 bytes out) for W4, so a warp's loads are 128
+// contiguous bytes and its stores 512; a run of 32 codes (3 words, 64 bytes out) for W3. A unit lies inside one
+// group because the group size is a multiple of 32. Grid: (row, 256-unit block of the row), so no thread
+// divides a flat index by the row length. SCALE_F32: scales/zeros are float32 (else float16).
 #include "common.cuh"
 
 template <int BITS>
@@ -39,32 +41,28 @@ __global__ void __launch_bounds__(256) dequantize_kernel(
     int rows, int in_features, int group_size) {
   launch_dependents();
   wait_for_prior_grids();
-  const int runs_per_row = in_features / 32;
-  const int groups_per_row = in_features / group_size;
-  const i64 total = (i64)rows * runs_per_row;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    const i64 row = i / runs_per_row;
-    const int run = (int)(i - row * runs_per_row);
-    const i64 group = row * groups_per_row + (run * 32) / group_size;
-    const float scale = load_scale<SCALE_F32>(scales, group);
-    const float zero = load_scale<SCALE_F32>(zeros, group);
-    const u32* src = qweight + row * (i64)(in_features / 32 * BITS) + (i64)run * BITS;
-    u32 words[BITS];
+  constexpr int CODES = BITS == 4 ? 8 : 32, WORDS = CODES * BITS / 32;  // a unit's codes and packed words
+  const int row = blockIdx.x, unit = blockIdx.y * blockDim.x + threadIdx.x;
+  if (unit >= in_features / CODES) return;
+  const i64 group = (i64)row * (in_features / group_size) + unit * CODES / group_size;
+  const float scale = load_scale<SCALE_F32>(scales, group);
+  const float zero = load_scale<SCALE_F32>(zeros, group);
+  const u32* src = qweight + (i64)row * (in_features / 32 * BITS) + (i64)unit * WORDS;
+  u32 words[WORDS];
 #pragma unroll
-    for (int w = 0; w < BITS; ++w) words[w] = __ldg(src + w);
-    u16* dst = out + row * (i64)in_features + run * 32;
+  for (int w = 0; w < WORDS; ++w) words[w] = __ldg(src + w);
+  u16* dst = out + (i64)row * in_features + (i64)unit * CODES;
 #pragma unroll
-    for (int c = 0; c < 32; c += 8) {
-      uint4 vec;
-      u32* pairs = reinterpret_cast<u32*>(&vec);
+  for (int c = 0; c < CODES; c += 8) {
+    uint4 vec;
+    u32* pairs = reinterpret_cast<u32*>(&vec);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const float q0 = code_at<BITS>(words, c + 2 * p), q1 = code_at<BITS>(words, c + 2 * p + 1);
-        const float w0 = MIN_MODE ? __fadd_rn(__fmul_rn(q0, scale), zero) : __fmul_rn(__fsub_rn(q0, zero), scale);
-        const float w1 = MIN_MODE ? __fadd_rn(__fmul_rn(q1, scale), zero) : __fmul_rn(__fsub_rn(q1, zero), scale);
-        pairs[p] = Num<DT>::pack(w0, w1);
-      }
-      *reinterpret_cast<uint4*>(dst + c) = vec;
+    for (int p = 0; p < 4; ++p) {
+      const float q0 = code_at<BITS>(words, c + 2 * p), q1 = code_at<BITS>(words, c + 2 * p + 1);
+      const float w0 = MIN_MODE ? __fadd_rn(__fmul_rn(q0, scale), zero) : __fmul_rn(__fsub_rn(q0, zero), scale);
+      const float w1 = MIN_MODE ? __fadd_rn(__fmul_rn(q1, scale), zero) : __fmul_rn(__fsub_rn(q1, zero), scale);
+      pairs[p] = Num<DT>::pack(w0, w1);
     }
+    *reinterpret_cast<uint4*>(dst + c) = vec;
   }
 }

@@ -28,11 +28,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     in_features = qweight.shape[1] * 32 // bits
     if out is None:
         out = torch.empty(rows, in_features, dtype=dtype, device=qweight.device)
-    runs = rows * in_features // 32
+    units = in_features // (8 if bits == 4 else 32)  # a thread's codes: a word (W4) or a 3-word run (W3)
     index = qweight.device.index
     name = (f"dequantize_kernel<{_DTYPE_CODES[dtype]},{bits},{_ZERO_MODES[zero_mode]},"
             f"{int(scales.dtype == torch.float32)}>")
-    blocks = min(-(-runs // 256), 65535)
-    launch(get_kernel(SOURCE, name, index), (blocks, 1, 1), (256, 1, 1), (
+    launch(get_kernel(SOURCE, name, index), (rows, -(-units // 256), 1), (256, 1, 1), (
         ptr(qweight), ptr(scales), ptr(zeros), ptr(out), i32(rows), i32(in_features), i32(group_size)), index)
     return out

@@ -33,11 +33,16 @@
 // where a line that cache kept from an earlier kernel may predate writes since (a CUDA-graph test read stale data
 // that way; the block tables, which a gather rewrites every replay, are the suspect), and only the wait makes the
 // cached path safe.
-template <int DT, int KV_INT8>
+// SHARED: `base` is a shared-memory tile (the prefill kernel's staged keys, 16-bit only), read with plain loads.
+template <int DT, int KV_INT8, bool SHARED = false>
 struct KvRow {
   static constexpr int KW = KV_INT8 ? 2 : 4, VW = KV_INT8 ? 1 : 2;
   static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
-    if constexpr (KV_INT8) {
+    if constexpr (SHARED) {
+      static_assert(!KV_INT8, "staged tiles hold 16-bit rows");
+      const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index);
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (KV_INT8) {
       const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
                             : make_uint2(0, 0);
       w[0] = v.x; w[1] = v.y;
@@ -48,7 +53,11 @@ struct KvRow {
     }
   }
   static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
-    if constexpr (KV_INT8) {
+    if constexpr (SHARED) {
+      static_assert(!KV_INT8, "staged tiles hold 16-bit rows");
+      const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index);
+      w[0] = v.x; w[1] = v.y;
+    } else if constexpr (KV_INT8) {
       w[0] = valid ? __ldcg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
     } else {
       const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
@@ -149,11 +158,15 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
 
 // One tile of the online softmax: S = Q K^T, running max/sum update, O = O * alpha + P V.
 // qrows: this thread's two query rows (row g and g+8) offset by 8t; q rows past the tile's heads are zero.
-template <int DT, int D, int KV_INT8, int PRELOAD>
+// Keys at positions >= ctx.end are masked; with ROW_BOUNDS (rows of different query tokens, the prefill kernel)
+// row r sees keys [row_begin[r], row_end[r]) instead. SHARED (with PRELOAD = 0): ctx's caches are a staged tile
+// in shared memory, read chunk by chunk at T's row offsets.
+template <int DT, int D, int KV_INT8, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false>
 __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>& T, int tile, const TileContext& ctx,
                                             const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
                                             float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
-                                            float (&row_sum)[2]) {
+                                            float (&row_sum)[2], const int (&row_begin)[2] = {0, 0},
+                                            const int (&row_end)[2] = {0, 0}) {
   constexpr int CHUNKS = D / 32;
   // scores s[nt][c0..c3] = (row g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) of n-tile nt
   float s[2][4];
@@ -174,7 +187,7 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>&
         KvRow<DT, KV_INT8>::pairs8(T.kw[nt][c], kf);
       } else {
         u32 kw[KvRow<DT, KV_INT8>::KW];
-        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kw);
+        KvRow<DT, KV_INT8, SHARED>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kw);
         KvRow<DT, KV_INT8>::pairs8(kw, kf);
       }
       Num<DT>::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
@@ -189,7 +202,11 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>&
       const int tok = tile + 8 * nt + 2 * ctx.t + (e & 1);
       float v = s[nt][e] * scale * T.kscale[nt][e & 1];
       if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-      v = tok < ctx.end ? v : -INFINITY;  // a tile starts at or after the range's first token
+      if constexpr (ROW_BOUNDS) {
+        v = tok >= row_begin[e >> 1] && tok < row_end[e >> 1] ? v : -INFINITY;
+      } else {
+        v = tok < ctx.end ? v : -INFINITY;  // a tile starts at or after the range's first token
+      }
       s[nt][e] = v;
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
     }
@@ -235,7 +252,7 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>&
         KvRow<DT, KV_INT8>::pairs4(T.vw[e][c], vf[e]);
       } else {
         u32 vw[KvRow<DT, KV_INT8>::VW];
-        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vw);
+        KvRow<DT, KV_INT8, SHARED>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vw);
         KvRow<DT, KV_INT8>::pairs4(vw, vf[e]);
       }
     }
@@ -402,6 +419,21 @@ __device__ __forceinline__ void combine_cluster(float (&o)[D / 32][4][4], float 
   cluster_barrier<false>();
 }
 
+// The 8 consecutive outputs d = 32c + 8t + 0..7 of this thread's row g + 8r from its d block's fragments oc = o[c]
+// (oc[j][2r] is d = 32c + 8t + j, oc[j][2r + 1] is d + 4), times `inv`, as DT values.
+template <int DT>
+__device__ __forceinline__ uint4 output_piece(const float (&oc)[4][4], int r, float inv) {
+  u32 packed[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {  // elements 2w, 2w+1
+    const int i0 = 2 * w, i1 = 2 * w + 1;
+    const float v0 = (i0 < 4 ? oc[i0][2 * r] : oc[i0 - 4][2 * r + 1]) * inv;
+    const float v1 = (i1 < 4 ? oc[i1][2 * r] : oc[i1 - 4][2 * r + 1]) * inv;
+    packed[w] = Num<DT>::pack(v0, v1);
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 // WARPS: 1 on the split path (the default, so the registry's names without it stay valid), COMBINED_WARPS on
 // the combined and clustered paths. A combined CTA is meant to fill an SM's registers alone (at least one CTA an
 // SM, or ptxas may cap registers at 128 for two and spill); the split path leaves it unspecified (0), so ptxas
@@ -516,16 +548,8 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
         if (CLUSTER > 1 && c % CLUSTER != rank) continue;  // another rank of the cluster writes it
-        u32 packed[4];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {  // elements 2w, 2w+1 of d = 32c + 8t + 0..7
-          const int i0 = 2 * w, i1 = 2 * w + 1;
-          const float v0 = (i0 < 4 ? o[c][i0][2 * r] : o[c][i0 - 4][2 * r + 1]) * inv;
-          const float v1 = (i1 < 4 ? o[c][i1][2 * r] : o[c][i1 - 4][2 * r + 1]) * inv;
-          packed[w] = Num<DT>::pack(v0, v1);
-        }
         *reinterpret_cast<uint4*>(out + ((i64)seq * num_heads + head) * D + 32 * c + 8 * t) =
-            make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            output_piece<DT>(o[c], r, inv);
       }
     } else {
       const i64 base = ((i64)seq * num_heads + head) * splits + split;
@@ -541,6 +565,179 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
         part_stats[base * 2 + 1] = row_sum[r];
       }
     }
+  }
+}
+
+// ---- Paged prefill attention ----------------------------------------------------------------------------------
+// A prefill chunk's tokens each attend to their causal prefix of one context, so consecutive tokens read nearly the
+// same K/V. paged_decode_kernel, run with every token as a sequence of its own (a graphed step), reads a chunk's
+// context once per token; this kernel reads it once per tile of PREFILL_WARPS * (16 / G) tokens (G = query heads a KV
+// head): one CTA per (KV head, tile), whose warps each own 16 mma rows, 16 / G tokens x G heads, and walk the keys
+// in 16-key tiles that the CTA copies into shared memory PREFILL_STAGES - 1 tiles ahead (cp.async). Each warp runs
+// attend_tile on its rows with their own causal bounds (ROW_BOUNDS), reading the staged rows chunk by chunk
+// (SHARED), so few registers stay live and several CTAs share an SM: the decode kernel's math, an fp32 online
+// softmax over 16-key tiles in order on mma.sync m16n8k16.
+// `tiles` [num_tiles, 2] = (first token row, token count): consecutive tokens of one sequence at consecutive
+// positions, which share the first token's block table row; count 0 = no work (a graph's grid is fixed).
+// Same-dtype KV (fp16/bf16), D = 64 or 128.
+// 4 warps: 128 registers a thread, so 4 CTAs (16 warps) share an SM, and twice the CTAs of 8-warp tiles for short
+// chunks (a 256-token prompt of Qwen2.5-3B: 64 CTAs a layer).
+constexpr int PREFILL_WARPS = 4;
+constexpr int PREFILL_STAGES = 4;
+constexpr int PREFILL_PAD = 8;  // elements after each shared row: rows 16 bytes apart in the banks
+
+template <int D>
+struct PrefillStage {  // one 16-key tile of K and V rows
+  u16 k[16][D + PREFILL_PAD];
+  u16 v[16][D + PREFILL_PAD];
+};
+
+// Which 16-byte pieces of a staged tile a thread copies: pieces tid + k * THREADS of each of K and V (ROWS of them,
+// row (tid + k * THREADS) / PIECES), the same rows for K and V.
+template <int D>
+struct PrefillStaging {
+  static constexpr int PIECES = D / 8, THREADS = 32 * PREFILL_WARPS, ROWS = 16 * PIECES / THREADS;
+  static_assert(ROWS >= 1 && 16 * PIECES % THREADS == 0, "a CTA copies whole tiles, every thread the same count");
+  static __device__ __forceinline__ int row(int k) { return (threadIdx.x + k * THREADS) / PIECES; }
+};
+
+// The blocks holding this thread's staged rows of the key tile at `tile` (0 past `end`: those rows are zero-filled).
+template <int D>
+__device__ __forceinline__ void staged_blocks(int (&blocks)[PrefillStaging<D>::ROWS], int tile, int end,
+                                              const TileContext& ctx) {
+  using S = PrefillStaging<D>;
+#pragma unroll
+  for (int k = 0; k < S::ROWS; ++k) {
+    const int tok = tile + S::row(k);
+    blocks[k] = tok < end ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
+  }
+}
+
+// The CTA copies keys [tile, tile + 16) of K and V into `stage`; rows at or past `end` are zero-filled.
+template <int D>
+__device__ __forceinline__ void stage_keys(PrefillStage<D>& stage, int tile, int end,
+                                           const int (&blocks)[PrefillStaging<D>::ROWS], const TileContext& ctx) {
+  using S = PrefillStaging<D>;
+  const int block_size = 1 << ctx.log2_block_size, piece = threadIdx.x % S::PIECES;
+#pragma unroll
+  for (int k = 0; k < S::ROWS; ++k) {
+    const int row = S::row(k), tok = tile + row;
+    const i64 at = (((i64)blocks[k] * ctx.num_kv_heads + ctx.kv_head) * block_size + (tok & (block_size - 1))) * D +
+                   8 * piece;
+    cp_async16(stage.k[row] + 8 * piece, reinterpret_cast<const u16*>(ctx.key_cache) + at, tok < end);
+    cp_async16(stage.v[row] + 8 * piece, reinterpret_cast<const u16*>(ctx.value_cache) + at, tok < end);
+  }
+}
+
+template <int DT, int D>
+__global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
+    const u16* __restrict__ query,        // [T, H, D]
+    const u16* __restrict__ key_cache,    // [NB, KVH, BS, D]
+    const u16* __restrict__ value_cache,  // [NB, KVH, BS, D]
+    const int* __restrict__ block_tables, // [T, max_blocks]: each token's sequence's table
+    const int* __restrict__ seq_lens,     // [T]: each token's context length (its position + 1)
+    const int* __restrict__ tiles,        // [num_tiles, 2]: first token, token count
+    u16* __restrict__ out,                // [T, H, D]: the tiles' tokens' rows are written
+    int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, float scale, float softcap, int window) {
+  launch_dependents();
+  static_assert(D == 64 || D == 128, "the prefill kernel takes head_dim 64 or 128");
+  constexpr int CHUNKS = D / 32, ROWS = PrefillStaging<D>::ROWS;
+  __shared__ __align__(16) PrefillStage<D> stages[PREFILL_STAGES];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int kv_head = blockIdx.x;
+  wait_for_prior_grids();  // the query and the step's K/V are the layer's writes
+  const int first = __ldcg(tiles + 2 * blockIdx.y), count = __ldcg(tiles + 2 * blockIdx.y + 1);
+  if (count <= 0) return;
+  const int group = num_heads / num_kv_heads, per_warp = 16 / group;
+  const int end = __ldcg(seq_lens + first + count - 1);  // the tile's last token sees the longest context
+  const int begin = window > 0 ? max(0, __ldcg(seq_lens + first) - window) & ~15 : 0;
+  const TileContext ctx{key_cache, value_cache, nullptr, nullptr, block_tables + (i64)first * max_blocks,
+                        log2_block_size, num_kv_heads, kv_head, end, g, t};
+
+  // This warp's tokens [first + warp_first, + warp_count); mma row g + 8r is token (g + 8r) / G, head (g + 8r) % G.
+  const int warp_first = warp * per_warp, warp_count = max(0, min(count - warp_first, per_warp));
+  const u16* qrows[2];
+  bool qvalid[2];
+  int row_begin[2], row_end[2];
+  i64 out_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r, local = row / group;
+    qvalid[r] = local < warp_count;
+    const int token = first + warp_first + (qvalid[r] ? local : 0);
+    out_row[r] = (i64)token * num_heads + kv_head * group + (qvalid[r] ? row % group : 0);
+    qrows[r] = query + out_row[r] * D + 8 * t;
+    row_end[r] = qvalid[r] ? __ldcg(seq_lens + token) : 0;
+    row_begin[r] = window > 0 ? max(0, row_end[r] - window) : 0;
+  }
+  const int warp_end = warp_count > 0 ? __ldcg(seq_lens + first + warp_first + warp_count - 1) : 0;
+  const int warp_begin = window > 0 && warp_count > 0 ? max(0, __ldcg(seq_lens + first + warp_first) - window) : 0;
+
+  // The staged rows attend_tile reads: K rows 8 * nt + g and V rows 2t + (e & 1) + 8 * (e >> 1) of a stage, all
+  // valid (rows past `end` hold zeros, and the row bounds mask their scores).
+  Tile<DT, D, 0, 0> T;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    T.krow[nt] = (8 * nt + g) * (D + PREFILL_PAD);
+    T.kvalid[nt] = true;
+    T.kscale[nt][0] = T.kscale[nt][1] = 1.0f;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    T.vrow[e] = (2 * t + (e & 1) + 8 * (e >> 1)) * (D + PREFILL_PAD);
+    T.vvalid[e] = true;
+    T.vscale[e] = 1.0f;
+  }
+
+  float o[CHUNKS][4][4];
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[c][j][0] = o[c][j][1] = o[c][j][2] = o[c][j][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  // Tile i sits in stage i % STAGES. Before tile i's math the CTA has committed one copy group per tile up to
+  // i + STAGES - 2, so waiting until at most STAGES - 2 are in flight leaves tile i landed; the barrier then makes
+  // it visible and tells that every warp is done with tile i - 1, whose stage takes tile i + STAGES - 1. A thread's
+  // block ids for its staged rows are loaded a tile before their copies are issued, so the copies never wait on them.
+  int blocks[ROWS];
+#pragma unroll
+  for (int s = 0; s < PREFILL_STAGES - 1; ++s) {
+    const int tile = begin + 16 * s;
+    if (tile < end) {
+      staged_blocks<D>(blocks, tile, end, ctx);
+      stage_keys<D>(stages[s], tile, end, blocks, ctx);
+    }
+    cp_async_commit();
+  }
+  staged_blocks<D>(blocks, begin + 16 * (PREFILL_STAGES - 1), end, ctx);
+  for (int i = 0, tile = begin; tile < end; ++i, tile += 16) {
+    cp_async_wait<PREFILL_STAGES - 2>();
+    __syncthreads();
+    const int ahead = tile + 16 * (PREFILL_STAGES - 1);
+    if (ahead < end) stage_keys<D>(stages[(i + PREFILL_STAGES - 1) % PREFILL_STAGES], ahead, end, blocks, ctx);
+    cp_async_commit();
+    staged_blocks<D>(blocks, ahead + 16, end, ctx);
+    if (tile < warp_end && tile + 16 > warp_begin) {
+      const PrefillStage<D>& stage = stages[i % PREFILL_STAGES];
+      const TileContext staged{stage.k, stage.v, nullptr, nullptr, nullptr, 0, 0, 0, end, g, t};
+      attend_tile<DT, D, 0, 0, true, true>(T, tile, staged, qrows, qvalid, scale, softcap, o, row_max, row_sum,
+                                           row_begin, row_end);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!qvalid[r]) continue;
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+      *reinterpret_cast<uint4*>(out + out_row[r] * D + 32 * c + 8 * t) = output_piece<DT>(o[c], r, inv);
   }
 }
 

@@ -264,6 +264,61 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return out
 
 
+# paged_prefill_kernel's CTA: PREFILL_WARPS warps of 16 query rows each (as in kernels/paged_attention.cu).
+PREFILL_WARPS = 4
+PREFILL_HEAD_DIMS = (64, 128)
+
+
+def prefill_tile_tokens(num_heads: int, num_kv_heads: int) -> int | None:
+    """Query tokens a paged_prefill_kernel CTA takes: each warp's 16 mma rows hold 16 // G tokens of G query heads
+    (G = num_heads / num_kv_heads). None where G > 16 (a token's heads would not fit one warp's rows)."""
+    group = num_heads // num_kv_heads
+    return PREFILL_WARPS * (16 // group) if group <= 16 else None
+
+
+def prefill_unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> str | None:
+    """Why paged_prefill_attention cannot serve these tensors (None when it can)."""
+    reason = unsupported_reason(query, key_cache, num_kv_heads)
+    if reason is not None:
+        return reason
+    if key_cache.dtype != query.dtype:
+        return f"KV cache dtype {key_cache.dtype} (the prefill kernel reads fp16/bf16 caches)"
+    if query.shape[-1] not in PREFILL_HEAD_DIMS:
+        return f"head_dim {query.shape[-1]} (the prefill kernel takes {' or '.join(map(str, PREFILL_HEAD_DIMS))})"
+    if prefill_tile_tokens(query.shape[1], num_kv_heads) is None:
+        return f"{query.shape[1] // num_kv_heads} query heads a KV head (the prefill kernel takes at most 16)"
+    return None
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, scale: float,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of prefill tiles: query [T, H, D] -> out [T, H, D], where only the rows of the tiles' tokens are
+    written (the others keep what `out` held).
+
+    tiles [N, 2] int32: (first token row, token count) of up to prefill_tile_tokens consecutive tokens of one
+    sequence at consecutive positions (count 0: an unused entry); block_tables [T, max_blocks] int32 and
+    seq_lens [T] int32 per token (context length including the token); key/value_cache
+    [num_blocks, KVH, block_size, D] in the query's dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    index = query.device.index
+    if out is None:
+        out = torch.empty_like(query)
+    if tiles.shape[0] == 0 or num_tokens == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()
+    fn = get_kernel(SOURCE, f"paged_prefill_kernel<{_DTYPE_CODES[query.dtype]},{head_dim}>", index)
+    launch(fn, (num_kv_heads, tiles.shape[0], 1), (32 * PREFILL_WARPS, 1, 1), (
+        ptr(query.contiguous()), ptr(key_cache), ptr(value_cache), ptr(block_tables),
+        ptr(seq_lens.to(torch.int32).contiguous()), ptr(tiles.to(torch.int32).contiguous()), ptr(out),
+        i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1), i32(block_tables.shape[1]), f32(scale),
+        f32(softcap or 0.0), i32(sliding_window or 0)), index)
+    return out
+
+
 def kv_read_probe(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int) -> None:
     """Diagnostic: the split path's K/V loads with the same grid and addressing but no math."""

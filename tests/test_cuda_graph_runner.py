@@ -84,6 +84,33 @@ def test_static_buffers_hold_the_replay_inputs_with_padding_on_the_dummy_block()
     assert meta.fresh_tokens == 8
 
 
+def test_tiled_buckets_stage_decodes_first_then_prefill_tiles_and_padding_tiles():
+    """Above max_num_seqs tokens (with the prefill kernel's tile size): decodes take the first rows, chunks of
+    several tokens and the padding rows are cut into tiles, and the decode kernel's lengths are 0 on tile rows."""
+    buffers = StaticStepBuffers(max_tokens=32, max_rows=4, max_model_len=64, block_size=4, dummy_block=99,
+                                device=torch.device("cpu"), tile_tokens=4)
+    long_prompt = Request("p", list(range(100, 109)), SamplingParams(max_tokens=4))
+    short_prompt = Request("q", [51, 52, 53], SamplingParams(max_tokens=4))
+    chunks = [ScheduledChunk(long_prompt, 3, 6, [8, 5, 9], False),  # positions 3-8
+              decode_chunk("a", [5, 6, 7, 8, 9, 10], [3, 7]),  # position 5
+              ScheduledChunk(short_prompt, 0, 3, [2], True)]  # positions 0-2
+    buffers.load(chunks, tokens=16, bound=16)
+    input_ids, positions, logit_rows, meta = buffers.views(16, 16)
+    assert input_ids.tolist() == [10, 103, 104, 105, 106, 107, 108, 51, 52, 53] + [0] * 6
+    assert positions.tolist() == [5, 3, 4, 5, 6, 7, 8, 0, 1, 2] + [0] * 6
+    assert meta.seq_lens.tolist() == [6, 4, 5, 6, 7, 8, 9, 1, 2, 3] + [1] * 6
+    assert logit_rows.tolist() == [6, 0, 9, 0]  # chunk i's last token, wherever it was placed
+    assert meta.block_tables[:, :3].tolist() == [[3, 7, 0]] + [[8, 5, 9]] * 6 + [[2, 0, 0]] * 3 + [[99, 0, 0]] * 6
+    # cdiv(16, 4) + min(4, 16 // 2) + 1 = 9 tiles: the long chunk's 4 + 2, the short one's 3, the padding's 4 + 2
+    assert meta.prefill_tiles.tolist() == [[1, 4], [5, 2], [7, 3], [10, 4], [14, 2]] + [[0, 0]] * 4
+    assert meta.decode_seq_lens.tolist() == [6, 0, 0, 0]  # the decode kernel's rows: the decode, then tile rows
+    # Decode steps stay in untiled buckets: no tiles, rows in chunk order.
+    buffers.load([decode_chunk("b", [1, 2, 3], [4]), decode_chunk("a", [5, 6, 7, 8, 9, 10], [3, 7])], 2, 16)
+    input_ids, _, logit_rows, meta = buffers.views(2, 16)
+    assert input_ids.tolist() == [3, 10] and logit_rows.tolist() == [0, 1]
+    assert meta.prefill_tiles is None and meta.decode_seq_lens is None
+
+
 def test_runner_picks_the_smallest_bucket_and_bound():
     runner = PaddedStepRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=4, max_num_seqs=20,
                               max_num_batched_tokens=2048, max_model_len=5000, dummy_block=0, vocab_size=8,
@@ -125,6 +152,14 @@ def test_runner_serves_steps_whose_per_token_attention_is_cheap():
     assert not runner.serves([chunk(1500, 400)])  # 680,200: over 2**21 / 4 KV heads
     assert not runner.serves([chunk(0, 1)] * 5)  # more requests than max_num_seqs
     assert not runner.serves([])
+    # With prefill tiles a chunk's tile walks its last token's context: (10 + 4) + (10 + 5) by hand.
+    assert attention_work([chunk(10, 5)], tile_tokens=4) == 29 and attention_work([chunk(10, 1)], 4) == 11
+    tiled = PaddedStepRunner(torch.nn.Identity(), None, torch.device("cpu"), block_size=16, max_num_seqs=4,
+                             max_num_batched_tokens=512, max_model_len=8192, dummy_block=0, vocab_size=8,
+                             num_kv_heads=4, use_graphs=False, prefill_tile_tokens=16)
+    assert tiled.serves([chunk(1500, 400)])  # 25 tiles walking 1516..1900: 42,700
+    assert tiled.serves([chunk(7000, 512)])  # 32 tiles: 232,448
+    assert not tiled.serves([chunk(0, 4)] * 5)
 
 
 def test_graph_memory_comes_out_of_the_kv_budget():
@@ -159,6 +194,16 @@ def wide_model_dir(tmp_path_factory, tiny_tokenizer):
     directory = tmp_path_factory.mktemp("graph_llama_wide")
     save_tiny_model("llama", directory, tiny_tokenizer, seed=12, initializer_range=0.2, num_hidden_layers=2,
                     hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def prefill_model_dir(tmp_path_factory, tiny_tokenizer):
+    """head_dim 64 with 2 query heads a KV head: paged_prefill_attention serves it (tiles of 4 x 16 / 2 = 32 tokens),
+    so graphed steps above max_num_seqs tokens attend their prefill chunks in tiles."""
+    directory = tmp_path_factory.mktemp("graph_llama_prefill")
+    save_tiny_model("llama", directory, tiny_tokenizer, seed=13, initializer_range=0.2, num_hidden_layers=2,
+                    hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     return directory
 
 
@@ -222,6 +267,35 @@ def test_padded_engine_matches_the_unpadded_engine(model_dir):
     assert {bound for _, _, _, bound in shapes} == {32, 48, 512}
     pool = padded.scheduler.kv.pool
     assert pool.num_free_blocks + pool.num_evictable_blocks == pool.num_blocks
+
+
+def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir, monkeypatch):
+    """With prefill tiles (their buffers beside the block tables, decodes placed first) the padded engine's greedy
+    tokens and logprobs still equal the unpadded engine's. On the CPU the torch backend attends per token and
+    ignores the tiles; the GPU tests run them."""
+    from core.engine import llm_engine
+
+    loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
+    settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
+    monkeypatch.setattr(llm_engine, "prefill_tile_tokens", lambda *args: 4)
+    padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
+    assert padded.step_runner.buffers.tile_tokens == 4
+    eager = LLMEngine(EngineConfig(**settings), loaded_model=loaded)
+    loads = []
+    load = padded.step_runner.buffers.load
+
+    def recording_load(chunks, tokens, bound, previous=None):
+        loads.append((tokens, [c.num_tokens for c in chunks]))
+        return load(chunks, tokens, bound, previous)
+
+    padded.step_runner.buffers.load = recording_load
+    requests = workload()
+    for want, got in zip(run_all(eager, requests), run_all(padded, requests)):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(want.outputs[0].logprobs or [], got.outputs[0].logprobs or []):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    # Tiled steps ran, with decodes and prefill chunks side by side.
+    assert any(tokens > 4 and 1 in lengths and max(lengths) > 1 for tokens, lengths in loads)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "qwen3"])
@@ -367,3 +441,31 @@ def test_fused_epilogues_replay_and_overlap_like_the_serialized_eager_steps(wide
         assert [o.token_ids for o in outputs] == [o.token_ids for o in reference], key
         for a, b in zip(outputs, reference):
             assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs], key
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_graphed_prefill_tiles_match_eager(prefill_model_dir, dtype):
+    """Prompts of up to 200 tokens, chunked by a 128-token budget beside decodes: graph replays, whose prefill chunks
+    attend in tiles on paged_prefill_attention, compute exactly what the padded steps compute eagerly, and match the
+    unpadded eager engine (SDPA for prefill chunks) up to near-ties."""
+    pytest.importorskip("cupy")
+    from core.ops import dispatch
+
+    dispatch.reset_log()  # health reports every path this process took; other models' tests took others
+    settings = {"model": str(prefill_model_dir), "dtype": dtype, "num_gpu_blocks": 256, "block_size": 16,
+                "max_num_seqs": 4, "max_num_batched_tokens": 128}
+    graphs = LLMEngine(EngineConfig(**settings))
+    assert graphs.step_runner.buffers.tile_tokens == 32
+    padded = LLMEngine(EngineConfig(**settings), decode_mode="padded")
+    eager = LLMEngine(EngineConfig(**settings, enforce_eager=True))
+    requests = [(prompt(length, 70 + length), SamplingParams(temperature=0.0, max_tokens=12, logprobs=2,
+                                                             ignore_eos=True)) for length in (150, 40, 90, 7, 200, 65)]
+    from_graphs, from_padded, from_eager = (run_all(e, requests) for e in (graphs, padded, eager))
+    assert [o.token_ids for o in from_graphs] == [o.token_ids for o in from_padded]
+    for a, b in zip(from_graphs, from_padded):
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    assert all(near_tie_or_equal(e, g, 0.02) for e, g in zip(from_eager, from_graphs))
+    assert sum(e.token_ids == g.token_ids for e, g in zip(from_eager, from_graphs)) >= len(requests) - 1
+    assert graphs.health()["kernels"]["ops"]["paged_prefill_attention"] == "kernel"

@@ -58,6 +58,10 @@ def test_paged_decode_attention_kernel():
     _assert_all_ok(kernel_checks.check_paged_attention(DEVICE))
 
 
+def test_paged_prefill_attention_kernel():
+    _assert_all_ok(kernel_checks.check_paged_prefill_attention(DEVICE))
+
+
 def test_rms_norm_kernel():
     _assert_all_ok(kernel_checks.check_rms_norm(DEVICE))
 

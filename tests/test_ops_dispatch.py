@@ -20,7 +20,7 @@ from core.kv.cache import KVCache
 from core.ops import dispatch
 from core.ops.activation import act_and_mul
 from core.ops.norm import rms_norm
-from core.ops.paged_attention import paged_decode_attention
+from core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
 from core.ops.quant_matmul import quant_matmul, quant_matmul_reference
 from core.ops.rotary import rotary_and_cache_write, write_kv_cache
 from core.quant.rtn import quantize_rtn
@@ -142,6 +142,43 @@ def test_paged_decode_reference_matches_torch_backend(window, softcap, quantized
                                  cache.key_scales[0] if quantized else None,
                                  cache.value_scales[0] if quantized else None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 15.0)])
+def test_paged_prefill_reference_is_causal_attention_of_each_tile_token(window, softcap):
+    """The prefill op (its reference on the CPU) against attention written out by hand: a token at position p
+    of a sequence attends to that sequence's keys 0..p (with a window W only p-W+1..p) through query head h's KV
+    head h // G, over contiguous K/V; rows outside the tiles keep what `out` held."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, scale = 6, 2, 8, 4, 0.3
+    cache = KVCache(1, 16, block_size, kv_heads, head_dim, torch.float32, "cpu")
+    tables, lengths = [[5, 2, 9], [0, 11, 4, 7]], [11, 14]
+    keys, values = [], []
+    for table, length in zip(tables, lengths):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
+        keys.append(torch.randn(length, kv_heads, head_dim))
+        values.append(torch.randn(length, kv_heads, head_dim))
+        cache.write(0, keys[-1], values[-1], slots)
+    # row 0: outside every tile; sequence 0 positions 3..10 in tiles of 3, 3, 2; sequence 1 positions 9..13
+    rows = [(0, 10)] + [(0, p) for p in range(3, 11)] + [(1, p) for p in range(9, 14)]
+    tiles = torch.tensor([[1, 3], [4, 3], [7, 2], [9, 5], [0, 0]], dtype=torch.int32)
+    block_tables = torch.tensor([(tables[s] + [0])[:4] for s, _ in rows], dtype=torch.int32)
+    seq_lens = torch.tensor([p + 1 for _, p in rows], dtype=torch.int32)
+    query = torch.randn(len(rows), heads, head_dim)
+    out = torch.full_like(query, 7.0)
+    got = paged_prefill_attention(query, cache.key_caches[0], cache.value_caches[0], block_tables, seq_lens, tiles,
+                                  scale, window, softcap, out=out)
+    assert got is out and torch.equal(out[0], torch.full_like(out[0], 7.0))
+    for row, (seq, position) in enumerate(rows[1:], start=1):
+        first = 0 if window is None else max(0, position + 1 - window)
+        for head in range(heads):
+            k = keys[seq][first:position + 1, head // (heads // kv_heads)]  # [S, D]
+            v = values[seq][first:position + 1, head // (heads // kv_heads)]
+            scores = k @ query[row, head] * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            expected = torch.softmax(scores, dim=0) @ v
+            torch.testing.assert_close(out[row, head], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_native_backend_on_cpu_equals_torch_backend():
@@ -309,6 +346,9 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     kq.weight_read_probe(packed.qweight, 4, 512)
     kp.kv_read_probe(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
                      torch.tensor([300, 5], dtype=torch.int32), 300)
+    kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), cache, cache, torch.zeros(20, 20, dtype=torch.int32),
+                               torch.arange(1, 21, dtype=torch.int32), torch.tensor([[0, 16], [16, 4]], dtype=torch.int32),
+                               0.125, 64, 30.0)
     kr.rms_norm(torch.randn(2, 64, dtype=half), torch.randn(64, dtype=half), 1e-6, 1.0, torch.randn(2, 64, dtype=half))
     ka.act_and_mul(torch.randn(2, 64, dtype=half), torch.randn(2, 64, dtype=half), "silu")
     krc.rope_and_cache_write(torch.randn(3, 8, 64, dtype=half), torch.randn(3, 2, 64, dtype=half),
@@ -329,7 +369,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                      "quant_stream_kernel", "quant_mma_ksplit_kernel",
                      "quant_mma_kernel", "quant_gemv_split_kernel",
                      "quant_mma_staged_kernel", "paged_decode_kernel",
-                     "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel",
+                     "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel", "paged_prefill_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name

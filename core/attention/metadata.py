@@ -38,6 +38,11 @@ class AttentionMetadata:
     # the decode rows are true decodes; a graphed step, where each token of a prefill chunk is a row of its
     # own, sets its token bucket. The decode kernel reads the older positions before the step's cache write.
     fresh_tokens: int = 1
+    # A graphed step whose prefill chunks attend in tiles (core/engine/cuda_graphs.py): prefill_tiles [N, 2] int32
+    # (first token row, count; count 0 unused) for paged_prefill_attention, and decode_seq_lens [T] int32, the
+    # decode kernel's lengths: seq_lens with 0 for the tiles' tokens, whose rows the tiles then write.
+    prefill_tiles: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

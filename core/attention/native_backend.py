@@ -4,7 +4,9 @@ Same interface as TorchPagedAttention. The runner puts the `num_decodes` decode 
 token each) first in the flat batch: their K/V are written by the cache-write kernel and they attend
 with the paged decode kernel, which reads the block table directly (no gather, no padding). The
 prefill chunks after them go through the torch reference on a metadata view of just those requests,
-which also writes their K/V. With `kv_written=True` (the decoder's fused RoPE + cache-write op
+which also writes their K/V. A graphed step (every token a decode row) may carry prefill tiles: its chunks'
+tokens then attend on the prefill kernel, tile by tile, and the decode kernel skips them (length 0).
+With `kv_written=True` (the decoder's fused RoPE + cache-write op
 already stored the step's K/V) neither path writes. When the kernel cannot serve the step (CPU, fp32, head_dim, forced
 reference) the whole step runs on the reference, and core/ops logs why once.
 """
@@ -16,7 +18,7 @@ import torch
 from core.attention.metadata import AttentionMetadata
 from core.attention.torch_backend import TorchPagedAttention
 from core.ops import dispatch
-from core.ops.paged_attention import paged_decode_attention
+from core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
 from core.ops.rotary import write_kv_cache
 
 
@@ -45,10 +47,17 @@ class NativePagedAttention:
         if not kv_written:
             write_kv_cache(key[:num_decodes], value[:num_decodes], key_cache, value_cache,
                            attn_metadata.slot_mapping[:num_decodes], key_scales, value_scales)
-        paged_decode_attention(query[:num_decodes], key_cache, value_cache, attn_metadata.block_tables[:num_decodes],
-                               attn_metadata.seq_lens[:num_decodes], scale, sliding_window, softcap, key_scales,
-                               value_scales, max_seq_len=max(attn_metadata.seq_lens_host[:num_decodes]),
-                               out=out[:num_decodes], fresh_tokens=attn_metadata.fresh_tokens)
+        tiles = attn_metadata.prefill_tiles
+        # With tiles the decode kernel takes the first len(decode_seq_lens) rows, which hold the step's decodes.
+        rows = num_decodes if tiles is None else attn_metadata.decode_seq_lens.shape[0]
+        decode_lens = attn_metadata.seq_lens if tiles is None else attn_metadata.decode_seq_lens
+        paged_decode_attention(query[:rows], key_cache, value_cache, attn_metadata.block_tables[:rows],
+                               decode_lens[:rows], scale, sliding_window, softcap, key_scales,
+                               value_scales, max_seq_len=max(attn_metadata.seq_lens_host[:rows]),
+                               out=out[:rows], fresh_tokens=attn_metadata.fresh_tokens)
+        if tiles is not None:  # a graphed step: every token is a row; the tiles write their tokens' rows
+            paged_prefill_attention(query, key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
+                                    tiles, scale, sliding_window, softcap, out=out)
         if num_decodes < attn_metadata.num_requests:
             out[num_decodes:] = self._reference.forward(
                 layer_idx, query[num_decodes:], key[num_decodes:], value[num_decodes:],

@@ -396,6 +396,62 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
     return results
 
 
+# Prefill tiles: (dtype, heads, kv heads, head_dim, block_size, chunks (start, tokens) one per sequence, window,
+# softcap). Each chunk's tokens go into tiles of prefill_tile_tokens; a decode-like row before them and unused
+# (count 0) tiles after them must stay untouched.
+PREFILL_CASES = (
+    (torch.bfloat16, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 300)), None, None),  # Qwen2.5-3B: G = 8
+    (torch.float16, 28, 4, 128, 16, ((0, 100), (1000, 64)), None, None),  # Qwen2.5-7B: G = 7, 14 rows a warp
+    (torch.float16, 9, 3, 64, 16, ((0, 90), (5, 3)), None, None),  # SmolLM2: G = 3, D = 64
+    (torch.bfloat16, 32, 32, 128, 32, ((0, 200), (7, 1)), None, None),  # MHA: 128 tokens a tile; a one-token tile
+    (torch.bfloat16, 32, 8, 128, 16, ((0, 130), (17, 40)), 64, None),  # a window inside the tile's contexts
+    (torch.float16, 8, 4, 64, 8, ((0, 50), (3, 20)), 32, 50.0),  # Gemma 2: window, softcap, 8-token blocks
+    (torch.bfloat16, 16, 1, 64, 64, ((0, 77),), None, None),  # G = 16: one token a warp
+    (torch.float16, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached tokens
+)
+
+
+def check_paged_prefill_attention(device, cases=PREFILL_CASES) -> list[CheckResult]:
+    from core.ops.paged_attention import paged_prefill_attention_reference
+    from kernels.paged_attention import paged_prefill_attention, prefill_tile_tokens
+
+    results = []
+    for dtype, heads, kv_heads, head_dim, block_size, chunks, window, softcap in cases:
+        case = (f"{_DTYPE_NAMES[dtype]} H={heads}/{kv_heads} D={head_dim} bs={block_size} chunks(start, n)="
+                f"{list(chunks)}" + (f" window={window}" if window else "") + (f" softcap={softcap}" if softcap else ""))
+
+        def run(dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                chunks=chunks, window=window, softcap=softcap, case=case):
+            lengths = [start + n for start, n in chunks]
+            k_cache, v_cache, _, _, tables = random_paged_kv(lengths, kv_heads, head_dim, block_size, dtype, False,
+                                                             device)
+            tile_tokens = prefill_tile_tokens(heads, kv_heads)
+            # row 0: a decode of sequence 0 that no tile covers; then each chunk's tokens
+            rows_seq, rows_len, tiles = [0], [lengths[0]], []
+            for seq, (start, n) in enumerate(chunks):
+                first = len(rows_seq)
+                rows_seq += [seq] * n
+                rows_len += list(range(start + 1, start + n + 1))
+                tiles += [(first + k, min(tile_tokens, n - k)) for k in range(0, n, tile_tokens)]
+            tiles += [(0, 0)] * 3
+            token_tables = tables[torch.tensor(rows_seq, device=device)]
+            seq_lens = torch.tensor(rows_len, dtype=torch.int32, device=device)
+            tile_table = torch.tensor(tiles, dtype=torch.int32, device=device)
+            query = torch.randn(len(rows_seq), heads, head_dim, dtype=dtype, device=device)
+            out = _nan(query.shape, dtype, device)
+            scale = head_dim**-0.5
+            paged_prefill_attention(query, k_cache, v_cache, token_tables, seq_lens, tile_table, scale, window,
+                                    softcap, out=out)
+            ref = paged_prefill_attention_reference(query.float(), k_cache, v_cache, token_tables, seq_lens,
+                                                    tile_table, scale, window, softcap)
+            if not torch.isnan(out[0]).all():
+                return CheckResult("paged_prefill_attention", case, False, detail="wrote a row outside the tiles")
+            return compare("paged_prefill_attention", case, out[1:], ref[1:], REL_TOL[dtype])
+
+        results += guarded("paged_prefill_attention", case, run)
+    return results
+
+
 # ---- small fused ops -------------------------------------------------------------------------------
 
 def check_rms_norm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:

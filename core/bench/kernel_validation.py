@@ -117,8 +117,9 @@ def check_split_cuda_graph(device) -> list[CheckResult]:
     return results
 
 
-CHECK_GROUPS = ("quant_matmul", "dequantize", "paged_decode_attention", "rms_norm", "act_and_mul", "rope_cache_write",
-                "quant_matmul_rope_cache", "quant_matmul_act_and_mul", "cuda_graph", "end_to_end")
+CHECK_GROUPS = ("quant_matmul", "dequantize", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
+                "act_and_mul", "rope_cache_write", "quant_matmul_rope_cache", "quant_matmul_act_and_mul", "cuda_graph",
+                "end_to_end")
 
 
 def _instantiations(groups: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -157,6 +158,7 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
 
     checks = {
         "quant_matmul": kernel_checks.check_quant_matmul_all, "paged_decode_attention": kernel_checks.check_paged_attention,
+        "paged_prefill_attention": kernel_checks.check_paged_prefill_attention,
         "rms_norm": kernel_checks.check_rms_norm, "act_and_mul": kernel_checks.check_act_and_mul,
         "rope_cache_write": kernel_checks.check_rope_cache_write, "dequantize": kernel_checks.check_dequantize,
         "quant_matmul_rope_cache": kernel_checks.check_quant_matmul_rope_cache,

@@ -37,6 +37,26 @@ def native_unavailable_reason(device: torch.device, dtype: torch.dtype, num_head
     return dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
 
 
+def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                        head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> int | None:
+    """Query tokens a tile of paged_prefill_attention holds, where the native backend runs and that kernel serves
+    this model (same-dtype KV, head_dim 64 or 128, at most 16 query heads a KV head); else None, and graphed
+    steps attend every token on the decode kernel. The reason is logged once."""
+    if getattr(backend, "name", None) != "native":
+        return None
+    from core.ops import dispatch
+    from kernels import registry
+    from kernels.paged_attention import prefill_tile_tokens as tile_tokens
+
+    query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
+    key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
+    op = registry.get("paged_prefill_attention")
+    reason = dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
+    if not dispatch.use_kernel(op.name, reason, fallback="the decode kernel per token"):
+        return None
+    return tile_tokens(num_heads, num_kv_heads)
+
+
 def choose_attention_backend(requested: str, device: torch.device, dtype: torch.dtype, spec,
                              kv_storage_dtype: torch.dtype, block_size: int):
     """-> a backend instance for `model.attention_backend`. DeepInferError when "native" cannot serve."""

@@ -15,10 +15,14 @@ position 0, written to the dummy block's first slot, context length 1), so they 
 request's cache. The graph computes logits for min(bucket, max_num_seqs) rows: the last token of
 each request (padding rows read token 0).
 
-Per-token attention re-reads a prompt's context once per query token, so its cost grows with the
-sum of the tokens' context lengths; a step whose sum (times the KV heads) passes
-GRAPH_ATTENTION_WORK runs eagerly instead, where prefill chunks go to SDPA. Short prompts, chunked
-long prompts and every decode batch stay under it.
+Per-token attention re-reads a prompt's context once per query token. Where the native backend's prefill
+kernel serves the model (`prefill_tile_tokens`), buckets above max_num_seqs (which only steps with prefill
+chunks reach) attend each chunk in tiles of consecutive tokens instead (paged_prefill_attention: a tile reads
+the context once for all its tokens); the decode kernel then serves the step's decodes and padding rows, with
+a length of 0 for the tiles' tokens. The attention's cost grows with the context each query (a token, or a
+tile) walks; a step whose sum (times the KV heads) passes GRAPH_ATTENTION_WORK runs eagerly instead, where
+prefill chunks go to SDPA. Short prompts, prompts up to the token budget at short contexts, chunked long
+prompts and every decode batch stay under it.
 
 Why context bounds: the decode kernel's split path sizes its grid (context splits) from a host-side upper
 bound of the step's context lengths, which a graph fixes at capture (its combined path, taken by larger
@@ -90,22 +94,39 @@ def smallest_fit(sizes: list[int], value: int) -> int:
     return next(size for size in sizes if size >= value)
 
 
-def attention_work(chunks: list[ScheduledChunk]) -> int:
-    """Sum over the step's tokens of their context lengths: chunk positions s..s+n-1 see s+1..s+n."""
-    return sum(chunk.num_tokens * chunk.start_pos + chunk.num_tokens * (chunk.num_tokens + 1) // 2
-               for chunk in chunks)
+def attention_work(chunks: list[ScheduledChunk], tile_tokens: int | None = None) -> int:
+    """Sum over the step's queries of the context each walks. Without tiles every token is a query: chunk
+    positions s..s+n-1 see s+1..s+n. With `tile_tokens` a chunk of n > 1 tokens is a query per tile, which walks
+    its last token's context."""
+    work = 0
+    for chunk in chunks:
+        start, n = chunk.start_pos, chunk.num_tokens
+        if tile_tokens is None or n == 1:
+            work += n * start + n * (n + 1) // 2
+        else:
+            work += sum(start + min(n, first + tile_tokens) for first in range(0, n, tile_tokens))
+    return work
+
+
+def max_prefill_tiles(tokens: int, max_rows: int, tile_tokens: int) -> int:
+    """Most tiles a step of `tokens` tokens can need: chunks of n > 1 tokens (at most min(max_rows, tokens // 2)
+    of them) and the padding rows take ceil(n / tile_tokens) tiles each, at most tokens / tile_tokens plus one
+    partial each."""
+    return cdiv(tokens, tile_tokens) + min(max_rows, tokens // 2) + 1
 
 
 class StaticStepBuffers:
     """The device tensors a padded step reads, plus host staging to fill them in two copies.
 
     For a step of bucket `tokens` (t), `rows` = min(t, max_num_seqs) logit rows (s), s + 1 request
-    rows (the last one for padding) and context bound `bound` (w = cdiv(bound, block_size) columns):
+    rows (the last one for padding) and context bound `bound` (w = cdiv(bound, block_size) columns), in a
+    tiled bucket (t > max_num_seqs with `tile_tokens`) m = max_prefill_tiles prefill tiles, else m = 0:
         int64[0:t]          input ids      int32[0:t]                  context length of each token
         int64[t:2t]         positions      int32[t:2t]                 request row of each token
         int64[2t:3t]        slot mapping   int32[2t:2t + (s + 1) * w]  block table [s + 1, w]
-        int64[3t:3t + s]    logit rows (the token row of each request's last token)
-        int64[3t + s:+2k]   the fill index of k pending input tokens (inflight.stage_pending_tokens)
+        int64[3t:3t + s]    logit rows     int32[.. + s]               (tiled) the decode kernel's lengths
+        int64[3t + s:+2k]   (*)            int32[.. + 2m]              (tiled) tiles: first token row, count
+    (*) the fill index of k pending input tokens (inflight.stage_pending_tokens).
     Each (bucket, bound) views the first elements, so every view is contiguous and one host->device
     copy per dtype moves a whole step. Pending tokens (async scheduling: sampled by the step still
     in flight) are scattered into the input ids after that copy, on the same stream and outside
@@ -113,14 +134,17 @@ class StaticStepBuffers:
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, dummy_block: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tile_tokens: int | None = None) -> None:
         self.block_size = block_size
         self.dummy_block = dummy_block
         self.max_rows = max_rows
+        self.tile_tokens = tile_tokens
         max_blocks = cdiv(max_model_len, block_size)
         pin = device.type == "cuda"
+        tiled_extra = max_rows + 2 * self.num_tiles(max_tokens)
         self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(2 * max_tokens + (max_rows + 1) * max_blocks, dtype=torch.int32, device=device)
+        self.int32 = torch.zeros(2 * max_tokens + (max_rows + 1) * max_blocks + tiled_extra, dtype=torch.int32,
+                                 device=device)
         self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)  # one token each
         self.host_int64 = torch.zeros(self.int64.shape, dtype=torch.int64, pin_memory=pin)
         self.host_int32 = torch.zeros(self.int32.shape, dtype=torch.int32, pin_memory=pin)
@@ -132,10 +156,17 @@ class StaticStepBuffers:
         """Logit rows of a bucket: one per request it can hold."""
         return min(tokens, self.max_rows)
 
+    def num_tiles(self, tokens: int) -> int:
+        """Prefill tiles a bucket's steps attend in: 0 unless it is tiled (tile_tokens set, tokens > max_rows)."""
+        if self.tile_tokens is None or tokens <= self.max_rows:
+            return 0
+        return max_prefill_tiles(tokens, self.max_rows, self.tile_tokens)
+
     def load(self, chunks: list[ScheduledChunk], tokens: int, bound: int,
              previous: InflightStep | None = None) -> None:
         """Stage the chunks' tokens as rows 0..T-1 (chunk i is request row i), padding rows T..tokens-1,
-        and copy to the device. Pending input tokens come from `previous`'s sampled tokens."""
+        and copy to the device. Pending input tokens come from `previous`'s sampled tokens. In a tiled bucket
+        the decodes' tokens come first, so the decode kernel's first max_num_seqs rows hold them all."""
         if self._copied is not None:
             self._copied.synchronize()
         bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
@@ -147,7 +178,11 @@ class StaticStepBuffers:
         tables[:] = 0  # stale ids from other layouts could lie outside the pool
         pending: list[tuple[int, str]] = []  # (input row, request id) of pending input tokens
         token = 0
-        for i, chunk in enumerate(chunks):
+        num_tiles = self.num_tiles(tokens)
+        placed = list(enumerate(chunks))
+        if num_tiles:
+            placed.sort(key=lambda item: item[1].num_tokens > 1)  # stable: decodes first, in chunk order
+        for i, chunk in placed:
             start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
             used = cdiv(start + n, bs)
             tables[i, :used] = table[:used]
@@ -178,6 +213,8 @@ class StaticStepBuffers:
         tables[rows, 0] = self.dummy_block
         logit_rows[len(chunks):] = 0
         n64, n32 = 3 * tokens + rows, 2 * tokens + (rows + 1) * width
+        if num_tiles:
+            n32 += self._stage_tiles(h32[n32:], [chunk.num_tokens for _, chunk in placed], tokens, rows, num_tiles)
         num_index = stage_pending_tokens(h64[n64:], pending, previous)
         self.int64[:n64 + num_index].copy_(self.host_int64[:n64 + num_index], non_blocking=True)
         self.int32[:n32].copy_(self.host_int32[:n32], non_blocking=True)
@@ -185,6 +222,31 @@ class StaticStepBuffers:
             fill_pending_tokens(self.int64[:tokens], self.int64[n64:n64 + num_index], previous)
         if self._copied is not None:
             self._copied.record()
+
+    def _stage_tiles(self, h32: np.ndarray, placed_lengths: list[int], tokens: int, rows: int, num_tiles: int) -> int:
+        """Fill a tiled step's decode lengths (h32[:rows]) and tiles (h32[rows:rows + 2 * num_tiles]) after its
+        token rows are staged (placed_lengths: the chunks' token counts in row order); -> elements filled.
+        Chunks of several tokens and the padding rows (seq_len 1 each, all in the padding row's table) attend in
+        tiles; the decode kernel gives their rows among the first `rows` length 0."""
+        seq_lens = self._host32[:tokens]
+        decode_lens = h32[:rows]
+        tiles = h32[rows:rows + 2 * num_tiles].reshape(num_tiles, 2)
+        decode_lens[:] = seq_lens[:rows]
+        tiles[:] = 0
+        spans, token = [], 0
+        for n in placed_lengths:
+            if n > 1:
+                spans.append((token, n))
+            token += n
+        if token < tokens:
+            spans.append((token, tokens - token))
+        tile = 0
+        for begin, n in spans:
+            decode_lens[begin:min(begin + n, rows)] = 0
+            for first in range(0, n, self.tile_tokens):
+                tiles[tile] = (begin + first, min(self.tile_tokens, n - first))
+                tile += 1
+        return rows + 2 * num_tiles
 
     def views(self, tokens: int, bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [t], positions [t], logit rows [s], metadata) over the buffers, for a bound's graph.
@@ -198,6 +260,7 @@ class StaticStepBuffers:
         width, rows = cdiv(bound, self.block_size), self.rows_of(tokens)
         tables = self.int32[2 * tokens:2 * tokens + (rows + 1) * width].view(rows + 1, width)
         token_rows = self.int32[tokens:2 * tokens]
+        end, num_tiles = 2 * tokens + (rows + 1) * width, self.num_tiles(tokens)
         metadata = AttentionMetadata(
             slot_mapping=self.int64[2 * tokens:3 * tokens],
             query_start_loc=self.query_start_loc[:tokens + 1],
@@ -209,6 +272,9 @@ class StaticStepBuffers:
             max_query_len=1,
             max_seq_len=bound,
             fresh_tokens=tokens,  # one sequence's chunk may fill the bucket
+            decode_seq_lens=self.int32[end:end + rows] if num_tiles else None,
+            prefill_tiles=self.int32[end + rows:end + rows + 2 * num_tiles].view(num_tiles, 2) if num_tiles
+            else None,
         )
         logit_rows = self.int64[3 * tokens:3 * tokens + rows]
         return self.int64[:tokens], self.int64[tokens:2 * tokens], logit_rows, metadata
@@ -226,8 +292,9 @@ class PaddedStepRunner:
 
     def __init__(self, model: torch.nn.Module, kv_cache, device: torch.device, *, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, dummy_block: int,
-                 vocab_size: int, num_kv_heads: int, use_graphs: bool) -> None:
-        """dummy_block: a KV block no request owns; padding rows write and read only it."""
+                 vocab_size: int, num_kv_heads: int, use_graphs: bool, prefill_tile_tokens: int | None = None) -> None:
+        """dummy_block: a KV block no request owns; padding rows write and read only it. prefill_tile_tokens: the
+        tile size of paged_prefill_attention where it serves (core/engine/backends.py), else None."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -236,7 +303,7 @@ class PaddedStepRunner:
         self.context_bounds = context_bounds(max_model_len)
         self.attention_work_limit = GRAPH_ATTENTION_WORK // num_kv_heads
         self.buffers = StaticStepBuffers(self.bucket_sizes[-1], max_num_seqs, max_model_len, block_size,
-                                         dummy_block, device)
+                                         dummy_block, device, prefill_tile_tokens)
         self.report = CaptureReport()
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._logits: torch.Tensor | None = None  # [max rows, vocab] float32: what every graph writes
@@ -245,10 +312,13 @@ class PaddedStepRunner:
                                        dtype=torch.float32, device=device)
 
     def serves(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether the step fits a bucket and its per-token attention stays cheap enough."""
+        """Whether the step fits a bucket and its attention (per token, or per tile in a tiled bucket) stays
+        cheap enough."""
         num_tokens = sum(chunk.num_tokens for chunk in chunks)
-        return (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows
-                and attention_work(chunks) <= self.attention_work_limit)
+        if not (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows):
+            return False
+        tiled = self.buffers.num_tiles(smallest_fit(self.bucket_sizes, num_tokens)) > 0
+        return attention_work(chunks, self.buffers.tile_tokens if tiled else None) <= self.attention_work_limit
 
     def shape_of(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
         """(token bucket, bound) a step of these chunks runs at."""

@@ -47,7 +47,7 @@ from dataclasses import replace
 import torch
 
 from core.config import EngineConfig
-from core.engine.backends import choose_attention_backend, kernel_summary
+from core.engine.backends import choose_attention_backend, kernel_summary, prefill_tile_tokens
 from core.engine.cuda_graphs import PaddedStepRunner
 from core.engine.inflight import InflightStep
 from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
@@ -186,7 +186,11 @@ class LLMEngine:
                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                 max_model_len=max_model_len, dummy_block=dummy_block,
                                 vocab_size=self.spec.vocab_size, num_kv_heads=self.spec.num_kv_heads,
-                                use_graphs=self.decode_mode == "graphs")
+                                use_graphs=self.decode_mode == "graphs",
+                                prefill_tile_tokens=prefill_tile_tokens(
+                                    self.model.attention_backend, self.device, self.dtype, self.spec.num_heads,
+                                    self.spec.num_kv_heads, self.spec.head_dim,
+                                    torch.int8 if self.kv_quantized else self.kv_dtype, self.config.block_size))
 
     def _measure_warmup(self, max_model_len: int, block_bytes: int) -> DeviceMemory:
         """Peak torch memory of the largest step (weights included), with scratch KV blocks of its own."""

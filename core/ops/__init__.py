@@ -7,6 +7,7 @@ Public ops (each module also exports its `*_reference`):
     write_kv_cache(k, v, k_cache, v_cache, slots)                       core/ops/rotary.py
     act_and_mul(gate, up, activation)                                   core/ops/activation.py
     paged_decode_attention(q, k_cache, v_cache, block_tables, ...)     core/ops/paged_attention.py
+    paged_prefill_attention(q, k_cache, v_cache, ..., tiles, ...)       core/ops/paged_attention.py
 The path each op takes is logged once per (op, reason) on the "deepinfer.ops" logger;
 DEEPINFER_FORCE_REFERENCE=1 forces every op onto its reference (core/ops/dispatch.py).
 """

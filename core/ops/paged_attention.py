@@ -1,4 +1,8 @@
-"""Paged decode attention (one query token per sequence): kernel when one serves the case, torch otherwise.
+"""Paged attention ops: kernel when one serves the case, torch otherwise.
+
+- paged_decode_attention: one query token per sequence;
+- paged_prefill_attention: tiles of consecutive tokens of one sequence, each seeing its causal prefix (a
+  graphed step's prefill chunks); its reference is the decode reference applied to every tile token.
 
 The reference gathers each sequence's blocks through the block table, then attends in fp32 with the
 same masking as core/attention/torch_backend.py: keys at positions < seq_len, and with a sliding
@@ -78,3 +82,42 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out.copy_(result)
         return out
     return result
+
+
+def paged_prefill_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                      block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor,
+                                      scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_prefill_attention's definition: each tile token is a decode query of its own (its seq_lens entry and
+    block table row); rows of tokens outside the tiles keep what `out` held."""
+    if out is None:
+        out = torch.empty_like(query)
+    spans = [(int(first), int(count)) for first, count in tiles.tolist() if count > 0]
+    if not spans:
+        return out
+    rows = torch.cat([torch.arange(first, first + count) for first, count in spans]).to(query.device)
+    out[rows] = paged_decode_attention_reference(query[rows], key_cache, value_cache, block_tables[rows],
+                                                 seq_lens[rows], scale, sliding_window, softcap)
+    return out
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, scale: float,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of prefill tiles (kernels/paged_attention.py paged_prefill_attention): query [T, H, D]; tiles
+    [N, 2] int32 (first token row, count; count 0 unused) of consecutive tokens of one sequence; block_tables
+    [T, max_blocks] and seq_lens [T] per token. Writes the tiles' tokens' rows of `out` [T, H, D]."""
+    from kernels import registry
+
+    op = registry.get("paged_prefill_attention")
+    num_kv_heads = key_cache.shape[1]
+    key = (query.device, query.dtype, query.shape[1:], key_cache.device, key_cache.dtype, key_cache.shape[1:],
+           value_cache.device, block_tables.device, seq_lens.device, tiles.device)
+    if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(query, key_cache, value_cache, block_tables,
+                                                                     seq_lens, tiles)
+                       or op.unsupported_reason(query, key_cache, num_kv_heads)):
+        return op.launch(query, key_cache, value_cache, block_tables, seq_lens, tiles, scale, sliding_window,
+                         softcap, out=out)
+    return paged_prefill_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, tiles, scale,
+                                             sliding_window, softcap, out)
