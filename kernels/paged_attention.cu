@@ -434,6 +434,25 @@ __device__ __forceinline__ uint4 output_piece(const float (&oc)[4][4], int r, fl
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
+// A split's partial of this thread's row g + 8r for paged_reduce_kernel: its unnormalized o at
+// part_out[base][32c + 8t .. + 7] and (running max, sum) at part_stats[base] (base = (row, head) * splits + split).
+template <int D>
+__device__ __forceinline__ void write_partial(float* part_out, float* part_stats, i64 base,
+                                              const float (&o)[D / 32][4][4], int r, float row_max, float row_sum,
+                                              int t) {
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c) {
+    float* dst = part_out + base * D + 32 * c + 8 * t;
+    *reinterpret_cast<float4*>(dst) = make_float4(o[c][0][2 * r], o[c][1][2 * r], o[c][2][2 * r], o[c][3][2 * r]);
+    *reinterpret_cast<float4*>(dst + 4) =
+        make_float4(o[c][0][2 * r + 1], o[c][1][2 * r + 1], o[c][2][2 * r + 1], o[c][3][2 * r + 1]);
+  }
+  if (t == 0) {
+    part_stats[base * 2] = row_max;
+    part_stats[base * 2 + 1] = row_sum;
+  }
+}
+
 // WARPS: 1 on the split path (the default, so the registry's names without it stay valid), COMBINED_WARPS on
 // the combined and clustered paths. A combined CTA is meant to fill an SM's registers alone (at least one CTA an
 // SM, or ptxas may cap registers at 128 for two and spill); the split path leaves it unspecified (0), so ptxas
@@ -552,18 +571,8 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
             output_piece<DT>(o[c], r, inv);
       }
     } else {
-      const i64 base = ((i64)seq * num_heads + head) * splits + split;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        float* dst = part_out + base * D + 32 * c + 8 * t;
-        *reinterpret_cast<float4*>(dst) = make_float4(o[c][0][2 * r], o[c][1][2 * r], o[c][2][2 * r], o[c][3][2 * r]);
-        *reinterpret_cast<float4*>(dst + 4) =
-            make_float4(o[c][0][2 * r + 1], o[c][1][2 * r + 1], o[c][2][2 * r + 1], o[c][3][2 * r + 1]);
-      }
-      if (t == 0) {
-        part_stats[base * 2] = row_max[r];
-        part_stats[base * 2 + 1] = row_sum[r];
-      }
+      write_partial<D>(part_out, part_stats, ((i64)seq * num_heads + head) * splits + split, o, r, row_max[r],
+                       row_sum[r], t);
     }
   }
 }
@@ -579,6 +588,9 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 // softmax over 16-key tiles in order on mma.sync m16n8k16.
 // `tiles` [num_tiles, 2] = (first token row, token count): consecutive tokens of one sequence at consecutive
 // positions, which share the first token's block table row; count 0 = no work (a graph's grid is fixed).
+// Few tiles over long contexts would leave most SMs idle while each CTA walks its keys one tile after another, so
+// the keys may be cut into splits of tokens_per_split (grid.z, a multiple of 16): each CTA then writes its rows'
+// partials and paged_prefill_reduce_kernel combines them, as paged_reduce_kernel does the decode kernel's.
 // Same-dtype KV (fp16/bf16), D = 64 or 128.
 // 4 warps: 128 registers a thread, so 4 CTAs (16 warps) share an SM, and twice the CTAs of 8-warp tiles for short
 // chunks (a 256-token prompt of Qwen2.5-3B: 64 CTAs a layer).
@@ -637,8 +649,11 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
     const int* __restrict__ block_tables, // [T, max_blocks]: each token's sequence's table
     const int* __restrict__ seq_lens,     // [T]: each token's context length (its position + 1)
     const int* __restrict__ tiles,        // [num_tiles, 2]: first token, token count
-    u16* __restrict__ out,                // [T, H, D]: the tiles' tokens' rows are written
-    int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, float scale, float softcap, int window) {
+    u16* __restrict__ out,                // [T, H, D]: the tiles' tokens' rows are written (one split)
+    float* __restrict__ part_out,         // [T, H, splits, D] (several splits)
+    float* __restrict__ part_stats,       // [T, H, splits, 2]: running max, sum of exp
+    int num_heads, int num_kv_heads, int log2_block_size, int max_blocks, int tokens_per_split, float scale,
+    float softcap, int window) {
   launch_dependents();
   static_assert(D == 64 || D == 128, "the prefill kernel takes head_dim 64 or 128");
   constexpr int CHUNKS = D / 32, ROWS = PrefillStaging<D>::ROWS;
@@ -648,9 +663,10 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   wait_for_prior_grids();  // the query and the step's K/V are the layer's writes
   const int first = __ldcg(tiles + 2 * blockIdx.y), count = __ldcg(tiles + 2 * blockIdx.y + 1);
   if (count <= 0) return;
-  const int group = num_heads / num_kv_heads, per_warp = 16 / group;
-  const int end = __ldcg(seq_lens + first + count - 1);  // the tile's last token sees the longest context
-  const int begin = window > 0 ? max(0, __ldcg(seq_lens + first) - window) & ~15 : 0;
+  const int group = num_heads / num_kv_heads, per_warp = 16 / group, split = blockIdx.z, splits = gridDim.z;
+  // This split's keys of the tile's contexts: the last token sees the longest, the first the earliest (window).
+  const int end = min(__ldcg(seq_lens + first + count - 1), (split + 1) * tokens_per_split);
+  const int begin = max(window > 0 ? max(0, __ldcg(seq_lens + first) - window) & ~15 : 0, split * tokens_per_split);
   const TileContext ctx{key_cache, value_cache, nullptr, nullptr, block_tables + (i64)first * max_blocks,
                         log2_block_size, num_kv_heads, kv_head, end, g, t};
 
@@ -734,6 +750,10 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!qvalid[r]) continue;
+    if (splits > 1) {  // a split with none of the row's keys writes max -inf: the reduce weighs it 0
+      write_partial<D>(part_out, part_stats, out_row[r] * splits + split, o, r, row_max[r], row_sum[r], t);
+      continue;
+    }
     const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
@@ -802,18 +822,15 @@ __global__ void __launch_bounds__(32) paged_read_probe_kernel(
 // again per batch of partials (a one-stream decode step at a 1024-token bound has 32 splits).
 constexpr int REDUCE_HELD_SPLITS = 32;
 
+// Combines the splits of partials row `base` ((row, head) of [rows, H]) into out[base]; the block's 128 threads
+// take part, with `split_weight` dynamic shared memory of 4 * splits bytes.
 template <int DT>
-__global__ void __launch_bounds__(128) paged_reduce_kernel(
-    const float* __restrict__ part_out,    // [B, H, splits, D]
-    const float* __restrict__ part_stats,  // [B, H, splits, 2]
-    u16* __restrict__ out,                 // [B, H, D]
-    int num_heads, int splits, int head_dim) {
-  launch_dependents();
-  wait_for_prior_grids();
+__device__ __forceinline__ void reduce_splits_of_row(const float* __restrict__ part_out,
+                                                     const float* __restrict__ part_stats, u16* __restrict__ out,
+                                                     i64 base, int splits, int head_dim) {
   extern __shared__ float split_weight[];  // [splits]: e^(m_s - M), 0 for a split past the sequence's end
   __shared__ float warp_value[4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const i64 base = (i64)blockIdx.y * num_heads + blockIdx.x;
   const float* stats = part_stats + base * splits * 2;
   const float* parts = part_out + base * splits * head_dim;
   const bool held = splits <= REDUCE_HELD_SPLITS && head_dim <= 128;
@@ -867,4 +884,32 @@ __global__ void __launch_bounds__(128) paged_reduce_kernel(
     }
     out[base * head_dim + d] = Num<DT>::from_float(acc * inv);
   }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(128) paged_reduce_kernel(
+    const float* __restrict__ part_out,    // [B, H, splits, D]
+    const float* __restrict__ part_stats,  // [B, H, splits, 2]
+    u16* __restrict__ out,                 // [B, H, D]
+    int num_heads, int splits, int head_dim) {
+  launch_dependents();
+  wait_for_prior_grids();
+  reduce_splits_of_row<DT>(part_out, part_stats, out, (i64)blockIdx.y * num_heads + blockIdx.x, splits, head_dim);
+}
+
+// paged_prefill_kernel's splits, for the tiles' tokens only (the decode kernel wrote the other rows): grid
+// (num_heads, num_tiles * tile_tokens), block 128; y = (tile, token of the tile), past a tile's count nothing.
+template <int DT>
+__global__ void __launch_bounds__(128) paged_prefill_reduce_kernel(
+    const float* __restrict__ part_out,    // [T, H, splits, D]
+    const float* __restrict__ part_stats,  // [T, H, splits, 2]
+    const int* __restrict__ tiles,         // [num_tiles, 2]: first token, token count
+    u16* __restrict__ out,                 // [T, H, D]
+    int num_heads, int splits, int head_dim, int tile_tokens) {
+  launch_dependents();
+  wait_for_prior_grids();
+  const int tile = blockIdx.y / tile_tokens, index = blockIdx.y % tile_tokens;
+  if (index >= __ldcg(tiles + 2 * tile + 1)) return;
+  const i64 token = __ldcg(tiles + 2 * tile) + index;
+  reduce_splits_of_row<DT>(part_out, part_stats, out, token * num_heads + blockIdx.x, splits, head_dim);
 }

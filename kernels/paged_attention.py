@@ -267,6 +267,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 # paged_prefill_kernel's CTA: PREFILL_WARPS warps of 16 query rows each (as in kernels/paged_attention.cu).
 PREFILL_WARPS = 4
 PREFILL_HEAD_DIMS = (64, 128)
+# Its CTAs (128 registers a thread, 35 KiB of shared memory at head_dim 128) fit 4 an SM: fewer tiles than that
+# fill over the GPU split their keys, in pieces of at least 256 (16 key tiles a CTA walks one after another).
+PREFILL_CTAS_PER_SM = 4
+MIN_TOKENS_PER_PREFILL_SPLIT = 256
 
 
 def prefill_tile_tokens(num_heads: int, num_kv_heads: int) -> int | None:
@@ -290,17 +294,31 @@ def prefill_unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num
     return None
 
 
+def prefill_split_plan(num_tokens: int, tile_tokens: int, num_kv_heads: int, max_seq_len: int,
+                       device_index: int) -> tuple[int, int]:
+    """(splits, tokens per split) of paged_prefill_attention's keys: one split where the CTAs of num_tokens in
+    full tiles fill PREFILL_CTAS_PER_SM per SM, else about as many as fill them, each of at least
+    MIN_TOKENS_PER_PREFILL_SPLIT keys. Host values only (the grid a CUDA graph fixes)."""
+    units = -(-num_tokens // tile_tokens) * num_kv_heads
+    wanted = PREFILL_CTAS_PER_SM * _device_limits(device_index)[0] // units
+    splits = max(1, min(wanted, -(-max_seq_len // MIN_TOKENS_PER_PREFILL_SPLIT)))
+    keys = -(-max_seq_len // splits)
+    per_split = -(-keys // TILE_TOKENS) * TILE_TOKENS
+    return -(-max_seq_len // per_split), per_split
+
+
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, scale: float,
-                            sliding_window: int | None = None, softcap: float | None = None,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, max_seq_len: int,
+                            scale: float, sliding_window: int | None = None, softcap: float | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of prefill tiles: query [T, H, D] -> out [T, H, D], where only the rows of the tiles' tokens are
     written (the others keep what `out` held).
 
     tiles [N, 2] int32: (first token row, token count) of up to prefill_tile_tokens consecutive tokens of one
-    sequence at consecutive positions (count 0: an unused entry); block_tables [T, max_blocks] int32 and
-    seq_lens [T] int32 per token (context length including the token); key/value_cache
-    [num_blocks, KVH, block_size, D] in the query's dtype.
+    sequence at consecutive positions (count 0: an unused entry); block_tables [T, max_blocks] int32
+    and seq_lens [T] int32 per token (context length including the token); max_seq_len >= every seq_len, a host
+    value (fixed for CUDA graphs: the split plan depends on it); key/value_cache [num_blocks, KVH, block_size, D]
+    in the query's dtype.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -309,13 +327,26 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         out = torch.empty_like(query)
     if tiles.shape[0] == 0 or num_tokens == 0:
         return out
+    dt = _DTYPE_CODES[query.dtype]
     block_tables = block_tables.to(torch.int32).contiguous()
-    fn = get_kernel(SOURCE, f"paged_prefill_kernel<{_DTYPE_CODES[query.dtype]},{head_dim}>", index)
-    launch(fn, (num_kv_heads, tiles.shape[0], 1), (32 * PREFILL_WARPS, 1, 1), (
+    tiles = tiles.to(torch.int32).contiguous()
+    tile_tokens = prefill_tile_tokens(num_heads, num_kv_heads)
+    splits, per_split = prefill_split_plan(num_tokens, tile_tokens, num_kv_heads, max_seq_len, index)
+    part_out = part_stats = None
+    if splits > 1:
+        part_out = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        part_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=query.device)
+    fn = get_kernel(SOURCE, f"paged_prefill_kernel<{dt},{head_dim}>", index)
+    launch(fn, (num_kv_heads, tiles.shape[0], splits), (32 * PREFILL_WARPS, 1, 1), (
         ptr(query.contiguous()), ptr(key_cache), ptr(value_cache), ptr(block_tables),
-        ptr(seq_lens.to(torch.int32).contiguous()), ptr(tiles.to(torch.int32).contiguous()), ptr(out),
-        i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1), i32(block_tables.shape[1]), f32(scale),
-        f32(softcap or 0.0), i32(sliding_window or 0)), index)
+        ptr(seq_lens.to(torch.int32).contiguous()), ptr(tiles), ptr(out), ptr(part_out), ptr(part_stats),
+        i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1), i32(block_tables.shape[1]),
+        i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0)), index)
+    if splits > 1:
+        reduce = get_kernel(SOURCE, f"paged_prefill_reduce_kernel<{dt}>", index)
+        launch(reduce, (num_heads, tiles.shape[0] * tile_tokens, 1), (128, 1, 1), (
+            ptr(part_out), ptr(part_stats), ptr(tiles), ptr(out), i32(num_heads), i32(splits), i32(head_dim),
+            i32(tile_tokens)), index, shared_mem=4 * splits)
     return out
 
 

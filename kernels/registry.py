@@ -71,10 +71,11 @@ _OPS = (
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
              "paged GQA attention of prefill tiles (consecutive tokens of one sequence, each with its causal "
-             "prefix): one 4-warp CTA a tile and KV head, K/V tiles staged in shared memory once for all its tokens; "
-             "fp16/bf16 KV",
+             "prefix): one 4-warp CTA a tile, KV head and key split, K/V tiles staged in shared memory once for "
+             "all its tokens, splits combined by a reduce; fp16/bf16 KV",
              paged_attention.paged_prefill_attention, paged_attention.prefill_unsupported_reason,
-             _names("paged_prefill_kernel<{dt},{d}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS)),
+             _names("paged_prefill_kernel<{dt},{d}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS)
+             + _names("paged_prefill_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
              rms_norm.rms_norm, rms_norm.unsupported_reason,
              _names("rms_norm_kernel<{dt},{res},{offset}>", dt=_DT, res=(0, 1), offset=(0, 1))),

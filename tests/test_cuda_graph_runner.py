@@ -84,9 +84,13 @@ def test_static_buffers_hold_the_replay_inputs_with_padding_on_the_dummy_block()
     assert meta.fresh_tokens == 8
 
 
-def test_tiled_buckets_stage_decodes_first_then_prefill_tiles_and_padding_tiles():
-    """Above max_num_seqs tokens (with the prefill kernel's tile size): decodes take the first rows, chunks of
-    several tokens and the padding rows are cut into tiles, and the decode kernel's lengths are 0 on tile rows."""
+def test_tiled_buckets_stage_decodes_first_then_prefill_tiles_and_padding_tiles(monkeypatch):
+    """Above max_num_seqs tokens (with the prefill kernel's tile size, from MIN_TILED_TOKENS, here 16): decodes
+    take the first rows, chunks of several tokens and the padding rows are cut into tiles, and the decode kernel's
+    lengths are 0 on tile rows."""
+    from core.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 16)
     buffers = StaticStepBuffers(max_tokens=32, max_rows=4, max_model_len=64, block_size=4, dummy_block=99,
                                 device=torch.device("cpu"), tile_tokens=4)
     long_prompt = Request("p", list(range(100, 109)), SamplingParams(max_tokens=4))
@@ -104,11 +108,12 @@ def test_tiled_buckets_stage_decodes_first_then_prefill_tiles_and_padding_tiles(
     # cdiv(16, 4) + min(4, 16 // 2) + 1 = 9 tiles: the long chunk's 4 + 2, the short one's 3, the padding's 4 + 2
     assert meta.prefill_tiles.tolist() == [[1, 4], [5, 2], [7, 3], [10, 4], [14, 2]] + [[0, 0]] * 4
     assert meta.decode_seq_lens.tolist() == [6, 0, 0, 0]  # the decode kernel's rows: the decode, then tile rows
-    # Decode steps stay in untiled buckets: no tiles, rows in chunk order.
+    # Decode steps stay in untiled buckets: no tiles, rows in chunk order; so do buckets below MIN_TILED_TOKENS.
     buffers.load([decode_chunk("b", [1, 2, 3], [4]), decode_chunk("a", [5, 6, 7, 8, 9, 10], [3, 7])], 2, 16)
     input_ids, _, logit_rows, meta = buffers.views(2, 16)
     assert input_ids.tolist() == [3, 10] and logit_rows.tolist() == [0, 1]
     assert meta.prefill_tiles is None and meta.decode_seq_lens is None
+    assert buffers.num_tiles(8) == 0 and buffers.num_tiles(16) == 9
 
 
 def test_runner_picks_the_smallest_bucket_and_bound():
@@ -277,7 +282,10 @@ def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir,
 
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
     settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
+    from core.engine import cuda_graphs
+
     monkeypatch.setattr(llm_engine, "prefill_tile_tokens", lambda *args: 4)
+    monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 8)
     padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
     assert padded.step_runner.buffers.tile_tokens == 4
     eager = LLMEngine(EngineConfig(**settings), loaded_model=loaded)

@@ -346,9 +346,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     kq.weight_read_probe(packed.qweight, 4, 512)
     kp.kv_read_probe(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
                      torch.tensor([300, 5], dtype=torch.int32), 300)
-    kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), cache, cache, torch.zeros(20, 20, dtype=torch.int32),
-                               torch.arange(1, 21, dtype=torch.int32), torch.tensor([[0, 16], [16, 4]], dtype=torch.int32),
-                               0.125, 64, 30.0)
+    for bound in (20, 4096):  # one key split; several, and their reduce
+        kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), cache, cache,
+                                   torch.zeros(20, 20, dtype=torch.int32), torch.arange(1, 21, dtype=torch.int32),
+                                   torch.tensor([[0, 16], [16, 4]], dtype=torch.int32), bound, 0.125, 64, 30.0)
     kr.rms_norm(torch.randn(2, 64, dtype=half), torch.randn(64, dtype=half), 1e-6, 1.0, torch.randn(2, 64, dtype=half))
     ka.act_and_mul(torch.randn(2, 64, dtype=half), torch.randn(2, 64, dtype=half), "silu")
     krc.rope_and_cache_write(torch.randn(3, 8, 64, dtype=half), torch.randn(3, 2, 64, dtype=half),
@@ -370,6 +371,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                      "quant_mma_kernel", "quant_gemv_split_kernel",
                      "quant_mma_staged_kernel", "paged_decode_kernel",
                      "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel", "paged_prefill_kernel",
+                     "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name

@@ -408,6 +408,11 @@ PREFILL_CASES = (
     (torch.float16, 8, 4, 64, 8, ((0, 50), (3, 20)), 32, 50.0),  # Gemma 2: window, softcap, 8-token blocks
     (torch.bfloat16, 16, 1, 64, 64, ((0, 77),), None, None),  # G = 16: one token a warp
     (torch.float16, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached tokens
+    # few tiles over long contexts: key splits and their reduce
+    (torch.bfloat16, 16, 2, 128, 16, ((3000, 16), (40, 3)), None, None),
+    (torch.float16, 32, 8, 128, 16, ((1500, 40),), 700, None),  # splits before the window are empty
+    (torch.float16, 8, 4, 64, 8, ((1000, 20),), 32, 50.0),
+    (torch.bfloat16, 9, 3, 64, 32, ((5000, 30),), None, None),
 )
 
 
@@ -440,8 +445,9 @@ def check_paged_prefill_attention(device, cases=PREFILL_CASES) -> list[CheckResu
             query = torch.randn(len(rows_seq), heads, head_dim, dtype=dtype, device=device)
             out = _nan(query.shape, dtype, device)
             scale = head_dim**-0.5
-            paged_prefill_attention(query, k_cache, v_cache, token_tables, seq_lens, tile_table, scale, window,
-                                    softcap, out=out)
+            bound = next(b for b in (1024, 4096, 16384) if b >= max(lengths))  # as a CUDA graph's context bound
+            paged_prefill_attention(query, k_cache, v_cache, token_tables, seq_lens, tile_table, bound, scale,
+                                    window, softcap, out=out)
             ref = paged_prefill_attention_reference(query.float(), k_cache, v_cache, token_tables, seq_lens,
                                                     tile_table, scale, window, softcap)
             if not torch.isnan(out[0]).all():

@@ -17,7 +17,7 @@ each request (padding rows read token 0).
 
 Per-token attention re-reads a prompt's context once per query token. Where the native backend's prefill
 kernel serves the model (`prefill_tile_tokens`), buckets above max_num_seqs (which only steps with prefill
-chunks reach) attend each chunk in tiles of consecutive tokens instead (paged_prefill_attention: a tile reads
+chunks reach) and of at least MIN_TILED_TOKENS attend each chunk in tiles of consecutive tokens instead (paged_prefill_attention: a tile reads
 the context once for all its tokens); the decode kernel then serves the step's decodes and padding rows, with
 a length of 0 for the tiles' tokens. The attention's cost grows with the context each query (a token, or a
 tile) walks; a step whose sum (times the KV heads) passes GRAPH_ATTENTION_WORK runs eagerly instead, where
@@ -59,6 +59,12 @@ MiB = 1024**2
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
 MAX_GRAPH_TOKENS = 2048
+# Buckets of at least this many tokens attend prefill chunks in tiles (paged_prefill_attention). Smaller steps
+# carry short chunks, often at long contexts, which the decode kernel spreads over more CTAs than a few tiles: in
+# the jitter sweep on an H200 (Qwen2.5-3B W4A16, a 2048-token prompt inserted beside a stream) 16- and 32-token
+# budgets held the stream's max ITL at 2.06x / 2.91x its median per token against 3.13x / 3.85x tiled, 64 was
+# even (5.24x / 5.53x) and from 128 tiles won (128: 6.83x -> 5.53x, the prompt's TTFT 133 -> 110 ms).
+MIN_TILED_TOKENS = 128
 # Sum over a step's tokens of their context lengths, times the KV heads, above which it runs eagerly.
 # 2**21: a 512-token chunk at ~2k context with 2 KV heads, or eight 256-token prompts with 8 KV heads.
 GRAPH_ATTENTION_WORK = 1 << 21
@@ -120,7 +126,7 @@ class StaticStepBuffers:
 
     For a step of bucket `tokens` (t), `rows` = min(t, max_num_seqs) logit rows (s), s + 1 request
     rows (the last one for padding) and context bound `bound` (w = cdiv(bound, block_size) columns), in a
-    tiled bucket (t > max_num_seqs with `tile_tokens`) m = max_prefill_tiles prefill tiles, else m = 0:
+    tiled bucket (`num_tiles`) m = max_prefill_tiles prefill tiles, else m = 0:
         int64[0:t]          input ids      int32[0:t]                  context length of each token
         int64[t:2t]         positions      int32[t:2t]                 request row of each token
         int64[2t:3t]        slot mapping   int32[2t:2t + (s + 1) * w]  block table [s + 1, w]
@@ -157,8 +163,9 @@ class StaticStepBuffers:
         return min(tokens, self.max_rows)
 
     def num_tiles(self, tokens: int) -> int:
-        """Prefill tiles a bucket's steps attend in: 0 unless it is tiled (tile_tokens set, tokens > max_rows)."""
-        if self.tile_tokens is None or tokens <= self.max_rows:
+        """Prefill tiles a bucket's steps attend in: 0 unless it is tiled (tile_tokens set, tokens > max_rows and
+        at least MIN_TILED_TOKENS)."""
+        if self.tile_tokens is None or tokens <= self.max_rows or tokens < MIN_TILED_TOKENS:
             return 0
         return max_prefill_tiles(tokens, self.max_rows, self.tile_tokens)
 

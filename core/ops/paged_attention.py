@@ -104,10 +104,11 @@ def paged_prefill_attention_reference(query: torch.Tensor, key_cache: torch.Tens
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, scale: float,
                             sliding_window: int | None = None, softcap: float | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """Attention of prefill tiles (kernels/paged_attention.py paged_prefill_attention): query [T, H, D]; tiles
     [N, 2] int32 (first token row, count; count 0 unused) of consecutive tokens of one sequence; block_tables
-    [T, max_blocks] and seq_lens [T] per token. Writes the tiles' tokens' rows of `out` [T, H, D]."""
+    [T, max_blocks] and seq_lens [T] per token; max_seq_len: a host upper bound of seq_lens (fixed for CUDA
+    graphs; without it one GPU->CPU sync). Writes the tiles' tokens' rows of `out` [T, H, D]."""
     from kernels import registry
 
     op = registry.get("paged_prefill_attention")
@@ -117,7 +118,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(query, key_cache, value_cache, block_tables,
                                                                      seq_lens, tiles)
                        or op.unsupported_reason(query, key_cache, num_kv_heads)):
-        return op.launch(query, key_cache, value_cache, block_tables, seq_lens, tiles, scale, sliding_window,
-                         softcap, out=out)
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        return op.launch(query, key_cache, value_cache, block_tables, seq_lens, tiles, max_seq_len, scale,
+                         sliding_window, softcap, out=out)
     return paged_prefill_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, tiles, scale,
                                              sliding_window, softcap, out)
