@@ -1,4 +1,5 @@
-// Paged decode attention (one new query token per sequence) reading the block table directly.
+// Paged decode attention (one new query token per sequence) reading the block table directly, and (at the end of
+// this file) paged prefill attention of tiles of consecutive prompt tokens.
 //
 // KV cache per layer: [num_blocks, num_kv_heads, block_size, D], fp16/bf16 (DT) or int8 with fp16
 // per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale).
