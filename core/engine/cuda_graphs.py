@@ -17,12 +17,13 @@ each request (padding rows read token 0).
 
 Per-token attention re-reads a prompt's context once per query token. Where the native backend's prefill
 kernel serves the model (`prefill_tile_tokens`), buckets above max_num_seqs (which only steps with prefill
-chunks reach) and of at least MIN_TILED_TOKENS attend each chunk in tiles of consecutive tokens instead (paged_prefill_attention: a tile reads
-the context once for all its tokens); the decode kernel then serves the step's decodes and padding rows, with
-a length of 0 for the tiles' tokens. The attention's cost grows with the context each query (a token, or a
-tile) walks; a step whose sum (times the KV heads) passes GRAPH_ATTENTION_WORK runs eagerly instead, where
-prefill chunks go to SDPA. Short prompts, prompts up to the token budget at short contexts, chunked long
-prompts and every decode batch stay under it.
+chunks reach) and of at least MIN_TILED_TOKENS attend each chunk, and the padding rows, in tiles of
+consecutive tokens instead (paged_prefill_attention: a tile reads the context once for all its tokens); the
+decode kernel then serves the step's decodes, placed in the first max_num_seqs rows, with a length of 0 for
+the tiles' tokens among them. The attention's cost grows with the context each query (a token, or a tile)
+walks; a step whose sum (times the KV heads) passes GRAPH_ATTENTION_WORK runs eagerly instead, where prefill
+chunks go to SDPA. Short prompts, prompts up to the token budget at short contexts, chunked long prompts and
+every decode batch stay under it.
 
 Why context bounds: the decode kernel's split path sizes its grid (context splits) from a host-side upper
 bound of the step's context lengths, which a graph fixes at capture (its combined path, taken by larger
