@@ -22,19 +22,26 @@ from core.errors import DeepInferError
 logger = logging.getLogger(__name__)
 
 
+def _kernel_reason(op_name: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                   head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the attention kernel op `op_name` cannot serve this model on `device` (None when it can), asked with
+    probe tensors of the shapes and dtypes the layers will pass (one token, one block)."""
+    from core.ops import dispatch
+    from kernels import registry
+
+    query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
+    key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
+    op = registry.get(op_name)
+    return dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
+
+
 def native_unavailable_reason(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                               head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> str | None:
     """Why the native backend cannot serve this model on `device` (None when it can)."""
     if device.type != "cuda":
         return f"device is {device.type}, the kernels need a CUDA GPU"
-    from core.ops import dispatch
-    from kernels import registry
-
-    # Probe tensors with the shapes and dtypes the layers will pass (one token, one block).
-    query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
-    key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
-    op = registry.get("paged_decode_attention")
-    return dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
+    return _kernel_reason("paged_decode_attention", device, dtype, num_heads, num_kv_heads, head_dim,
+                          kv_storage_dtype, block_size)
 
 
 def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -45,14 +52,11 @@ def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_h
     if getattr(backend, "name", None) != "native":
         return None
     from core.ops import dispatch
-    from kernels import registry
     from kernels.paged_attention import prefill_tile_tokens as tile_tokens
 
-    query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
-    key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
-    op = registry.get("paged_prefill_attention")
-    reason = dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
-    if not dispatch.use_kernel(op.name, reason, fallback="the decode kernel per token"):
+    reason = _kernel_reason("paged_prefill_attention", device, dtype, num_heads, num_kv_heads, head_dim,
+                            kv_storage_dtype, block_size)
+    if not dispatch.use_kernel("paged_prefill_attention", reason, fallback="the decode kernel per token"):
         return None
     return tile_tokens(num_heads, num_kv_heads)
 

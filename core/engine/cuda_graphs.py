@@ -103,15 +103,16 @@ def smallest_fit(sizes: list[int], value: int) -> int:
 
 def attention_work(chunks: list[ScheduledChunk], tile_tokens: int | None = None) -> int:
     """Sum over the step's queries of the context each walks. Without tiles every token is a query: chunk
-    positions s..s+n-1 see s+1..s+n. With `tile_tokens` a chunk of n > 1 tokens is a query per tile, which walks
-    its last token's context."""
+    positions s..s+n-1 see s+1..s+n. With `tile_tokens` (T) a chunk of n > 1 tokens is a query per tile, which
+    walks its last token's context: m = ceil(n / T) tiles see s + T, s + 2T, ..., s + (m - 1)T and s + n."""
     work = 0
     for chunk in chunks:
         start, n = chunk.start_pos, chunk.num_tokens
         if tile_tokens is None or n == 1:
             work += n * start + n * (n + 1) // 2
         else:
-            work += sum(start + min(n, first + tile_tokens) for first in range(0, n, tile_tokens))
+            tiles = cdiv(n, tile_tokens)
+            work += tiles * start + tile_tokens * tiles * (tiles - 1) // 2 + n
     return work
 
 
@@ -251,9 +252,10 @@ class StaticStepBuffers:
         tile = 0
         for begin, n in spans:
             decode_lens[begin:min(begin + n, rows)] = 0
-            for first in range(0, n, self.tile_tokens):
-                tiles[tile] = (begin + first, min(self.tile_tokens, n - first))
-                tile += 1
+            firsts = np.arange(begin, begin + n, self.tile_tokens)
+            tiles[tile:tile + len(firsts), 0] = firsts
+            tiles[tile:tile + len(firsts), 1] = np.minimum(self.tile_tokens, begin + n - firsts)
+            tile += len(firsts)
         return rows + 2 * num_tiles
 
     def views(self, tokens: int, bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
