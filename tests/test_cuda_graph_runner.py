@@ -477,3 +477,47 @@ def test_graphed_prefill_tiles_match_eager(prefill_model_dir, dtype):
     assert all(near_tie_or_equal(e, g, 0.02) for e, g in zip(from_eager, from_graphs))
     assert sum(e.token_ids == g.token_ids for e, g in zip(from_eager, from_graphs)) >= len(requests) - 1
     assert graphs.health()["kernels"]["ops"]["paged_prefill_attention"] == "kernel"
+
+
+# One engine inside --max-vram in a fresh process (an empty allocator, nothing else of the suite on the device).
+MAX_VRAM_RUN = """
+import json, random, sys
+import torch
+from core import SamplingParams
+from core.config import EngineConfig
+from core.engine.llm_engine import LLMEngine
+
+max_vram = int(sys.argv[1])
+engine = LLMEngine(EngineConfig(dummy_weights=True, shape="smollm2-135m", quantization="w4a16", max_vram=max_vram,
+                                max_num_seqs=8, max_model_len=4096))
+rng = random.Random(0)
+ids = [engine.add_request([rng.randrange(1000, 40000) for _ in range(rng.randrange(200, 1800))],
+                          SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for _ in range(16)]
+finals = {}
+while engine.has_unfinished_requests():
+    outputs, _ = engine.step()
+    finals.update({o.request_id: o for o in outputs if o.finished})
+print(json.dumps({"reserved": torch.cuda.max_memory_reserved(), "allocated": torch.cuda.max_memory_allocated(),
+                  "tokens": [len(finals[i].outputs[0].token_ids) for i in ids],
+                  "budget": engine.kv_budget.as_dict(), "graphs": engine.health()["cuda_graphs"]["enabled"]}))
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_max_vram_caps_what_torch_reserves():
+    """The KV pool takes whatever the budget leaves, so the allocator's cached blocks would push its
+    reservation past --max-vram (4.05 GiB in a 4 GiB budget before the cap); with the cap it stays inside."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("cupy")
+    max_vram = 1024**3
+    run = subprocess.run([sys.executable, "-c", MAX_VRAM_RUN, str(max_vram)], check=False, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["graphs"] and result["budget"]["source"] == "max_vram"
+    assert result["tokens"] == [24] * 16
+    assert result["reserved"] <= max_vram, result

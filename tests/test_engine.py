@@ -439,6 +439,19 @@ def test_kv_budget_arithmetic():
         plan_kv_budget(EngineConfig(max_vram="800MiB"), block, gpu)
 
 
+def test_max_vram_caps_the_allocator_at_its_share_of_the_device(monkeypatch):
+    from core.engine.memory import cap_torch_memory
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000 * MiB, 8192 * MiB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: fractions.append(fraction))
+    for max_vram in (EngineConfig(max_vram="4GiB").max_vram, 3 * 1024**3, 16 * 1024**3, None):
+        cap_torch_memory(max_vram, "cuda:0")
+    # 4 and 3 GiB of an 8 GiB device; more than the device, and no max_vram, lift the cap.
+    assert fractions == [0.5, 0.375, 1.0, 1.0]
+
+
 def test_runner_builds_one_flat_batch_decodes_first(loaded):
     from core.engine.model_runner import ModelRunner
     from core.engine.request import Request

@@ -387,11 +387,15 @@ class PaddedStepRunner:
 
     def _capture_one(self, tokens: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """The shape first runs once eagerly on the capture stream, so kernels are compiled and the
-        quantized matmul's counters and cuBLAS's workspace exist before the capture."""
+        quantized matmul's counters and cuBLAS's workspace exist before the capture. The eager run's
+        blocks are then given back: under a --max-vram cap the allocator cannot empty its cache
+        while a capture is underway, so they would sit beside the graph pool as it grows."""
         self.load_padding(tokens, bound)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.forward(tokens, bound)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         rows = self.buffers.rows_of(tokens)
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):

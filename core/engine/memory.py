@@ -16,6 +16,11 @@ budget is also capped by what is actually free, minus `reserve_memory_mb` and th
 headroom the warm-up needed, so the pool never pushes the first real step out of memory. The CUDA
 context itself sits outside `max_vram`: torch cannot measure it per process.
 
+`max_vram` is also a hard limit (`cap_torch_memory`): the budget bounds what tensors allocate, and
+torch's caching allocator keeps free blocks cached on top (4.05 GiB reserved in a 4 GiB budget
+before the cap), so the allocator is capped at `max_vram` and empties its cache before it would
+grow past it.
+
 CUDA graphs are captured after the pool is allocated (they bind its addresses), so their memory is
 measured before, on a scratch cache: the static input/output buffers, and the largest graph
 captured alone and let go (its pool, which all graphs share, plus what one instantiated graph
@@ -64,6 +69,16 @@ class KVBudget:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "pool_bytes": self.pool_bytes}
+
+
+def cap_torch_memory(max_vram: int | None, device) -> None:
+    """Caps torch's reservation on `device` (tensors, cached free blocks, the CUDA graphs' pool) at
+    `max_vram` bytes: past it the allocator frees its cache and retries, and only then raises OOM.
+    None lifts the cap (an earlier engine of this process may have set one)."""
+    import torch
+
+    total = torch.cuda.mem_get_info(device)[1]  # the allocator's limit is a fraction of this total
+    torch.cuda.set_per_process_memory_fraction(1.0 if max_vram is None else min(1.0, max_vram / total), device)
 
 
 def plan_kv_budget(config: EngineConfig, block_bytes: int, memory: DeviceMemory | None) -> KVBudget:
