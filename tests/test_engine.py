@@ -443,13 +443,15 @@ def test_max_vram_caps_the_allocator_at_its_share_of_the_device(monkeypatch):
     from core.engine.memory import cap_torch_memory
 
     fractions = []
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000 * MiB, 8192 * MiB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (1000 * MiB, 8192 * MiB))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda fraction, device: fractions.append(fraction))
+                        lambda fraction, index: fractions.append((fraction, index)))
     for max_vram in (EngineConfig(max_vram="4GiB").max_vram, 3 * 1024**3, 16 * 1024**3, None):
-        cap_torch_memory(max_vram, "cuda:0")
+        cap_torch_memory(max_vram, torch.device("cuda", 1))
+    cap_torch_memory(2 * 1024**3, torch.device("cuda"))  # the engine's "auto" device: the current one
     # 4 and 3 GiB of an 8 GiB device; more than the device, and no max_vram, lift the cap.
-    assert fractions == [0.5, 0.375, 1.0, 1.0]
+    assert fractions == [(0.5, 1), (0.375, 1), (1.0, 1), (1.0, 1), (0.25, 3)]
 
 
 def test_runner_builds_one_flat_batch_decodes_first(loaded):

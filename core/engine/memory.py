@@ -77,8 +77,10 @@ def cap_torch_memory(max_vram: int | None, device) -> None:
     None lifts the cap (an earlier engine of this process may have set one)."""
     import torch
 
-    total = torch.cuda.mem_get_info(device)[1]  # the allocator's limit is a fraction of this total
-    torch.cuda.set_per_process_memory_fraction(1.0 if max_vram is None else min(1.0, max_vram / total), device)
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
+    total = torch.cuda.mem_get_info(index)[1]  # the allocator's limit is a fraction of this total
+    torch.cuda.set_per_process_memory_fraction(1.0 if max_vram is None else min(1.0, max_vram / total), index)
 
 
 def plan_kv_budget(config: EngineConfig, block_bytes: int, memory: DeviceMemory | None) -> KVBudget:
