@@ -505,9 +505,9 @@ print(json.dumps({"reserved": torch.cuda.max_memory_reserved(), "allocated": tor
 
 @pytest.mark.gpu
 @needs_cuda
-def test_max_vram_caps_what_torch_reserves():
-    """The KV pool takes whatever the budget leaves, so the allocator's cached blocks would push its
-    reservation past --max-vram (4.05 GiB in a 4 GiB budget before the cap); with the cap it stays inside."""
+def test_max_vram_holds_what_torch_reserves():
+    """The KV pool takes whatever the budget leaves, so any reserved byte the budget misses shows: counting
+    allocations only (not the holes between the weights), Qwen2.5-3B's start-up reserved 4.38 GiB in 4 GiB."""
     import json
     import subprocess
     import sys

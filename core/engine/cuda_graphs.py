@@ -388,8 +388,8 @@ class PaddedStepRunner:
     def _capture_one(self, tokens: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """The shape first runs once eagerly on the capture stream, so kernels are compiled and the
         quantized matmul's counters and cuBLAS's workspace exist before the capture. The eager run's
-        blocks are then given back: under a --max-vram cap the allocator cannot empty its cache
-        while a capture is underway, so they would sit beside the graph pool as it grows."""
+        cached blocks are then given back, so the graph pool grows beside the weights and the KV
+        pool only (the KV budget counts the activations and the graphs once each)."""
         self.load_padding(tokens, bound)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -50,7 +50,7 @@ from core.config import EngineConfig
 from core.engine.backends import choose_attention_backend, kernel_summary, prefill_tile_tokens
 from core.engine.cuda_graphs import PaddedStepRunner
 from core.engine.inflight import InflightStep
-from core.engine.memory import DeviceMemory, KVBudget, MiB, cap_torch_memory, log_kv_budget, plan_kv_budget
+from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from core.engine.model_runner import ModelRunner, warmup_requests
 from core.engine.output_processor import OutputProcessor, RequestGroup
 from core.engine.outputs import RequestOutput
@@ -100,8 +100,6 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cuda":
-            cap_torch_memory(config.max_vram, self.device)
         if loaded_model is None:
             if config.quantization:
                 from core.engine.quantized_model import load_quantized_model

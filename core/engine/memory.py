@@ -6,7 +6,7 @@ In order of precedence:
     kv_cache_memory       exactly that many bytes for the pool
     CPU                   cpu_kv_cache_memory bytes
     max_vram              max_vram - peak torch memory of the warm-up (weights + activations)
-                          - CUDA graph memory
+                          - CUDA graph memory - the holes in torch's segments
     otherwise             total * gpu_memory_utilization - reserve_memory_mb - peak - CUDA graph
                           memory - memory held outside torch (CUDA context, other processes)
 
@@ -16,10 +16,10 @@ budget is also capped by what is actually free, minus `reserve_memory_mb` and th
 headroom the warm-up needed, so the pool never pushes the first real step out of memory. The CUDA
 context itself sits outside `max_vram`: torch cannot measure it per process.
 
-`max_vram` is also a hard limit (`cap_torch_memory`): the budget bounds what tensors allocate, and
-torch's caching allocator keeps free blocks cached on top (4.05 GiB reserved in a 4 GiB budget
-before the cap), so the allocator is capped at `max_vram` and empties its cache before it would
-grow past it.
+Under `max_vram` the pool also gives up the holes the weights leave in torch's segments (what torch
+still reserves beyond its allocations once its cache is emptied: freed load-time temporaries inside
+segments that also hold weights, ~0.3-0.4 GiB for the Qwen2.5-3B body in W4A16). Counting only
+allocations, the reservation went past the budget (4.38 GiB at start-up in a 4 GiB budget).
 
 CUDA graphs are captured after the pool is allocated (they bind its addresses), so their memory is
 measured before, on a scratch cache: the static input/output buffers, and the largest graph
@@ -71,18 +71,6 @@ class KVBudget:
         return {**asdict(self), "pool_bytes": self.pool_bytes}
 
 
-def cap_torch_memory(max_vram: int | None, device) -> None:
-    """Caps torch's reservation on `device` (tensors, cached free blocks, the CUDA graphs' pool) at
-    `max_vram` bytes: past it the allocator frees its cache and retries, and only then raises OOM.
-    None lifts the cap (an earlier engine of this process may have set one)."""
-    import torch
-
-    device = torch.device(device)
-    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
-    total = torch.cuda.mem_get_info(index)[1]  # the allocator's limit is a fraction of this total
-    torch.cuda.set_per_process_memory_fraction(1.0 if max_vram is None else min(1.0, max_vram / total), index)
-
-
 def plan_kv_budget(config: EngineConfig, block_bytes: int, memory: DeviceMemory | None) -> KVBudget:
     """The pool size for `config`; `memory` is None on the CPU. DeepInferError when not one block fits."""
     if config.num_gpu_blocks is not None:
@@ -101,7 +89,8 @@ def plan_kv_budget(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
         # Free now, plus torch's cached but unused memory, minus room for the next peak and the graphs.
         available = memory.free + memory.torch_reserved - memory.torch_allocated - activations - reserve - graphs
         if config.max_vram is not None:
-            source, budget = "max_vram", min(config.max_vram - memory.peak_allocated - graphs, available)
+            holes = memory.torch_reserved - memory.torch_allocated
+            source, budget = "max_vram", min(config.max_vram - memory.peak_allocated - graphs - holes, available)
         else:
             outside_torch = memory.total - memory.free - memory.torch_reserved
             allowed = int(memory.total * config.gpu_memory_utilization) - reserve
