@@ -521,3 +521,28 @@ def test_max_vram_holds_what_torch_reserves():
     assert result["graphs"] and result["budget"]["source"] == "max_vram"
     assert result["tokens"] == [24] * 16
     assert result["reserved"] <= max_vram, result
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compaction_gives_back_the_holes_between_weights_and_keeps_their_values():
+    from core.engine.compaction import MIN_HOLE_BYTES, compact_weights, reserved_holes
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    generator = torch.Generator(device=device).manual_seed(0)
+    model, temporaries = torch.nn.Module(), []
+    # 4 MiB tensors share the allocator's 20 MiB segments: keeping every other one leaves 4 MiB holes that
+    # empty_cache cannot release, as merging projections does with the parts it frees.
+    for i in range(48):
+        model.register_buffer(f"w{i}", torch.randn(1 << 20, generator=generator, device=device))
+        temporaries.append(torch.empty(1 << 20, device=device))
+    expected = {name: buffer.cpu() for name, buffer in model.named_buffers()}
+    before = reserved_holes(device)
+    del temporaries
+    assert reserved_holes(device) - before >= 48 * 4 * 1024**2 * 0.9 > MIN_HOLE_BYTES
+    given_back = compact_weights(model, device)
+    assert given_back >= 48 * 4 * 1024**2 * 0.9
+    assert all(buffer.device.type == "cuda" and torch.equal(buffer.cpu(), expected[name])
+               for name, buffer in model.named_buffers())
+    assert reserved_holes(device) <= before + 20 * 1024**2  # back to where it was, give or take a segment

@@ -48,6 +48,7 @@ import torch
 
 from core.config import EngineConfig
 from core.engine.backends import choose_attention_backend, kernel_summary, prefill_tile_tokens
+from core.engine.compaction import compact_weights
 from core.engine.cuda_graphs import PaddedStepRunner
 from core.engine.inflight import InflightStep
 from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
@@ -100,7 +101,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if loaded_model is None:
+        own_model = loaded_model is None  # a caller's model may be shared with other engines: left in place
+        if own_model:
             if config.quantization:
                 from core.engine.quantized_model import load_quantized_model
 
@@ -115,6 +117,8 @@ class LLMEngine:
             quantize_linears(loaded_model.model, QUANT_BITS[config.quantization], self.device, self.dtype,
                              random_codes=loaded_model.source_kind == "dummy", seed=config.seed)
         merge_projections(loaded_model.model)  # q/k/v and gate/up: one product each
+        if own_model and self.device.type == "cuda":
+            compact_weights(loaded_model.model, self.device)
         self.spec = loaded_model.spec
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
