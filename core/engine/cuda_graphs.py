@@ -373,9 +373,16 @@ class PaddedStepRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for tokens in reversed(self.bucket_sizes):
-            for bound in reversed(self.context_bounds):
-                self._graphs[(tokens, bound)] = self._capture_one(tokens, bound, pool, stream)
+        shapes = [(tokens, bound) for tokens in reversed(self.bucket_sizes) for bound in reversed(self.context_bounds)]
+        # Every shape runs eagerly before the first capture, so the eager runs' activations are
+        # given back before the graph pool exists and never sit beside it (the KV budget counts the
+        # activations and the graphs once each).
+        for tokens, bound in shapes:
+            self._run_eagerly(tokens, bound, stream)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        for tokens, bound in shapes:
+            self._graphs[(tokens, bound)] = self._capture_one(tokens, bound, pool, stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_after = torch.cuda.mem_get_info(self.device)[0]
@@ -385,17 +392,19 @@ class PaddedStepRunner:
                     self.report.seconds, self.report.memory_bytes / MiB)
         return self.report
 
-    def _capture_one(self, tokens: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-        """The shape first runs once eagerly on the capture stream, so kernels are compiled and the
-        quantized matmul's counters and cuBLAS's workspace exist before the capture. The eager run's
-        cached blocks are then given back, so the graph pool grows beside the weights and the KV
-        pool only (the KV budget counts the activations and the graphs once each)."""
+    def _run_eagerly(self, tokens: int, bound: int, stream: torch.cuda.Stream) -> None:
+        """One eager run of a shape on the capture stream before it is captured, so its kernels are
+        compiled and the quantized matmul's counters and cuBLAS's workspace exist."""
         self.load_padding(tokens, bound)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.forward(tokens, bound)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _capture_one(self, tokens: int, bound: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """The shape's graph; it has run eagerly on `stream` before (`_run_eagerly`)."""
+        self.load_padding(tokens, bound)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         rows = self.buffers.rows_of(tokens)
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
@@ -414,10 +423,7 @@ class PaddedStepRunner:
         torch.cuda.empty_cache()
         free_start = torch.cuda.mem_get_info(self.device)[0]
         stream = torch.cuda.Stream(self.device)
-        self.load_padding(tokens, bound)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.forward(tokens, bound)  # the stream's workspace; kernels compiled
+        self._run_eagerly(tokens, bound, stream)  # the stream's workspace; kernels compiled
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free_warm, reserved_warm = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
