@@ -16,10 +16,10 @@ budget is also capped by what is actually free, minus `reserve_memory_mb` and th
 headroom the warm-up needed, so the pool never pushes the first real step out of memory. The CUDA
 context itself sits outside `max_vram`: torch cannot measure it per process.
 
-Under `max_vram` the pool also gives up the holes the weights leave in torch's segments (what torch
-still reserves beyond its allocations once its cache is emptied: freed load-time temporaries inside
-segments that also hold weights, ~0.3-0.4 GiB for the Qwen2.5-3B body in W4A16). Counting only
-allocations, the reservation went past the budget (4.38 GiB at start-up in a 4 GiB budget).
+Under `max_vram` the pool also gives up the holes left between the weights in torch's segments (what
+torch still reserves beyond its allocations once its cache is emptied: freed parts of merged
+projections and load-time temporaries that core/engine/compaction.py did not give back). Counting
+allocations only, the reservation of the Qwen2.5-3B body in a 4 GiB budget reached 4.38 GiB.
 
 CUDA graphs are captured after the pool is allocated (they bind its addresses), so their memory is
 measured before, on a scratch cache: the static input/output buffers, and the largest graph
