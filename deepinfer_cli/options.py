@@ -26,7 +26,8 @@ ReserveMbOpt = Annotated[int, typer.Option("--reserve-memory-mb", help="MiB left
 KvCacheMemoryOpt = Annotated[str | None, typer.Option(
     "--kv-cache-memory", help="KV pool size exactly, e.g. 2GiB.")]
 MaxVramOpt = Annotated[str | None, typer.Option(
-    "--max-vram", help="Weights + activations + KV stay inside this, e.g. 4GiB.")]
+    "--max-vram", help="What torch reserves (weights, activations, CUDA graphs, KV) stays inside this, "
+                        "e.g. 4GiB; the CUDA context comes on top.")]
 PrefixCachingOpt = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching", help="Share full prompt blocks between requests.")]
 EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Never use CUDA graphs.")]
