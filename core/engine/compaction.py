@@ -15,9 +15,10 @@ import logging
 import torch
 from torch import nn
 
+from core.engine.memory import MiB
+
 logger = logging.getLogger(__name__)
 
-MiB = 1024**2
 # Below this the round trip (about a second per few GB over PCIe) is not worth its time.
 MIN_HOLE_BYTES = 64 * MiB
 

@@ -51,12 +51,12 @@ import torch
 
 from core.attention.metadata import AttentionMetadata
 from core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens, to_device
+from core.engine.memory import MiB
 from core.engine.scheduler_output import ScheduledChunk
 from core.kv.kv_manager import cdiv
 
 logger = logging.getLogger(__name__)
 
-MiB = 1024**2
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
 MAX_GRAPH_TOKENS = 2048
