@@ -1,6 +1,6 @@
 """LLM: offline batch generation in the spirit of vLLM.
 
-    from core import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams
     llm = LLM()                                   # the default model; or LLM("path", max_num_seqs=8, ...)
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
     print(outputs[0].text)
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
-from core.engine.outputs import RequestOutput
-from core.engine.sampling_params import SamplingParams
-from core.errors import InvalidRequestError
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.outputs import RequestOutput
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.errors import InvalidRequestError
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]

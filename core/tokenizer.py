@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from core.errors import InvalidRequestError, ModelLoadError
+from deepinfer.core.errors import InvalidRequestError, ModelLoadError
 
 
 class Tokenizer:
@@ -118,7 +118,7 @@ def _gguf_tokenizer(gguf_path: Path) -> Any:
 
     from transformers import AutoTokenizer
 
-    from core.weights.default_model import cache_root
+    from deepinfer.core.weights.default_model import cache_root
 
     stat = gguf_path.stat()
     cached = cache_root() / "tokenizers" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"

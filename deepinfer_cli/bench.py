@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from deepinfer_cli.errors import fail
-from deepinfer_cli.options import (
+from deepinfer.cli.errors import fail
+from deepinfer.cli.options import (
     AsyncSchedulingOpt,
     AttentionBackendOpt,
     BlockSizeOpt,
@@ -79,8 +79,8 @@ def concurrency(
 ) -> None:
     """Serial vs concurrent sweep: TTFT, TPOT, ITL percentiles and throughput."""
     _setup_logging(verbose)
-    from core.bench.concurrency import ConcurrencyWorkload, run_concurrency_benchmark
-    from core.bench.report import concurrency_tables
+    from deepinfer.core.bench.concurrency import ConcurrencyWorkload, run_concurrency_benchmark
+    from deepinfer.core.bench.report import concurrency_tables
 
     if peer not in (None, "hf"):
         fail(f"--peer must be hf, got {peer!r}")
@@ -98,8 +98,8 @@ def concurrency(
         seed=seed)
     peer_source = None
     if peer == "hf":
-        from core.bench.engine_client import cuda_device_of
-        from core.bench.hf_peer import peer_source as hf_peer_source
+        from deepinfer.core.bench.engine_client import cuda_device_of
+        from deepinfer.core.bench.hf_peer import peer_source as hf_peer_source
 
         peer_source = hf_peer_source(config, cuda_device_of(config) or "cpu")
     payload = run_concurrency_benchmark(config, workload, peer_source)
@@ -145,8 +145,8 @@ def jitter(
 ) -> None:
     """Long-prompt insertion: the running stream's ITL against its baseline, per token budget."""
     _setup_logging(verbose)
-    from core.bench.jitter import JitterWorkload, run_jitter_benchmark
-    from core.bench.report import jitter_tables
+    from deepinfer.core.bench.jitter import JitterWorkload, run_jitter_benchmark
+    from deepinfer.core.bench.report import jitter_tables
 
     budgets = _int_list(token_budgets, "--token-budgets")
     config = engine_config(
@@ -186,10 +186,10 @@ def gemv(
     import torch
     from rich.console import Console
 
-    from core.bench.env_info import env_info, gpu_slug
-    from core.bench.gemv_bench import gemv_tables, run_gemv_benchmark
-    from core.bench.report import results_path, write_json
-    from kernels import cuda_unavailable_reason
+    from deepinfer.core.bench.env_info import env_info, gpu_slug
+    from deepinfer.core.bench.gemv_bench import gemv_tables, run_gemv_benchmark
+    from deepinfer.core.bench.report import results_path, write_json
+    from deepinfer.kernels import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason is not None:
@@ -234,8 +234,8 @@ def _finish(benchmark: str, config, payload: dict, tables: list, output: str | N
 
     from rich.console import Console
 
-    from core.bench.env_info import env_info, gpu_slug
-    from core.bench.report import results_path, write_json
+    from deepinfer.core.bench.env_info import env_info, gpu_slug
+    from deepinfer.core.bench.report import results_path, write_json
 
     env = env_info(["deepinfer", *sys.argv[1:]])
     subject = Path(config.shape or config.model or payload.get("model_name") or "default").stem

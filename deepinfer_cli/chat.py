@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from deepinfer_cli.options import (
+from deepinfer.cli.options import (
     AsyncSchedulingOpt,
     BlockSizeOpt,
     DeviceOpt,
@@ -48,7 +48,7 @@ def chat(
 ) -> None:
     """Chat with a model (default: SmolLM2-135M-Instruct, fetched once into the user cache)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from core.engine.sampling_params import SamplingParams
+    from deepinfer.core.engine.sampling_params import SamplingParams
 
     config = engine_config(model=model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
                            block_size=block_size, max_model_len=max_model_len, max_vram=max_vram,
@@ -60,7 +60,7 @@ def chat(
 async def _run(config, params, prompt: str | None, system: str | None) -> None:
     from rich.console import Console
 
-    from core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.async_engine import AsyncEngine
 
     console = Console(highlight=False)
     err_console = Console(stderr=True, highlight=False)

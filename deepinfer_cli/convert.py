@@ -36,8 +36,8 @@ def convert(src: SrcArg, out: OutArg, bits: BitsOpt = None, group_size: GroupSiz
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from core.weights.convert.run import convert_checkpoint
-    from core.weights.convert.source import ConvertOptions
+    from deepinfer.core.weights.convert.run import convert_checkpoint
+    from deepinfer.core.weights.convert.source import ConvertOptions
 
     options = ConvertOptions(bits=bits, group_size=group_size, sym=sym, keep_8bit=keep_8bit)
     console = Console(stderr=True)

@@ -10,8 +10,8 @@ import sys
 
 import typer
 
-from deepinfer_cli import bench, chat, convert, serve, validate
-from deepinfer_cli.errors import DEBUG
+from deepinfer.cli import bench, chat, convert, serve, validate
+from deepinfer.cli.errors import DEBUG
 
 app = typer.Typer(
     name="deepinfer",

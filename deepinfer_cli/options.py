@@ -43,7 +43,7 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Engine seed.")]
 
 def engine_config(**options: Any):
     """Build an EngineConfig from command options, dropping the ones left unset (None)."""
-    from core.config import EngineConfig
+    from deepinfer.core.config import EngineConfig
 
     options = {k: v for k, v in options.items() if v is not None}
     if "prefix_caching" in options:

@@ -12,8 +12,8 @@ from typing import Annotated
 
 import typer
 
-from deepinfer_cli.errors import fail
-from deepinfer_cli.options import (
+from deepinfer.cli.errors import fail
+from deepinfer.cli.options import (
     AsyncSchedulingOpt,
     AttentionBackendOpt,
     BlockSizeOpt,
@@ -83,9 +83,9 @@ def serve(
     """Serve a model over an OpenAI-compatible HTTP API with /health and /metrics."""
     import uvicorn
 
-    from core.config import parse_size
-    from core.server.app import create_app
-    from core.server.config import ServerConfig
+    from deepinfer.core.config import parse_size
+    from deepinfer.core.server.app import create_app
+    from deepinfer.core.server.config import ServerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config(

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from deepinfer_cli.errors import fail
+from deepinfer.cli.errors import fail
 
 
 def _format(value: float | None, spec: str) -> str:
@@ -31,13 +31,13 @@ def validate_kernels(
     from rich.console import Console
     from rich.table import Table
 
-    from core.bench.env_info import gpu_slug
-    from kernels import cuda_unavailable_reason
+    from deepinfer.core.bench.env_info import gpu_slug
+    from deepinfer.kernels import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason is not None:
         fail(f"validate-kernels needs a CUDA GPU with CuPy: {reason}")
-    from core.bench.kernel_validation import CHECK_GROUPS, run_validation
+    from deepinfer.core.bench.kernel_validation import CHECK_GROUPS, run_validation
 
     groups = tuple(item.strip() for item in only.split(",") if item.strip()) if only else None
     unknown = [group for group in groups or () if group not in CHECK_GROUPS]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.compiler import get_kernel
-from kernels.launch import i32, launch, ptr
-from kernels.quant_matmul import packed_layout_reason
+from deepinfer.kernels.compiler import get_kernel
+from deepinfer.kernels.launch import i32, launch, ptr
+from deepinfer.kernels.quant_matmul import packed_layout_reason
 
 SOURCE = "dequantize.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}

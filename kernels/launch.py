@@ -16,7 +16,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from kernels import programmatic_launch
+from deepinfer.kernels import programmatic_launch
 
 _streams: dict[tuple[int, int], object] = {}
 _ARG_TYPES = (np.uint64, np.int32, np.int64, np.float32)
@@ -62,7 +62,7 @@ def _torch_stream(device_index: int):
 
 @cache
 def _programmatic(device_index: int) -> bool:
-    from kernels.compiler import device_arch
+    from deepinfer.kernels.compiler import device_arch
 
     return programmatic_launch.enabled(device_arch(device_index))
 
@@ -70,7 +70,7 @@ def _programmatic(device_index: int) -> bool:
 @cache
 def clusters_available(device_index: int) -> bool:
     """Whether the device launches thread-block clusters (compute capability 9.0+)."""
-    from kernels.compiler import device_arch
+    from deepinfer.kernels.compiler import device_arch
 
     return int(device_arch(device_index)) >= 90
 

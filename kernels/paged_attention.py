@@ -31,8 +31,8 @@ from functools import cache
 
 import torch
 
-from kernels.compiler import get_kernel
-from kernels.launch import clusters_available, f32, i32, launch, ptr
+from deepinfer.kernels.compiler import get_kernel
+from deepinfer.kernels.launch import clusters_available, f32, i32, launch, ptr
 
 SOURCE = "paged_attention.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}

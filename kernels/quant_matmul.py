@@ -28,9 +28,9 @@ from functools import cache
 
 import torch
 
-from kernels.act_and_mul import ACTIVATIONS
-from kernels.compiler import get_kernel
-from kernels.launch import clusters_available, i32, launch, ptr
+from deepinfer.kernels.act_and_mul import ACTIVATIONS
+from deepinfer.kernels.compiler import get_kernel
+from deepinfer.kernels.launch import clusters_available, i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}

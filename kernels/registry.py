@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kernels import act_and_mul, dequantize, paged_attention, quant_matmul, rms_norm, rope_cache
+from deepinfer.kernels import act_and_mul, dequantize, paged_attention, quant_matmul, rms_norm, rope_cache
 
 
 @dataclass(frozen=True)

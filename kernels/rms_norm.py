@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.compiler import get_kernel
-from kernels.launch import f32, i32, launch, ptr
+from deepinfer.kernels.compiler import get_kernel
+from deepinfer.kernels.launch import f32, i32, launch, ptr
 
 SOURCE = "rms_norm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}

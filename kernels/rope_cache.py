@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.compiler import get_kernel
-from kernels.launch import i32, i64, launch, ptr
+from deepinfer.kernels.compiler import get_kernel
+from deepinfer.kernels.launch import i32, i64, launch, ptr
 
 SOURCE = "rope_cache.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}

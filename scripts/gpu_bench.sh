@@ -11,7 +11,7 @@ set -uo pipefail
 
 OUT_DIR="${OUT:-results}"
 mkdir -p "$OUT_DIR"
-DEEPINFER=(python3 -m deepinfer_cli.main)
+DEEPINFER=(python3 -m deepinfer)
 MODEL=(--dummy-weights --shape qwen2.5-3b --quantization w4a16 --max-model-len 4096)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/^_//; s/_$//')
 GPU=${GPU:-gpu}

@@ -20,7 +20,7 @@ timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
 echo "gpu tests exit $?"; tail -15 "$OUT_DIR/gpu_tests.log"
 
 echo "[$(date +%H:%M:%S)] validate-kernels"
-timeout 150 python3 -m deepinfer_cli.main validate-kernels --workers 12 --no-show-passed \
+timeout 150 python3 -m deepinfer validate-kernels --workers 12 --no-show-passed \
     --output "$OUT_DIR/kernel_validation_nvidia_h200.json" > "$OUT_DIR/validate.log" 2>&1
 echo "validate-kernels exit $?"; tail -12 "$OUT_DIR/validate.log"
 

@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.bench.env_info import env_info
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
-from core.engine.sampling_params import SamplingParams
+from deepinfer.core.bench.env_info import env_info
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.sampling_params import SamplingParams
 
 MiB = 1024**2
 logger = logging.getLogger("graph_decode_check")

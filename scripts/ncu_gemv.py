@@ -20,7 +20,7 @@ def main() -> None:
 
     import torch
 
-    from kernels.quant_matmul import quant_matmul
+    from deepinfer.kernels.quant_matmul import quant_matmul
 
     device = torch.device("cuda")
     for dtype_name in args.dtypes.split(","):

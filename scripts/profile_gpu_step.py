@@ -21,9 +21,9 @@ def main() -> None:
 
     import torch
 
-    from core.config import EngineConfig
-    from core.engine.llm_engine import LLMEngine
-    from core.engine.sampling_params import SamplingParams
+    from deepinfer.core.config import EngineConfig
+    from deepinfer.core.engine.llm_engine import LLMEngine
+    from deepinfer.core.engine.sampling_params import SamplingParams
 
     config = EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", max_model_len=4096,
                           kv_cache_memory="4GiB", max_num_batched_tokens=args.budget, max_num_seqs=4)

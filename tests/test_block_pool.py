@@ -2,7 +2,7 @@
 
 import pytest
 
-from core.kv.block_pool import BlockPool, BlockPoolError
+from deepinfer.core.kv.block_pool import BlockPool, BlockPoolError
 
 
 def test_allocate_hands_out_ids_in_order_with_ref_count_one():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-DEEPINFER = [sys.executable, "-m", "deepinfer_cli.main"]
+DEEPINFER = [sys.executable, "-m", "deepinfer"]
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

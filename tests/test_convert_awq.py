@@ -16,12 +16,12 @@ from reference_packers import (
     save_quantized_checkpoint,
 )
 
-from core.config import EngineConfig
-from core.errors import ModelLoadError, UnsupportedModelError
-from core.quant.packing import dequantize, unpack_codes
-from core.weights.convert.awq import awq_to_packed, unpack_awq
-from core.weights.convert.run import convert_checkpoint
-from core.weights.layered import load_layered
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.quant.packing import dequantize, unpack_codes
+from deepinfer.core.weights.convert.awq import awq_to_packed, unpack_awq
+from deepinfer.core.weights.convert.run import convert_checkpoint
+from deepinfer.core.weights.layered import load_layered
 
 TOLERANCE = 1e-4
 

@@ -17,13 +17,13 @@ from reference_packers import (
     write_tiny_gguf,
 )
 
-from core.config import EngineConfig
-from core.errors import ConversionError, ModelLoadError
-from core.quant.packing import dequantize
-from core.weights.convert.gguf import gguf_exact_to_packed, qk_row_order
-from core.weights.convert.run import convert_checkpoint
-from core.weights.convert.source import ConvertOptions
-from core.weights.layered import load_layered, read_layer, read_manifest
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.core.weights.convert.gguf import gguf_exact_to_packed, qk_row_order
+from deepinfer.core.weights.convert.run import convert_checkpoint
+from deepinfer.core.weights.convert.source import ConvertOptions
+from deepinfer.core.weights.layered import load_layered, read_layer, read_manifest
 
 TOLERANCE = 1e-4
 EXACT = {"self_attn.q_proj": "Q4_0", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
@@ -105,9 +105,9 @@ def test_exact_types_model_logits(tiny_models, tmp_path, family):
 def test_rope_freqs_follow_the_gguf_path(tiny_llama, tmp_path):
     """Llama 3 GGUFs carry RoPE scaling as a rope_freqs tensor: it goes to config.json, not to a layer,
     and the converted model computes what deepinfer's GGUF path computes."""
-    from core.models.decoder import DecoderModel
-    from core.models.spec import ModelSpec
-    from core.weights.gguf_reader import iter_gguf_weights, open_gguf
+    from deepinfer.core.models.decoder import DecoderModel
+    from deepinfer.core.models.spec import ModelSpec
+    from deepinfer.core.weights.gguf_reader import iter_gguf_weights, open_gguf
 
     factors = np.linspace(1.0, 8.0, tiny_llama.config.head_dim // 2)
     write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT, seed=4, rope_freqs=factors)
@@ -178,7 +178,7 @@ def test_keep_8bit_error_is_far_below_4_bit(tiny_llama, tmp_path):
     the manifest show 8 bits. --bits 8 means --keep-8bit; --keep-8bit with --bits 4 is refused."""
     from typer.testing import CliRunner
 
-    from deepinfer_cli.main import app
+    from deepinfer.cli.main import app
 
     write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", REQUANTIZED, seed=6)
     four = {r.name: r for r in convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "four").records}
@@ -236,7 +236,7 @@ def test_smollm2_q4_1_converts_exactly(smollm2_layered):
 
 
 def test_smollm2_greedy_tokens_match_the_gguf_path(smollm2_layered, smollm2_gguf):
-    from core import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=9)

@@ -17,13 +17,13 @@ from reference_packers import (
     save_quantized_checkpoint,
 )
 
-from core.config import EngineConfig
-from core.errors import ConversionError, ModelLoadError, UnsupportedModelError
-from core.models.loader import load_model
-from core.quant.packing import dequantize
-from core.weights.convert.gptq import gptq_to_packed
-from core.weights.convert.run import convert_checkpoint
-from core.weights.convert.source import ConvertOptions
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ConversionError, ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.loader import load_model
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.core.weights.convert.gptq import gptq_to_packed
+from deepinfer.core.weights.convert.run import convert_checkpoint
+from deepinfer.core.weights.convert.source import ConvertOptions
 
 TOLERANCE = 1e-4
 DIMS = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
@@ -180,7 +180,7 @@ def test_rtn_flags_are_refused(gptq_dir, tmp_path):
 
 
 def run_cli(monkeypatch, *args):
-    from deepinfer_cli.main import main
+    from deepinfer.cli.main import main
 
     monkeypatch.setattr(sys, "argv", ["deepinfer", *map(str, args)])
     with pytest.raises(SystemExit) as exit_info:

@@ -10,12 +10,12 @@ import torch
 from conftest import PagedRunner, save_tiny_model
 from reference_packers import LINEARS
 
-from core.config import EngineConfig
-from core.errors import ConversionError, ModelLoadError
-from core.quant.packing import dequantize
-from core.weights.convert.run import convert_checkpoint
-from core.weights.convert.source import ConvertOptions
-from core.weights.layered import load_layered, read_layer, read_manifest
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.core.weights.convert.run import convert_checkpoint
+from deepinfer.core.weights.convert.source import ConvertOptions
+from deepinfer.core.weights.layered import load_layered, read_layer, read_manifest
 
 TOLERANCE = 1e-4
 

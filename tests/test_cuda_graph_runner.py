@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from core import SamplingParams
-from core.config import EngineConfig
-from core.engine.cuda_graphs import (
+from deepinfer import SamplingParams
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.cuda_graphs import (
     PaddedStepRunner,
     StaticStepBuffers,
     attention_work,
@@ -25,11 +25,11 @@ from core.engine.cuda_graphs import (
     decode_bucket_sizes,
     token_bucket_sizes,
 )
-from core.engine.llm_engine import LLMEngine
-from core.engine.request import Request
-from core.engine.scheduler_output import ScheduledChunk
-from core.errors import DeepInferError
-from core.models.loader import load_model
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.scheduler_output import ScheduledChunk
+from deepinfer.core.errors import DeepInferError
+from deepinfer.core.models.loader import load_model
 
 
 def test_bucket_sizes():
@@ -88,7 +88,7 @@ def test_tiled_buckets_stage_decodes_first_then_prefill_tiles_and_padding_tiles(
     """Above max_num_seqs tokens (with the prefill kernel's tile size, from MIN_TILED_TOKENS, here 16): decodes
     take the first rows, chunks of several tokens and the padding rows are cut into tiles, and the decode kernel's
     lengths are 0 on tile rows."""
-    from core.engine import cuda_graphs
+    from deepinfer.core.engine import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 16)
     buffers = StaticStepBuffers(max_tokens=32, max_rows=4, max_model_len=64, block_size=4, dummy_block=99,
@@ -168,7 +168,7 @@ def test_runner_serves_steps_whose_per_token_attention_is_cheap():
 
 
 def test_graph_memory_comes_out_of_the_kv_budget():
-    from core.engine.memory import DeviceMemory, plan_kv_budget
+    from deepinfer.core.engine.memory import DeviceMemory, plan_kv_budget
 
     mib = 1024**2
     memory = {"total": 4096 * mib, "free": 3000 * mib, "torch_reserved": 700 * mib, "torch_allocated": 600 * mib,
@@ -278,11 +278,11 @@ def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir,
     """With prefill tiles (their buffers beside the block tables, decodes placed first) the padded engine's greedy
     tokens and logprobs still equal the unpadded engine's. On the CPU the torch backend attends per token and
     ignores the tiles; the GPU tests run them."""
-    from core.engine import llm_engine
+    from deepinfer.core.engine import llm_engine
 
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
     settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
-    from core.engine import cuda_graphs
+    from deepinfer.core.engine import cuda_graphs
 
     monkeypatch.setattr(llm_engine, "prefill_tile_tokens", lambda *args: 4)
     monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 8)
@@ -386,7 +386,7 @@ def test_cuda_graphs_match_eager(model_dir, quantization):
 def runs_with_and_without_pdl(monkeypatch, model_dir, variants: dict) -> dict:
     """The workload's greedy outputs (logprobs on) of a bf16 W4A16 engine per variant (`enforce_eager` for the
     config, `decode_mode` for the engine), with DEEPINFER_PDL=1 and =0: {(flag, variant name): outputs}."""
-    from kernels import launch as kernel_launch
+    from deepinfer.kernels import launch as kernel_launch
 
     settings = {"model": str(model_dir), "dtype": "bfloat16", "num_gpu_blocks": 128, "block_size": 16,
                 "max_num_seqs": 12, "max_num_batched_tokens": 64, "quantization": "w4a16"}
@@ -433,7 +433,7 @@ def test_fused_epilogues_replay_and_overlap_like_the_serialized_eager_steps(wide
     cache write has finished, and the gate/up product's K splits meet across CTAs, through a cluster on SM90+; a
     race would show here)."""
     pytest.importorskip("cupy")
-    from core.ops import dispatch
+    from deepinfer.core.ops import dispatch
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -459,7 +459,7 @@ def test_graphed_prefill_tiles_match_eager(prefill_model_dir, dtype):
     attend in tiles on paged_prefill_attention, compute exactly what the padded steps compute eagerly, and match the
     unpadded eager engine (SDPA for prefill chunks) up to near-ties."""
     pytest.importorskip("cupy")
-    from core.ops import dispatch
+    from deepinfer.core.ops import dispatch
 
     dispatch.reset_log()  # health reports every path this process took; other models' tests took others
     settings = {"model": str(prefill_model_dir), "dtype": dtype, "num_gpu_blocks": 256, "block_size": 16,
@@ -483,9 +483,9 @@ def test_graphed_prefill_tiles_match_eager(prefill_model_dir, dtype):
 MAX_VRAM_RUN = """
 import json, random, sys
 import torch
-from core import SamplingParams
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
+from deepinfer import SamplingParams
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
 
 max_vram = int(sys.argv[1])
 engine = LLMEngine(EngineConfig(dummy_weights=True, shape="smollm2-135m", quantization="w4a16", max_vram=max_vram,
@@ -526,7 +526,7 @@ def test_max_vram_holds_what_torch_reserves():
 @pytest.mark.gpu
 @needs_cuda
 def test_compaction_gives_back_the_holes_between_weights_and_keeps_their_values():
-    from core.engine.compaction import MIN_HOLE_BYTES, compact_weights, reserved_holes
+    from deepinfer.core.engine.compaction import MIN_HOLE_BYTES, compact_weights, reserved_holes
 
     device = torch.device("cuda")
     torch.cuda.empty_cache()

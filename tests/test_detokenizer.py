@@ -2,13 +2,13 @@
 
 import pytest
 
-from core.engine.detokenizer import IncrementalDetokenizer
-from core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_gguf):
-    from core.tokenizer import Tokenizer
+    from deepinfer.core.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).hf_tokenizer
 
@@ -122,7 +122,7 @@ def test_first_token_keeps_leading_space_from_prompt_context():
 
 
 def test_byte_tokenizer_of_dummy_models_streams_whole_characters():
-    from core.tokenizer import ByteTokenizer
+    from deepinfer.core.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer(vocab_size=300)
     text = "héllo 🎉 世界 stop here"

@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from core import LLM, AsyncEngine, SamplingParams
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
-from core.engine.memory import DeviceMemory, plan_kv_budget
-from core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
-from core.models.loader import load_model
+from deepinfer import LLM, AsyncEngine, SamplingParams
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.memory import DeviceMemory, plan_kv_budget
+from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
+from deepinfer.core.models.loader import load_model
 
 MiB = 1024**2
 
@@ -441,10 +441,10 @@ def test_kv_budget_arithmetic():
 
 
 def test_runner_builds_one_flat_batch_decodes_first(loaded):
-    from core.engine.model_runner import ModelRunner
-    from core.engine.request import Request
-    from core.engine.scheduler_output import ScheduledChunk, SchedulerOutput
-    from core.kv.cache import KVCache
+    from deepinfer.core.engine.model_runner import ModelRunner
+    from deepinfer.core.engine.request import Request
+    from deepinfer.core.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+    from deepinfer.core.kv.cache import KVCache
 
     spec = loaded.spec
     cache = KVCache(spec.num_layers, 16, 8, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
@@ -474,8 +474,8 @@ def test_runner_builds_one_flat_batch_decodes_first(loaded):
 
 
 def test_warmup_step_is_the_largest_step_and_runs(loaded):
-    from core.engine.model_runner import ModelRunner, warmup_requests
-    from core.kv.cache import KVCache
+    from deepinfer.core.engine.model_runner import ModelRunner, warmup_requests
+    from deepinfer.core.kv.cache import KVCache
 
     step, num_blocks = warmup_requests(num_tokens=40, max_num_seqs=6, block_size=8, max_model_len=100)
     assert [(c.start_pos, c.num_tokens) for c in step.chunks] == [(65, 35)] + [(0, 1)] * 5

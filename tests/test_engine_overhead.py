@@ -11,19 +11,19 @@ import types
 import pytest
 import torch
 
-from core.attention.native_backend import NativePagedAttention
-from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
-from core.attention.torch_backend import TorchPagedAttention
-from core.engine.output_processor import OutputProcessor, RequestGroup
-from core.engine.request import Request
-from core.engine.sampling_params import SamplingParams
-from core.engine.stats import IterationStats
-from core.kv.cache import KVCache
-from core.ops import dispatch
-from core.ops.rotary import write_kv_cache
-from core.quant.quant_linear import QuantLinear
-from core.quant.rtn import quantize_rtn
-from core.tokenizer import ByteTokenizer
+from deepinfer.core.attention.native_backend import NativePagedAttention
+from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+from deepinfer.core.attention.torch_backend import TorchPagedAttention
+from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
+from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.stats import IterationStats
+from deepinfer.core.kv.cache import KVCache
+from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.rotary import write_kv_cache
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import quantize_rtn
+from deepinfer.core.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ def fresh_dispatch(monkeypatch):
 
 
 def test_get_kernel_compiles_once_then_skips_hashing(monkeypatch):
-    from kernels import compiler
+    from deepinfer.kernels import compiler
 
     built = []
 
@@ -102,7 +102,7 @@ def test_decide_runs_the_checks_once_per_key_and_env_setting(monkeypatch):
 
 
 def test_cached_decisions_still_follow_the_env_switch(caplog):
-    from core.ops.norm import rms_norm
+    from deepinfer.core.ops.norm import rms_norm
 
     x, weight = torch.randn(3, 16), torch.randn(16)
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_quant_linear_reuses_its_packed_weight_until_a_buffer_changes():
 
 
 def _dequantized(layer: QuantLinear) -> torch.Tensor:
-    from core.quant.packing import dequantize
+    from deepinfer.core.quant.packing import dequantize
 
     return dequantize(layer.packed, torch.float32)
 
@@ -167,9 +167,9 @@ def test_backend_with_kv_written_attends_over_what_the_caller_wrote(backend_type
 def test_decoder_writes_kv_once_per_layer_through_the_fused_op(monkeypatch):
     from transformers import LlamaConfig
 
-    from core.models.decoder import DecoderModel
-    from core.models.spec import ModelSpec
-    from core.ops import rotary
+    from deepinfer.core.models.decoder import DecoderModel
+    from deepinfer.core.models.spec import ModelSpec
+    from deepinfer.core.ops import rotary
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -187,7 +187,7 @@ def test_decoder_writes_kv_once_per_layer_through_the_fused_op(monkeypatch):
     def no_backend_write(*args, **kwargs):
         raise AssertionError("the backend wrote K/V the decoder had already written")
 
-    monkeypatch.setattr("core.models.layers.rotary_and_cache_write", counting)
+    monkeypatch.setattr("deepinfer.core.models.layers.rotary_and_cache_write", counting)
     monkeypatch.setattr(KVCache, "write", no_backend_write)
     with torch.no_grad():
         model(torch.arange(6), positions, metadata, cache)
@@ -204,7 +204,7 @@ def _processor_with_one_request(logprobs: int | None = None) -> tuple[OutputProc
 
 
 def _step(processor: OutputProcessor, request: Request, token: int):
-    from core.engine.outputs import TokenLogprob
+    from deepinfer.core.engine.outputs import TokenLogprob
 
     request.append_output_token(token)
     if request.logprobs is not None:

@@ -15,10 +15,10 @@ from conftest import save_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
-from core.engine.sampling_params import SamplingParams
-from core.models.loader import load_model
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.models.loader import load_model
 
 MAX_TOKENS = 8
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from core.bench.gemv_bench import quant_points
-from kernels import quant_matmul as kq
-from kernels.compiler import source_text
+from deepinfer.core.bench.gemv_bench import quant_points
+from deepinfer.kernels import quant_matmul as kq
+from deepinfer.kernels.compiler import source_text
 
 
 @pytest.mark.parametrize("num_rows,in_features,num_sms,expected", [
@@ -126,7 +126,7 @@ def test_bench_gemv_attention_rows_name_their_path():
     the split path with its split count; rows recorded before the path was stored show their split count."""
     from rich.console import Console
 
-    from core.bench.gemv_bench import gemv_tables
+    from deepinfer.core.bench.gemv_bench import gemv_tables
 
     row = {"batch": 64, "context": 1024, "heads": 16, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16",
            "kv": "same", "pipelined": True, "splits": 1, "us_mean": 10.0, "us_std": 0.1, "gbps": 3000.0,

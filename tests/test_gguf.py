@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import PagedRunner
 
-from core.config import EngineConfig
-from core.models.loader import load_model
-from core.weights.gguf_reader import open_gguf
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.models.loader import load_model
+from deepinfer.core.weights.gguf_reader import open_gguf
 
 PROMPTS = [
     "What is the capital of France?",
@@ -200,10 +200,10 @@ def test_converted_gguf_matches_hf_logits(family, overrides, tmp_path):
     from conftest import tiny_hf_config
     from transformers import AutoModelForCausalLM
 
-    from core.models.decoder import DecoderModel
-    from core.models.layers import rope_inverse_frequencies
-    from core.models.spec import ModelSpec
-    from core.weights.gguf_reader import iter_gguf_weights
+    from deepinfer.core.models.decoder import DecoderModel
+    from deepinfer.core.models.layers import rope_inverse_frequencies
+    from deepinfer.core.models.spec import ModelSpec
+    from deepinfer.core.weights.gguf_reader import iter_gguf_weights
 
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32).eval()

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import FAMILIES, TINY_WINDOWS, PagedRunner
 
-from core.config import EngineConfig
-from core.models.decoder import DecoderModel
-from core.models.loader import load_model
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.models.decoder import DecoderModel
+from deepinfer.core.models.loader import load_model
 
 TOLERANCE = 1e-4
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
-    from kernels import cuda_unavailable_reason, device_unsupported_reason
+    from deepinfer.kernels import cuda_unavailable_reason, device_unsupported_reason
 
     return cuda_unavailable_reason() or device_unsupported_reason(torch.cuda.current_device())
 
@@ -27,10 +27,10 @@ _REASON = _skip_reason()
 if _REASON is not None:
     pytest.skip(f"GPU kernels need CUDA and CuPy: {_REASON}", allow_module_level=True)
 
-from core.bench import kernel_checks  # imported after the skip: CPU runs never load it
-from core.bench.kernel_validation import check_cuda_graph, check_split_cuda_graph
-from core.bench.model_validation import check_tiny_model
-from kernels.quant_matmul import KERNELS
+from deepinfer.core.bench import kernel_checks  # imported after the skip: CPU runs never load it
+from deepinfer.core.bench.kernel_validation import check_cuda_graph, check_split_cuda_graph
+from deepinfer.core.bench.model_validation import check_tiny_model
+from deepinfer.kernels.quant_matmul import KERNELS
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 
@@ -92,8 +92,8 @@ def test_tiny_model_native_matches_reference(dtype, bits, int8_kv, tol):
 
 
 def test_dispatch_takes_the_kernel_on_gpu(caplog, monkeypatch):
-    from core.ops import dispatch
-    from core.ops.norm import rms_norm
+    from deepinfer.core.ops import dispatch
+    from deepinfer.core.ops.norm import rms_norm
 
     monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
     dispatch.reset_log()
@@ -111,13 +111,13 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
     """The decoder rotates q/k and writes K/V with the rope_cache_write kernel, then calls the backend with
     kv_written=True: the native backend (paged decode kernel) and the torch backend (SDPA over the same
     cache) must give the same logits over prefill, mixed and decode steps, and neither writes K/V again."""
-    from core.attention.native_backend import NativePagedAttention
-    from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
-    from core.attention.torch_backend import TorchPagedAttention
-    from core.bench.kernel_checks import compare
-    from core.bench.model_validation import BLOCK_SIZE, VOCAB, build_tiny_llama
-    from core.kv.cache import KVCache
-    from core.ops import dispatch
+    from deepinfer.core.attention.native_backend import NativePagedAttention
+    from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+    from deepinfer.core.attention.torch_backend import TorchPagedAttention
+    from deepinfer.core.bench.kernel_checks import compare
+    from deepinfer.core.bench.model_validation import BLOCK_SIZE, VOCAB, build_tiny_llama
+    from deepinfer.core.kv.cache import KVCache
+    from deepinfer.core.ops import dispatch
 
     monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
     dispatch.reset_log()
@@ -157,13 +157,13 @@ def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(ca
     the fused kernels serve: logits and KV caches must be the same bits as with the products and rope_cache_write /
     act_and_mul run one after the other, over prefill, mixed and decode steps (the q/k/v fusion takes the steps of
     at most 8 tokens, the gate/up one those of at most 32)."""
-    from core.attention.native_backend import NativePagedAttention
-    from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
-    from core.bench.model_validation import BLOCK_SIZE, STEPS, VOCAB, build_tiny_llama
-    from core.kv.cache import KVCache
-    from core.models import layers
-    from core.models.merged_projections import merge_projections
-    from core.ops import dispatch
+    from deepinfer.core.attention.native_backend import NativePagedAttention
+    from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+    from deepinfer.core.bench.model_validation import BLOCK_SIZE, STEPS, VOCAB, build_tiny_llama
+    from deepinfer.core.kv.cache import KVCache
+    from deepinfer.core.models import layers
+    from deepinfer.core.models.merged_projections import merge_projections
+    from deepinfer.core.ops import dispatch
 
     monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
     dispatch.reset_log()

@@ -13,16 +13,16 @@ from conftest import FAMILIES, PagedRunner, save_tiny_model
 from reference_packers import LINEARS
 from safetensors import safe_open
 
-from core.config import EngineConfig
-from core.errors import ModelLoadError
-from core.models.loader import load_model
-from core.models.spec import ModelSpec
-from core.quant.packing import dequantize
-from core.quant.quant_linear import QuantLinear
-from core.weights.convert.hf import HFSource
-from core.weights.convert.run import convert_checkpoint
-from core.weights.convert.source import ConvertOptions
-from core.weights.layered import FORMAT_NAME, read_layer, read_manifest
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ModelLoadError
+from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.weights.convert.hf import HFSource
+from deepinfer.core.weights.convert.run import convert_checkpoint
+from deepinfer.core.weights.convert.source import ConvertOptions
+from deepinfer.core.weights.layered import FORMAT_NAME, read_layer, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_directory_layout_and_manifest(converted):
 
 
 def test_load_model_and_llm_run_the_layered_checkpoint(converted):
-    from core import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams
 
     out, reference = converted
     loaded = load_model(EngineConfig(model=str(out)), "cpu", torch.float32)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import FAMILIES, PagedRunner
 
-from core.config import EngineConfig
-from core.models.loader import load_model
-from core.models.merged_projections import merge_linears, merge_projections
-from core.quant.quant_linear import QuantLinear
-from core.quant.quantize_model import quantize_projections_rtn
-from core.quant.rtn import quantize_rtn
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.merged_projections import merge_linears, merge_projections
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.quantize_model import quantize_projections_rtn
+from deepinfer.core.quant.rtn import quantize_rtn
 
 
 def _tokens(length: int, seed: int) -> list[int]:

@@ -13,10 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import ServerThread
 
-from core.config import EngineConfig
-from core.engine.stats import FinishedRequestStats, IterationStats
-from core.server.config import ServerConfig
-from core.server.metrics import TTFT_BUCKETS, EngineMetrics
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.stats import FinishedRequestStats, IterationStats
+from deepinfer.core.server.config import ServerConfig
+from deepinfer.core.server.metrics import TTFT_BUCKETS, EngineMetrics
 
 REQUIRED = [
     ("deepinfer:num_requests_running", "gauge"),

@@ -16,10 +16,10 @@ import transformers
 from conftest import tiny_hf_config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from core.errors import ModelLoadError, UnsupportedModelError
-from core.models.decoder import DecoderModel
-from core.models.layers import RMSNorm, rope_inverse_frequencies
-from core.models.spec import ModelSpec
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.decoder import DecoderModel
+from deepinfer.core.models.layers import RMSNorm, rope_inverse_frequencies
+from deepinfer.core.models.spec import ModelSpec
 
 SHAPES = Path(__file__).resolve().parents[1] / "configs" / "shapes"
 BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,

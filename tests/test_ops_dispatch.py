@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from core.attention.native_backend import NativePagedAttention
-from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
-from core.attention.torch_backend import TorchPagedAttention
-from core.kv.cache import KVCache
-from core.ops import dispatch
-from core.ops.activation import act_and_mul
-from core.ops.norm import rms_norm
-from core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
-from core.ops.quant_matmul import quant_matmul, quant_matmul_reference
-from core.ops.rotary import rotary_and_cache_write, write_kv_cache
-from core.quant.rtn import quantize_rtn
+from deepinfer.core.attention.native_backend import NativePagedAttention
+from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+from deepinfer.core.attention.torch_backend import TorchPagedAttention
+from deepinfer.core.kv.cache import KVCache
+from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.activation import act_and_mul
+from deepinfer.core.ops.norm import rms_norm
+from deepinfer.core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
+from deepinfer.core.ops.quant_matmul import quant_matmul, quant_matmul_reference
+from deepinfer.core.ops.rotary import rotary_and_cache_write, write_kv_cache
+from deepinfer.core.quant.rtn import quantize_rtn
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def test_use_kernel_logs_the_kernel_path_once(caplog):
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_rms_norm_reference_matches_decoder_norm_and_formula(offset):
-    from core.models.layers import RMSNorm
+    from deepinfer.core.models.layers import RMSNorm
 
     hidden, dtype = 24, torch.bfloat16
     x, residual = torch.randn(5, hidden).to(dtype), torch.randn(5, hidden).to(dtype)
@@ -203,7 +203,7 @@ def test_quant_matmul_on_cpu_is_the_reference():
 
 
 def test_kernel_arguments_are_exactly_typed():
-    from kernels.launch import f32, i32, i64, launch, ptr
+    from deepinfer.kernels.launch import f32, i32, i64, launch, ptr
 
     assert f32(0.125).dtype == np.float32 and f32(0.125).itemsize == 4
     assert i32(7).dtype == np.int32 and i64(7).dtype == np.int64
@@ -215,8 +215,8 @@ def test_kernel_arguments_are_exactly_typed():
 
 
 def test_registry_instantiations_name_templates_of_their_sources():
-    from kernels import registry
-    from kernels.compiler import source_hash, source_text
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.compiler import source_hash, source_text
 
     for op in registry.OPS.values():
         text = source_text(op.source)
@@ -229,8 +229,8 @@ def test_registry_instantiations_name_templates_of_their_sources():
 
 
 def test_split_and_tile_choices(monkeypatch):
-    from kernels import paged_attention
-    from kernels import quant_matmul as kq
+    from deepinfer.kernels import paged_attention
+    from deepinfer.kernels import quant_matmul as kq
 
     monkeypatch.setattr(paged_attention, "_device_limits", lambda index: (132, 2048, 65536, 32))
     monkeypatch.setattr(kq, "_num_sms", lambda index: 132)
@@ -264,7 +264,7 @@ def test_split_and_tile_choices(monkeypatch):
 
 
 def test_an_explicit_tc_kernel_refuses_weights_it_cannot_take():
-    from kernels import quant_matmul as kq
+    from deepinfer.kernels import quant_matmul as kq
 
     packed = quantize_rtn(torch.randn(48, 256), bits=3, group_size=128)  # tc and tcs take W4 only
     for kernel in ("tc", "tcs"):
@@ -274,8 +274,8 @@ def test_an_explicit_tc_kernel_refuses_weights_it_cannot_take():
 
 
 def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shape():
-    from core.ops.quant_matmul import uses_dense
-    from kernels import quant_matmul as kq
+    from deepinfer.core.ops.quant_matmul import uses_dense
+    from deepinfer.kernels import quant_matmul as kq
 
     # (tokens, in, out) -> path, as bench gemv and the decode-step profile measured it on an H200 (Qwen2.5-3B's
     # merged shapes, W4 G128)
@@ -297,7 +297,7 @@ def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shap
 
 def _kernel_parameters(source: str, template: str) -> list[str]:
     """C types of a kernel's parameters, read from its source: 'ptr', 'int', 'i64' or 'float'."""
-    from kernels.compiler import source_text
+    from deepinfer.kernels.compiler import source_text
 
     text = source_text(source)
     match = re.search(rf"__global__ void (?:__launch_bounds__\([^)]+\) )?{template}\((.*?)\)\s*{{", text, re.DOTALL)
@@ -313,11 +313,11 @@ _ARG_KIND = {np.uint64: "ptr", np.int32: "int", np.int64: "i64", np.float32: "fl
 
 def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     """Every launcher's argument list matches its kernel's C signature, in count and exact type."""
-    from kernels import act_and_mul as ka
-    from kernels import paged_attention as kp
-    from kernels import quant_matmul as kq
-    from kernels import rms_norm as kr
-    from kernels import rope_cache as krc
+    from deepinfer.kernels import act_and_mul as ka
+    from deepinfer.kernels import paged_attention as kp
+    from deepinfer.kernels import quant_matmul as kq
+    from deepinfer.kernels import rms_norm as kr
+    from deepinfer.kernels import rope_cache as krc
 
     class _Kernel(tuple):  # (source, name), with the register count the split plan reads
         num_regs = 168
@@ -380,7 +380,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
 def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     """Where the q/k/v product takes RoPE and the cache write into its epilogue: a W4 weight tc takes, heads that
     tile into rotation pairs, a cache in the activations' dtype, and the token counts tc serves up to one tile."""
-    from kernels import quant_matmul as kq
+    from deepinfer.kernels import quant_matmul as kq
 
     bf16 = torch.bfloat16
     qwen_3b = torch.zeros((16 + 2 * 2) * 128, 2048 // 8, dtype=torch.int32)  # Qwen2.5-3B's merged q/k/v
@@ -401,7 +401,7 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
 def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
     """Where the gate/up product takes the activation into its epilogue: a W4 weight tcs takes (whole 16-row tiles
     in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-32)."""
-    from kernels import quant_matmul as kq
+    from deepinfer.kernels import quant_matmul as kq
 
     qwen_3b = torch.zeros(2 * 11008, 2048 // 8, dtype=torch.int32)  # Qwen2.5-3B's merged gate/up
     assert kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "silu") is None
@@ -423,7 +423,7 @@ def test_gate_up_products_k_splits_meet_in_a_cluster_where_the_device_has_cluste
     """At 1-8 tokens the fused gate/up product splits K in two (few row tiles); on SM90+ the two splits of a tile are
     one thread-block cluster (no partials, no counters), elsewhere they meet through fp32 partials in global
     memory. From 9 tokens there is one split and no cluster."""
-    from kernels import quant_matmul as kq
+    from deepinfer.kernels import quant_matmul as kq
 
     launches = []
     monkeypatch.setattr(kq, "get_kernel", lambda source, name, index: name)
@@ -454,9 +454,9 @@ def test_gate_up_products_k_splits_meet_in_a_cluster_where_the_device_has_cluste
 
 
 def test_gate_up_act_and_mul_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):
-    from core.ops import dispatch
-    from core.ops.gate_up_activation import gate_up_act_and_mul
-    from core.quant.quant_linear import QuantLinear
+    from deepinfer.core.ops import dispatch
+    from deepinfer.core.ops.gate_up_activation import gate_up_act_and_mul
+    from deepinfer.core.quant.quant_linear import QuantLinear
 
     dispatch.reset_log()
     caplog.set_level(logging.INFO, logger="deepinfer.ops")
@@ -469,9 +469,9 @@ def test_gate_up_act_and_mul_leaves_cpu_and_unquantized_layers_to_the_unfused_op
 
 
 def test_qkv_rotary_and_cache_write_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):
-    from core.ops import dispatch
-    from core.ops.qkv_rotary import qkv_rotary_and_cache_write
-    from core.quant.quant_linear import QuantLinear
+    from deepinfer.core.ops import dispatch
+    from deepinfer.core.ops.qkv_rotary import qkv_rotary_and_cache_write
+    from deepinfer.core.quant.quant_linear import QuantLinear
 
     dispatch.reset_log()
     caplog.set_level(logging.INFO, logger="deepinfer.ops")

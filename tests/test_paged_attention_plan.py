@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from kernels import paged_attention as kp
+from deepinfer.kernels import paged_attention as kp
 
 
 class _Kernel(tuple):  # (source, name), with the register count the split plan reads
@@ -204,8 +204,8 @@ def test_the_read_probe_keeps_the_split_paths_grid_at_short_bounds(launches):
 
 
 def test_every_paths_kernels_keep_the_names_the_registry_compiles_ahead():
-    from kernels import registry
-    from kernels.compiler import source_text
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.compiler import source_text
 
     compiled_ahead = set(registry.get("paged_decode_attention").instantiations)
     for dtype in (torch.float16, torch.bfloat16):

@@ -1,11 +1,11 @@
 """PrefixCache and KVCacheManager: chained hashes, confirmation by token ids, the reuse bound,
 tenant salt, LRU eviction order and exact ref counts."""
 
-from core.engine.request import Request
-from core.engine.sampling_params import SamplingParams
-from core.kv.block_pool import BlockPool
-from core.kv.kv_manager import KVCacheManager
-from core.kv.prefix_cache import PrefixCache, hash_block, hash_full_blocks
+from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.kv.block_pool import BlockPool
+from deepinfer.core.kv.kv_manager import KVCacheManager
+from deepinfer.core.kv.prefix_cache import PrefixCache, hash_block, hash_full_blocks
 
 BS = 4
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import programmatic_launch
-from kernels.launch import f32, i32, i64
+from deepinfer.kernels import programmatic_launch
+from deepinfer.kernels.launch import f32, i32, i64
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from reference_packers import autogptq_pack_rows
 
-from core.ops.quant_matmul import quant_matmul
-from core.quant.packed import PackedWeight
-from core.quant.packing import dequantize, pack_codes, pack_weight, unpack_codes
-from core.quant.quant_linear import QuantLinear
-from core.quant.rtn import quantization_error, quantize_rtn
+from deepinfer.core.ops.quant_matmul import quant_matmul
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.quant.packing import dequantize, pack_codes, pack_weight, unpack_codes
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import quantization_error, quantize_rtn
 
 
 def bit_stream_words(codes: list[int], bits: int) -> list[int]:
@@ -170,7 +170,7 @@ def test_quant_linear_matches_dequantized_matmul_and_keeps_scale_dtype():
 @pytest.mark.parametrize("zero_mode", ["zero", "min"])
 def test_eight_bit_quant_linear_runs_the_reference(zero_mode):
     """The CUDA kernels take 3 and 4 bits only: an 8-bit layer is dequantized and multiplied in torch."""
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     gen = torch.Generator().manual_seed(11)
     codes = torch.randint(0, 256, (24, 128), generator=gen)
@@ -194,9 +194,9 @@ def test_eight_bit_quant_linear_runs_the_reference(zero_mode):
 def test_quantize_projections_rtn_swaps_only_projections(tiny_models):
     from conftest import PagedRunner
 
-    from core.models.decoder import DecoderModel
-    from core.models.spec import ModelSpec
-    from core.quant.quantize_model import quantize_projections_rtn
+    from deepinfer.core.models.decoder import DecoderModel
+    from deepinfer.core.models.spec import ModelSpec
+    from deepinfer.core.quant.quantize_model import quantize_projections_rtn
 
     _, hf_model = tiny_models["qwen2"]  # q/k/v biases
     model = DecoderModel(ModelSpec.from_hf_config(hf_model.config.to_dict()), max_positions=128)

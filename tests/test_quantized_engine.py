@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from core import SamplingParams
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
-from core.errors import ModelLoadError
-from core.quant.packing import dequantize
-from core.quant.quant_linear import QuantLinear
-from core.quant.rtn import default_group_size, quantize_rtn
+from deepinfer import SamplingParams
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.errors import ModelLoadError
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import default_group_size, quantize_rtn
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 17, 99, 4, 250], [300, 12], list(range(40, 71))]
@@ -79,7 +79,7 @@ def test_quantized_tokens_differ_from_the_dense_model(tmp_path, tiny_tokenizer):
 
 
 def test_a_given_loaded_model_is_quantized_in_place(tmp_path, tiny_tokenizer):
-    from core.models.loader import load_model
+    from deepinfer.core.models.loader import load_model
 
     save_tiny_model("llama", tmp_path / "m", tiny_tokenizer, seed=3, initializer_range=0.2, num_hidden_layers=2)
     _, expected = engine_tokens(tmp_path / "m", "w4a16")
@@ -105,7 +105,7 @@ def tiny_shape(tmp_path, **overrides):
 
 
 def test_dummy_shape_gets_random_codes_without_rtn(tmp_path, monkeypatch):
-    from core.engine import quantized_model
+    from deepinfer.core.engine import quantized_model
 
     def no_rtn(*args, **kwargs):
         raise AssertionError("dummy weights must not go through RTN")
@@ -148,7 +148,7 @@ def test_quantization_error_names_the_layer(tmp_path):
 def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
     import time
 
-    from core.engine.quantized_model import load_quantized_model
+    from deepinfer.core.engine.quantized_model import load_quantized_model
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.engine.request import Request, RequestStatus
-from core.engine.sampling_params import SamplingParams
-from core.engine.scheduler import Scheduler
-from core.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from core.errors import QueueFullError
-from core.kv.kv_manager import KVCacheManager
+from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.scheduler import Scheduler
+from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.core.errors import QueueFullError
+from deepinfer.core.kv.kv_manager import KVCacheManager
 
 VOCAB = 50
 EOS = 0

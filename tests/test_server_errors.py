@@ -15,9 +15,9 @@ import httpx
 import pytest
 from server_helpers import ServerThread
 
-from core.config import EngineConfig
-from core.server.app import _build_engine
-from core.server.config import ServerConfig
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.server.app import _build_engine
+from deepinfer.core.server.config import ServerConfig
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 128

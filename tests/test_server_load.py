@@ -16,8 +16,8 @@ import httpx
 import pytest
 from server_helpers import ServerThread
 
-from core.config import EngineConfig
-from core.server.config import ServerConfig
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.server.config import ServerConfig
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 12

@@ -21,8 +21,8 @@ import pytest
 import torch
 from server_helpers import ServerThread
 
-from core.config import EngineConfig
-from core.server.config import ServerConfig
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.server.config import ServerConfig
 
 NAME = "tiny-llama"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -271,7 +271,7 @@ def free_port() -> int:
 def test_deepinfer_serve_command(tiny_models):
     """The CLI end to end: binds loopback, loads in the background, needs the key, stops on SIGINT."""
     port = free_port()
-    command = [sys.executable, "-m", "deepinfer_cli.main", "serve", "--model", str(tiny_models["llama"][0]),
+    command = [sys.executable, "-m", "deepinfer", "serve", "--model", str(tiny_models["llama"][0]),
                "--port", str(port), "--api-key", "k", "--served-model-name", "cli-model", "--device", "cpu",
                "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "4MiB", "--log-level", "warning"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -298,7 +298,7 @@ def test_deepinfer_serve_command(tiny_models):
 
 
 def test_deepinfer_serve_exits_when_the_model_cannot_load(tmp_path):
-    command = [sys.executable, "-m", "deepinfer_cli.main", "serve", "--model", str(tmp_path / "absent"),
+    command = [sys.executable, "-m", "deepinfer", "serve", "--model", str(tmp_path / "absent"),
                "--port", str(free_port()), "--device", "cpu", "--log-level", "error"]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.config import EngineConfig
-from core.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
-from core.models.loader import load_model
-from core.tokenizer import ByteTokenizer, Tokenizer
-from core.weights import default_model
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.loader import load_model
+from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
+from deepinfer.core.weights import default_model
 
 
 def load(path) -> object:

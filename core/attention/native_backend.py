@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from core.attention.metadata import AttentionMetadata
-from core.attention.torch_backend import TorchPagedAttention
-from core.ops import dispatch
-from core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
-from core.ops.rotary import write_kv_cache
+from deepinfer.core.attention.metadata import AttentionMetadata
+from deepinfer.core.attention.torch_backend import TorchPagedAttention
+from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
+from deepinfer.core.ops.rotary import write_kv_cache
 
 
 class NativePagedAttention:
@@ -66,7 +66,7 @@ class NativePagedAttention:
 
     @staticmethod
     def _kernel_serves(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> bool:
-        from kernels import registry
+        from deepinfer.kernels import registry
 
         op = registry.get("paged_decode_attention")
         key = (query.device, query.dtype, query.shape[1:], key_cache.device, key_cache.dtype, key_cache.shape[1:],

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention.metadata import AttentionMetadata
+from deepinfer.core.attention.metadata import AttentionMetadata
 
 
 @dataclass

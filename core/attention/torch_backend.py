@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from core.attention.metadata import AttentionMetadata
+from deepinfer.core.attention.metadata import AttentionMetadata
 
 # cuDNN's SDPA builds an execution plan for every new shape: about 1.3 ms of host time per call on
 # an H200, and prefill chunks change shape every step (36 layers: ~50 ms a step). The other

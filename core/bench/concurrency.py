@@ -15,10 +15,10 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from core.bench import engine_client, hf_peer
-from core.bench.latency import RequestTiming, mean_std, requests_frame, summarize_requests
-from core.bench.workload import default_num_requests, make_prompts
-from core.errors import InvalidRequestError
+from deepinfer.core.bench import engine_client, hf_peer
+from deepinfer.core.bench.latency import RequestTiming, mean_std, requests_frame, summarize_requests
+from deepinfer.core.bench.workload import default_num_requests, make_prompts
+from deepinfer.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from core.bench.latency import RequestTiming
+from deepinfer.core.bench.latency import RequestTiming
 
 
 def bench_sampling_params(output_len: int):
-    from core.engine.sampling_params import SamplingParams
+    from deepinfer.core.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
@@ -137,7 +137,7 @@ async def start_engine(config, loaded_model=None):
     A quantized run whose model holds no quantized linear would publish bf16 numbers under a W4A16
     label, so that is an error here rather than a footnote.
     """
-    from core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(config, loaded_model)
     await engine.start()
@@ -151,7 +151,7 @@ async def start_engine(config, loaded_model=None):
 
 def loaded_model_of(engine):
     """The engine's model, tokenizer and spec, to hand to the next engine of a sweep."""
-    from core.models.loader import LoadedModel
+    from deepinfer.core.models.loader import LoadedModel
 
     inner = engine.engine
     return LoadedModel(inner.spec, inner.model, inner.tokenizer, inner.source_kind, inner.model_name)
@@ -159,7 +159,7 @@ def loaded_model_of(engine):
 
 def weight_summary(engine) -> dict:
     """How the loaded model holds its weights: quantized linears (and their bit widths), bytes on the device."""
-    from core.quant.quant_linear import QuantLinear
+    from deepinfer.core.quant.quant_linear import QuantLinear
 
     model = engine.engine.model
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -173,7 +173,7 @@ def weight_summary(engine) -> dict:
 
 async def warm_up(engine, vocab_size: int, prompt_len: int, output_len: int = 4) -> None:
     """One untimed request: kernel compilation and allocator growth happen here, not in a measurement."""
-    from core.bench.workload import make_prompts
+    from deepinfer.core.bench.workload import make_prompts
 
     prompt = make_prompts(1, prompt_len, vocab_size, seed=[2**31 - 1])[0]
     await send_request(engine, prompt, output_len, f"warmup-{time.monotonic_ns()}")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.bench.kernel_checks import random_paged_kv
+from deepinfer.core.bench.kernel_checks import random_paged_kv
 
 SHAPES = ((2048, 2048), (2048, 11008), (11008, 2048), (4096, 4096), (4096, 14336), (14336, 4096),
           (8192, 8192))  # (K in, N out)
@@ -90,7 +90,7 @@ def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_take
     """(kernel, K-parts or None) of each point timed at one token count: every kernel of KERNEL_MAX_TOKENS
     that serves it (tc where `tc_takes`); the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS
     with each count K allows when `sweep_split`."""
-    from kernels.quant_matmul import SPLIT_PARTS
+    from deepinfer.kernels.quant_matmul import SPLIT_PARTS
 
     points = []
     for kernel, most in KERNEL_MAX_TOKENS:
@@ -112,8 +112,14 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
     plan picks (and, with `sweep_split`, at SPLIT_SWEEP_TOKENS with every count it can take: measured once,
     results/bench_gemv_split_w4_nvidia_h200.json, and not dispatched); a point whose launch fails is
     recorded with its error instead of a time."""
-    from core.ops.quant_matmul import uses_dense
-    from kernels.quant_matmul import default_tile, pick_kernel, quant_matmul, split_ksplit, tc_reason
+    from deepinfer.core.ops.quant_matmul import uses_dense
+    from deepinfer.kernels.quant_matmul import (
+        default_tile,
+        pick_kernel,
+        quant_matmul,
+        split_ksplit,
+        tc_reason,
+    )
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     records = []
@@ -156,7 +162,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
 def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: list[torch.Tensor], bits: int,
                     group_size: int, kernel: str, splits: int | None = None) -> Callable[[], None]:
     if kernel == "dense":
-        from kernels.dequantize import dequantize
+        from deepinfer.kernels.dequantize import dequantize
 
         def launch_all() -> None:
             for weight, out in zip(weights, outs):
@@ -190,7 +196,12 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
                           torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None) -> list[dict]:
-    from kernels.paged_attention import PIPELINED_BY_DEFAULT, decode_path, paged_decode_attention, plan_for
+    from deepinfer.kernels.paged_attention import (
+        PIPELINED_BY_DEFAULT,
+        decode_path,
+        paged_decode_attention,
+        plan_for,
+    )
 
     pipelined = PIPELINED_BY_DEFAULT if pipelined is None else pipelined
 
@@ -243,8 +254,8 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
 
 def bench_read_probes(device, copy_gbps: float, repeats: int = 5) -> list[dict]:
     """What the kernels' load patterns alone stream (no math): the ceiling their math runs under."""
-    from kernels.paged_attention import kv_read_probe
-    from kernels.quant_matmul import weight_read_probe
+    from deepinfer.kernels.paged_attention import kv_read_probe
+    from deepinfer.kernels.quant_matmul import weight_read_probe
 
     records = []
     for in_features, out_features in ((4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)):
@@ -316,7 +327,7 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                                                    int8=True, repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096,),
                                                    heads=9, kv_heads=3, head_dim=64, repeats=repeats)
-        from kernels.paged_attention import PIPELINED_BY_DEFAULT
+        from deepinfer.kernels.paged_attention import PIPELINED_BY_DEFAULT
 
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16, 64), contexts=(4096, 16384),
                                                    repeats=repeats, pipelined=not PIPELINED_BY_DEFAULT,

@@ -17,8 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from core.bench.latency import RequestTiming
-from core.errors import InvalidRequestError
+from deepinfer.core.bench.latency import RequestTiming
+from deepinfer.core.errors import InvalidRequestError
 
 
 def resolve_peer_dtype(dtype: str, device: str):
@@ -35,7 +35,7 @@ def resolve_peer_dtype(dtype: str, device: str):
 def peer_source(config, device: str) -> dict:
     """What the HF peer loads for an engine config: the same config.json, random weights for dummy runs."""
     if config.dummy_weights and config.shape is not None:
-        from core.models.loader import shape_file_path
+        from deepinfer.core.models.loader import shape_file_path
 
         return {"device": device, "dtype": config.dtype, "config_json": str(shape_file_path(config.shape))}
     model_dir = Path(config.model).expanduser() if config.model is not None else None

@@ -22,10 +22,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 
-from core.bench import engine_client
-from core.bench.latency import RequestTiming, percentiles
-from core.bench.workload import make_prompts
-from core.errors import InvalidRequestError
+from deepinfer.core.bench import engine_client
+from deepinfer.core.bench.latency import RequestTiming, percentiles
+from deepinfer.core.bench.workload import make_prompts
+from deepinfer.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

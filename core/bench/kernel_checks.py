@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from core.ops.activation import act_and_mul_reference
-from core.ops.norm import rms_norm_reference
-from core.ops.paged_attention import paged_decode_attention_reference
-from core.ops.rotary import apply_rotary_reference, write_kv_cache_reference
-from core.quant.packing import dequantize, pack_weight
+from deepinfer.core.ops.activation import act_and_mul_reference
+from deepinfer.core.ops.norm import rms_norm_reference
+from deepinfer.core.ops.paged_attention import paged_decode_attention_reference
+from deepinfer.core.ops.rotary import apply_rotary_reference, write_kv_cache_reference
+from deepinfer.core.quant.packing import dequantize, pack_weight
 
 # relative-error bounds per activation dtype; cosine must be >= 1 - rel_tol**2
 REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -182,7 +182,7 @@ def tc_case_weight(out_features: int, in_features: int, group_size: int, zeros_k
 def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str = "tc",
                    cases=TC_CASES) -> list[CheckResult]:
     """The tc or tcs kernel on its cases against the fp32 reference product, in both activation dtypes."""
-    from kernels.quant_matmul import quant_matmul
+    from deepinfer.kernels.quant_matmul import quant_matmul
 
     results = []
     for m, n, k, g, tile, zeros_kind, f32_scales, with_bias in cases:
@@ -208,7 +208,7 @@ def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str =
 
 
 def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUANT_CASES) -> list[CheckResult]:
-    from kernels.quant_matmul import quant_matmul
+    from deepinfer.kernels.quant_matmul import quant_matmul
 
     results = []
     for index, (m, n, k, g, kernel, tile, splits, f32_scales, with_bias) in enumerate(cases):
@@ -237,7 +237,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
         case = f"{_DTYPE_NAMES[dtype]} W4 act-order via core.ops M=5 N=640 K=1024 G=128"
 
         def run_dispatch(dtype=dtype, case=case):
-            from core.ops.quant_matmul import quant_matmul as op_quant_matmul
+            from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
 
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
             x = torch.randn(5, 1024, device=device, dtype=dtype)
@@ -261,7 +261,7 @@ def check_quant_matmul_all(device, dtypes=(torch.float16, torch.bfloat16)) -> li
 def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """The kernel's dense weight must equal the reference's bit for bit (same fp32 operations, one
     rounding to the dtype), and core.ops.quant_matmul's dense path must match the reference product."""
-    from kernels.dequantize import dequantize as dequantize_kernel
+    from deepinfer.kernels.dequantize import dequantize as dequantize_kernel
 
     results = []
     for dtype in dtypes:
@@ -287,8 +287,8 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
         case = f"{_DTYPE_NAMES[dtype]} W4 act-order dense path via core.ops M=100 N=640 K=1024 G=128"
 
         def run_dense(dtype=dtype, case=case):
-            from core.ops.quant_matmul import quant_matmul as op_quant_matmul
-            from core.ops.quant_matmul import uses_dense
+            from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
+            from deepinfer.core.ops.quant_matmul import uses_dense
 
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
             assert uses_dense(100, 1024, 640)
@@ -358,8 +358,8 @@ def random_paged_kv(seq_lens, num_kv_heads: int, head_dim: int, block_size: int,
 def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
     """Each case on its paths, forced: the split path, or (bounds up to 1024 without tokens/split) the combined
     path and, on SM90+, the clustered path."""
-    from kernels.launch import clusters_available
-    from kernels.paged_attention import combined_path, paged_decode_attention
+    from deepinfer.kernels.launch import clusters_available
+    from deepinfer.kernels.paged_attention import combined_path, paged_decode_attention
 
     one_split_paths = ("combined", "clustered") if clusters_available(device.index) else ("combined",)
     results = []
@@ -417,8 +417,8 @@ PREFILL_CASES = (
 
 
 def check_paged_prefill_attention(device, cases=PREFILL_CASES) -> list[CheckResult]:
-    from core.ops.paged_attention import paged_prefill_attention_reference
-    from kernels.paged_attention import paged_prefill_attention, prefill_tile_tokens
+    from deepinfer.core.ops.paged_attention import paged_prefill_attention_reference
+    from deepinfer.kernels.paged_attention import paged_prefill_attention, prefill_tile_tokens
 
     results = []
     for dtype, heads, kv_heads, head_dim, block_size, chunks, window, softcap in cases:
@@ -461,7 +461,7 @@ def check_paged_prefill_attention(device, cases=PREFILL_CASES) -> list[CheckResu
 # ---- small fused ops -------------------------------------------------------------------------------
 
 def check_rms_norm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    from kernels.rms_norm import rms_norm
+    from deepinfer.kernels.rms_norm import rms_norm
 
     results = []
     for dtype in dtypes:
@@ -488,7 +488,7 @@ def check_rms_norm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Check
 
 
 def check_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    from kernels.act_and_mul import act_and_mul
+    from deepinfer.kernels.act_and_mul import act_and_mul
 
     results = []
     for dtype in dtypes:
@@ -519,7 +519,7 @@ def _rope_tables(num_tokens: int, head_dim: int, dtype: torch.dtype, device):
 
 
 def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    from kernels.rope_cache import rope_and_cache_write
+    from deepinfer.kernels.rope_cache import rope_and_cache_write
 
     results = []
     num_tokens, num_blocks, block_size = 11, 20, 16
@@ -591,13 +591,13 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
     """quant_matmul_rope_cache against the unfused kernels it replaces (tc product, then rope_cache_kernel): the
     rotated q and k, the v columns and the cache rows must be the same bits, and no other cache row written;
     and against the fp32 reference product rotated in fp32 within the usual tolerance."""
-    from kernels.quant_matmul import (
+    from deepinfer.kernels.quant_matmul import (
         qkv_rope_takes,
         qkv_rope_unsupported_reason,
         quant_matmul,
         quant_matmul_rope_cache,
     )
-    from kernels.rope_cache import rope_and_cache_write
+    from deepinfer.kernels.rope_cache import rope_and_cache_write
 
     results = []
     num_blocks, block_size = 24, 16
@@ -666,8 +666,8 @@ GATE_UP_ACT_CASES = (
 def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """quant_matmul_act_and_mul against the unfused kernels it replaces (the tcs product, then act_and_mul_kernel):
     the same bits; and against the fp32 reference product's act(gate) * up within the usual tolerance."""
-    from kernels.act_and_mul import act_and_mul
-    from kernels.quant_matmul import (
+    from deepinfer.kernels.act_and_mul import act_and_mul
+    from deepinfer.kernels.quant_matmul import (
         gate_up_act_takes,
         gate_up_act_unsupported_reason,
         quant_matmul,

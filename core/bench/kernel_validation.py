@@ -12,19 +12,19 @@ import time
 
 import torch
 
-from core.bench import kernel_checks
-from core.bench.env_info import env_info
-from core.bench.kernel_checks import CheckResult, guarded
-from core.bench.model_validation import check_tiny_model
+from deepinfer.core.bench import kernel_checks
+from deepinfer.core.bench.env_info import env_info
+from deepinfer.core.bench.kernel_checks import CheckResult, guarded
+from deepinfer.core.bench.model_validation import check_tiny_model
 
 
 def check_cuda_graph(device) -> CheckResult:
     """Capture quant_matmul -> rms_norm, and decode attention on both paths (4 sequences: split; 16: combined,
     kernels/paged_attention.py), through core.ops; replay on new inputs written into the captured buffers; the
     replay must equal an eager run bit for bit."""
-    from core.ops.norm import rms_norm
-    from core.ops.paged_attention import paged_decode_attention
-    from core.ops.quant_matmul import quant_matmul
+    from deepinfer.core.ops.norm import rms_norm
+    from deepinfer.core.ops.paged_attention import paged_decode_attention
+    from deepinfer.core.ops.quant_matmul import quant_matmul
 
     dtype = torch.float16
     packed = kernel_checks.random_packed(4096, 4096, 128, 4, "zero", torch.float16, device)
@@ -74,7 +74,7 @@ def check_split_cuda_graph(device) -> list[CheckResult]:
     """Capture the split GEMV (kernels.quant_matmul, kernel="split") at 1, 2 and 4 tokens on shapes whose
     plans take 1, 4 and 8 K-parts; replay on new activations written into the captured buffer: each output
     must equal an eager run bit for bit and match the reference product. (K-parts as planned on 132 SMs.)"""
-    from kernels.quant_matmul import quant_matmul
+    from deepinfer.kernels.quant_matmul import quant_matmul
 
     results = []
     for dtype, bits, zero_mode, out_features, in_features, group_size in (
@@ -125,7 +125,7 @@ CHECK_GROUPS = ("quant_matmul", "dequantize", "paged_decode_attention", "paged_p
 def _instantiations(groups: tuple[str, ...]) -> list[tuple[str, str]]:
     """(source, name) of the kernels the selected checks need: the registry's, plus every quant_matmul
     instantiation its launcher can ask for; the CUDA-graph and end-to-end checks use every op."""
-    from kernels import quant_matmul, registry
+    from deepinfer.kernels import quant_matmul, registry
 
     jobs = registry.all_instantiations() + [(quant_matmul.SOURCE, name) for name in quant_matmul.instantiations()]
     if not {"cuda_graph", "end_to_end"} & set(groups):
@@ -138,7 +138,7 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
                    command: list[str] | None = None, only: tuple[str, ...] | None = None) -> dict:
     """Compile, check and summarize on cuda:<device_index>; returns the JSON-ready report.
     only: a subset of CHECK_GROUPS to run (default all)."""
-    from kernels.compiler import precompile
+    from deepinfer.kernels.compiler import precompile
 
     groups = tuple(only) if only else CHECK_GROUPS
     unknown = [group for group in groups if group not in CHECK_GROUPS]

@@ -15,16 +15,16 @@ from contextlib import contextmanager
 
 import torch
 
-from core.attention.native_backend import NativePagedAttention
-from core.attention.simple_metadata import SequenceChunk, build_attention_metadata
-from core.attention.torch_backend import TorchPagedAttention
-from core.bench.kernel_checks import CheckResult, compare
-from core.kv.cache import KVCache
-from core.models.decoder import DecoderModel
-from core.models.spec import ModelSpec
-from core.ops.dispatch import FORCE_REFERENCE_ENV
-from core.quant.quant_linear import QuantLinear
-from core.quant.rtn import quantize_rtn
+from deepinfer.core.attention.native_backend import NativePagedAttention
+from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
+from deepinfer.core.attention.torch_backend import TorchPagedAttention
+from deepinfer.core.bench.kernel_checks import CheckResult, compare
+from deepinfer.core.kv.cache import KVCache
+from deepinfer.core.models.decoder import DecoderModel
+from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.ops.dispatch import FORCE_REFERENCE_ENV
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import quantize_rtn
 
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

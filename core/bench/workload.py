@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from core.errors import InvalidRequestError
+from deepinfer.core.errors import InvalidRequestError
 
 # Low ids are special tokens in most vocabularies (bos/eos/pad/unk); keeping prompts out of
 # them keeps every prompt an ordinary text-like sequence on every model.

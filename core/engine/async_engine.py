@@ -22,12 +22,12 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from core.config import EngineConfig
-from core.engine.llm_engine import LLMEngine
-from core.engine.outputs import RequestOutput
-from core.engine.sampling_params import SamplingParams
-from core.engine.stats import IterationStats
-from core.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.outputs import RequestOutput
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.stats import IterationStats
+from deepinfer.core.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger(__name__)
 

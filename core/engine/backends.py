@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from core.errors import DeepInferError
+from deepinfer.core.errors import DeepInferError
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ def _kernel_reason(op_name: str, device: torch.device, dtype: torch.dtype, num_h
                    head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> str | None:
     """Why the attention kernel op `op_name` cannot serve this model on `device` (None when it can), asked with
     probe tensors of the shapes and dtypes the layers will pass (one token, one block)."""
-    from core.ops import dispatch
-    from kernels import registry
+    from deepinfer.core.ops import dispatch
+    from deepinfer.kernels import registry
 
     query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
     key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
@@ -51,8 +51,8 @@ def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_h
     steps attend every token on the decode kernel. The reason is logged once."""
     if getattr(backend, "name", None) != "native":
         return None
-    from core.ops import dispatch
-    from kernels.paged_attention import prefill_tile_tokens as tile_tokens
+    from deepinfer.core.ops import dispatch
+    from deepinfer.kernels.paged_attention import prefill_tile_tokens as tile_tokens
 
     reason = _kernel_reason("paged_prefill_attention", device, dtype, num_heads, num_kv_heads, head_dim,
                             kv_storage_dtype, block_size)
@@ -64,14 +64,14 @@ def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_h
 def choose_attention_backend(requested: str, device: torch.device, dtype: torch.dtype, spec,
                              kv_storage_dtype: torch.dtype, block_size: int):
     """-> a backend instance for `model.attention_backend`. DeepInferError when "native" cannot serve."""
-    from core.attention.torch_backend import TorchPagedAttention
+    from deepinfer.core.attention.torch_backend import TorchPagedAttention
 
     if requested == "torch":
         return TorchPagedAttention()
     reason = native_unavailable_reason(device, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                        kv_storage_dtype, block_size)
     if reason is None:
-        from core.attention.native_backend import NativePagedAttention
+        from deepinfer.core.attention.native_backend import NativePagedAttention
 
         return NativePagedAttention()
     if requested == "native":
@@ -86,10 +86,10 @@ def kernel_summary(device: torch.device) -> dict:
     that has run, "kernel" or "reference (why)" as core/ops dispatch logged it."""
     reason = f"device is {device.type}" if device.type != "cuda" else None
     if reason is None:
-        from kernels import cuda_unavailable_reason, device_unsupported_reason
+        from deepinfer.kernels import cuda_unavailable_reason, device_unsupported_reason
 
         reason = cuda_unavailable_reason() or device_unsupported_reason(device.index or 0)
-    from core.ops import dispatch
+    from deepinfer.core.ops import dispatch
 
     ops: dict[str, list[str]] = {}
     for op, why in sorted(dispatch._logged):  # the dispatch's record of each (op, reason) it logged once

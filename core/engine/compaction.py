@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from core.engine.memory import MiB
+from deepinfer.core.engine.memory import MiB
 
 logger = logging.getLogger(__name__)
 

@@ -49,11 +49,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.attention.metadata import AttentionMetadata
-from core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens, to_device
-from core.engine.memory import MiB
-from core.engine.scheduler_output import ScheduledChunk
-from core.kv.kv_manager import cdiv
+from deepinfer.core.attention.metadata import AttentionMetadata
+from deepinfer.core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens, to_device
+from deepinfer.core.engine.memory import MiB
+from deepinfer.core.engine.scheduler_output import ScheduledChunk
+from deepinfer.core.kv.kv_manager import cdiv
 
 logger = logging.getLogger(__name__)
 

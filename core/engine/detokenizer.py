@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sampling_params import SamplingParams
 
 # Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
 _PROMPT_CONTEXT_TOKENS = 5

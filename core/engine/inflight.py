@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from core.engine.sampler import SamplerOutput
+    from deepinfer.core.engine.sampler import SamplerOutput
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -46,24 +46,24 @@ from dataclasses import replace
 
 import torch
 
-from core.config import EngineConfig
-from core.engine.backends import choose_attention_backend, kernel_summary, prefill_tile_tokens
-from core.engine.compaction import compact_weights
-from core.engine.cuda_graphs import PaddedStepRunner
-from core.engine.inflight import InflightStep
-from core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
-from core.engine.model_runner import ModelRunner, warmup_requests
-from core.engine.output_processor import OutputProcessor, RequestGroup
-from core.engine.outputs import RequestOutput
-from core.engine.request import Request, RequestStatus
-from core.engine.sampler import make_generator, reads_output_tokens
-from core.engine.sampling_params import SamplingParams
-from core.engine.scheduler import Scheduler
-from core.engine.stats import IterationStats
-from core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
-from core.kv.cache import KVCache
-from core.kv.kv_manager import KVCacheManager
-from core.models.merged_projections import merge_projections
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.backends import choose_attention_backend, kernel_summary, prefill_tile_tokens
+from deepinfer.core.engine.compaction import compact_weights
+from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.inflight import InflightStep
+from deepinfer.core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
+from deepinfer.core.engine.model_runner import ModelRunner, warmup_requests
+from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
+from deepinfer.core.engine.outputs import RequestOutput
+from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.sampler import make_generator, reads_output_tokens
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.scheduler import Scheduler
+from deepinfer.core.engine.stats import IterationStats
+from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
+from deepinfer.core.kv.cache import KVCache
+from deepinfer.core.kv.kv_manager import KVCacheManager
+from deepinfer.core.models.merged_projections import merge_projections
 
 logger = logging.getLogger(__name__)
 
@@ -104,15 +104,15 @@ class LLMEngine:
         own_model = loaded_model is None  # a caller's model may be shared with other engines: left in place
         if own_model:
             if config.quantization:
-                from core.engine.quantized_model import load_quantized_model
+                from deepinfer.core.engine.quantized_model import load_quantized_model
 
                 loaded_model = load_quantized_model(config, self.device, self.dtype)
             else:
-                from core.models.loader import load_model
+                from deepinfer.core.models.loader import load_model
 
                 loaded_model = load_model(config, self.device, self.dtype)
         elif config.quantization:
-            from core.engine.quantized_model import QUANT_BITS, quantize_linears
+            from deepinfer.core.engine.quantized_model import QUANT_BITS, quantize_linears
 
             quantize_linears(loaded_model.model, QUANT_BITS[config.quantization], self.device, self.dtype,
                              random_codes=loaded_model.source_kind == "dummy", seed=config.seed)

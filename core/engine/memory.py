@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from core.config import EngineConfig
-from core.errors import DeepInferError
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import DeepInferError
 
 logger = logging.getLogger(__name__)
 

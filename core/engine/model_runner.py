@@ -28,15 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.attention.metadata import AttentionMetadata
-from core.engine.cuda_graphs import PaddedStepRunner
-from core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens
-from core.engine.request import Request
-from core.engine.sampler import Sampler, SamplingRow
-from core.engine.sampling_params import SamplingParams
-from core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from core.kv.cache import KVCache
-from core.kv.kv_manager import cdiv
+from deepinfer.core.attention.metadata import AttentionMetadata
+from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens
+from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.sampler import Sampler, SamplingRow
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.core.kv.cache import KVCache
+from deepinfer.core.kv.kv_manager import cdiv
 
 
 @dataclass

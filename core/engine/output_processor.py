@@ -21,11 +21,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from core.engine.detokenizer import IncrementalDetokenizer
-from core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from core.engine.request import Request, RequestStatus
-from core.engine.sampling_params import SamplingParams
-from core.engine.stats import FinishedRequestStats, IterationStats
+from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from core.config import EngineConfig
-from core.errors import ModelLoadError
-from core.quant.packed import PackedWeight
-from core.quant.quant_linear import QuantLinear
-from core.quant.rtn import default_group_size, quantize_rtn
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ModelLoadError
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import default_group_size, quantize_rtn
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ DUMMY_WEIGHT_STD = 0.02  # what DecoderModel.init_dummy_weights draws dense weig
 
 def load_quantized_model(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     """-> core.models.loader.LoadedModel with QuantLinear projections on `device`."""
-    from core.models.loader import load_model
+    from deepinfer.core.models.loader import load_model
 
     bits = QUANT_BITS[config.quantization]
     start = time.perf_counter()
@@ -104,10 +104,10 @@ def _linears(layer: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
 
 @torch.no_grad()
 def _load_dummy_quantized(config: EngineConfig, device: torch.device, dtype: torch.dtype, bits: int):
-    from core.models.decoder import DecoderModel
-    from core.models.loader import LoadedModel, dummy_tokenizer, shape_file_path
-    from core.models.spec import ModelSpec
-    from core.weights.hf_safetensors import read_json
+    from deepinfer.core.models.decoder import DecoderModel
+    from deepinfer.core.models.loader import LoadedModel, dummy_tokenizer, shape_file_path
+    from deepinfer.core.models.spec import ModelSpec
+    from deepinfer.core.weights.hf_safetensors import read_json
 
     shape_file = shape_file_path(config.shape)
     spec = ModelSpec.from_hf_config(read_json(shape_file))

@@ -22,8 +22,8 @@ import enum
 import time
 from typing import Any
 
-from core.engine.outputs import RequestMetrics, TokenLogprob
-from core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.outputs import RequestMetrics, TokenLogprob
+from deepinfer.core.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

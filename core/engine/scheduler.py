@@ -36,10 +36,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from core.engine.request import Request, RequestStatus
-from core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from core.errors import QueueFullError
-from core.kv.kv_manager import KVCacheManager
+from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.core.errors import QueueFullError
+from deepinfer.core.kv.kv_manager import KVCacheManager
 
 
 class Scheduler:

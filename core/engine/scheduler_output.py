@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.engine.outputs import TokenLogprob
-from core.engine.request import Request
+from deepinfer.core.engine.outputs import TokenLogprob
+from deepinfer.core.engine.request import Request
 
 
 @dataclass

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from core.kv.block_pool import BlockPool
-from core.kv.prefix_cache import PrefixCache, hash_full_blocks
+from deepinfer.core.kv.block_pool import BlockPool
+from deepinfer.core.kv.prefix_cache import PrefixCache, hash_full_blocks
 
 if TYPE_CHECKING:
-    from core.engine.request import Request
+    from deepinfer.core.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

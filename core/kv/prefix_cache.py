@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.kv.block_pool import BlockPool
+from deepinfer.core.kv.block_pool import BlockPool
 
 BlockHash = int
 

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.attention.torch_backend import TorchPagedAttention
-from core.errors import ModelLoadError
-from core.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from core.models.spec import ModelSpec
+from deepinfer.core.attention.torch_backend import TorchPagedAttention
+from deepinfer.core.errors import ModelLoadError
+from deepinfer.core.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from deepinfer.core.models.spec import ModelSpec
 
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.errors import ModelLoadError
-from core.models.spec import ModelSpec, RopeScaling
-from core.ops.activation import act_and_mul
-from core.ops.gate_up_activation import gate_up_act_and_mul
-from core.ops.norm import rms_norm
-from core.ops.qkv_rotary import qkv_rotary_and_cache_write
-from core.ops.rotary import rotary_and_cache_write
+from deepinfer.core.errors import ModelLoadError
+from deepinfer.core.models.spec import ModelSpec, RopeScaling
+from deepinfer.core.ops.activation import act_and_mul
+from deepinfer.core.ops.gate_up_activation import gate_up_act_and_mul
+from deepinfer.core.ops.norm import rms_norm
+from deepinfer.core.ops.qkv_rotary import qkv_rotary_and_cache_write
+from deepinfer.core.ops.rotary import rotary_and_cache_write
 
 
 class RMSNorm(nn.Module):

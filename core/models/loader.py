@@ -14,21 +14,22 @@ Sources, in the order they are recognized:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.config import EngineConfig
-from core.errors import ModelLoadError, UnsupportedModelError
-from core.models.decoder import DecoderModel
-from core.models.spec import ModelSpec
-from core.tokenizer import ByteTokenizer, Tokenizer
-from core.weights import hf_safetensors
-from core.weights.default_model import default_model_path
-from core.weights.gguf_reader import iter_gguf_weights, open_gguf
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.decoder import DecoderModel
+from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
+from deepinfer.core.weights import hf_safetensors
+from deepinfer.core.weights.default_model import default_model_path
+from deepinfer.core.weights.gguf_reader import iter_gguf_weights, open_gguf
 
-SHAPES_DIR = Path(__file__).resolve().parents[2] / "configs" / "shapes"
+SHAPES_DIR = Path(str(files("deepinfer.configs") / "shapes"))
 LAYERED_FORMAT = "deepinfer-layered"
 
 
@@ -47,7 +48,7 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     path = Path(config.model).expanduser() if config.model else default_model_path()
     kind = detect_source(path)
     if kind == "layered":
-        from core.weights.layered import load_layered
+        from deepinfer.core.weights.layered import load_layered
 
         return load_layered(path, config, device, dtype)
     if kind == "gguf":

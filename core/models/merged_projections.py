@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.quant.packed import PackedWeight
-from core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.quant.quant_linear import QuantLinear
 
 
 @torch.no_grad()

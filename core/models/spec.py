@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
 
 # model_type -> (family, HF architecture class name)
 SUPPORTED_MODEL_TYPES = {
@@ -129,7 +129,7 @@ class ModelSpec:
     @staticmethod
     def from_gguf(reader: Any) -> ModelSpec:
         """Build from an open `gguf.GGUFReader` (metadata -> HF-style config -> from_hf_config)."""
-        from core.weights.gguf_reader import gguf_metadata_to_hf_config
+        from deepinfer.core.weights.gguf_reader import gguf_metadata_to_hf_config
 
         return ModelSpec.from_hf_config(gguf_metadata_to_hf_config(reader))
 

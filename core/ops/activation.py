@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.ops import dispatch
+from deepinfer.core.ops import dispatch
 
 
 def act_and_mul_reference(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -23,7 +23,7 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
 
     gate and up may be the two halves of one merged projection (`gu[:, :I]`, `gu[:, I:]`).
     """
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("act_and_mul")
     # the kernel's checks read shapes, strides and 16-byte alignment; only the token count is left out

@@ -39,7 +39,7 @@ def kernel_blocker(*tensors: torch.Tensor | None) -> str | None:
         return "tensors are not on a CUDA device"
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return "autograd is recording (kernels have no backward)"
-    from kernels import cuda_unavailable_reason, device_unsupported_reason
+    from deepinfer.kernels import cuda_unavailable_reason, device_unsupported_reason
 
     return cuda_unavailable_reason() or (device_unsupported_reason(present[0].device.index) if present else None)
 
@@ -80,8 +80,8 @@ def fused_product_inputs(op: str, x: torch.Tensor, projection: torch.nn.Module,
     It serves a QuantLinear at the token counts `takes(T, K, N)` accepts, when the tensors (x, the weight and the
     op's own `tensors`) can run kernels, the plain product's kernels take the weight, and `reason(packed)` (the
     op's own check) is None; `key` holds what that check reads beyond x and the weight."""
-    from core.quant.quant_linear import QuantLinear
-    from kernels import registry
+    from deepinfer.core.quant.quant_linear import QuantLinear
+    from deepinfer.kernels import registry
 
     if not isinstance(projection, QuantLinear):
         return None

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from core.ops import dispatch
+from deepinfer.core.ops import dispatch
 
 
 def gate_up_act_and_mul(x: torch.Tensor, gate_up_proj: torch.nn.Module, activation: str) -> torch.Tensor | None:
     """x [T, hidden] through the merged projection `gate_up_proj` ([gate | up] outputs, 2I) -> act(gate) * up
     [T, I] as `gate_up_proj(x)` + act_and_mul would give, or None where the fused kernel does not serve (the caller
     then runs those two)."""
-    from kernels import registry
-    from kernels.quant_matmul import gate_up_act_takes
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.quant_matmul import gate_up_act_takes
 
     op = registry.get("quant_matmul_act_and_mul")
     served = dispatch.fused_product_inputs(

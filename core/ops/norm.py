@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from core.ops import dispatch
+from deepinfer.core.ops import dispatch
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
@@ -31,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
 
     Without `residual` the second value is None. weight_offset is 1.0 for Gemma's `1 + weight`.
     """
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("rms_norm")
     key = (x.device, x.dtype, x.shape[-1], weight.device, weight.dtype, None if residual is None else residual.device)

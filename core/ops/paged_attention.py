@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from core.ops import dispatch
+from deepinfer.core.ops import dispatch
 
 
 def paged_decode_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -63,7 +63,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     max_seq_len: a host upper bound of seq_lens (saves a GPU->CPU sync; fixed for CUDA graphs);
     fresh_tokens: at most this many of each sequence's newest positions were cached by the op just before
     (AttentionMetadata.fresh_tokens)."""
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("paged_decode_attention")
     num_kv_heads = key_cache.shape[1]
@@ -109,7 +109,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     [N, 2] int32 (first token row, count; count 0 unused) of consecutive tokens of one sequence; block_tables
     [T, max_blocks] and seq_lens [T] per token; max_seq_len: a host upper bound of seq_lens (fixed for CUDA
     graphs; without it one GPU->CPU sync). Writes the tiles' tokens' rows of `out` [T, H, D]."""
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("paged_prefill_attention")
     num_kv_heads = key_cache.shape[1]

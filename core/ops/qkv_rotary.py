@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from core.ops import dispatch
+from deepinfer.core.ops import dispatch
 
 
 def qkv_rotary_and_cache_write(x: torch.Tensor, qkv_proj: torch.nn.Module, num_heads: int, num_kv_heads: int,
@@ -22,8 +22,8 @@ def qkv_rotary_and_cache_write(x: torch.Tensor, qkv_proj: torch.nn.Module, num_h
     [T, D/2] (or [T, 1, D/2]), the rotated k and v stored at slot_mapping [T]: (query [T, H, D], key [T, KVH, D],
     value [T, KVH, D]) as `qkv_proj(x)` + rotary_and_cache_write would give, or None where the fused kernel does
     not serve (the caller then runs those two)."""
-    from kernels import registry
-    from kernels.quant_matmul import qkv_rope_takes
+    from deepinfer.kernels import registry
+    from deepinfer.kernels.quant_matmul import qkv_rope_takes
 
     op = registry.get("quant_matmul_rope_cache")
     served = dispatch.fused_product_inputs(

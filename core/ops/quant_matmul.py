@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.ops import dispatch
-from core.quant.packed import PackedWeight
-from core.quant.packing import dequantize
+from deepinfer.core.ops import dispatch
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.quant.packing import dequantize
 
 KERNEL_MAX_TOKENS = 32  # the packed-weight kernels serve up to this many tokens on any shape
 WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where out_features >= 3 * in_features
@@ -51,7 +51,7 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: the CUDA kernel when it serves the case, else the reference.
     The decision is made once per signature (dispatch.decide); the launcher caches its launch plan per
     shape, so a call costs a couple of dict lookups besides the launch."""
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("quant_matmul")
     signature = _signature(x, packed)

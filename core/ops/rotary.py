@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from core.kv.cache import quantize_int8
-from core.ops import dispatch
+from deepinfer.core.kv.cache import quantize_int8
+from deepinfer.core.ops import dispatch
 
 
 def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor, key_scales: torch.Tensor | None = None,
                    value_scales: torch.Tensor | None = None) -> None:
     """Store key/value [T, KVH, D] at slot_mapping [T] int64 (quantizing for an int8 cache)."""
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("rope_cache_write")
     signature = (key.device, key.dtype, key.shape[-1], value.device, key_cache.device, key_cache.dtype,
@@ -58,7 +58,7 @@ def rotary_and_cache_write(query: torch.Tensor, key: torch.Tensor, value: torch.
                            value_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query [T, H, D] and key [T, KVH, D] with cos/sin [T, D/2] (or [T, 1, D/2]), store the
     rotated key and the value in the paged cache; returns (rotated query, rotated key)."""
-    from kernels import registry
+    from deepinfer.kernels import registry
 
     op = registry.get("rope_cache_write")
     signature = (query.device, query.dtype, key.device, key.dtype, key.shape[-1], value.device, cos.device,

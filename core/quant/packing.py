@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from core.quant.packed import PackedWeight
+from deepinfer.core.quant.packed import PackedWeight
 
 _WORD_MASK = 0xFFFFFFFF
 

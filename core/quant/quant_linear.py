@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.ops.quant_matmul import quant_matmul
-from core.quant.packed import PackedWeight
+from deepinfer.core.ops.quant_matmul import quant_matmul
+from deepinfer.core.quant.packed import PackedWeight
 
 # the integer dtype of the same width, used to move scales between devices without casting them
 _SAME_WIDTH_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}

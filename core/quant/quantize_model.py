@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.quant.quant_linear import QuantLinear
-from core.quant.rtn import default_group_size, quantize_rtn
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import default_group_size, quantize_rtn
 
 # HF's leaf names of the decoder's projections (the embedding and lm_head stay unquantized)
 PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from core.quant.packed import SUPPORTED_BITS, PackedWeight
-from core.quant.packing import dequantize, pack_weight
+from deepinfer.core.quant.packed import SUPPORTED_BITS, PackedWeight
+from deepinfer.core.quant.packing import dequantize, pack_weight
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 

@@ -16,21 +16,21 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from core.config import EngineConfig
-from core.server.config import ServerConfig
-from core.server.errors import APIError, install_error_handlers
-from core.server.metrics import EngineMetrics
-from core.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from core.server.protocol import ChatCompletionRequest, CompletionRequest
-from core.server.serving import ServingEngine
-from core.server.serving_chat import create_chat_completion
-from core.server.serving_completions import create_completion
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.server.config import ServerConfig
+from deepinfer.core.server.errors import APIError, install_error_handlers
+from deepinfer.core.server.metrics import EngineMetrics
+from deepinfer.core.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from deepinfer.core.server.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.core.server.serving import ServingEngine
+from deepinfer.core.server.serving_chat import create_chat_completion
+from deepinfer.core.server.serving_completions import create_completion
 
 logger = logging.getLogger("deepinfer.server")
 
 
 def _build_engine(config: EngineConfig):
-    from core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.async_engine import AsyncEngine
 
     return AsyncEngine(config)
 

@@ -7,9 +7,9 @@ as "system", which every template knows.
 
 from __future__ import annotations
 
-from core.errors import InvalidRequestError
-from core.server.errors import InvalidParameter
-from core.server.protocol import ChatMessage
+from deepinfer.core.errors import InvalidRequestError
+from deepinfer.core.server.errors import InvalidParameter
+from deepinfer.core.server.protocol import ChatMessage
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 

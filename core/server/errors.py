@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
+from deepinfer.core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 
 logger = logging.getLogger("deepinfer.server")
 

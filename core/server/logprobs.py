@@ -8,7 +8,7 @@ Completions (legacy `logprobs: k`):
 
 from __future__ import annotations
 
-from core.engine.outputs import TokenLogprob
+from deepinfer.core.engine.outputs import TokenLogprob
 
 
 class TokenStrings:

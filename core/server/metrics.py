@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from core.engine.stats import IterationStats
+from deepinfer.core.engine.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -10,7 +10,7 @@ import hmac
 
 from starlette.exceptions import HTTPException
 
-from core.server.errors import error_bytes
+from deepinfer.core.server.errors import error_bytes
 
 
 async def send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> None:

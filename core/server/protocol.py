@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.engine.sampling_params import SamplingParams
-from core.server.errors import InvalidParameter
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.server.errors import InvalidParameter
 
 MAX_N = 128  # samples per request; each holds its own KV blocks after the shared prompt
 MAX_TOP_LOGPROBS = 20

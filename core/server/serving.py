@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from core.engine.outputs import RequestOutput
-from core.engine.sampling_params import SamplingParams
-from core.errors import DeepInferError
-from core.server.config import ServerConfig
-from core.server.errors import APIError, InvalidParameter, engine_error_to_api, error_body
-from core.server.logprobs import TokenStrings
+from deepinfer.core.engine.outputs import RequestOutput
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.errors import DeepInferError
+from deepinfer.core.server.config import ServerConfig
+from deepinfer.core.server.errors import APIError, InvalidParameter, engine_error_to_api, error_body
+from deepinfer.core.server.logprobs import TokenStrings
 
 
 def new_request_id(prefix: str) -> str:

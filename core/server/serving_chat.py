@@ -7,11 +7,11 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from core.engine.outputs import CompletionOutput, RequestOutput
-from core.server.chat_format import render_chat_prompt
-from core.server.logprobs import chat_logprobs
-from core.server.protocol import ChatCompletionRequest
-from core.server.serving import (
+from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.core.server.chat_format import render_chat_prompt
+from deepinfer.core.server.logprobs import chat_logprobs
+from deepinfer.core.server.protocol import ChatCompletionRequest
+from deepinfer.core.server.serving import (
     EventStreamResponse,
     ServingEngine,
     check_finished,

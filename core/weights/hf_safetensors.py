@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from core.errors import ModelLoadError
+from deepinfer.core.errors import ModelLoadError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -21,8 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from core.errors import ConversionError, ModelLoadError
-from core.quant.packed import PackedWeight
+from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.quant.packed import PackedWeight
 
 FORMAT_NAME = "deepinfer-layered"
 FORMAT_VERSION = 1
@@ -217,11 +217,11 @@ def load_layered(path: str | os.PathLike, config: Any, device: Any, dtype: torch
     """
     from dataclasses import replace
 
-    from core.models.decoder import DecoderModel
-    from core.models.loader import LoadedModel
-    from core.models.spec import ModelSpec
-    from core.tokenizer import ByteTokenizer, Tokenizer
-    from core.weights.hf_safetensors import read_hf_config
+    from deepinfer.core.models.decoder import DecoderModel
+    from deepinfer.core.models.loader import LoadedModel
+    from deepinfer.core.models.spec import ModelSpec
+    from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
+    from deepinfer.core.weights.hf_safetensors import read_hf_config
 
     path = Path(path)
     manifest = read_manifest(path)
@@ -287,7 +287,7 @@ def _put_quant_linear(model: torch.nn.Module, name: str, packed: PackedWeight, d
                       dtype: torch.dtype) -> None:
     from dataclasses import replace
 
-    from core.quant.quant_linear import QuantLinear
+    from deepinfer.core.quant.quant_linear import QuantLinear
 
     parent_name, _, child = name.rpartition(".")
     try:

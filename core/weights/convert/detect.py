@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.errors import ConversionError, ModelLoadError
-from core.weights.layered import is_layered_checkpoint
+from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.weights.layered import is_layered_checkpoint
 
 GGUF_MAGIC = b"GGUF"
 SOURCE_KINDS = ("gptq", "awq", "gguf", "hf")

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.errors import ConversionError, UnsupportedModelError
-from core.models.spec import ModelSpec
-from core.quant.packed import PackedWeight
-from core.quant.packing import pack_weight
-from core.quant.rtn import quantization_error, quantize_rtn
-from core.weights.convert.source import (
+from deepinfer.core.errors import ConversionError, UnsupportedModelError
+from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.quant.packing import pack_weight
+from deepinfer.core.quant.rtn import quantization_error, quantize_rtn
+from deepinfer.core.weights.convert.source import (
     LINEAR_NAMES,
     ConversionSource,
     ConvertedLayer,
@@ -36,8 +36,8 @@ from core.weights.convert.source import (
     packed_nbytes,
     target_type,
 )
-from core.weights.convert.summary import EXACT, KEPT, REQUANTIZED, ConversionSummary, TensorRecord
-from core.weights.gguf_reader import (
+from deepinfer.core.weights.convert.summary import EXACT, KEPT, REQUANTIZED, ConversionSummary, TensorRecord
+from deepinfer.core.weights.gguf_reader import (
     ROPE_FREQS,
     gguf_metadata_to_hf_config,
     gguf_to_hf_name,
@@ -177,7 +177,7 @@ class GGUFSource(ConversionSource):
 
     def save_tokenizer(self, directory: Path) -> None:
         """The HF tokenizer transformers builds from the GGUF vocab, merges and chat template (if it has a vocab)."""
-        from core.tokenizer import Tokenizer
+        from deepinfer.core.tokenizer import Tokenizer
 
         if read_field(self.reader, "tokenizer.ggml.model") is None:
             return

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ModelLoadError, UnsupportedModelError
-from core.quant.packed import PackedWeight
-from core.quant.packing import pack_weight, unpack_codes
-from core.weights.convert.safetensors_dir import (
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.quant.packing import pack_weight, unpack_codes
+from deepinfer.core.weights.convert.safetensors_dir import (
     SafetensorsDir,
     SafetensorsDirSource,
     keep_tensors,
@@ -29,8 +29,8 @@ from core.weights.convert.safetensors_dir import (
     record_packed,
     split_layer,
 )
-from core.weights.convert.source import ConvertedLayer, ConvertOptions, exact_scales
-from core.weights.convert.summary import ConversionSummary
+from deepinfer.core.weights.convert.source import ConvertedLayer, ConvertOptions, exact_scales
+from deepinfer.core.weights.convert.summary import ConversionSummary
 
 ZERO_CONVENTIONS = {"gptq": "v1", "gptq_v1": "v1", "gptq_v2": "v2"}
 

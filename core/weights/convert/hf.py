@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.errors import ConversionError
-from core.quant.rtn import default_group_size, quantization_error, quantize_rtn
-from core.weights.convert.safetensors_dir import (
+from deepinfer.core.errors import ConversionError
+from deepinfer.core.quant.rtn import default_group_size, quantization_error, quantize_rtn
+from deepinfer.core.weights.convert.safetensors_dir import (
     SafetensorsDir,
     SafetensorsDirSource,
     keep_tensors,
     linear_module_of,
 )
-from core.weights.convert.source import (
+from deepinfer.core.weights.convert.source import (
     ConvertedLayer,
     ConvertOptions,
     packed_nbytes,
     target_type,
 )
-from core.weights.convert.summary import REQUANTIZED, ConversionSummary, TensorRecord
+from deepinfer.core.weights.convert.summary import REQUANTIZED, ConversionSummary, TensorRecord
 
 DEFAULT_GROUP_SIZE = 128
 

@@ -6,15 +6,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from core.models.spec import ModelSpec
-from core.weights.convert.awq import AWQSource
-from core.weights.convert.detect import detect_source
-from core.weights.convert.gguf import GGUFSource
-from core.weights.convert.gptq import GPTQSource
-from core.weights.convert.hf import HFSource
-from core.weights.convert.source import ConversionSource, ConvertOptions
-from core.weights.convert.summary import ConversionSummary
-from core.weights.layered import CONFIG_FILE, LayeredWriter
+from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.weights.convert.awq import AWQSource
+from deepinfer.core.weights.convert.detect import detect_source
+from deepinfer.core.weights.convert.gguf import GGUFSource
+from deepinfer.core.weights.convert.gptq import GPTQSource
+from deepinfer.core.weights.convert.hf import HFSource
+from deepinfer.core.weights.convert.source import ConversionSource, ConvertOptions
+from deepinfer.core.weights.convert.summary import ConversionSummary
+from deepinfer.core.weights.layered import CONFIG_FILE, LayeredWriter
 
 _SOURCES: dict[str, type[ConversionSource]] = {"gptq": GPTQSource, "awq": AWQSource, "gguf": GGUFSource,
                                                "hf": HFSource}

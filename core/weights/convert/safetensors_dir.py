@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from core.errors import ModelLoadError, UnsupportedModelError
-from core.quant.packed import PackedWeight
-from core.weights.convert.source import LINEAR_NAMES, ConversionSource, packed_nbytes, target_type
-from core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
-from core.weights.hf_safetensors import read_json
+from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.weights.convert.source import LINEAR_NAMES, ConversionSource, packed_nbytes, target_type
+from deepinfer.core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
+from deepinfer.core.weights.hf_safetensors import read_json
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

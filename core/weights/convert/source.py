@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from core.errors import ConversionError
-from core.quant.packed import PackedWeight
-from core.weights.convert.summary import ConversionSummary
+from deepinfer.core.errors import ConversionError
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.core.weights.convert.summary import ConversionSummary
 
 # The decoder's projections, by HF's leaf module name: the only tensors that are ever quantized.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -1,0 +1,1 @@
+"""Model shapes for `--dummy-weights` runs (installed as `deepinfer.configs`)."""
