@@ -2,7 +2,7 @@
 
 Every argument goes through one of `ptr`, `i32`, `i64`, `f32`: CuPy turns a bare Python float into
 a double and a bare int into an int64, which silently corrupts a kernel that declares `float` or
-`int` (seed 003: scale read as 0, softcap as garbage). Launches use torch's current stream, so
+`int` (a scale then reads as 0, a softcap as garbage). Launches use torch's current stream, so
 they order correctly with torch ops and are recorded by torch.cuda.graph captures; nothing here
 allocates device memory or synchronizes. On compute capability 9.0+ every launch is a programmatic
 dependent launch (programmatic_launch.py; DEEPINFER_PDL=0 turns that off).

@@ -1,4 +1,4 @@
-"""ModelSpec adapters read config.json the way HF's config classes do, pitfalls included (seed 000 §5.10-5.12).
+"""ModelSpec adapters read config.json the way HF's config classes do, pitfalls included.
 
 The reference is transformers itself: its config classes (defaults, layer_types), its RoPE init
 functions and its norm / embedding modules.

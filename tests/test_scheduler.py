@@ -176,7 +176,7 @@ def test_preemption_recomputes_the_newest_request_and_keeps_outputs():
 
 
 def test_prompt_that_can_never_fit_fails_alone_without_spinning():
-    # seed 001: with a 2-block pool a 100-token prompt must fail, not wait forever for blocks.
+    # with a 2-block pool a 100-token prompt must fail, not wait forever for blocks.
     scheduler, runner = make_scheduler(num_blocks=2, block_size=4)
     big = make_request("big", prompt_of(100))
     small = make_request("small", prompt_of(3), max_tokens=4)

@@ -1,7 +1,8 @@
 """AttentionMetadata: what every attention layer of one forward step reads.
 
 The model runner builds it once per step from the SchedulerOutput; the layers only read it
-(seed 000 §5.3: one shared, read-only block table per step, never one per layer).
+(one shared, read-only block table per step, never one per layer: rebuilding it per layer would
+repeat the host-to-device copy once for every layer).
 
 The step's tokens are one flat batch of `T` tokens from `B` requests. The runner orders the
 requests so that the `num_decodes` decode requests (exactly one new token each) come first,

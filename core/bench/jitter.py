@@ -1,7 +1,7 @@
 """Long-document insertion: how much a running stream stutters while a long prompt is prefilled.
 
-Seed 003 §9: aggregate tokens/s hides a long prefill that stalls every running stream for half a
-second. Per token budget B (max_num_batched_tokens, i.e. the chunked-prefill chunk size) a fresh
+Aggregate tokens/s hides a long prefill that stalls every running stream (without chunked prefill,
+for as long as the whole prompt takes). Per token budget B (max_num_batched_tokens, i.e. the chunked-prefill chunk size) a fresh
 engine runs, after one untimed warm-up:
   1. baseline:  the short stream alone;
   2. alone:     the long prompt alone (its TTFT with the GPU to itself);

@@ -9,8 +9,8 @@ Each step (vLLM v1's policy, FCFS):
    The oldest request therefore always progresses, so preemption cannot livelock.
 2. If nothing was preempted, waiting requests are admitted in order while the budget, the block
    pool and `max_num_seqs` allow, starting from their longest prefix-cache hit. A request that
-   needs more blocks than the whole pool holds can never run: it fails alone (seed 001's
-   infinite loop came from waiting for blocks that no running request would ever free).
+   needs more blocks than the whole pool holds can never run: it fails alone (waiting for
+   blocks that no running request will ever free would spin forever).
 
 So prefill chunks and decodes of different requests share one flat batch.
 `update` then advances `num_computed_tokens`, appends sampled tokens and applies the stop rules

@@ -1,8 +1,8 @@
 """IterationStats: what one engine step reports, for Prometheus metrics and benchmarks.
 
 The engine loop builds one per step and hands it to every registered listener (the server's
-metrics module is one). Each token and each request is counted in exactly one step (seed 000
-§5.13: the first version counted generated tokens twice).
+metrics module is one). Each token and each request is counted in exactly one step, so no consumer
+can count a token twice (once per step and again at finish).
 """
 
 from __future__ import annotations

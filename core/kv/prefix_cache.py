@@ -9,9 +9,9 @@ keeps two tenants from ever sharing a block. A hit is confirmed by comparing the
 hash, token ids and salt, not by the hash alone.
 
 Only full prompt blocks are registered, and only once their K/V are computed: a registered block is
-never written again, so sharing needs no copy-on-write (seed 000 §5.5). A lookup never returns more
+never written again, so sharing needs no copy-on-write. A lookup never returns more
 than `(num_tokens - 1) // block_size` blocks: the last token is always recomputed, because its
-logits are needed (seed 000 §5.6).
+logits are needed.
 
 The cache holds no reference of its own: a cached block nobody holds sits in the block pool's
 eviction order, and the pool tells the cache (`_forget`) when it reuses such a block.

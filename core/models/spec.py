@@ -3,7 +3,7 @@
 Each supported family has an adapter that reads an HF `config.json` dict (GGUF metadata is first
 turned into such a dict by core/weights/gguf_reader.py). The adapters encode what HF's config
 classes do *implicitly*, because a saved config.json often omits a field and HF fills in the
-class default (seed 000 §5.10-5.12):
+class default:
 
 - Mistral uses `sliding_window` on every layer whenever it is set (there is no
   `use_sliding_window` switch; HF's default when the key is absent is 4096).
@@ -218,7 +218,7 @@ def _sliding_windows(family: str, cfg: dict[str, Any], num_layers: int) -> tuple
     """Window per layer, exactly as HF's config classes derive `layer_types`."""
     window = cfg.get("sliding_window")
     if family == "mistral":
-        return (window,) * num_layers  # no use_sliding_window switch: set means used (seed 000 §5.10)
+        return (window,) * num_layers  # no use_sliding_window switch: set means used
     if family in ("qwen2", "qwen3"):
         if not cfg["use_sliding_window"] or window is None:
             return (None,) * num_layers

@@ -2,7 +2,7 @@
 
 The engine reports each step once (core/engine/stats.py), and this is the only place that turns
 those reports into counters, so every token and every finished request is counted exactly once
-(seed 000 §5.13: counting at finish and again per step doubled the throughput figures).
+(counting at finish and again per step would double the throughput figures).
 Each app gets its own CollectorRegistry, so several servers (or tests) in one process never
 share or collide on a metric. Histogram buckets are vLLM's.
 """
