@@ -49,8 +49,15 @@ def source_hash(filename: str) -> str:
     return hashlib.sha256(source_text(filename).encode()).hexdigest()[:16]
 
 
-def compile_options(arch: str) -> tuple[str, ...]:
-    return ("-std=c++17", f"--gpu-architecture=sm_{arch}")
+# Sources that use an architecture's own instructions (wgmma on SM90) build for its "a" target there; elsewhere
+# they build for the plain architecture and compile those paths out.
+ARCH_SPECIFIC_SOURCES = frozenset({"w4_gemm.cu"})
+_ARCH_SPECIFIC = frozenset({"90"})
+
+
+def compile_options(arch: str, filename: str = "") -> tuple[str, ...]:
+    suffix = "a" if filename in ARCH_SPECIFIC_SOURCES and arch in _ARCH_SPECIFIC else ""
+    return ("-std=c++17", f"--gpu-architecture=sm_{arch}{suffix}")
 
 
 @cache
@@ -67,7 +74,7 @@ def get_kernel(filename: str, name_expression: str, device_index: int):
     if kernel is not None:
         return kernel
     arch = device_arch(device_index)
-    options = compile_options(arch)
+    options = compile_options(arch, filename)
     key = (device_index, filename, source_hash(filename), arch, options, name_expression)
     with _lock:
         kernel = _kernels.get(key)
