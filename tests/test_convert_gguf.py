@@ -106,15 +106,14 @@ def test_rope_freqs_follow_the_gguf_path(tiny_llama, tmp_path):
     """Llama 3 GGUFs carry RoPE scaling as a rope_freqs tensor: it goes to config.json, not to a layer,
     and the converted model computes what deepinfer's GGUF path computes."""
     from deepinfer.core.models.decoder import DecoderModel
-    from deepinfer.core.models.spec import ModelSpec
-    from deepinfer.core.weights.gguf_reader import iter_gguf_weights, open_gguf
+    from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
 
     factors = np.linspace(1.0, 8.0, tiny_llama.config.head_dim // 2)
     write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT, seed=4, rope_freqs=factors)
     convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out")
     layered = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
     reader = open_gguf(tmp_path / "tiny.gguf")  # the GGUF path, without a tokenizer (the file has none)
-    spec = ModelSpec.from_gguf(reader)
+    spec = gguf_spec(reader)
     direct = DecoderModel(spec, max_positions=spec.max_position_embeddings)
     direct.load_weights(iter_gguf_weights(reader, spec))
     assert layered.spec.rope_scaling == spec.rope_scaling is not None

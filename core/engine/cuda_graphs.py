@@ -50,9 +50,10 @@ import numpy as np
 import torch
 
 from deepinfer.core.attention.metadata import AttentionMetadata
-from deepinfer.core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens, to_device
+from deepinfer.core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens
 from deepinfer.core.engine.memory import MiB
 from deepinfer.core.engine.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.transfers import to_device
 from deepinfer.core.kv.kv_manager import cdiv
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,4 @@
-"""A launched step whose sampled tokens the host has not read yet (async scheduling), and the
-transfers that let the host run ahead of the device.
+"""A launched step whose sampled tokens the host has not read yet (async scheduling).
 
 LLMEngine keeps at most one InflightStep. It schedules and launches the next step before applying
 this one; a decode row of the next step whose input is this step's sampled token (a *pending*
@@ -9,10 +8,7 @@ them too, and `fill_pending_tokens` scatters the sampled tokens into the ids, on
 before the forward or graph replay reads them. Only then does the host wait for this step's tokens
 (`result`) and apply them.
 
-No transfer here makes the host wait for the device: a blocking copy waits for everything queued
-on the stream, the next step's forward included, which would serialize host and device again.
-Host->device copies go through pinned memory with non_blocking (`to_device`); device->host copies
-land in pinned memory behind a CUDA event (`HostCopy`), waited for only when the values are read.
+The transfers involved never make the host wait for the device (core/engine/transfers.py).
 """
 
 from __future__ import annotations
@@ -26,36 +22,6 @@ from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledC
 
 if TYPE_CHECKING:
     from deepinfer.core.engine.sampler import SamplerOutput
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor, without waiting for the device's queue."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return tensor.to(device)
-    # The caching host allocator keeps the pinned block until the copy has read it.
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-class HostCopy:
-    """Device tensors copied to host memory in the background; `get` waits for the copy."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._event = None
-        if all(tensor.device.type == "cpu" for tensor in tensors):
-            self._host = tensors  # nothing to copy: their values are final once computed
-            return
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for host, tensor in zip(self._host, tensors):
-            host.copy_(tensor, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def get(self) -> list[torch.Tensor]:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return self._host
 
 
 class InflightStep:

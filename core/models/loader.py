@@ -27,7 +27,7 @@ from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
 from deepinfer.core.weights import hf_safetensors
 from deepinfer.core.weights.default_model import default_model_path
-from deepinfer.core.weights.gguf_reader import iter_gguf_weights, open_gguf
+from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
 
 SHAPES_DIR = Path(str(files("deepinfer.configs") / "shapes"))
 LAYERED_FORMAT = "deepinfer-layered"
@@ -87,7 +87,7 @@ def _load_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dt
 
 def _load_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     reader = open_gguf(path)
-    spec = ModelSpec.from_gguf(reader)
+    spec = gguf_spec(reader)
     model = _build_model(spec, config, device, dtype)
     model.load_weights(iter_gguf_weights(reader, spec))
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
@@ -106,7 +106,7 @@ def _load_dummy(config: EngineConfig, device: Any, dtype: torch.dtype) -> Loaded
         path = Path(config.model).expanduser()
         kind = detect_source(path)
         if kind == "gguf":
-            spec = ModelSpec.from_gguf(open_gguf(_gguf_file(path)))
+            spec = gguf_spec(open_gguf(_gguf_file(path)))
         elif kind == "hf":
             spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
             tokenizer = Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids)
