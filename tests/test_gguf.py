@@ -17,7 +17,7 @@ import torch
 from conftest import PagedRunner
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.weights.gguf_reader import open_gguf
 
 PROMPTS = [
@@ -31,7 +31,7 @@ MAX_NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def ours(smollm2_gguf):
-    return load_model(EngineConfig(model=str(smollm2_gguf)), "cpu", torch.float32)
+    return read_model(EngineConfig(model=str(smollm2_gguf)), "cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The layered checkpoint format (docs/FORMAT.md): files, manifest, integrity checks, atomic writes, and
-loading through load_model / LLM."""
+loading through the model loader / LLM."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ModelLoadError
-from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.loader import load_model, read_model
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.core.quant.quant_linear import QuantLinear
@@ -72,11 +72,11 @@ def test_directory_layout_and_manifest(converted):
     assert {"model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"} <= keys
 
 
-def test_load_model_and_llm_run_the_layered_checkpoint(converted):
+def test_read_model_and_llm_run_the_layered_checkpoint(converted):
     from deepinfer import LLM, SamplingParams
 
     out, reference = converted
-    loaded = load_model(EngineConfig(model=str(out)), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(out)), "cpu", torch.float32)
     assert loaded.source_kind == "layered" and loaded.name == "out"
     for layer in loaded.model.model.layers:
         for linear in LINEARS:
@@ -93,7 +93,7 @@ def test_load_model_and_llm_run_the_layered_checkpoint(converted):
 
 def test_half_precision_load_keeps_fp16_scales(converted):
     out, _ = converted
-    loaded = load_model(EngineConfig(model=str(out), dtype="bfloat16"), "cpu", torch.bfloat16)
+    loaded = read_model(EngineConfig(model=str(out), dtype="bfloat16"), "cpu", torch.bfloat16)
     q_proj = loaded.model.model.layers[0].self_attn.q_proj
     assert q_proj.scales.dtype == torch.float16 and loaded.model.model.norm.weight.dtype == torch.bfloat16
 

@@ -33,7 +33,6 @@ from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
 from deepinfer.core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens
 from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampler import Sampler, SamplingRow
-from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
@@ -183,28 +182,3 @@ def sampling_row(request: Request) -> SamplingRow:
     return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
                        output_token_ids=request.output_token_ids, generator=request.generator)
 
-
-def warmup_requests(num_tokens: int, max_num_seqs: int, block_size: int,
-                    max_model_len: int) -> tuple[SchedulerOutput, int]:
-    """The largest step the engine will run: `num_tokens` tokens from max_num_seqs requests, a prefill
-    chunk that ends a `max_model_len`-long context (attention's costliest case) plus single-token
-    requests, all sampling with top-k/top-p (the sampler's costliest path).
-    -> (step, blocks its scratch cache needs).
-
-    The long context costs no memory of its own: its block table cycles over the few blocks the
-    chunk writes, so the scratch cache holds only about `num_tokens` tokens.
-    """
-    num_requests = max(1, min(max_num_seqs, num_tokens))
-    prefill_len = num_tokens - (num_requests - 1)
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
-    context_len = max(prefill_len, max_model_len)
-    num_prefill_blocks = cdiv(prefill_len, block_size) + 1  # the chunk may straddle one more block
-    prefill_table = [i % num_prefill_blocks for i in range(cdiv(context_len, block_size))]
-    prefill = Request("warmup-0", [0] * context_len, params)
-    out = SchedulerOutput(num_batched_tokens=num_tokens)
-    start = context_len - prefill_len
-    out.chunks.append(ScheduledChunk(prefill, start, prefill_len, prefill_table, sample=True))
-    for i in range(1, num_requests):
-        decode = Request(f"warmup-{i}", [0], params)
-        out.chunks.append(ScheduledChunk(decode, 0, 1, [num_prefill_blocks + i - 1], sample=True))
-    return out, num_prefill_blocks + num_requests - 1
