@@ -16,9 +16,9 @@ from contextlib import contextmanager
 import torch
 
 from deepinfer.core.attention.native_backend import NativePagedAttention
-from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
 from deepinfer.core.bench.kernel_checks import CheckResult, compare
+from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.models.decoder import DecoderModel
 from deepinfer.core.models.spec import ModelSpec
