@@ -32,13 +32,18 @@ def converted(tmp_path_factory, tiny_tokenizer):
     hf_model = save_tiny_model("llama", root / "src", tiny_tokenizer, seed=9, hidden_size=128,
                                intermediate_size=256, head_dim=32, tie_word_embeddings=False)
     convert_checkpoint(root / "src", root / "out", ConvertOptions(bits=4, group_size=64))
-    manifest = read_manifest(root / "out")
+    return root / "out", dequantized_reference(hf_model, root / "out")
+
+
+@torch.no_grad()
+def dequantized_reference(hf_model, out):
+    """A copy of `hf_model` whose projections hold the dequantized weights of the checkpoint `out`."""
+    manifest = read_manifest(out)
     reference = copy.deepcopy(hf_model)
-    with torch.no_grad():
-        for layer in range(manifest["num_layers"]):
-            for name, packed in read_layer(root / "out", layer, manifest)[1].items():
-                reference.get_submodule(name).weight.copy_(dequantize(packed))
-    return root / "out", reference
+    for layer in range(manifest["num_layers"]):
+        for name, packed in read_layer(out, layer, manifest)[1].items():
+            reference.get_submodule(name).weight.copy_(dequantize(packed))
+    return reference
 
 
 def test_directory_layout_and_manifest(converted):
@@ -158,13 +163,9 @@ def test_every_family_runs_from_a_layered_checkpoint(tiny_models, tmp_path, fami
     survive conversion: logits equal HF's with the dequantized projections swapped in."""
     directory, hf_model = tiny_models[family]
     convert_checkpoint(directory, tmp_path / "out", ConvertOptions(bits=3, group_size=32))
-    manifest = read_manifest(tmp_path / "out")
-    reference = copy.deepcopy(hf_model)
+    reference = dequantized_reference(hf_model, tmp_path / "out")
+    tokens = list(range(3, 33))
     with torch.no_grad():
-        for layer in range(manifest["num_layers"]):
-            for name, packed in read_layer(tmp_path / "out", layer, manifest)[1].items():
-                reference.get_submodule(name).weight.copy_(dequantize(packed))
-        tokens = list(range(3, 33))
         expected = reference(torch.tensor([tokens])).logits[0].float()
     loaded = load_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     (logits,) = PagedRunner(loaded.model, seed=6).step([("a", tokens)])
