@@ -339,7 +339,8 @@ class FakeSampled:
 
 def pending_decode(request_id, tokens, table):
     """A decode of the token after `tokens`, which the step in flight samples."""
-    return ScheduledChunk(Request(request_id, tokens, greedy(4)), len(tokens), 1, table, sample=True)
+    return ScheduledChunk(Request(request_id, tokens, greedy(4)), len(tokens), 1, table, sample=True,
+                          last_token_pending=True)
 
 
 def in_flight_step(request_ids, tokens):
@@ -377,6 +378,28 @@ def test_eager_inputs_fill_pending_tokens_from_the_step_in_flight(loaded):
     assert inputs.positions.tolist() == [9, 2, 8, 9, 10, 11]
     with pytest.raises(RuntimeError, match="'d' has a pending token, but the step in flight did not"):
         runner.prepare_inputs(out, in_flight_step(["e"], [77]))
+
+
+def test_the_chunk_says_which_input_token_is_pending_not_the_request(loaded):
+    """Both stagers take a chunk's last input token from the step in flight exactly when the chunk says it
+    is pending, whatever the live Request holds: here the request already knows that token (42), and a
+    prompt chunk's last token is pending too."""
+    spec = loaded.spec
+    cache = KVCache(spec.num_layers, 16, 8, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(loaded.model, cache, torch.device("cpu"), block_size=8, max_num_batched_tokens=64,
+                         max_num_seqs=4, max_model_len=128)
+    buffers = StaticStepBuffers(max_tokens=16, max_rows=4, max_model_len=64, block_size=8, dummy_block=15,
+                                device=torch.device("cpu"))
+    previous = in_flight_step(["d", "p"], [77, 88])
+    for pending, expected in ((True, [77, 30, 31, 88]), (False, [42, 30, 31, 32])):
+        decode = ScheduledChunk(Request("d", [40, 41, 42], greedy(4)), 2, 1, [5], sample=True,
+                                last_token_pending=pending)
+        prompt = ScheduledChunk(Request("p", [30, 31, 32], greedy(4)), 0, 3, [6], sample=True,
+                                last_token_pending=pending)
+        inputs = runner.prepare_inputs(SchedulerOutput(chunks=[decode, prompt]), previous)
+        assert inputs.input_ids.tolist() == expected
+        buffers.load([decode, prompt], tokens=4, bound=16, previous=previous)
+        assert buffers.views(4, 16)[0].tolist() == expected
 
 
 # GPU: the launch path must not make the host wait for the device ------------------------------------------

@@ -18,10 +18,10 @@ from reference_packers import (
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.quant.packing import dequantize, unpack_codes
 from deepinfer.core.weights.convert.awq import awq_to_packed, unpack_awq
 from deepinfer.core.weights.convert.run import convert_checkpoint
-from deepinfer.core.weights.layered import load_layered
 
 TOLERANCE = 1e-4
 
@@ -76,7 +76,7 @@ def test_converted_model_logits_match_reference(tiny_llama, tmp_path, group_size
     summary = convert_checkpoint(tmp_path / "src", tmp_path / "out")
     assert summary.source_kind == "awq"
     assert {r.source_type for r in summary.records if r.method == "exact"} == {"awq-int4"}
-    loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     tokens = list(range(5, 41))
     (logits,) = PagedRunner(loaded.model, seed=2).step([("a", tokens)])
     with torch.no_grad():

@@ -19,11 +19,12 @@ from reference_packers import (
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.core.weights.convert.gguf import gguf_exact_to_packed, qk_row_order
 from deepinfer.core.weights.convert.run import convert_checkpoint
 from deepinfer.core.weights.convert.source import ConvertOptions
-from deepinfer.core.weights.layered import load_layered, read_layer, read_manifest
+from deepinfer.core.weights.layered import read_layer, read_manifest
 
 TOLERANCE = 1e-4
 EXACT = {"self_attn.q_proj": "Q4_0", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
@@ -94,7 +95,7 @@ def test_exact_types_model_logits(tiny_models, tmp_path, family):
         for linear in LINEARS:
             name = f"model.layers.{layer}.{linear}"
             assert torch.equal(dequantize(packed[name]), torch.from_numpy(weights[f"{name}.weight"]))
-    loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     assert loaded.spec.family == family
     reference = reference_with_weights(hf_model, {k: torch.from_numpy(v) for k, v in weights.items()})
     with torch.no_grad():
@@ -106,15 +107,14 @@ def test_rope_freqs_follow_the_gguf_path(tiny_llama, tmp_path):
     """Llama 3 GGUFs carry RoPE scaling as a rope_freqs tensor: it goes to config.json, not to a layer,
     and the converted model computes what deepinfer's GGUF path computes."""
     from deepinfer.core.models.decoder import DecoderModel
-    from deepinfer.core.models.spec import ModelSpec
-    from deepinfer.core.weights.gguf_reader import iter_gguf_weights, open_gguf
+    from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
 
     factors = np.linspace(1.0, 8.0, tiny_llama.config.head_dim // 2)
     write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", EXACT, seed=4, rope_freqs=factors)
     convert_checkpoint(tmp_path / "tiny.gguf", tmp_path / "out")
-    layered = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    layered = read_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     reader = open_gguf(tmp_path / "tiny.gguf")  # the GGUF path, without a tokenizer (the file has none)
-    spec = ModelSpec.from_gguf(reader)
+    spec = gguf_spec(reader)
     direct = DecoderModel(spec, max_positions=spec.max_position_embeddings)
     direct.load_weights(iter_gguf_weights(reader, spec))
     assert layered.spec.rope_scaling == spec.rope_scaling is not None
@@ -163,7 +163,7 @@ def test_other_types_requantized_or_kept_at_8_bits(tiny_llama, tmp_path, options
     embedding = records["model.embed_tokens.weight"]
     assert (embedding.method, embedding.source_type, embedding.target_type) == ("kept", "Q8_0", "float16")
     converted["model.embed_tokens.weight"] = torch.from_numpy(weights["model.embed_tokens.weight"]).half().float()
-    loaded = load_layered(tmp_path / "out", EngineConfig(), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     k_proj = loaded.model.model.layers[0].self_attn.k_proj
     assert type(k_proj).__name__ == "QuantLinear" and k_proj.bits == (8 if keep_8bit else options.rtn_bits)
     all_weights = {k: torch.from_numpy(v) for k, v in weights.items()} | converted

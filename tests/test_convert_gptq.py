@@ -19,7 +19,7 @@ from reference_packers import (
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ConversionError, ModelLoadError, UnsupportedModelError
-from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.core.weights.convert.gptq import gptq_to_packed
 from deepinfer.core.weights.convert.run import convert_checkpoint
@@ -105,7 +105,7 @@ def test_converted_model_logits_match_reference(tiny_hf, tmp_path, family, bits,
     summary = convert_checkpoint(tmp_path / "src", tmp_path / "out")
     assert summary.source_kind == "gptq"
     assert sum(r.method == "exact" for r in summary.records) == len(weights) - sum(n.endswith("bias") for n in weights)
-    loaded = load_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     assert loaded.source_kind == "layered"
     assert type(loaded.model.model.layers[0].self_attn.q_proj).__name__ == "QuantLinear"
     reference = reference_with_weights(hf_model, weights)

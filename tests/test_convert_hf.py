@@ -12,10 +12,11 @@ from reference_packers import LINEARS
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.core.weights.convert.run import convert_checkpoint
 from deepinfer.core.weights.convert.source import ConvertOptions
-from deepinfer.core.weights.layered import load_layered, read_layer, read_manifest
+from deepinfer.core.weights.layered import read_layer, read_manifest
 
 TOLERANCE = 1e-4
 
@@ -72,7 +73,7 @@ def test_rtn_conversion(hf_dirs, tiny_tokenizer, tmp_path, source, bits, group_s
             reference.state_dict()[name].copy_(value)
         tokens = list(range(4, 37))
         expected = reference(torch.tensor([tokens])).logits[0]
-    loaded = load_layered(out, EngineConfig(), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(out)), "cpu", torch.float32)
     (logits,) = PagedRunner(loaded.model, seed=3).step([("a", tokens)])
     torch.testing.assert_close(logits, expected, atol=TOLERANCE, rtol=0)
     assert loaded.tokenizer.encode("The capital of France") == tiny_tokenizer.encode("The capital of France")

@@ -278,13 +278,13 @@ def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir,
     """With prefill tiles (their buffers beside the block tables, decodes placed first) the padded engine's greedy
     tokens and logprobs still equal the unpadded engine's. On the CPU the torch backend attends per token and
     ignores the tiles; the GPU tests run them."""
-    from deepinfer.core.engine import llm_engine
+    from deepinfer.core.engine import startup
 
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
     settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
     from deepinfer.core.engine import cuda_graphs
 
-    monkeypatch.setattr(llm_engine, "prefill_tile_tokens", lambda *args: 4)
+    monkeypatch.setattr(startup, "prefill_tile_tokens", lambda *args: 4)
     monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 8)
     padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
     assert padded.step_runner.buffers.tile_tokens == 4
@@ -526,7 +526,7 @@ def test_max_vram_holds_what_torch_reserves():
 @pytest.mark.gpu
 @needs_cuda
 def test_compaction_gives_back_the_holes_between_weights_and_keeps_their_values():
-    from deepinfer.core.engine.compaction import MIN_HOLE_BYTES, compact_weights, reserved_holes
+    from deepinfer.core.models.compaction import MIN_HOLE_BYTES, compact_weights, reserved_holes
 
     device = torch.device("cuda")
     torch.cuda.empty_cache()

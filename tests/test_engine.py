@@ -474,7 +474,8 @@ def test_runner_builds_one_flat_batch_decodes_first(loaded):
 
 
 def test_warmup_step_is_the_largest_step_and_runs(loaded):
-    from deepinfer.core.engine.model_runner import ModelRunner, warmup_requests
+    from deepinfer.core.engine.model_runner import ModelRunner
+    from deepinfer.core.engine.startup import warmup_requests
     from deepinfer.core.kv.cache import KVCache
 
     step, num_blocks = warmup_requests(num_tokens=40, max_num_seqs=6, block_size=8, max_model_len=100)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from deepinfer.core.attention.native_backend import NativePagedAttention
-from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
 from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
+from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.rotary import write_kv_cache

@@ -17,7 +17,7 @@ import torch
 from conftest import PagedRunner
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.weights.gguf_reader import open_gguf
 
 PROMPTS = [
@@ -31,7 +31,7 @@ MAX_NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def ours(smollm2_gguf):
-    return load_model(EngineConfig(model=str(smollm2_gguf)), "cpu", torch.float32)
+    return read_model(EngineConfig(model=str(smollm2_gguf)), "cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_converted_gguf_matches_hf_logits(family, overrides, tmp_path):
     from deepinfer.core.models.decoder import DecoderModel
     from deepinfer.core.models.layers import rope_inverse_frequencies
     from deepinfer.core.models.spec import ModelSpec
-    from deepinfer.core.weights.gguf_reader import iter_gguf_weights
+    from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights
 
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32).eval()
@@ -214,7 +214,7 @@ def test_converted_gguf_matches_hf_logits(family, overrides, tmp_path):
     write_gguf_like_llama_cpp(hf_model, family, tmp_path / "tiny.gguf")
 
     reader = open_gguf(tmp_path / "tiny.gguf")
-    spec = ModelSpec.from_gguf(reader)
+    spec = gguf_spec(reader)
     hf_spec = ModelSpec.from_hf_config(hf_model.config.to_dict())
     assert spec.rms_norm_eps == pytest.approx(hf_spec.rms_norm_eps)  # GGUF stores float32
     assert replace(spec, rms_norm_eps=0.0, rope_scaling=None) == replace(

@@ -1,5 +1,5 @@
 """The layered checkpoint format (docs/FORMAT.md): files, manifest, integrity checks, atomic writes, and
-loading through load_model / LLM."""
+loading through the model loader / LLM."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ModelLoadError
-from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.loader import load_model, read_model
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.core.quant.quant_linear import QuantLinear
@@ -32,13 +32,18 @@ def converted(tmp_path_factory, tiny_tokenizer):
     hf_model = save_tiny_model("llama", root / "src", tiny_tokenizer, seed=9, hidden_size=128,
                                intermediate_size=256, head_dim=32, tie_word_embeddings=False)
     convert_checkpoint(root / "src", root / "out", ConvertOptions(bits=4, group_size=64))
-    manifest = read_manifest(root / "out")
+    return root / "out", dequantized_reference(hf_model, root / "out")
+
+
+@torch.no_grad()
+def dequantized_reference(hf_model, out):
+    """A copy of `hf_model` whose projections hold the dequantized weights of the checkpoint `out`."""
+    manifest = read_manifest(out)
     reference = copy.deepcopy(hf_model)
-    with torch.no_grad():
-        for layer in range(manifest["num_layers"]):
-            for name, packed in read_layer(root / "out", layer, manifest)[1].items():
-                reference.get_submodule(name).weight.copy_(dequantize(packed))
-    return root / "out", reference
+    for layer in range(manifest["num_layers"]):
+        for name, packed in read_layer(out, layer, manifest)[1].items():
+            reference.get_submodule(name).weight.copy_(dequantize(packed))
+    return reference
 
 
 def test_directory_layout_and_manifest(converted):
@@ -72,11 +77,11 @@ def test_directory_layout_and_manifest(converted):
     assert {"model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"} <= keys
 
 
-def test_load_model_and_llm_run_the_layered_checkpoint(converted):
+def test_read_model_and_llm_run_the_layered_checkpoint(converted):
     from deepinfer import LLM, SamplingParams
 
     out, reference = converted
-    loaded = load_model(EngineConfig(model=str(out)), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(out)), "cpu", torch.float32)
     assert loaded.source_kind == "layered" and loaded.name == "out"
     for layer in loaded.model.model.layers:
         for linear in LINEARS:
@@ -93,7 +98,7 @@ def test_load_model_and_llm_run_the_layered_checkpoint(converted):
 
 def test_half_precision_load_keeps_fp16_scales(converted):
     out, _ = converted
-    loaded = load_model(EngineConfig(model=str(out), dtype="bfloat16"), "cpu", torch.bfloat16)
+    loaded = read_model(EngineConfig(model=str(out), dtype="bfloat16"), "cpu", torch.bfloat16)
     q_proj = loaded.model.model.layers[0].self_attn.q_proj
     assert q_proj.scales.dtype == torch.float16 and loaded.model.model.norm.weight.dtype == torch.bfloat16
 
@@ -158,13 +163,9 @@ def test_every_family_runs_from_a_layered_checkpoint(tiny_models, tmp_path, fami
     survive conversion: logits equal HF's with the dequantized projections swapped in."""
     directory, hf_model = tiny_models[family]
     convert_checkpoint(directory, tmp_path / "out", ConvertOptions(bits=3, group_size=32))
-    manifest = read_manifest(tmp_path / "out")
-    reference = copy.deepcopy(hf_model)
+    reference = dequantized_reference(hf_model, tmp_path / "out")
+    tokens = list(range(3, 33))
     with torch.no_grad():
-        for layer in range(manifest["num_layers"]):
-            for name, packed in read_layer(tmp_path / "out", layer, manifest)[1].items():
-                reference.get_submodule(name).weight.copy_(dequantize(packed))
-        tokens = list(range(3, 33))
         expected = reference(torch.tensor([tokens])).logits[0].float()
     loaded = load_model(EngineConfig(model=str(tmp_path / "out")), "cpu", torch.float32)
     (logits,) = PagedRunner(loaded.model, seed=6).step([("a", tokens)])

@@ -12,10 +12,10 @@ import torch
 from conftest import FAMILIES, PagedRunner
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.models.loader import load_model
+from deepinfer.core.models.loader import read_model
 from deepinfer.core.models.merged_projections import merge_linears, merge_projections
 from deepinfer.core.quant.quant_linear import QuantLinear
-from deepinfer.core.quant.quantize_model import quantize_projections_rtn
+from deepinfer.core.quant.quantize_model import quantize_projections
 from deepinfer.core.quant.rtn import quantize_rtn
 
 
@@ -43,7 +43,7 @@ def _hf_logits(hf_model) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merged_dense_model_matches_hf(tiny_models, family):
     directory, hf_model = tiny_models[family]
-    loaded = load_model(EngineConfig(model=str(directory)), "cpu", torch.float32)
+    loaded = read_model(EngineConfig(model=str(directory)), "cpu", torch.float32)
     assert merge_projections(loaded.model) == 2 * loaded.spec.num_layers
     layer = loaded.model.model.layers[0]
     assert layer.self_attn.q_proj is None and layer.mlp.gate_proj is None
@@ -58,8 +58,8 @@ def test_merged_dense_model_matches_hf(tiny_models, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_merged_quantized_model_equals_the_unmerged_one(tiny_models, family):
     directory, _ = tiny_models[family]
-    loaded = load_model(EngineConfig(model=str(directory)), "cpu", torch.float32)
-    quantize_projections_rtn(loaded.model, bits=4, group_size=32)
+    loaded = read_model(EngineConfig(model=str(directory)), "cpu", torch.float32)
+    quantize_projections(loaded.model, bits=4, group_size=32)
     unmerged = _logits(loaded.model)
     assert merge_projections(loaded.model) == 2 * loaded.spec.num_layers
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj

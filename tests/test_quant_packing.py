@@ -191,18 +191,18 @@ def test_eight_bit_quant_linear_runs_the_reference(zero_mode):
                                                          8, 32) == "8-bit weights"
 
 
-def test_quantize_projections_rtn_swaps_only_projections(tiny_models):
+def test_quantize_projections_swaps_only_projections(tiny_models):
     from conftest import PagedRunner
 
     from deepinfer.core.models.decoder import DecoderModel
     from deepinfer.core.models.spec import ModelSpec
-    from deepinfer.core.quant.quantize_model import quantize_projections_rtn
+    from deepinfer.core.quant.quantize_model import quantize_projections
 
     _, hf_model = tiny_models["qwen2"]  # q/k/v biases
     model = DecoderModel(ModelSpec.from_hf_config(hf_model.config.to_dict()), max_positions=128)
     model.load_weights(hf_model.state_dict().items())
     embedding = model.model.embed_tokens.weight.clone()
-    assert quantize_projections_rtn(model, bits=3) == 7 * hf_model.config.num_hidden_layers
+    assert quantize_projections(model, bits=3) == 7 * hf_model.config.num_hidden_layers
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert {(q.bits, q.group_size) for q in quantized} == {(3, 64), (3, 32)}  # K = 64 and K = 96
     assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())

@@ -14,7 +14,7 @@ from conftest import save_tiny_model
 from deepinfer import SamplingParams
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.errors import ModelLoadError
+from deepinfer.core.errors import DeepInferError, ModelLoadError
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.core.quant.quant_linear import QuantLinear
 from deepinfer.core.quant.rtn import default_group_size, quantize_rtn
@@ -78,20 +78,26 @@ def test_quantized_tokens_differ_from_the_dense_model(tmp_path, tiny_tokenizer):
     assert dense != quantized
 
 
-def test_a_given_loaded_model_is_quantized_in_place(tmp_path, tiny_tokenizer):
+def test_a_model_the_caller_loads_quantized_runs_as_given(tmp_path, tiny_tokenizer):
     from deepinfer.core.models.loader import load_model
 
     save_tiny_model("llama", tmp_path / "m", tiny_tokenizer, seed=3, initializer_range=0.2, num_hidden_layers=2)
     _, expected = engine_tokens(tmp_path / "m", "w4a16")
-    loaded = load_model(EngineConfig(model=str(tmp_path / "m")), torch.device("cpu"), torch.float32)
-    engine = LLMEngine(EngineConfig(quantization="w4a16", num_gpu_blocks=64, block_size=8), loaded_model=loaded)
+    loaded = load_model(EngineConfig(model=str(tmp_path / "m"), quantization="w4a16"), torch.device("cpu"),
+                        torch.float32)
     assert isinstance(loaded.model.model.layers[1].mlp.down_proj, QuantLinear)
+    engine = LLMEngine(EngineConfig(quantization="w4a16", num_gpu_blocks=64, block_size=8), loaded_model=loaded)
+    assert engine.model is loaded.model
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS]
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o.token_ids for o in engine.step()[0] if o.finished})
     assert [finals[i] for i in ids] == expected
+    # A dense model under a quantized label would publish dense numbers as W4A16: refused.
+    dense = load_model(EngineConfig(model=str(tmp_path / "m")), torch.device("cpu"), torch.float32)
+    with pytest.raises(DeepInferError, match="not quantized"):
+        LLMEngine(EngineConfig(quantization="w4a16", num_gpu_blocks=64, block_size=8), loaded_model=dense)
 
 
 def tiny_shape(tmp_path, **overrides):
@@ -105,12 +111,12 @@ def tiny_shape(tmp_path, **overrides):
 
 
 def test_dummy_shape_gets_random_codes_without_rtn(tmp_path, monkeypatch):
-    from deepinfer.core.engine import quantized_model
+    from deepinfer.core.quant import quantize_model
 
     def no_rtn(*args, **kwargs):
         raise AssertionError("dummy weights must not go through RTN")
 
-    monkeypatch.setattr(quantized_model, "quantize_rtn", no_rtn)
+    monkeypatch.setattr(quantize_model, "quantize_rtn", no_rtn)
     config = EngineConfig(dummy_weights=True, shape=str(tiny_shape(tmp_path)), quantization="w4a16",
                           num_gpu_blocks=32, device="cpu", max_model_len=256)
     engine = LLMEngine(config)
@@ -148,14 +154,14 @@ def test_quantization_error_names_the_layer(tmp_path):
 def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
     import time
 
-    from deepinfer.core.engine.quantized_model import load_quantized_model
+    from deepinfer.core.models.loader import load_model
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    loaded = load_quantized_model(EngineConfig(dummy_weights=True, shape="qwen2.5-3b", quantization="w4a16"),
-                                  torch.device("cuda"), torch.float16)
+    loaded = load_model(EngineConfig(dummy_weights=True, shape="qwen2.5-3b", quantization="w4a16"),
+                        torch.device("cuda"), torch.float16)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - before

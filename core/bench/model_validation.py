@@ -16,18 +16,15 @@ from contextlib import contextmanager
 import torch
 
 from deepinfer.core.attention.native_backend import NativePagedAttention
-from deepinfer.core.attention.simple_metadata import SequenceChunk, build_attention_metadata
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
 from deepinfer.core.bench.kernel_checks import CheckResult, compare
+from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.models.decoder import DecoderModel
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.ops.dispatch import FORCE_REFERENCE_ENV
-from deepinfer.core.quant.quant_linear import QuantLinear
-from deepinfer.core.quant.rtn import quantize_rtn
+from deepinfer.core.quant.quantize_model import quantize_projections
 
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 BLOCK_SIZE = 16
 VOCAB = 1024
 
@@ -47,13 +44,7 @@ def build_tiny_llama(dtype: torch.dtype, device, bits: int, group_size: int, see
     model = DecoderModel(ModelSpec.from_hf_config(config.to_dict()), dtype=dtype, device=device, max_positions=512)
     model.load_weights(hf_model.state_dict().items())
     model.requires_grad_(False)
-    for layer in model.model.layers:
-        for path in _PROJECTIONS:
-            parent_name, child_name = path.split(".")
-            parent = getattr(layer, parent_name)
-            linear = getattr(parent, child_name)
-            packed = quantize_rtn(linear.weight.float(), bits, group_size, bias=linear.bias)
-            setattr(parent, child_name, QuantLinear(packed).to(device))
+    quantize_projections(model, bits, group_size=group_size)
     return model.eval()
 
 

@@ -50,9 +50,11 @@ import numpy as np
 import torch
 
 from deepinfer.core.attention.metadata import AttentionMetadata
-from deepinfer.core.engine.inflight import InflightStep, fill_pending_tokens, stage_pending_tokens, to_device
+from deepinfer.core.engine.inflight import InflightStep
 from deepinfer.core.engine.memory import MiB
 from deepinfer.core.engine.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.step_inputs import StepStager
+from deepinfer.core.engine.transfers import to_device
 from deepinfer.core.kv.kv_manager import cdiv
 
 logger = logging.getLogger(__name__)
@@ -124,7 +126,8 @@ def max_prefill_tiles(tokens: int, max_rows: int, tile_tokens: int) -> int:
 
 
 class StaticStepBuffers:
-    """The device tensors a padded step reads, plus host staging to fill them in two copies.
+    """The device tensors a padded step reads, filled through the step stager (core/engine/step_inputs.py,
+    the one the eager runner uses too) in two copies.
 
     For a step of bucket `tokens` (t), `rows` = min(t, max_num_seqs) logit rows (s), s + 1 request
     rows (the last one for padding) and context bound `bound` (w = cdiv(bound, block_size) columns), in a
@@ -134,7 +137,7 @@ class StaticStepBuffers:
         int64[2t:3t]        slot mapping   int32[2t:2t + (s + 1) * w]  block table [s + 1, w]
         int64[3t:3t + s]    logit rows     int32[.. + s]               (tiled) the decode kernel's lengths
         int64[3t + s:+2k]   (*)            int32[.. + 2m]              (tiled) tiles: first token row, count
-    (*) the fill index of k pending input tokens (inflight.stage_pending_tokens).
+    (*) the fill of k pending input tokens (the stager's).
     Each (bucket, bound) views the first elements, so every view is contiguous and one host->device
     copy per dtype moves a whole step. Pending tokens (async scheduling: sampled by the step still
     in flight) are scattered into the input ids after that copy, on the same stream and outside
@@ -148,17 +151,12 @@ class StaticStepBuffers:
         self.max_rows = max_rows
         self.tile_tokens = tile_tokens
         max_blocks = cdiv(max_model_len, block_size)
-        pin = device.type == "cuda"
         tiled_extra = max_rows + 2 * self.num_tiles(max_tokens)
-        self.int64 = torch.zeros(3 * max_tokens + 3 * max_rows, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(2 * max_tokens + (max_rows + 1) * max_blocks + tiled_extra, dtype=torch.int32,
-                                 device=device)
+        self.stager = StepStager(max_tokens, max_rows, 2 * max_tokens + (max_rows + 1) * max_blocks + tiled_extra,
+                                 block_size, device)
+        self.int64 = torch.zeros(self.stager.host_int64.shape, dtype=torch.int64, device=device)
+        self.int32 = torch.zeros(self.stager.host_int32.shape, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)  # one token each
-        self.host_int64 = torch.zeros(self.int64.shape, dtype=torch.int64, pin_memory=pin)
-        self.host_int32 = torch.zeros(self.int32.shape, dtype=torch.int32, pin_memory=pin)
-        self._host64, self._host32 = self.host_int64.numpy(), self.host_int32.numpy()
-        # Set after each step's copies: the staging is refilled only once they have read it.
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def rows_of(self, tokens: int) -> int:
         """Logit rows of a bucket: one per request it can hold."""
@@ -176,44 +174,26 @@ class StaticStepBuffers:
         """Stage the chunks' tokens as rows 0..T-1 (chunk i is request row i), padding rows T..tokens-1,
         and copy to the device. Pending input tokens come from `previous`'s sampled tokens. In a tiled bucket
         the decodes' tokens come first, so the decode kernel's first max_num_seqs rows hold them all."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        stager = self.stager
+        stager.begin()
         bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
-        h64, h32 = self._host64, self._host32
-        ids, positions, slots = h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
-        logit_rows = h64[3 * tokens:3 * tokens + rows]
+        h32 = stager.h32
+        ids, positions, slots = stager.token_rows(tokens)
+        logit_rows = stager.h64[3 * tokens:3 * tokens + rows]
         seq_lens, token_rows = h32[:tokens], h32[tokens:2 * tokens]
         tables = h32[2 * tokens:2 * tokens + (rows + 1) * width].reshape(rows + 1, width)
         tables[:] = 0  # stale ids from other layouts could lie outside the pool
-        pending: list[tuple[int, str]] = []  # (input row, request id) of pending input tokens
-        token = 0
         num_tiles = self.num_tiles(tokens)
         placed = list(enumerate(chunks))
         if num_tiles:
             placed.sort(key=lambda item: item[1].num_tokens > 1)  # stable: decodes first, in chunk order
-        for i, chunk in placed:
-            start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
-            used = cdiv(start + n, bs)
-            tables[i, :used] = table[:used]
-            if n == 1:  # a decode: scalar writes beat numpy's per-call overhead
-                if start < chunk.request.num_tokens:
-                    ids[token] = chunk.request.all_token_ids[start]
-                else:  # the previous step samples it: filled on the device below
-                    ids[token] = 0
-                    pending.append((token, chunk.request_id))
-                positions[token] = start
-                slots[token] = table[start // bs] * bs + start % bs
-                seq_lens[token] = start + 1
-                token_rows[token] = i
-            else:
-                span = np.arange(start, start + n)
-                ids[token:token + n] = chunk.token_ids
-                positions[token:token + n] = span
-                slots[token:token + n] = tables[i, span // bs].astype(np.int64) * bs + span % bs
-                seq_lens[token:token + n] = span + 1
-                token_rows[token:token + n] = i
-            token += n
-            logit_rows[i] = token - 1
+        pending = stager.stage_chunks(placed, tokens, tables)
+        lengths = [chunk.num_tokens for _, chunk in placed]
+        request_rows = [i for i, _ in placed]
+        token = sum(lengths)
+        seq_lens[:token] = positions[:token] + 1  # each token attends to its context up to itself
+        token_rows[:token] = np.repeat(request_rows, lengths)
+        logit_rows[request_rows] = np.cumsum(lengths) - 1  # chunk i's last token, wherever it was placed
         ids[token:] = 0  # padding: token 0 at position 0 ...
         positions[token:] = 0
         slots[token:] = self.dummy_block * bs  # ... written to the dummy block's slot 0
@@ -221,23 +201,17 @@ class StaticStepBuffers:
         token_rows[token:] = rows  # the padding row, whose table holds only the dummy block
         tables[rows, 0] = self.dummy_block
         logit_rows[len(chunks):] = 0
-        n64, n32 = 3 * tokens + rows, 2 * tokens + (rows + 1) * width
+        n32 = 2 * tokens + (rows + 1) * width
         if num_tiles:
-            n32 += self._stage_tiles(h32[n32:], [chunk.num_tokens for _, chunk in placed], tokens, rows, num_tiles)
-        num_index = stage_pending_tokens(h64[n64:], pending, previous)
-        self.int64[:n64 + num_index].copy_(self.host_int64[:n64 + num_index], non_blocking=True)
-        self.int32[:n32].copy_(self.host_int32[:n32], non_blocking=True)
-        if num_index:
-            fill_pending_tokens(self.int64[:tokens], self.int64[n64:n64 + num_index], previous)
-        if self._copied is not None:
-            self._copied.record()
+            n32 += self._stage_tiles(h32[n32:], lengths, tokens, rows, num_tiles)
+        stager.send(tokens, rows, n32, pending, previous, int64_out=self.int64, int32_out=self.int32)
 
     def _stage_tiles(self, h32: np.ndarray, placed_lengths: list[int], tokens: int, rows: int, num_tiles: int) -> int:
         """Fill a tiled step's decode lengths (h32[:rows]) and tiles (h32[rows:rows + 2 * num_tiles]) after its
         token rows are staged (placed_lengths: the chunks' token counts in row order); -> elements filled.
         Chunks of several tokens and the padding rows (seq_len 1 each, all in the padding row's table) attend in
         tiles; the decode kernel gives their rows among the first `rows` length 0."""
-        seq_lens = self._host32[:tokens]
+        seq_lens = self.stager.h32[:tokens]
         decode_lens = h32[:rows]
         tiles = h32[rows:rows + 2 * num_tiles].reshape(num_tiles, 2)
         decode_lens[:] = seq_lens[:rows]

@@ -22,9 +22,10 @@ on a token's value at N still holds its seat and blocks while N+1 is scheduled),
 prefix-cache hits (`num_cached_tokens`): blocks are cached when the step computing them is
 applied, so a request admitted while that step is still in flight does not find them.
 
-Start-up: load the model (quantized at load time when `quantization` is set), choose the attention
-backend, measure the largest step to size the KV pool, allocate it, then capture the decode CUDA
-graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
+Start-up: the engine takes a ready model (core/models/loader.py builds one: read, quantized at load
+time when `quantization` is set, projections merged, compacted on a GPU), then core/engine/startup.py
+chooses the attention backend, measures the largest step to size the KV pool, allocates it, and
+captures the step CUDA graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
 
 Every step is exception-safe: a failed forward fails the requests of that step alone (finish
 reason "error", blocks freed) and the next step goes on; a request whose detokenization fails
@@ -44,81 +45,42 @@ import logging
 import time
 from dataclasses import replace
 
-import torch
-
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.backends import choose_attention_backend, kernel_summary, prefill_tile_tokens
-from deepinfer.core.engine.compaction import compact_weights
-from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.backends import kernel_summary
 from deepinfer.core.engine.inflight import InflightStep
-from deepinfer.core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
-from deepinfer.core.engine.model_runner import ModelRunner, warmup_requests
 from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.request import Request, RequestStatus
 from deepinfer.core.engine.sampler import make_generator, reads_output_tokens
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.scheduler import Scheduler
+from deepinfer.core.engine.startup import resolve_device, resolve_dtype, start_up
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
-from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import KVCacheManager
-from deepinfer.core.models.merged_projections import merge_projections
+from deepinfer.core.models.loader import LoadedModel, load_model
+from deepinfer.core.quant.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DECODE_MODES = ("graphs", "padded", "eager")
-# The graph pool's estimate is widened by this much for the allocator's segment rounding.
-GRAPH_MEMORY_MARGIN = 0.1
-GRAPH_MEMORY_SLACK = 32 * MiB
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeepInferError(f"device {name!r} asked for, but torch sees no CUDA GPU")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded_model=None, decode_mode: str | None = None) -> None:
-        """`loaded_model`: a core.models.loader.LoadedModel to use instead of loading `config.model`
-        (with `config.quantization` its linears are quantized in place).
+    def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None,
+                 decode_mode: str | None = None) -> None:
+        """`loaded_model`: a ready model (core.models.loader.load_model) to run instead of loading
+        `config.model`; it may be shared with other engines, so it is used as it is (with
+        `config.quantization` it must already be quantized).
         `decode_mode`: how decode steps, and mixed steps a graph serves, run: "graphs" (CUDA graphs),
         "padded" (the graphs' padded inputs run eagerly: a test and debugging aid), "eager"; None:
         graphs on a GPU with the native attention backend unless `enforce_eager`, else eager."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        own_model = loaded_model is None  # a caller's model may be shared with other engines: left in place
-        if own_model:
-            if config.quantization:
-                from deepinfer.core.engine.quantized_model import load_quantized_model
-
-                loaded_model = load_quantized_model(config, self.device, self.dtype)
-            else:
-                from deepinfer.core.models.loader import load_model
-
-                loaded_model = load_model(config, self.device, self.dtype)
-        elif config.quantization:
-            from deepinfer.core.engine.quantized_model import QUANT_BITS, quantize_linears
-
-            quantize_linears(loaded_model.model, QUANT_BITS[config.quantization], self.device, self.dtype,
-                             random_codes=loaded_model.source_kind == "dummy", seed=config.seed)
-        merge_projections(loaded_model.model)  # q/k/v and gate/up: one product each
-        if own_model and self.device.type == "cuda":
-            compact_weights(loaded_model.model, self.device)
+        if loaded_model is None:
+            loaded_model = load_model(config, self.device, self.dtype)
+        elif config.quantization and not any(isinstance(m, QuantLinear) for m in loaded_model.model.modules()):
+            raise DeepInferError(f"quantization {config.quantization!r} was asked for, but the given model is not "
+                                 f"quantized; load it with that quantization (core.models.loader.load_model)")
         self.spec = loaded_model.spec
         self.model = loaded_model.model
         self.tokenizer = loaded_model.tokenizer
@@ -126,40 +88,14 @@ class LLMEngine:
         self.source_kind = loaded_model.source_kind
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.spec.eos_token_ids)
 
-        max_model_len = config.max_model_len or self.spec.max_position_embeddings
-        self.kv_quantized = config.kv_cache_dtype == "int8"
-        self.kv_dtype = _DTYPES.get(config.kv_cache_dtype, self.dtype)  # "auto" and "int8": the model's dtype
-        self.model.attention_backend = choose_attention_backend(
-            config.attention_backend, self.device, self.dtype, self.spec,
-            torch.int8 if self.kv_quantized else self.kv_dtype, config.block_size)
-        self.decode_mode = self._choose_decode_mode(decode_mode)
-        block_bytes = KVCache.bytes_per_block(self.spec.num_layers, config.block_size, self.spec.num_kv_heads,
-                                              self.spec.head_dim, self.kv_dtype, self.kv_quantized)
-        memory = None
-        if self.device.type == "cuda" and config.num_gpu_blocks is None and config.kv_cache_memory is None:
-            memory = self._measure_warmup(max_model_len, block_bytes)
-        self.kv_budget: KVBudget = plan_kv_budget(config, block_bytes, memory)
-        log_kv_budget(self.kv_budget, config.block_size)
-        pool_tokens = self.kv_budget.num_blocks * config.block_size
-        self.max_model_len = self._fit_max_model_len(max_model_len, pool_tokens)
-
-        # Padded decode steps get one block beyond the scheduler's pool, for their padding rows.
-        padded = self.decode_mode != "eager"
-        self.kv_cache = self._make_kv_cache(self.kv_budget.num_blocks + int(padded))
-        self.step_runner = None
-        if padded:
-            self.step_runner = self._make_step_runner(self.kv_cache, self.max_model_len,
-                                                      dummy_block=self.kv_budget.num_blocks)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, block_size=config.block_size,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  step_runner=self.step_runner)
-        if self.decode_mode == "graphs":
-            report = self.step_runner.capture()
-            estimate = self.kv_budget.cuda_graph_bytes
-            if estimate is not None and report.memory_bytes > estimate:
-                logger.warning("CUDA graphs hold %.0f MiB, more than the %.0f MiB set aside for them",
-                               report.memory_bytes / MiB, estimate / MiB)
+        runtime = start_up(config, self.model, self.spec, self.device, self.dtype, decode_mode)
+        self.decode_mode = runtime.decode_mode
+        self.kv_dtype, self.kv_quantized = runtime.kv_dtype, runtime.kv_quantized
+        self.kv_budget = runtime.kv_budget
+        self.max_model_len = runtime.max_model_len
+        self.kv_cache = runtime.kv_cache
+        self.step_runner = runtime.step_runner
+        self.runner = runtime.runner
         self.scheduler = Scheduler(
             KVCacheManager(self.kv_budget.num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -168,79 +104,6 @@ class LLMEngine:
         self._pending_stats = IterationStats()  # finishes outside a step (aborts), reported by the next
         self._inflight: InflightStep | None = None  # launched, not applied yet (async scheduling)
         self._ids = itertools.count()
-
-    def _make_kv_cache(self, num_blocks: int) -> KVCache:
-        return KVCache(self.spec.num_layers, num_blocks, self.config.block_size, self.spec.num_kv_heads,
-                       self.spec.head_dim, self.kv_dtype, self.device, quantized=self.kv_quantized)
-
-    def _choose_decode_mode(self, requested: str | None) -> str:
-        if requested is None:
-            graphs_serve = (self.device.type == "cuda" and self.model.attention_backend.name == "native"
-                            and not self.config.enforce_eager)
-            return "graphs" if graphs_serve else "eager"
-        if requested not in DECODE_MODES:
-            raise DeepInferError(f"unknown decode_mode {requested!r}; use one of {', '.join(DECODE_MODES)}")
-        if requested == "graphs" and self.device.type != "cuda":
-            raise DeepInferError("decode_mode 'graphs' needs a CUDA device")
-        return requested
-
-    def _make_step_runner(self, kv_cache: KVCache, max_model_len: int, dummy_block: int) -> PaddedStepRunner:
-        return PaddedStepRunner(self.model, kv_cache, self.device, block_size=self.config.block_size,
-                                max_num_seqs=self.config.max_num_seqs,
-                                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                max_model_len=max_model_len, dummy_block=dummy_block,
-                                vocab_size=self.spec.vocab_size, num_kv_heads=self.spec.num_kv_heads,
-                                use_graphs=self.decode_mode == "graphs",
-                                prefill_tile_tokens=prefill_tile_tokens(
-                                    self.model.attention_backend, self.device, self.dtype, self.spec.num_heads,
-                                    self.spec.num_kv_heads, self.spec.head_dim,
-                                    torch.int8 if self.kv_quantized else self.kv_dtype, self.config.block_size))
-
-    def _measure_warmup(self, max_model_len: int, block_bytes: int) -> DeviceMemory:
-        """Peak torch memory of the largest step (weights included), with scratch KV blocks of its own."""
-        num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
-        step, num_blocks = warmup_requests(num_tokens, self.config.max_num_seqs, self.config.block_size,
-                                           max_model_len)
-        scratch = self._make_kv_cache(num_blocks)
-        runner = ModelRunner(self.model, scratch, self.device, block_size=self.config.block_size,
-                             max_num_batched_tokens=num_tokens, max_num_seqs=self.config.max_num_seqs,
-                             max_model_len=max_model_len)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.execute(step)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * block_bytes
-        del runner, scratch
-        graph_bytes = self._estimate_graph_memory(max_model_len, block_bytes) if self.decode_mode == "graphs" else 0
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        return DeviceMemory(total=total, free=free, torch_reserved=torch.cuda.memory_reserved(self.device),
-                            torch_allocated=torch.cuda.memory_allocated(self.device), peak_allocated=peak,
-                            cuda_graph_bytes=graph_bytes)
-
-    def _estimate_graph_memory(self, max_model_len: int, block_bytes: int) -> int:
-        """What the step graphs will hold: their static buffers, the shared pool and the graphs
-        themselves (measured by capturing the largest one alone), the dummy block, widened by a
-        margin for the allocator's segment rounding."""
-        scratch = self._make_kv_cache(1)  # the padding rows' dummy block only
-        before = torch.cuda.memory_allocated(self.device)
-        runner = self._make_step_runner(scratch, max_model_len, dummy_block=0)
-        static = torch.cuda.memory_allocated(self.device) - before
-        captured = runner.measure_capture_memory()
-        del runner, scratch
-        return int((1 + GRAPH_MEMORY_MARGIN) * (static + captured)) + block_bytes + GRAPH_MEMORY_SLACK
-
-    def _fit_max_model_len(self, max_model_len: int, pool_tokens: int) -> int:
-        """One request must always fit the pool alone, or it could never finish."""
-        if max_model_len <= pool_tokens:
-            return max_model_len
-        if self.config.max_model_len is not None:
-            raise DeepInferError(
-                f"max_model_len {max_model_len} does not fit the KV pool, which holds {pool_tokens} tokens; "
-                f"lower max_model_len or give the KV cache more memory")
-        logger.warning("max_model_len lowered from the model's %d to %d tokens, what the KV pool holds",
-                       max_model_len, pool_tokens)
-        return pool_tokens
 
     # Requests ------------------------------------------------------------------------------------
 

@@ -44,9 +44,9 @@ from functools import cached_property
 
 import torch
 
-from deepinfer.core.engine.inflight import HostCopy, to_device
 from deepinfer.core.engine.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.transfers import HostCopy, to_device
 
 # Below this temperature a row is sampled greedily: logits / T would overflow float32 (vLLM: same).
 _GREEDY_TEMPERATURE = 1e-5

@@ -20,7 +20,7 @@ detokenizer's, applied by the engine through `finish_requests`.
 Async scheduling (LLMEngine): `schedule` may run again before the previous output is applied.
 Each chunk counts its tokens into the request's `num_inflight_tokens` and, if it samples, one
 `num_pending_tokens` (Request), and the next schedule starts after them: a request whose step is
-in flight decodes its pending token next. A request whose pending token already reaches
+in flight decodes its pending token next (its chunk's `last_token_pending`). A request whose pending token already reaches
 max_tokens or max_model_len is not scheduled (it finishes when that token is applied, and its
 seat in max_num_seqs goes to a waiting request at once); one that stops on a token's value (EOS,
 stop ids, stop strings, abort) may be scheduled once more, and `update` skips its chunk.
@@ -174,9 +174,11 @@ class Scheduler:
                                 or request.num_tokens + pending >= self.max_model_len)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        chunk = ScheduledChunk(request=request, start_pos=request.next_position, num_tokens=num_new,
+        start = request.next_position
+        chunk = ScheduledChunk(request=request, start_pos=start, num_tokens=num_new,
                                block_table=self.kv.block_table(request.request_id),
-                               sample=num_new == request.num_missing_tokens)
+                               sample=num_new == request.num_missing_tokens,
+                               last_token_pending=start + num_new > request.num_tokens)
         request.num_inflight_tokens += num_new
         request.num_pending_tokens += int(chunk.sample)
         return chunk

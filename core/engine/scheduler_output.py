@@ -20,6 +20,9 @@ class ScheduledChunk:
     num_tokens: int  # how many tokens it computes this step (1 for a decode)
     block_table: list[int]  # the request's whole block table, covering start_pos + num_tokens positions
     sample: bool  # the chunk reaches the request's last token, so that token's logits are sampled
+    # Its last input token is the one the step in flight samples (async scheduling): on the device, not
+    # on the host yet, so it is not in `token_ids`; the runner fills it on the device.
+    last_token_pending: bool = False
 
     @property
     def request_id(self) -> str:
@@ -27,7 +30,9 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_tokens]
+        """The input tokens the host knows: all of them, or all but the pending last one."""
+        end = self.start_pos + self.num_tokens - self.last_token_pending
+        return self.request.all_token_ids[self.start_pos:end]
 
     @property
     def seq_len(self) -> int:

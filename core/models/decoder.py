@@ -11,6 +11,7 @@ weight reader maps its format onto them and `load_weights` checks names and shap
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,6 +55,21 @@ class DecoderModel(nn.Module):
             embed_scale = torch.tensor(spec.embedding_scale, dtype=torch.float32, device=device)
         self.register_buffer("embed_scale", embed_scale, persistent=False)
         self.attention_backend: Any = TorchPagedAttention()
+
+    @classmethod
+    def on_meta(cls, spec: ModelSpec, dtype: torch.dtype, device: Any, max_positions: int | None = None) -> DecoderModel:
+        """A model whose parameters are on the meta device, to be put in place one at a time (a layered
+        checkpoint's tensors, random packed codes), so no unquantized copy of the projections is ever
+        made, and whose derived buffers (rotary tables, embedding scale) are on `device`: computed by
+        the model code itself in a layer-less, one-token twin, at a tiny cost."""
+        model = cls(spec, dtype=dtype, device="meta", max_positions=max_positions)
+        twin_spec = replace(spec, num_layers=0, sliding_windows=(), vocab_size=1, tie_word_embeddings=True)
+        twin = cls(twin_spec, dtype=dtype, device=device, max_positions=max_positions)
+        for name, buffer in twin.named_buffers():
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module.register_buffer(attr, buffer, persistent=attr not in module._non_persistent_buffers_set)
+        return model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
                 kv_cache: Any) -> torch.Tensor:

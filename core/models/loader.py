@@ -1,36 +1,54 @@
-"""load_model: find out what the model path is, read it, and return a ready DecoderModel + tokenizer.
+"""load_model: the one place a model is built. Read it, quantize it, merge its projections, compact it.
 
-Sources, in the order they are recognized:
-- `dummy_weights`: the shape of `configs/shapes/<shape>.json` (an HF config.json; or the config of
-  `model` when no shape is given), random weights. Tokenizer: the model's own when `model` has one,
-  else the default model's if it is already on disk, else a ByteTokenizer.
-- no `model`: the default GGUF (fetched once, see core/weights/default_model.py).
-- a `.gguf` file (or a directory holding exactly one): GGUF, dequantized to the model dtype.
-- a directory whose manifest.json says `"format": "deepinfer-layered"`: handed to
-  `core.weights.layered.load_layered(path, config, device, dtype) -> LoadedModel`.
-- a directory with config.json: HF safetensors.
+`load_model(config, device, dtype) -> LoadedModel`, ready to run:
+1. read (`read_model`): find out what the model path is and read it as its source holds it
+   (HF names, projections separate). Sources, in the order they are recognized:
+   - `dummy_weights`: the shape of `configs/shapes/<shape>.json` (an HF config.json; or the config
+     of `model` when no shape is given), random weights. Tokenizer: the model's own when `model`
+     has one, else the default model's if it is already on disk, else a ByteTokenizer.
+   - no `model`: the default GGUF (fetched once, see core/weights/default_model.py).
+   - a `.gguf` file (or a directory holding exactly one): GGUF, dequantized to the model dtype.
+   - a directory whose manifest.json says `"format": "deepinfer-layered"` (core/weights/layered.py):
+     its packed W4A16/W3A16 projections become QuantLinears as each layer's file is read, on a model
+     built on the meta device, so no unquantized copy of them is ever made.
+   - a directory with config.json: HF safetensors.
+2. quantize (`config.quantization`, core/quant/quantize_model.py): the model is read on the host
+   and its projections quantized one at a time on the target device, so the device never holds the
+   unquantized model. Dummy weights with a shape are not read at all: the model is built on the meta
+   device and each projection gets random packed codes made on the target device (speed does not
+   depend on weight values), so a 7B body never exists in fp16 anywhere and loads in seconds.
+3. merge q/k/v and gate/up into one product each (core/models/merged_projections.py).
+4. on a GPU, compact: re-lay the weights in fresh allocator segments when the merge left holes
+   between them (core/models/compaction.py).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.compaction import compact_weights
 from deepinfer.core.models.decoder import DecoderModel
+from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, put_quant_linear, quantize_projections
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
-from deepinfer.core.weights import hf_safetensors
+from deepinfer.core.weights import hf_safetensors, layered
 from deepinfer.core.weights.default_model import default_model_path
-from deepinfer.core.weights.gguf_reader import iter_gguf_weights, open_gguf
+from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
+
+logger = logging.getLogger(__name__)
 
 SHAPES_DIR = Path(str(files("deepinfer.configs") / "shapes"))
-LAYERED_FORMAT = "deepinfer-layered"
 
 
 @dataclass
@@ -43,17 +61,32 @@ class LoadedModel:
 
 
 def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
+    """The model `config` names, ready to run on `device` (see the module docstring)."""
+    device = torch.device(device)
+    if config.quantization is None:
+        loaded = read_model(config, device, dtype)
+    else:
+        start = time.perf_counter()
+        loaded = _read_quantized(config, device, dtype)
+        logger.info("quantized %s to %s in %.1f s", loaded.name, config.quantization, time.perf_counter() - start)
+    merge_projections(loaded.model)  # q/k/v and gate/up: one product each
+    if device.type == "cuda":
+        compact_weights(loaded.model, device)
+    return loaded
+
+
+def read_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
+    """The model as its source holds it: HF names, projections separate, packed ones only where the
+    source stores them packed (layered checkpoints)."""
     if config.dummy_weights:
-        return _load_dummy(config, device, dtype)
+        return _read_dummy(config, device, dtype)
     path = Path(config.model).expanduser() if config.model else default_model_path()
     kind = detect_source(path)
     if kind == "layered":
-        from deepinfer.core.weights.layered import load_layered
-
-        return load_layered(path, config, device, dtype)
+        return _read_layered(path, config, device, dtype)
     if kind == "gguf":
-        return _load_gguf(_gguf_file(path), config, device, dtype)
-    return _load_hf(path, config, device, dtype)
+        return _read_gguf(_gguf_file(path), config, device, dtype)
+    return _read_hf(path, config, device, dtype)
 
 
 def detect_source(path: Path) -> str:
@@ -64,8 +97,8 @@ def detect_source(path: Path) -> str:
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             return "gguf"
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
-    manifest = path / "manifest.json"
-    if manifest.is_file() and hf_safetensors.read_json(manifest).get("format") == LAYERED_FORMAT:
+    manifest = path / layered.MANIFEST_FILE
+    if manifest.is_file() and hf_safetensors.read_json(manifest).get("format") == layered.FORMAT_NAME:
         return "layered"
     if hf_safetensors.is_hf_directory(path):
         return "hf"
@@ -75,7 +108,7 @@ def detect_source(path: Path) -> str:
                          f"or a deepinfer layered manifest.json")
 
 
-def _load_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
+def _read_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(model_dir))
     files = hf_safetensors.safetensors_files(model_dir)
     model = _build_model(spec, config, device, dtype)
@@ -85,9 +118,9 @@ def _load_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dt
     return LoadedModel(spec, model, tokenizer, "hf", model_dir.name)
 
 
-def _load_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
+def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     reader = open_gguf(path)
-    spec = ModelSpec.from_gguf(reader)
+    spec = gguf_spec(reader)
     model = _build_model(spec, config, device, dtype)
     model.load_weights(iter_gguf_weights(reader, spec))
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
@@ -96,35 +129,109 @@ def _load_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
     return LoadedModel(spec, model, tokenizer, "gguf", path.stem)
 
 
-def _load_dummy(config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
-    tokenizer: Tokenizer | ByteTokenizer | None = None
-    if config.shape is not None:
-        shape_file = shape_file_path(config.shape)
-        spec = ModelSpec.from_hf_config(hf_safetensors.read_json(shape_file))
-        name = f"dummy-{shape_file.stem}"
-    else:
-        path = Path(config.model).expanduser()
-        kind = detect_source(path)
-        if kind == "gguf":
-            spec = ModelSpec.from_gguf(open_gguf(_gguf_file(path)))
-        elif kind == "hf":
-            spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
-            tokenizer = Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids)
-        else:
-            raise UnsupportedModelError("dummy weights need an HF or GGUF model config, or --shape")
-        name = f"dummy-{path.stem}"
+@torch.no_grad()
+def _read_layered(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
+    """Layer by layer, each file's sha256 checked as it is read, so peak host memory stays near one layer."""
+    manifest = layered.read_manifest(path)
+    layered.read_checked_bytes(path, layered.CONFIG_FILE, manifest)
+    spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
+    if spec.num_layers != manifest["num_layers"]:
+        raise ModelLoadError(f"{path}: config.json has {spec.num_layers} layers, the manifest {manifest['num_layers']}")
+    model = DecoderModel.on_meta(spec, dtype, device, _max_positions(spec, config))
+    _put_dense(model, layered.read_embeddings(path, manifest), device)
+    for index in range(spec.num_layers):
+        dense, packed = layered.read_layer(path, index, manifest)
+        _put_dense(model, dense, device)
+        for name, weight in packed.items():
+            if weight.bias is not None:
+                weight.bias = weight.bias.to(dtype)
+            put_quant_linear(model, name, weight, device)
+    missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+    model.requires_grad_(False)
+    if manifest.get("tokenizer"):
+        tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
+            path, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id), spec, path)
+    else:  # the source had no tokenizer: token ids in, token ids out
+        tokenizer = ByteTokenizer(spec.vocab_size)
+    return LoadedModel(spec, model.eval(), tokenizer, "layered", path.name)
+
+
+def _read_dummy(config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
+    spec, name, tokenizer = _dummy_spec(config)
     model = _build_model(spec, config, device, dtype)
     model.init_dummy_weights(config.seed)
-    if tokenizer is None:
-        tokenizer = dummy_tokenizer(spec)
-    return LoadedModel(spec, model, tokenizer, "dummy", name)
+    return LoadedModel(spec, model, tokenizer or dummy_tokenizer(spec), "dummy", name)
+
+
+def _dummy_spec(config: EngineConfig) -> tuple[ModelSpec, str, Tokenizer | None]:
+    """(spec, name, the model's own tokenizer or None) of a dummy-weight run."""
+    if config.shape is not None:
+        shape_file = shape_file_path(config.shape)
+        return ModelSpec.from_hf_config(hf_safetensors.read_json(shape_file)), f"dummy-{shape_file.stem}", None
+    path = Path(config.model).expanduser()
+    kind = detect_source(path)
+    if kind == "gguf":
+        return gguf_spec(open_gguf(_gguf_file(path))), f"dummy-{path.stem}", None
+    if kind == "hf":
+        spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
+        return spec, f"dummy-{path.stem}", Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids)
+    raise UnsupportedModelError("dummy weights need an HF or GGUF model config, or --shape")
+
+
+def _read_quantized(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    bits = BITS_OF_SCHEME[config.quantization]
+    if config.dummy_weights and config.shape is not None:
+        return _read_dummy_quantized(config, device, dtype, bits)
+    loaded = read_model(config, torch.device("cpu"), dtype)
+    quantize_projections(loaded.model, bits, device=device, dtype=dtype, random_codes=config.dummy_weights,
+                         seed=config.seed)
+    loaded.model.to(device)
+    return loaded
+
+
+@torch.no_grad()
+def _read_dummy_quantized(config: EngineConfig, device: torch.device, dtype: torch.dtype, bits: int) -> LoadedModel:
+    spec, name, _ = _dummy_spec(config)
+    model = DecoderModel.on_meta(spec, dtype, device, _max_positions(spec, config))
+    quantize_projections(model, bits, device=device, dtype=dtype, random_codes=True, seed=config.seed)
+    for module in model.modules():  # what is left on meta: embedding, norms, untied head
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, attr, nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
+    model.init_dummy_weights(config.seed)
+    model.requires_grad_(False)
+    return LoadedModel(spec, model.eval(), dummy_tokenizer(spec), "dummy", name)
+
+
+def _max_positions(spec: ModelSpec, config: EngineConfig) -> int:
+    """Rotary table length: the model's context, or more where max_model_len asks for it."""
+    return max(config.max_model_len or 0, spec.max_position_embeddings)
 
 
 def _build_model(spec: ModelSpec, config: EngineConfig, device: Any, dtype: torch.dtype) -> DecoderModel:
-    max_positions = max(config.max_model_len or 0, spec.max_position_embeddings)
-    model = DecoderModel(spec, dtype=dtype, device=device, max_positions=max_positions)
+    model = DecoderModel(spec, dtype=dtype, device=device, max_positions=_max_positions(spec, config))
     model.requires_grad_(False)
     return model.eval()
+
+
+def _put_dense(model: DecoderModel, tensors: dict[str, torch.Tensor], device: Any) -> None:
+    """Replace the model's (meta) parameters by `tensors` (HF names), each cast to its dtype after a shape check."""
+    for name, tensor in tensors.items():
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied: the head is the embedding
+        try:
+            current = model.get_parameter(name)
+        except AttributeError:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model") from None
+        if tuple(current.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(current.shape)}")
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr,
+                nn.Parameter(tensor.to(device=device, dtype=current.dtype), requires_grad=False))
 
 
 def dummy_tokenizer(spec: ModelSpec) -> Tokenizer | ByteTokenizer:
@@ -166,4 +273,3 @@ def _has_gguf_magic(path: Path) -> bool:
             return handle.read(4) == b"GGUF"
     except OSError:
         return False
-

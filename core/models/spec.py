@@ -126,13 +126,6 @@ class ModelSpec:
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
             raise ModelLoadError(f"config of {family} model is malformed: {type(err).__name__}: {err}") from None
 
-    @staticmethod
-    def from_gguf(reader: Any) -> ModelSpec:
-        """Build from an open `gguf.GGUFReader` (metadata -> HF-style config -> from_hf_config)."""
-        from deepinfer.core.weights.gguf_reader import gguf_metadata_to_hf_config
-
-        return ModelSpec.from_hf_config(gguf_metadata_to_hf_config(reader))
-
 
 def detect_family(config: dict[str, Any]) -> str:
     """Family from `model_type` (and `architectures`, which must be a supported CausalLM class)."""

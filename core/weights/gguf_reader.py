@@ -150,6 +150,11 @@ def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
+def gguf_spec(reader: Any) -> ModelSpec:
+    """The ModelSpec of an open `gguf.GGUFReader` (metadata -> HF-style config -> from_hf_config)."""
+    return ModelSpec.from_hf_config(gguf_metadata_to_hf_config(reader))
+
+
 def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
     from gguf.quants import dequantize

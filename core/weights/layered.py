@@ -1,5 +1,6 @@
 """deepinfer's layered checkpoint: one safetensors file per decoder layer, packed W4A16/W3A16 linears.
 
+This module reads and writes the format only; core/models/loader.py builds the model from it.
 See docs/FORMAT.md for the layout. Writing goes to a temp directory beside the output that is
 renamed into place only when every file is written, so a failed conversion leaves nothing behind.
 Reading checks each file's sha256 against the manifest as it loads it, one layer at a time, so
@@ -206,101 +207,3 @@ def read_embeddings(path: str | os.PathLike, manifest: dict[str, Any]) -> dict[s
     """Every tensor outside the decoder layers: embed_tokens, final norm, lm_head when not tied."""
     return _load_safetensors(path, EMBEDDINGS_FILE, manifest)[0]
 
-
-def load_layered(path: str | os.PathLike, config: Any, device: Any, dtype: torch.dtype) -> Any:
-    """Build the DecoderModel of a layered checkpoint with QuantLinear projections, layer by layer.
-
-    `config` is the EngineConfig (its max_model_len sizes the rotary tables). Returns
-    core.models.loader.LoadedModel with source_kind "layered". The model is built on the meta
-    device and each layer's tensors are put in place as its file is read, so neither the host nor
-    the device ever holds an unquantized copy of the projections.
-    """
-    from dataclasses import replace
-
-    from deepinfer.core.models.decoder import DecoderModel
-    from deepinfer.core.models.loader import LoadedModel
-    from deepinfer.core.models.spec import ModelSpec
-    from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
-    from deepinfer.core.weights.hf_safetensors import read_hf_config
-
-    path = Path(path)
-    manifest = read_manifest(path)
-    read_checked_bytes(path, CONFIG_FILE, manifest)
-    spec = ModelSpec.from_hf_config(read_hf_config(path))
-    if spec.num_layers != manifest["num_layers"]:
-        raise ModelLoadError(f"{path}: config.json has {spec.num_layers} layers, the manifest {manifest['num_layers']}")
-    max_positions = max(getattr(config, "max_model_len", None) or 0, spec.max_position_embeddings)
-    model = DecoderModel(spec, dtype=dtype, device="meta", max_positions=max_positions)
-    # The model's own derived buffers (rotary tables, embedding scale) come from a layer-less,
-    # one-token twin built on the device: computed by the model code itself, at a tiny cost.
-    twin_spec = replace(spec, num_layers=0, sliding_windows=(), vocab_size=1, tie_word_embeddings=True)
-    twin = DecoderModel(twin_spec, dtype=dtype, device=device, max_positions=max_positions)
-    for name, buffer in twin.named_buffers():
-        _set_tensor(model, name, buffer, is_parameter=False)
-    _put_dense(model, read_embeddings(path, manifest), device)
-    for index in range(spec.num_layers):
-        dense, packed = read_layer(path, index, manifest)
-        _put_dense(model, dense, device)
-        for name, weight in packed.items():
-            _put_quant_linear(model, name, weight, device, dtype)
-    missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
-    model.requires_grad_(False)
-    if manifest.get("tokenizer"):
-        tokenizer = Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id)
-        if tokenizer.vocab_size > spec.vocab_size:
-            raise ModelLoadError(f"tokenizer of {path} has {tokenizer.vocab_size} tokens, "
-                                 f"more than the model's vocab_size {spec.vocab_size}")
-    else:  # the source had no tokenizer: token ids in, token ids out
-        tokenizer = ByteTokenizer(spec.vocab_size)
-    return LoadedModel(spec, model.eval(), tokenizer, "layered", path.name)
-
-
-def _put_dense(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device: Any) -> None:
-    for name, tensor in tensors.items():
-        if name == "lm_head.weight" and getattr(model, "lm_head", None) is None:
-            continue  # tied: the head is the embedding
-        _set_tensor(model, name, tensor.to(device), is_parameter=True)
-
-
-def _set_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor, is_parameter: bool) -> None:
-    """Replace the (meta) parameter or buffer `name` by `tensor`, cast to its dtype, after a shape check."""
-    module_name, _, attr = name.rpartition(".")
-    try:
-        module = model.get_submodule(module_name)
-        current = getattr(module, attr)
-    except AttributeError:
-        raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model") from None
-    if not isinstance(current, torch.Tensor) or tuple(current.shape) != tuple(tensor.shape):
-        expected = tuple(current.shape) if isinstance(current, torch.Tensor) else None
-        raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {expected}")
-    value = tensor.to(current.dtype)
-    if is_parameter:
-        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
-    else:
-        module.register_buffer(attr, value, persistent=attr not in module._non_persistent_buffers_set)
-
-
-def _put_quant_linear(model: torch.nn.Module, name: str, packed: PackedWeight, device: Any,
-                      dtype: torch.dtype) -> None:
-    from dataclasses import replace
-
-    from deepinfer.core.quant.quant_linear import QuantLinear
-
-    parent_name, _, child = name.rpartition(".")
-    try:
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, child)
-    except AttributeError:
-        raise ModelLoadError(f"quantized linear {name!r} has no place in the model") from None
-    if not isinstance(linear, torch.nn.Linear):
-        raise ModelLoadError(f"{name!r} is not a linear layer of the model")
-    if (linear.in_features, linear.out_features) != (packed.in_features, packed.out_features):
-        raise ModelLoadError(f"quantized linear {name!r} is {packed.out_features}x{packed.in_features}, "
-                             f"the model expects {linear.out_features}x{linear.in_features}")
-    if (linear.bias is None) != (packed.bias is None):
-        raise ModelLoadError(f"quantized linear {name!r}: bias present in one of checkpoint and model only")
-    bias = None if packed.bias is None else packed.bias.to(dtype)
-    setattr(parent, child, QuantLinear(replace(packed, bias=bias)).to(device))

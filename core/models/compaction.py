@@ -15,12 +15,10 @@ import logging
 import torch
 from torch import nn
 
-from deepinfer.core.engine.memory import MiB
-
 logger = logging.getLogger(__name__)
 
 # Below this the round trip (about a second per few GB over PCIe) is not worth its time.
-MIN_HOLE_BYTES = 64 * MiB
+MIN_HOLE_BYTES = 64 << 20
 
 
 def reserved_holes(device: torch.device) -> int:
@@ -41,5 +39,5 @@ def compact_weights(model: nn.Module, device: torch.device) -> int:
     model.to(device)
     after = reserved_holes(device)
     logger.info("weights re-laid in fresh segments: %.0f MiB of holes between them given back",
-                (before - after) / MiB)
+                (before - after) / 2**20)
     return before - after

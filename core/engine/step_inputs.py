@@ -1,0 +1,233 @@
+"""Step inputs: the one stager of every step the model runner launches, eager or padded.
+
+A step's chunks become token rows (input id, position, KV slot of each token) and request rows (a
+block table each, the row whose hidden state is sampled). `StepStager` writes them in one pass into
+pinned host staging (numpy views for fast filling, allocated once at the largest step), moves it to
+the device in one non-blocking copy per dtype, then fills the pending input tokens on the device.
+The int64 staging is the same for every step:
+
+    [0:t]  input ids   [t:2t]  positions   [2t:3t]  slot mapping   [3t:3t+s]  logit rows   [+2k]  (*)
+
+(*) the fill of k pending tokens (below). The int32 staging holds the attention metadata, in one of
+two layouts:
+- per request (`stage_requests`: eager steps, and `build_attention_metadata` for tests): decodes
+  first, as AttentionMetadata expects; query_start_loc [B + 1], seq_lens [B], block_tables [B, W]
+  (W: the step's longest table), logit rows for the sampling chunks only; fresh device tensors.
+- per token (padded steps, the static buffers of core/engine/cuda_graphs.py, which stage through
+  `begin` / `stage_chunks` / `send`): every token its own query, padded to a bucket.
+
+Pending tokens (async scheduling): a chunk whose `last_token_pending` is set takes as its last input
+the token the step in flight (`previous`, core/engine/inflight.py) samples, which is on the device
+only. Its row is staged as 0, the (input row, sampled row) pairs go into the int64 staging after the
+step's other values, so the same copy moves them, and `fill_pending_tokens` scatters the sampled
+tokens into the input ids on the same stream, before the forward or graph replay reads them (outside
+any graph, so graphs replay unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.core.attention.metadata import AttentionMetadata
+from deepinfer.core.engine.inflight import InflightStep
+from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.scheduler_output import ScheduledChunk
+from deepinfer.core.kv.kv_manager import cdiv
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: hidden rows whose logits are sampled
+    sampling_chunks: list[ScheduledChunk]  # [N], the requests of those rows, same order
+
+
+class StepStager:
+    """Host staging for steps of up to `max_tokens` tokens and `max_rows` requests, `int32_size`
+    int32 values of metadata, copied to `device`."""
+
+    def __init__(self, max_tokens: int, max_rows: int, int32_size: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+        self.host_int64 = torch.zeros(3 * max_tokens + 3 * max_rows, dtype=torch.int64, pin_memory=pin)
+        self.host_int32 = torch.zeros(int32_size, dtype=torch.int32, pin_memory=pin)
+        self.h64, self.h32 = self.host_int64.numpy(), self.host_int32.numpy()
+        # Set after each step's copies: the staging is refilled only once they have read it (a step that
+        # samples nothing has no sync that would order them before the next fill).
+        self._copied = torch.cuda.Event() if pin else None
+
+    # The phases of a step: begin, stage_chunks (and the layout's own metadata), send. ----------------
+
+    def begin(self) -> None:
+        """Wait until the last step's copies have read the staging."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def token_rows(self, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input ids, positions, slot mapping) staging of a step of `tokens` token rows."""
+        h64 = self.h64
+        return h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
+
+    def stage_chunks(self, placed: list[tuple[int, ScheduledChunk]], tokens: int,
+                     tables: np.ndarray) -> list[tuple[int, str]]:
+        """Write the chunks' tokens as consecutive token rows in `placed` order ([(request row, chunk)])
+        and each chunk's block table into `tables[request row]` (a view of the int32 staging, zeroed by
+        the caller). -> [(token row, request id)] of the pending tokens."""
+        bs = self.block_size
+        ids, positions, slots = self.token_rows(tokens)
+        pending: list[tuple[int, str]] = []
+        token = 0
+        for row, chunk in placed:
+            start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
+            used = cdiv(start + n, bs)
+            tables[row, :used] = table[:used]
+            if n == 1:  # a decode: scalar writes beat numpy's per-call overhead
+                ids[token] = 0 if chunk.last_token_pending else chunk.request.all_token_ids[start]
+                positions[token] = start
+                slots[token] = table[start // bs] * bs + start % bs
+            else:
+                span = np.arange(start, start + n)
+                known = chunk.token_ids
+                ids[token:token + len(known)] = known
+                ids[token + len(known):token + n] = 0
+                positions[token:token + n] = span
+                slots[token:token + n] = tables[row, span // bs].astype(np.int64) * bs + span % bs
+            token += n
+            if chunk.last_token_pending:
+                pending.append((token - 1, chunk.request_id))
+        return pending
+
+    def send(self, tokens: int, rows: int, num_int32: int, pending: list[tuple[int, str]],
+             previous: InflightStep | None, int64_out: torch.Tensor | None = None,
+             int32_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage the pending tokens' fill, copy the int64 staging of `tokens` token rows and `rows` logit
+        rows and the first `num_int32` int32 values to the device (into `int64_out` / `int32_out`, the
+        padded runner's static buffers, or fresh tensors), then fill the pending tokens there.
+        -> (int64, int32) device tensors holding the staged values at their staging offsets."""
+        num_int64 = 3 * tokens + rows
+        num_fill = _stage_fill(self.h64[num_int64:], pending, previous)
+        int64_out = self._copy(self.host_int64[:num_int64 + num_fill], int64_out)
+        int32_out = self._copy(self.host_int32[:num_int32], int32_out)
+        if num_fill:
+            fill_pending_tokens(int64_out[:tokens], int64_out[num_int64:num_int64 + num_fill], previous)
+        if self._copied is not None:
+            self._copied.record()
+        return int64_out, int32_out
+
+    def _copy(self, host: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if out is not None:
+            out[:host.shape[0]].copy_(host, non_blocking=True)
+            return out
+        if self.device.type == "cpu":
+            return host.clone()  # the staging is refilled next step
+        return host.to(self.device, non_blocking=True)
+
+    # The per-request layout. ----------------------------------------------------------------------------
+
+    def stage_requests(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None) -> StepInputs:
+        """A step's inputs in the per-request layout, chunks in the order given (decodes, those of one
+        token, must come first). int32 staging: query_start_loc [B + 1], seq_lens [B], block tables [B, W]."""
+        bs = self.block_size
+        self.begin()
+        num_requests = len(chunks)
+        query_lens = [chunk.num_tokens for chunk in chunks]
+        seq_lens = [chunk.seq_len for chunk in chunks]
+        tokens = sum(query_lens)
+        width = max(cdiv(seq_len, bs) for seq_len in seq_lens)
+        h32 = self.h32
+        tables_at = 2 * num_requests + 1
+        num_int32 = tables_at + num_requests * width
+        tables = h32[tables_at:num_int32].reshape(num_requests, width)
+        tables[:] = 0
+        pending = self.stage_chunks(list(enumerate(chunks)), tokens, tables)
+        ends = np.cumsum(query_lens)
+        h32[0] = 0
+        h32[1:num_requests + 1] = ends
+        h32[num_requests + 1:tables_at] = seq_lens
+        sampling_chunks = [chunk for chunk in chunks if chunk.sample]
+        rows = len(sampling_chunks)
+        self.h64[3 * tokens:3 * tokens + rows] = [end - 1 for end, chunk in zip(ends, chunks) if chunk.sample]
+        int64, int32 = self.send(tokens, rows, num_int32, pending, previous)
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_requests)
+        metadata = AttentionMetadata(
+            slot_mapping=int64[2 * tokens:3 * tokens],
+            query_start_loc=int32[:num_requests + 1],
+            seq_lens=int32[num_requests + 1:tables_at],
+            block_tables=int32[tables_at:num_int32].view(num_requests, width),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return StepInputs(input_ids=int64[:tokens], positions=int64[tokens:2 * tokens], attn_metadata=metadata,
+                          logits_indices=int64[3 * tokens:3 * tokens + rows], sampling_chunks=sampling_chunks)
+
+
+def request_stager(max_tokens: int, max_requests: int, max_blocks: int, block_size: int,
+                   device: torch.device) -> StepStager:
+    """A stager whose int32 staging fits the per-request layout of steps up to those sizes."""
+    return StepStager(max_tokens, max_requests, 2 * max_requests + 1 + max_requests * max_blocks, block_size, device)
+
+
+def _stage_fill(staging: np.ndarray, pending: list[tuple[int, str]], previous: InflightStep | None) -> int:
+    """Write the fill of the pending tokens into `staging`: k input rows, then the k rows of
+    `previous`'s sampled tokens they take. -> the number of values written, 2k."""
+    if not pending:
+        return 0
+    if previous is None:
+        raise RuntimeError(f"request {pending[0][1]!r} has a pending token but no step is in flight")
+    k = len(pending)
+    for i, (input_row, request_id) in enumerate(pending):
+        staging[i] = input_row
+        staging[k + i] = previous.sampled_row(request_id)
+    return 2 * k
+
+
+def fill_pending_tokens(input_ids: torch.Tensor, index: torch.Tensor, previous: InflightStep) -> None:
+    """input_ids [T] int64 on the device; index [2k]: the staged fill, on the device. Enqueued on the
+    current stream, so the forward that follows reads the filled ids."""
+    k = index.shape[0] // 2
+    tokens = previous.sampled.sampled.index_select(0, index[k:])  # [k]
+    input_ids.index_copy_(0, index[:k], tokens)
+
+
+# Tests and one-off scripts: attention metadata without a scheduler. ------------------------------------
+
+
+@dataclass
+class SequenceChunk:
+    block_table: list[int]  # physical blocks of the request, in logical order
+    start: int  # tokens of this request already in the cache = position of the first new token
+    num_tokens: int  # new tokens this step
+
+
+def build_attention_metadata(chunks: list[SequenceChunk], block_size: int,
+                             device: torch.device | str) -> tuple[AttentionMetadata, torch.Tensor]:
+    """-> (metadata, positions [T] int64) of one step of `chunks`, staged as the eager runner stages
+    its steps. Decode chunks (one new token after a cached context) must come first, as the runner
+    orders them; the caller passes the input ids to the model itself."""
+    single = [chunk.num_tokens == 1 for chunk in chunks]
+    leading = next((i for i, one in enumerate(single) if not one), len(chunks))
+    if any(one and chunk.start > 0 for one, chunk in zip(single[leading:], chunks[leading:])):
+        raise ValueError("decode chunks (one new token after a cached context) must come first")
+    scheduled = []
+    for i, chunk in enumerate(chunks):
+        seq_len = chunk.start + chunk.num_tokens
+        if len(chunk.block_table) * block_size < seq_len:
+            raise ValueError(f"block table of {len(chunk.block_table)} blocks cannot hold {seq_len} tokens")
+        request = Request(f"chunk-{i}", [0] * seq_len, SamplingParams())
+        scheduled.append(ScheduledChunk(request, chunk.start, chunk.num_tokens, chunk.block_table, sample=True))
+    tokens = sum(chunk.num_tokens for chunk in chunks)
+    max_blocks = max(cdiv(chunk.start + chunk.num_tokens, block_size) for chunk in chunks)
+    stager = request_stager(tokens, len(chunks), max_blocks, block_size, torch.device(device))
+    inputs = stager.stage_requests(scheduled)
+    return inputs.attn_metadata, inputs.positions
