@@ -63,32 +63,21 @@ def concurrency(document: dict) -> str:
     return table(header, rows)
 
 
-def launch_comparison(with_pdl: dict, without_pdl: dict) -> str:
-    off = {level["concurrency"]: level["mean_std"] for level in without_pdl["levels"]}
+def side_by_side(first: dict, second: dict, labels: tuple[str, str]) -> str:
+    """Output tok/s and TPOT p50 per concurrency level of two runs of the same sweep, and their ratio."""
+    other = {level["concurrency"]: level["mean_std"] for level in second["levels"]}
     rows = []
-    for level in with_pdl["levels"]:
-        on_stats, off_stats = level["mean_std"], off.get(level["concurrency"])
-        if off_stats is None:
+    for level in first["levels"]:
+        a, b = level["mean_std"], other.get(level["concurrency"])
+        if b is None:
             continue
-        on_tps, off_tps = mean(on_stats, "output_tokens_per_s"), mean(off_stats, "output_tokens_per_s")
-        rows.append([str(level["concurrency"]), cell(on_tps), cell(off_tps),
-                     cell(on_tps / off_tps if on_tps and off_tps else None, 2, "x"),
-                     cell(mean(on_stats, "tpot_ms.p50"), 2), cell(mean(off_stats, "tpot_ms.p50"), 2)])
-    return table(["concurrency", "output tok/s", "`DEEPINFER_PDL=0` tok/s", "gain", "TPOT p50 ms",
-                  "`DEEPINFER_PDL=0` TPOT p50 ms"], rows)
-
-
-def scheduling_comparison(on: dict, off: dict) -> str:
-    sync = {level["concurrency"]: level["mean_std"] for level in off["levels"]}
-    rows = []
-    for level in on["levels"]:
-        a, s = level["mean_std"], sync.get(level["concurrency"])
-        if s is None:
-            continue
-        rows.append([str(level["concurrency"]), cell(mean(a, "tpot_ms.p50"), 2), cell(mean(s, "tpot_ms.p50"), 2),
-                     cell(mean(a, "output_tokens_per_s")), cell(mean(s, "output_tokens_per_s"))])
-    return table(["concurrency", "TPOT p50 ms, async", "TPOT p50 ms, synchronous", "output tok/s, async",
-                  "output tok/s, synchronous"], rows)
+        a_tps, b_tps = mean(a, "output_tokens_per_s"), mean(b, "output_tokens_per_s")
+        rows.append([str(level["concurrency"]), cell(a_tps), cell(b_tps),
+                     cell(a_tps / b_tps if a_tps and b_tps else None, 2, "x"),
+                     cell(mean(a, "tpot_ms.p50"), 2), cell(mean(b, "tpot_ms.p50"), 2)])
+    one, two = labels
+    return table(["concurrency", f"output tok/s, {one}", f"output tok/s, {two}", "gain",
+                  f"TPOT p50 ms, {one}", f"TPOT p50 ms, {two}"], rows)
 
 
 def budget(document: dict) -> str:
@@ -192,9 +181,9 @@ def attention(document: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default="results")
-    parser.add_argument("--gpu", default="nvidia_h200")
-    parser.add_argument("--subject", default="qwen2.5-3b-w4a16")
+    parser.add_argument("--results", default="results", help="folder of the JSON files")
+    parser.add_argument("--gpu", default="nvidia_h200", help="GPU part of the file names")
+    parser.add_argument("--subject", default="qwen2.5-3b-w4a16", help="model part of the file names")
     parser.add_argument("--gemv", help="bench gemv JSON for the products (default: gpu_bench.sh's gemv section)")
     parser.add_argument("--attention", help="bench gemv JSON for decode attention (default: the --gemv file)")
     args = parser.parse_args()
@@ -216,11 +205,13 @@ def main() -> None:
         print(f"### {title}: `{name}`\n\n{env_line(document)}\n\n{render(document, *others)}\n")
 
     show("Concurrency", f"bench_concurrency_{subject}_{gpu}.json", concurrency)
-    show("Programmatic dependent launch", f"bench_concurrency_{subject}_{gpu}.json", launch_comparison,
+    show("Programmatic dependent launch", f"bench_concurrency_{subject}_{gpu}.json",
+         lambda on, off: side_by_side(on, off, ("PDL", "`DEEPINFER_PDL=0`")),
          f"bench_concurrency_{subject}-no-pdl_{gpu}.json")
     show("Inside a 4 GiB budget", f"bench_concurrency_{subject}-4gib_{gpu}.json", budget)
     show("Long-prompt insertion", f"bench_jitter_{subject}_{gpu}.json", jitter)
-    show("Async scheduling", f"bench_concurrency_{subject}-async_{gpu}.json", scheduling_comparison,
+    show("Async scheduling", f"bench_concurrency_{subject}-async_{gpu}.json",
+         lambda on, off: side_by_side(on, off, ("async", "synchronous")),
          f"bench_concurrency_{subject}-sync_{gpu}.json")
     show("Decode step profile", f"profile_graph_steps_{subject}_{gpu}.json", profile)
     show("Stream floor", f"stream_floor_{subject}_{gpu}.json", stream_floor)
