@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
-# Issue #7 benchmarks on one GPU; about 8 minutes on an H200. JSON goes to $OUT (default results/),
-# the console output (Rich tables) to gpu_bench.log next to it.
-#   1. Qwen2.5-3B body, W4A16 (dummy weights), concurrency 1,4,8,32,64, with the HF transformers peer
-#   2. the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
-#   3. the same model: long-document insertion jitter over eight token budgets (one engine each), ITL SLO 8 ms
-#   4. section 1 again with DEEPINFER_PDL=0 (every launch fully serialized, no HF peer), for the PDL ratio
+# The benchmarks behind docs/RESULTS.md, on one GPU. JSON goes to $OUT (default results/) under fixed
+# names, so a new run replaces the files the docs cite; the console output (Rich tables) goes to
+# gpu_bench.log next to them. All on the Qwen2.5-3B body in W4A16 (random weights: speed does not
+# depend on their values), bf16 activations, 256-token prompts, 64 output tokens.
+#
+#   bash scripts/gpu_bench.sh [SECTION ...]
+#
+# With no arguments it runs the default set (about 8 minutes on an H200):
+#   concurrency         concurrency 1,4,8,32,64, with the HF transformers peer on the same prompts
+#   concurrency-4gib    the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
+#   jitter              a 2048-token prompt inserted into a decoding stream, over eight token budgets
+#                       (one engine each), with an 8 ms ITL SLO
+#   concurrency-no-pdl  the concurrency sweep with DEEPINFER_PDL=0 (serialized launches, no HF peer)
+# Named on the command line, it also runs (each about a minute):
+#   scheduling          concurrency 1 and 32 with async scheduling, then with --no-async-scheduling
+#   gemv                `deepinfer bench gemv` on Qwen2.5-3B's merged W4 products in bf16, and decode
+#                       attention, each kernel alone
 # A section that fails or runs out of time is reported and the next one still runs; the script
-# exits non-zero if any failed.
+# exits non-zero if any failed. The JSON names the commit: on a copy of the tree without .git, set
+# DEEPINFER_GIT_COMMIT (scripts/gpu_final.sh says how).
 set -uo pipefail
 
 OUT_DIR="${OUT:-results}"
 mkdir -p "$OUT_DIR"
 DEEPINFER=(python3 -m deepinfer)
 MODEL=(--dummy-weights --shape qwen2.5-3b --quantization w4a16 --max-model-len 4096)
+SUBJECT=qwen2.5-3b-w4a16
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/^_//; s/_$//')
 GPU=${GPU:-gpu}
-STAMP=$(date +%Y%m%d-%H%M%S)
 LOG="$OUT_DIR/gpu_bench.log"
 FAILED=()
 
-section() {  # section NAME TIME_LIMIT_S COMMAND...
+run() {  # run NAME TIME_LIMIT_S COMMAND...
     local name=$1 limit=$2
     shift 2
     echo "[$(date +%H:%M:%S)] $name: $*" | tee -a "$LOG"
@@ -30,22 +42,47 @@ section() {  # section NAME TIME_LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || FAILED+=("$name (exit $rc)")
 }
 
-section concurrency 200 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
-    --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 --peer hf \
-    --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
+section() {
+    case $1 in
+    concurrency)
+        run concurrency 200 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
+            --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 --peer hf \
+            --output "$OUT_DIR/bench_concurrency_${SUBJECT}_${GPU}.json" ;;
+    concurrency-4gib)
+        run concurrency-4gib 80 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --max-vram 4GiB --max-num-seqs 8 \
+            --concurrency 1,2,4,8 --prompt-len 256 --output-len 64 \
+            --output "$OUT_DIR/bench_concurrency_${SUBJECT}-4gib_${GPU}.json" ;;
+    jitter)
+        run jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
+            --token-budgets 16,32,64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 8 \
+            --max-num-seqs 4 --kv-cache-memory 4GiB \
+            --output "$OUT_DIR/bench_jitter_${SUBJECT}_${GPU}.json" ;;
+    concurrency-no-pdl)
+        run concurrency-no-pdl 120 env DEEPINFER_PDL=0 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
+            --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 \
+            --output "$OUT_DIR/bench_concurrency_${SUBJECT}-no-pdl_${GPU}.json" ;;
+    scheduling)
+        run scheduling-async 80 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
+            --concurrency 1,32 --prompt-len 256 --output-len 64 \
+            --output "$OUT_DIR/bench_concurrency_${SUBJECT}-async_${GPU}.json"
+        run scheduling-sync 80 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --no-async-scheduling \
+            --concurrency 1,32 --prompt-len 256 --output-len 64 \
+            --output "$OUT_DIR/bench_concurrency_${SUBJECT}-sync_${GPU}.json" ;;
+    gemv)
+        run gemv 150 "${DEEPINFER[@]}" bench gemv --bits 4 --dtype bfloat16 --batches 1,4,8,16,32 \
+            --shapes 2048x2560,2048x2048,2048x22016,11008x2048 --repeats 3 \
+            --output "$OUT_DIR/bench_gemv_${SUBJECT}-bf16_${GPU}.json" ;;
+    *)
+        echo "unknown section: $1" | tee -a "$LOG"
+        FAILED+=("$1 (unknown)") ;;
+    esac
+}
 
-section concurrency-4gib 80 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --max-vram 4GiB --max-num-seqs 8 \
-    --concurrency 1,2,4,8 --prompt-len 256 --output-len 64 \
-    --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-4gib_${GPU}_${STAMP}.json"
-
-section jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
-    --token-budgets 16,32,64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 8 \
-    --max-num-seqs 4 --kv-cache-memory 4GiB \
-    --output "$OUT_DIR/bench_jitter_qwen2.5-3b-w4a16_${GPU}_${STAMP}.json"
-
-section concurrency-no-pdl 120 env DEEPINFER_PDL=0 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" \
-    --concurrency 1,4,8,32,64 --prompt-len 256 --output-len 64 \
-    --output "$OUT_DIR/bench_concurrency_qwen2.5-3b-w4a16-no-pdl_${GPU}_${STAMP}.json"
+SECTIONS=("$@")
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(concurrency concurrency-4gib jitter concurrency-no-pdl)
+for name in "${SECTIONS[@]}"; do
+    section "$name"
+done
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "failed: ${FAILED[*]}" | tee -a "$LOG"

@@ -2,9 +2,13 @@
 events over back-to-back replays), the kernels inside a replay (torch.profiler), and the host's view
 of a decoding stream's steps (cProfile), so the gap between a step's wall time and its GPU time shows. The
 replays run on padding rows (one-token contexts); the decoding streams' steps read real contexts of 256+ tokens.
+The model is a dummy-weight W4A16 body of `--shape`, with CUDA graphs and async scheduling as `serve` runs it.
 
-    PYTHONPATH=. python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64] [--dtype float16]
-                                                        [--out DIR]
+    python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64] [--dtype auto]
+                                           [--out DIR]
+
+Writes DIR/profile_graph_steps_<shape>-w4a16_<gpu>.json (with the environment block every results JSON
+carries) and a .txt of the same tables. Needs the package installed with its GPU extra.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from deepinfer.core.bench.env_info import env_info, gpu_slug
     from deepinfer.core.config import EngineConfig
     from deepinfer.core.engine.llm_engine import LLMEngine
     from deepinfer.core.engine.sampling_params import SamplingParams
@@ -117,10 +122,12 @@ def main() -> None:
             engine.abort(request_id)
         while engine.has_unfinished_requests():  # a step may still be in flight (async scheduling)
             engine.step()
+    env = env_info()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_graph_steps_{args.shape}_{args.dtype}.json").write_text(json.dumps(report, indent=1))
-    (out / f"profile_graph_steps_{args.shape}_{args.dtype}.txt").write_text(text.getvalue())
+    stem = f"profile_graph_steps_{args.shape}-w4a16_{gpu_slug(env)}"
+    (out / f"{stem}.json").write_text(json.dumps({"env": env, "dtype": args.dtype, **report}, indent=1) + "\n")
+    (out / f"{stem}.txt").write_text(text.getvalue())
     print(text.getvalue()[-9000:])
 
 

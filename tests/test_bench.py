@@ -252,6 +252,19 @@ def test_quantized_run_records_its_quantized_linears(tmp_path, tiny_llama_dir, m
     assert data["levels"][0]["repeats"][0]["output_tokens"] == 4
 
 
+def test_env_records_the_settings_that_choose_the_code_and_no_other_variables(monkeypatch):
+    """A run with DEEPINFER_PDL=0 measures other code than its command line says: the JSON must say so."""
+    from deepinfer.core.bench import env_info
+
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    monkeypatch.setenv("DEEPINFER_API_KEY", "secret-key")
+    monkeypatch.delenv("DEEPINFER_FORCE_REFERENCE", raising=False)
+    info = env_info.env_info(["deepinfer", "bench", "concurrency"])
+    assert info["settings"] == {"DEEPINFER_PDL": "0"}
+    assert "secret-key" not in json.dumps(info)
+    assert info["command"] == "deepinfer bench concurrency"
+
+
 def test_a_named_commit_wins_over_the_checkout(monkeypatch):
     """A tree copied to a GPU machine may carry a stale .git: the commit its copier names is recorded."""
     from deepinfer.core.bench import env_info

@@ -27,9 +27,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepinfer.core.attention.metadata import AttentionMetadata
 
-# cuDNN's SDPA builds an execution plan for every new shape: about 1.3 ms of host time per call on
-# an H200, and prefill chunks change shape every step (36 layers: ~50 ms a step). The other
-# backends serve masked attention without that cost.
+# cuDNN's SDPA builds an execution plan, on the host, for every new shape, and prefill chunks change
+# shape every step, so every layer of every such step would pay for a plan. The other backends serve
+# masked attention without that cost.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -1,6 +1,8 @@
 """The environment a result was measured in: every results JSON carries this block.
 
-GPU name, driver, torch / CUDA / CuPy / NVRTC versions, git commit and the exact command. The git
+GPU name, driver, torch / CUDA / CuPy / NVRTC versions, git commit, the exact command and the
+environment variables that change which code runs (`settings`; a command line alone does not show
+them). The git
 commit is DEEPINFER_GIT_COMMIT when set (whoever copied the tree to a GPU machine names the commit it
 came from: a copy may carry no .git, or a stale one), else `git rev-parse` of the checkout, else
 "unknown".
@@ -19,6 +21,10 @@ from pathlib import Path
 import torch
 
 GIT_COMMIT_ENV = "DEEPINFER_GIT_COMMIT"
+# Variables that choose the code a run measures: DEEPINFER_PDL=0 serializes every kernel launch
+# (kernels/programmatic_launch.py), DEEPINFER_FORCE_REFERENCE=1 sends every op to torch (core/ops/dispatch.py).
+# Only these are recorded: other DEEPINFER_* variables may hold secrets (DEEPINFER_API_KEY).
+RUN_SETTINGS = ("DEEPINFER_PDL", "DEEPINFER_FORCE_REFERENCE")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -63,6 +69,7 @@ def env_info(command: list[str] | None = None) -> dict:
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(command if command is not None else sys.argv),
         "git_commit": git_commit(),
+        "settings": {name: os.environ[name] for name in RUN_SETTINGS if name in os.environ},
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
