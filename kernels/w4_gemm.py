@@ -175,11 +175,13 @@ def wgmma_available(device_index: int) -> bool:
 
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
          ) -> tuple[TileConfig | WgmmaConfig, int]:
-    """(launch shape, K splits) of one product: CTAs of 128 rows and up to 64 (mma.sync) or 128 (wgmma) tokens,
-    split along K until the grid gives every SM about two CTAs (never below two pipeline stages per split)."""
+    """(launch shape, K splits) of one product: CTAs of 128 rows and up to 64 tokens, split along K until the grid
+    gives every SM about two CTAs (never below two pipeline stages per split). On an H200 at 128 tokens this was the
+    fastest launch of the sweep for Qwen2.5-3B's MLP products and 7% / 32% behind it for 7B's gate/up and down
+    (which preferred 128-token tiles); results/w4_gemm_sweep_nvidia_h200.json, scripts/tune_w4_gemm.py."""
     if wgmma_available(device_index):
-        ntok = next(n for n in (16, 32, 64, 128, 256) if num_tokens <= n or n == 256)
-        config = WgmmaConfig(wg=2, mt=1, ntok=ntok, stages=4 if ntok <= 64 else 3 if ntok == 128 else 2)
+        ntok = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
+        config = WgmmaConfig(wg=2, mt=1, ntok=ntok, stages=4)
     else:
         tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4 if num_tokens <= 32 else 8
         config = TileConfig(warps=4, rw=2, tt=tt, stages=4)
