@@ -87,6 +87,14 @@ def sweep_point(weights, dense, x, outs, group_size, device_index) -> dict:
     return point
 
 
+def matmul_tflops(device) -> float:
+    """cuBLAS bf16 rate on an 8192^3 product of random data, the floor's math ceiling."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    return 2 * 8192**3 / (_events_ms(lambda: a @ a, 10) / 10 * 1e-3) / 1e12
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="16,32,64,128,256")
@@ -96,11 +104,7 @@ def main() -> None:
     device = torch.device("cuda")
     index = torch.cuda.current_device()
     bandwidth = copy_bandwidth(device)["gbps_mean"]
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    tflops = 2 * 8192**3 / (_events_ms(lambda: a @ a, 10) / 10 * 1e-3) / 1e12
-    del a
+    tflops = matmul_tflops(device)
     rows = []
     for model, shapes in SHAPES.items():
         for in_features, out_features in shapes:

@@ -72,7 +72,7 @@ def test_pairs_hold_rows_g_and_g_plus_8_of_each_tile_and_group():
 
 def test_padding_rows_of_the_last_tile_contribute_nothing():
     packed = _packed(20, 128, 128, "zero", True, seed=3)
-    sz, zmode = w4_gemm.gemm_scales(packed.scales, packed.zeros, "zero", torch.bfloat16)
+    sz, _ = w4_gemm.gemm_scales(packed.scales, packed.zeros, "zero", torch.bfloat16)
     assert sz.shape[0] == 2
     # rows 20..31 of tile 1 have scale 0: whatever codes the kernel reads there, their weights are 0
     pad_scales = (sz[1, :, :, 0].to(torch.int64) & 0xFFFFFFFF)
