@@ -7,9 +7,13 @@ constraint (`StructuredOutputsParams.cache_key`), bounded in number.
 
 Bounds, so hostile input costs little:
 - size: params.py refuses constraints over MAX_CONSTRAINT_CHARS before anything is compiled;
-- work and memory: llguidance's own limits (`PARSER_LIMITS`) cap the lexer's construction fuel,
+- work and memory: llguidance's own limits (`parser_limits`) cap the lexer's construction fuel,
   the grammar's size, the lexer's states (memory) and each mask computation's fuel; past them the
   grammar is refused (compile) or the matcher stops (decode);
+- per-token cost: some grammars within those limits still cost a lot per mask (a mask over one
+  long literal costs time linear in its length: ~30 ms for 20k characters), and every step of
+  every request would wait for it. The first mask is computed at compile time (it is the costliest
+  one) and a grammar whose first mask takes over MAX_FIRST_MASK_S is refused;
 - wall time: `compile_with_timeout` (the server) compiles on a small worker pool and gives up
   after a deadline, cancelling a compile still queued.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import OrderedDict
 
 from deepinfer.core.errors import InvalidRequestError
@@ -35,6 +40,7 @@ DEFAULT_CACHE_SIZE = 64
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
 COMPILE_WORKERS = 2
 MAX_ERROR_CHARS = 600
+MAX_FIRST_MASK_S = 0.02  # typical schemas: under 2 ms on a slow CPU
 
 
 class GrammarError(InvalidRequestError):
@@ -125,6 +131,15 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise GrammarError(f"invalid {params.kind} constraint: {_short(matcher.get_error())}")
+        probe = matcher.deep_copy()
+        start = time.perf_counter()
+        probe.compute_bitmask()
+        cost_s = time.perf_counter() - start
+        if cost_s > MAX_FIRST_MASK_S:
+            raise GrammarError(f"the {params.kind} constraint is too costly: its first token mask took "
+                               f"{1e3 * cost_s:.0f} ms (at most {1e3 * MAX_FIRST_MASK_S:.0f} ms are accepted)")
+        if probe.is_error():
+            raise GrammarError(f"invalid {params.kind} constraint: {_short(probe.get_error())}")
         return matcher
 
     @property
