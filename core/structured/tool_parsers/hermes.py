@@ -30,10 +30,10 @@ class HermesToolParser(ToolParser):
             start = text.find(OPEN, pos)
             if start < 0:
                 tail = text[pos:]
+                if not final:
+                    tail = tail[:len(tail) - held_prefix_len(tail, OPEN)]
                 if calls and not tail.strip():
                     tail = ""  # whitespace after a call: kept back, dropped at the end
-                elif not final:
-                    tail = tail[:len(tail) - held_prefix_len(tail, OPEN)]
                 content.append(tail)
                 break
             between = text[pos:start]
