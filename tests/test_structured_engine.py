@@ -175,3 +175,76 @@ def test_bench_concurrency_with_a_json_schema_on_a_dummy_byte_vocabulary(tmp_pat
     for level in data["levels"]:
         for run in level["repeats"]:
             assert run["num_failed"] == 0 and run["output_tokens"] == 2 * 24
+
+
+def test_python_api_generate_and_chat_with_tools(tmp_path, tiny_tokenizer):
+    from deepinfer import LLM
+
+    # The tiny tokenizer spends about one token per character: the tools' description needs room.
+    save_tiny_model("llama", tmp_path, tiny_tokenizer, seed=3, max_position_embeddings=1024)
+    llm = LLM(str(tmp_path), device="cpu", num_gpu_blocks=128, block_size=8)
+    outputs = llm.generate(["Hello", "The capital"], SamplingParams(
+        max_tokens=40, temperature=1.0, seed=1, structured_outputs={"regex": PATTERN}))
+    for output in outputs:
+        assert output.outputs[0].finish_reason != "stop" or re.fullmatch(PATTERN, output.text)
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string", "maxLength": 3}},
+        "required": ["word"], "additionalProperties": False}, "strict": True}}
+    conversation = [{"role": "user", "content": "Look up a word."}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "lookup"}}):
+        [output] = llm.chat(conversation, SamplingParams(max_tokens=120, temperature=0.0), tools=[tool],
+                            tool_choice=tool_choice, parallel_tool_calls=False)
+        content, calls = llm.parse_tool_calls(output)
+        assert output.outputs[0].finish_reason == "stop", output.text
+        assert content is None and [c.name for c in calls] == ["lookup"]
+        jsonschema.validate(json.loads(calls[0].arguments), tool["function"]["parameters"])
+    with pytest.raises(InvalidRequestError, match="not among the tools"):
+        llm.chat(conversation, tools=[tool], tool_choice={"type": "function", "function": {"name": "other"}})
+
+
+# GPU: constrained rows under CUDA graphs and async scheduling; the mask path never syncs -------------------
+
+
+@pytest.fixture(scope="module")
+def loaded_cuda(tmp_path_factory, tiny_tokenizer):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    directory = tmp_path_factory.mktemp("structured_llama_cuda")
+    save_tiny_model("llama", directory, tiny_tokenizer, seed=7, initializer_range=0.2, num_hidden_layers=2)
+    return load_model(EngineConfig(model=str(directory)), torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_constrained_requests_match_the_synchronous_engine(loaded_cuda):
+    arrivals, requests = mixed_arrivals()
+    sync_run, _ = compare(loaded_cuda, arrivals, decode_mode="graphs")
+    assert assert_satisfied(sync_run, requests) >= 3
+
+
+@pytest.mark.gpu
+def test_cuda_grammar_mask_and_sampling_make_no_sync(loaded_cuda):
+    from deepinfer.core.engine.request import Request
+    from deepinfer.core.engine.sampler import Sampler, SamplingRow
+    from deepinfer.core.engine.scheduler_output import ScheduledChunk
+    from deepinfer.core.structured.compiler import GrammarCompiler
+
+    tokenizer = loaded_cuda.tokenizer
+    compiler = GrammarCompiler(tokenizer, loaded_cuda.spec.vocab_size, tokenizer.eos_token_ids)
+    params = [constrained(8, {"json": SCHEMA}, temperature=0.0), SamplingParams(temperature=0.7, seed=1),
+              constrained(8, {"regex": PATTERN}, temperature=0.9, seed=2)]
+    chunks = []
+    for i, p in enumerate(params):
+        request = Request(f"r{i}", [5, 6, 7], p)
+        if p.structured_outputs is not None:
+            request.grammar = compiler.compile(p.structured_outputs).new_request_grammar()
+        chunks.append(ScheduledChunk(request, 2, 1, [0], sample=True))
+    logits = torch.randn(3, loaded_cuda.spec.vocab_size, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = step_grammar_mask(chunks, None, logits.shape[1], torch.device("cuda"))
+        out = Sampler().sample(logits, [SamplingRow(c.request.params, [5, 6, 7], []) for c in chunks], mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokenizer.decode([out.token_ids[0]]).startswith("{")  # the JSON row
+    assert mask.rows.tolist() == [0, 2]
