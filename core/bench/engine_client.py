@@ -31,7 +31,8 @@ async def send_request(engine, prompt: list[int], output_len: int, request_id: s
     the long prompt once the stream has produced N tokens).
     """
     timing = RequestTiming(request_id, len(prompt), time.perf_counter())
-    stream = engine.add_request(prompt, bench_sampling_params(output_len, structured_outputs), request_id=request_id)
+    params = bench_sampling_params(output_len, structured_outputs)
+    stream = engine.add_request(prompt, params, request_id=request_id)
     finished = False
     try:
         async for out in stream:

@@ -14,8 +14,8 @@ Per row, in this order (vLLM v1's order):
      token i with probability probs[i].
 
 Logprobs are those of the model's raw distribution, `log_softmax(logits)` before penalties,
-temperature and filtering (vLLM's default "raw_logprobs"; after a grammar's mask, as in vLLM): the chosen token's and the top
-`params.logprobs` alternatives, best first.
+temperature and filtering (vLLM's default "raw_logprobs"; after a grammar's mask, as in vLLM): the
+chosen token's and the top `params.logprobs` alternatives, best first.
 
 Seeded requests: `make_generator(params, device)` makes the request's torch.Generator; the engine
 keeps it with the request for its whole life (also across preemption and recompute, which never

@@ -20,11 +20,10 @@ from starlette.responses import StreamingResponse
 
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.errors import DeepInferError
+from deepinfer.core.errors import DeepInferError, InvalidRequestError
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.errors import APIError, InvalidParameter, engine_error_to_api, error_body
 from deepinfer.core.server.logprobs import TokenStrings
-from deepinfer.core.structured.compiler import GrammarError
 from deepinfer.core.structured.params import StructuredOutputsParams
 from deepinfer.core.structured.tool_parsers import make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan
@@ -100,7 +99,7 @@ class ServingEngine:
             return
         try:
             await self.engine.grammars.compile_with_timeout(constraint)
-        except GrammarError as err:
+        except InvalidRequestError as err:  # GrammarError, or a vocabulary llguidance cannot read
             raise InvalidParameter(str(err), param=param) from None
 
     def sampling_params(self, request, prompt_ids: list[int],

@@ -150,7 +150,7 @@ class GrammarCompiler:
     async def compile_with_timeout(self, params: StructuredOutputsParams,
                                    timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> CompiledGrammar:
         """`compile` on the worker pool, within `timeout_s` (the vocabulary's one-time build is not
-        counted). Raises GrammarError, also on the timeout."""
+        counted). Raises GrammarError, also on the timeout (InvalidRequestError: no usable vocabulary)."""
         with self._lock:
             if self._workers is None:
                 self._workers = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, "deepinfer-grammar")
