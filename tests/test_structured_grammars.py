@@ -16,7 +16,7 @@ import time
 import jsonschema
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
@@ -128,6 +128,9 @@ def test_random_schemas_accept_their_valid_instances_and_walks_validate(compiler
     instance = data.draw(from_schema(schema))
     jsonschema.validate(instance, schema)
     text = dumps(in_schema_order(instance, schema))
+    # SmolLM2's vocabulary lacks some byte tokens (it cannot write U+40000, say): such text cannot be the
+    # model's output, so it says nothing of the grammar.
+    assume(smol_tokenizer.decode(smol_tokenizer.encode(text, add_special_tokens=False)) == text)
     assert accepts(compiler, params, smol_tokenizer, text), text
 
     walk, ended = random_walk(compiler, params, smol_tokenizer, seed=data.draw(st.integers(0, 2**16)))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Largest constraint text accepted (a JSON schema as compact JSON, a regex, a grammar, the choices).
-MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CONSTRAINT_CHARS = 128 * 1024  # room for an agent's many tools (each parameters schema is in the grammar)
 MAX_CHOICES = 1024
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
