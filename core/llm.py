@@ -8,10 +8,16 @@
 Every prompt is validated before anything runs, so a bad one raises (InvalidRequestError,
 PromptTooLongError) without wasting the others' work. Prompts are fed to the engine as its
 bounded waiting queue has room, and run together in continuous batches.
+
+Structured outputs: `SamplingParams(structured_outputs={"json": schema})` (or regex, choice,
+grammar, json_object). Tools: `llm.chat(messages, params, tools=[...], tool_choice="required")`
+renders them with the model's template and, for "required" or a named function, constrains the
+reply to calls; `llm.parse_tool_calls(output)` reads the calls back (docs/STRUCTURED_OUTPUTS.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from deepinfer.core.config import EngineConfig
@@ -19,6 +25,8 @@ from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.errors import InvalidRequestError
+from deepinfer.core.structured.tool_parsers import ToolCall, ToolParser, make_tool_parser
+from deepinfer.core.structured.tools import ToolPlan, render_chat
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -59,11 +67,47 @@ class LLM:
         self,
         messages: Messages | list[Messages],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `tools`, `tool_choice`, `parallel_tool_calls`: as in OpenAI's API; `tool_call_parser`: the
+        call format (hermes, llama3_json, mistral; default: detected from the template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.encode_chat(conversation) for conversation in conversations]
-        return self.generate(prompts, sampling_params)
+        has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for c in conversations for m in c)
+        if tools is None and tool_choice is None and not has_tool_turns:
+            prompts = [self.engine.tokenizer.encode_chat(conversation) for conversation in conversations]
+            return self.generate(prompts, sampling_params)
+        parser = self._tool_parser(tool_call_parser)
+        try:
+            plan = ToolPlan.make(tools, tool_choice, parallel_tool_calls, parser)
+        except (TypeError, ValueError) as err:
+            raise InvalidRequestError(str(err)) from None
+        prompts = [self.engine.tokenizer.encode(render_chat(self.engine.tokenizer, conversation, True, parser, plan),
+                                                add_special_tokens=False) for conversation in conversations]
+        params_list = _normalize_params(sampling_params, len(prompts))
+        if plan.constraint is not None:
+            if any(p.structured_outputs is not None for p in params_list):
+                raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
+                                          "structured_outputs")
+            params_list = [replace(p, structured_outputs=plan.constraint) for p in params_list]
+        if plan.parses_calls and parser.needs_special_tokens:
+            params_list = [replace(p, skip_special_tokens=False) for p in params_list]
+        return self.generate(prompts, params_list)
+
+    def _tool_parser(self, name: str | None = None) -> ToolParser:
+        """The tool-call parser `name`, or the one the chat template's format calls for."""
+        try:
+            return make_tool_parser(name, self.engine.tokenizer)
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
+
+    def parse_tool_calls(self, output: RequestOutput, index: int = 0,
+                         tool_call_parser: str | None = None) -> tuple[str | None, list[ToolCall]]:
+        """A chat output's reply (sample `index`) -> (content outside the calls or None, the tool calls)."""
+        return self._tool_parser(tool_call_parser).extract(output.outputs[index].text)
 
 
 def _normalize_prompts(prompts) -> list[Prompt]:

@@ -63,13 +63,15 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf_tokenizer.convert_ids_to_tokens(ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own template (sandboxed Jinja2) -> prompt text."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render messages with the model's own template (sandboxed Jinja2) -> prompt text.
+        `tools`: OpenAI function tools, given to the template as transformers does (`tools=`)."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain completion prompt instead")
         try:
             return self.hf_tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools)
         except Exception as err:  # noqa: BLE001 - jinja2 errors (SecurityError too) and template-raised ones
             raise InvalidRequestError(f"the chat template failed on these messages: {type(err).__name__}: {err}") from None
 
@@ -98,7 +100,8 @@ class ByteTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [chr(i) if 0 <= i < 256 else f"<{i}>" for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         raise InvalidRequestError("the byte tokenizer of a dummy model has no chat template")
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -53,6 +53,8 @@ def concurrency(
         "--shared-prefix-len", help="Leading prompt tokens all requests of a level share (prefix cache).")] = 0,
     peer: Annotated[str | None, typer.Option(
         "--peer", help="hf: also run HF transformers model.generate (static batches) on the same prompts.")] = None,
+    json_schema: Annotated[str | None, typer.Option(
+        "--json-schema", help="A JSON Schema file; every request's output is constrained to it.")] = None,
     repeats: RepeatsOpt = 1,
     output: OutputOpt = None,
     model: ModelOpt = None,
@@ -95,7 +97,7 @@ def concurrency(
     workload = ConcurrencyWorkload(
         concurrency_levels=_int_list(concurrency_levels, "--concurrency"), prompt_len=prompt_len,
         output_len=output_len, num_requests=num_requests, shared_prefix_len=shared_prefix_len, repeats=repeats,
-        seed=seed)
+        seed=seed, json_schema=_json_file(json_schema, "--json-schema") if json_schema else None)
     peer_source = None
     if peer == "hf":
         from deepinfer.core.bench.engine_client import cuda_device_of
@@ -225,6 +227,19 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values:
         fail(f"{flag} is empty")
     return values
+
+
+def _json_file(path: str, flag: str) -> dict:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as err:
+        fail(f"{flag}: cannot read {path}: {err}")
+    if not isinstance(value, dict):
+        fail(f"{flag}: {path} does not hold a JSON object")
+    return value
 
 
 def _finish(benchmark: str, config, payload: dict, tables: list, output: str | None) -> None:

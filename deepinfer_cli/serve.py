@@ -48,6 +48,9 @@ MaxBodyOpt = Annotated[str, typer.Option(
     "--max-body-bytes", help="Largest request body accepted (e.g. 2MiB); larger ones get HTTP 413.")]
 MaxPromptOpt = Annotated[int | None, typer.Option(
     "--max-prompt-tokens", help="Longest prompt accepted, in tokens (default: the context length).")]
+ToolParserOpt = Annotated[str | None, typer.Option(
+    "--tool-call-parser", help="hermes | llama3_json | mistral: how the model writes tool calls "
+                               "(default: detected from its chat template).")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error.")]
 
 
@@ -78,6 +81,7 @@ def serve(
     seed: SeedOpt = 0,
     max_body_bytes: MaxBodyOpt = "2MiB",
     max_prompt_tokens: MaxPromptOpt = None,
+    tool_call_parser: ToolParserOpt = None,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with /health and /metrics."""
@@ -96,7 +100,8 @@ def serve(
         max_waiting_requests=max_waiting_requests, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         attention_backend=attention_backend, dummy_weights=dummy_weights, shape=shape, seed=seed)
     server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                                 max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens)
+                                 max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens,
+                                 tool_call_parser=tool_call_parser)
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("deepinfer.server").warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", host)

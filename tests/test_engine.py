@@ -146,11 +146,11 @@ class LogitsRecorder:
     def __init__(self, sampler):
         self.sampler, self.logits = sampler, {}
 
-    def sample(self, logits, rows):
+    def sample(self, logits, rows, grammar_mask=None):
         for row_logits, row in zip(logits, rows):
             key = tuple(row.prompt_token_ids)
             self.logits.setdefault(key, []).append(row_logits.clone())
-        return self.sampler.sample(logits, rows)
+        return self.sampler.sample(logits, rows, grammar_mask)
 
 
 def test_int8_kv_stays_close_to_fp16(loaded):

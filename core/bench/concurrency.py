@@ -32,6 +32,7 @@ class ConcurrencyWorkload:
     shared_prefix_len: int = 0
     repeats: int = 1
     seed: int = 0
+    json_schema: dict | None = None  # every request's output follows this JSON schema
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,20 +52,25 @@ class ConcurrencyWorkload:
     def requests_at(self, concurrency: int) -> int:
         return self.num_requests if self.num_requests is not None else default_num_requests(concurrency)
 
+    @property
+    def structured_outputs(self) -> dict | None:
+        return None if self.json_schema is None else {"json": self.json_schema}
+
     def prompts(self, concurrency: int, repeat: int, vocab_size: int) -> list[list[int]]:
         return make_prompts(self.requests_at(concurrency), self.prompt_len, vocab_size,
                             shared_prefix_len=self.shared_prefix_len, seed=[self.seed, concurrency, repeat])
 
 
 async def run_engine_level(engine, prompts: list[list[int]], output_len: int, concurrency: int,
-                           label: str) -> tuple[list[RequestTiming], float]:
+                           label: str, structured_outputs: dict | None = None) -> tuple[list[RequestTiming], float]:
     """`concurrency` closed-loop clients over `prompts`: (timings in prompt order, wall seconds)."""
     timings: list[RequestTiming | None] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
 
     async def client() -> None:
         for i in next_index:  # the shared iterator hands each prompt to exactly one client
-            timings[i] = await engine_client.send_request(engine, prompts[i], output_len, f"{label}-{i}")
+            timings[i] = await engine_client.send_request(engine, prompts[i], output_len, f"{label}-{i}",
+                                                          structured_outputs=structured_outputs)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -85,7 +91,8 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
     info.update(model_name=engine.model_name, vocab_size=vocab_size, engine_config=asdict(engine.config),
                 weights=engine_client.weight_summary(engine), health=engine.health())
     try:
-        await engine_client.warm_up(engine, vocab_size, workload.prompt_len)
+        await engine_client.warm_up(engine, vocab_size, workload.prompt_len,
+                                    structured_outputs=workload.structured_outputs)
         for concurrency in workload.concurrency_levels:
             runs = []
             for repeat in range(workload.repeats):
@@ -93,7 +100,7 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
                 engine_client.reset_peak_memory(device)
                 recorder.start()
                 timings, wall_s = await run_engine_level(engine, prompts, workload.output_len, concurrency,
-                                                         f"c{concurrency}-r{repeat}")
+                                                         f"c{concurrency}-r{repeat}", workload.structured_outputs)
                 steps = recorder.stop()
                 run = summarize_requests(timings, wall_s)
                 run.update(engine_client.summarize_steps(steps))

@@ -15,21 +15,24 @@ from dataclasses import dataclass
 from deepinfer.core.bench.latency import RequestTiming
 
 
-def bench_sampling_params(output_len: int):
+def bench_sampling_params(output_len: int, structured_outputs=None):
+    """`structured_outputs`: a constraint every request follows (a StructuredOutputsParams or its dict)."""
     from deepinfer.core.engine.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                          structured_outputs=structured_outputs)
 
 
 async def send_request(engine, prompt: list[int], output_len: int, request_id: str,
-                       on_delivery=None) -> RequestTiming:
+                       on_delivery=None, structured_outputs=None) -> RequestTiming:
     """Send one request and record when each piece of its output arrives.
 
     `on_delivery(timing)` runs after every recorded delivery (the jitter test uses it to insert
     the long prompt once the stream has produced N tokens).
     """
     timing = RequestTiming(request_id, len(prompt), time.perf_counter())
-    stream = engine.add_request(prompt, bench_sampling_params(output_len), request_id=request_id)
+    params = bench_sampling_params(output_len, structured_outputs)
+    stream = engine.add_request(prompt, params, request_id=request_id)
     finished = False
     try:
         async for out in stream:
@@ -171,12 +174,14 @@ def weight_summary(engine) -> dict:
     }
 
 
-async def warm_up(engine, vocab_size: int, prompt_len: int, output_len: int = 4) -> None:
-    """One untimed request: kernel compilation and allocator growth happen here, not in a measurement."""
+async def warm_up(engine, vocab_size: int, prompt_len: int, output_len: int = 4, structured_outputs=None) -> None:
+    """One untimed request: kernel compilation and allocator growth happen here, not in a measurement
+    (and the constraint's grammar compilation, when the requests have one)."""
     from deepinfer.core.bench.workload import make_prompts
 
     prompt = make_prompts(1, prompt_len, vocab_size, seed=[2**31 - 1])[0]
-    await send_request(engine, prompt, output_len, f"warmup-{time.monotonic_ns()}")
+    await send_request(engine, prompt, output_len, f"warmup-{time.monotonic_ns()}",
+                       structured_outputs=structured_outputs)
 
 
 def release_cuda_memory() -> None:

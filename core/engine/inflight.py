@@ -38,6 +38,11 @@ class InflightStep:
                                f"did not sample it")
         return row
 
+    def token_of(self, request_id: str) -> int | None:
+        """The token this step sampled for the request (waits for the host copy); None if it sampled none."""
+        row = self._rows.get(request_id)
+        return None if row is None else self.sampled.token_ids[row]
+
     def result(self) -> ModelRunnerOutput:
         """Waits for the sampled tokens (and logprobs) to reach the host."""
         out = ModelRunnerOutput()

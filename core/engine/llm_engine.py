@@ -16,7 +16,9 @@ that step N finishes (EOS, stop token or string, max_tokens, abort, error) may a
 N+1; that result is discarded. Its blocks are freed at once: all device work runs on one stream,
 so a later step that reuses them runs after N+1. Without async scheduling (or when a request in
 the step in flight has penalties, which read its output tokens on the host), the step in flight
-is applied before the next one is scheduled. Tokens, logprobs, finish reasons, stop reasons and
+is applied before the next one is scheduled. A request with structured outputs needs no such
+wait: its token mask is computed after the next step's forward is enqueued, from the step in
+flight's token (core/structured/step_mask.py). Tokens, logprobs, finish reasons, stop reasons and
 token counts are the same either way. Which step a request runs in may differ (one that stops
 on a token's value at N still holds its seat and blocks while N+1 is scheduled), and so may its
 prefix-cache hits (`num_cached_tokens`): blocks are cached when the step computing them is
@@ -60,6 +62,7 @@ from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptToo
 from deepinfer.core.kv.kv_manager import KVCacheManager
 from deepinfer.core.models.loader import LoadedModel, load_model
 from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting_requests=config.max_waiting_requests, max_model_len=self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self._pending_stats = IterationStats()  # finishes outside a step (aborts), reported by the next
         self._inflight: InflightStep | None = None  # launched, not applied yet (async scheduling)
         self._ids = itertools.count()
@@ -136,6 +140,9 @@ class LLMEngine:
                                       f"{self.config.max_waiting_requests}; they could never be queued")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
+        compiled_grammar = None
+        if params.structured_outputs is not None:  # a cache hit when the server compiled it already
+            compiled_grammar = self.grammars.compile(params.structured_outputs)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         now = time.monotonic()
         samples = []
@@ -148,6 +155,8 @@ class LLMEngine:
                              cache_salt=cache_salt, parent_id=request_id, sample_index=index,
                              arrival_time=now)
             sample.generator = make_generator(sample_params, self.device)
+            if compiled_grammar is not None:
+                sample.grammar = compiled_grammar.new_request_grammar()
             if index > 0 and self.config.enable_prefix_caching:
                 sample.wait_for = samples[0]  # share the first sample's prompt blocks
             samples.append(sample)

@@ -10,7 +10,9 @@ Per step:
    step, in flight: async scheduling) gets it on the device, from that step's sampled tokens.
 2. `model.forward` over the flat batch; the hidden rows of each sampling chunk's last token go
    through `compute_logits` (a prefill chunk that stops short of the prompt's end samples nothing).
-3. The sampler draws one token per sampling chunk on the device and starts copying the tokens
+3. Constrained rows (structured outputs) get their token masks, computed on the host while the
+   device runs the forward (core/structured/step_mask.py).
+4. The sampler draws one token per sampling chunk on the device and starts copying the tokens
    (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync.
 
 Steps that fit a token bucket (decodes, and mixed or prefill steps whose per-token attention stays
@@ -31,6 +33,7 @@ from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, SchedulerO
 from deepinfer.core.engine.step_inputs import StepInputs, request_stager
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
+from deepinfer.core.structured.step_mask import step_grammar_mask
 
 
 class ModelRunner:
@@ -69,7 +72,9 @@ class ModelRunner:
         if not sampling_chunks:
             return InflightStep(scheduler_output, [], None)
         rows = [sampling_row(chunk.request) for chunk in sampling_chunks]
-        return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows))
+        # After the forward is enqueued: the host fills the masks while the device runs it.
+        grammar_mask = step_grammar_mask(sampling_chunks, previous, logits.shape[1], self.device)
+        return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows, grammar_mask))
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,
                        previous: InflightStep | None = None) -> StepInputs:

@@ -75,6 +75,7 @@ class Request:
         self.num_preemptions = 0
         self.wait_for: Request | None = None  # sibling whose prompt blocks this one waits to share
         self.generator: Any = None  # torch.Generator of a seeded request; kept across preemption
+        self.grammar: Any = None  # core.structured.matcher.RequestGrammar of a constrained request
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     @property

@@ -1,6 +1,8 @@
 """Sampler: turns one step's logits (one row per request) into next tokens, batched on the device.
 
 Per row, in this order (vLLM v1's order):
+  0. constrained rows (structured outputs): tokens their grammar forbids get -inf
+     (core/structured/step_mask.py builds the mask);
   1. penalties on the raw logits: repetition (HF/CTRL: over prompt + output tokens, a positive
      logit is divided by the penalty, a negative one multiplied), then frequency and presence
      (OpenAI: `logit -= frequency * count + presence * (count > 0)` over output tokens);
@@ -12,8 +14,8 @@ Per row, in this order (vLLM v1's order):
      token i with probability probs[i].
 
 Logprobs are those of the model's raw distribution, `log_softmax(logits)` before penalties,
-temperature and filtering (vLLM's default "raw_logprobs"): the chosen token's and the top
-`params.logprobs` alternatives, best first.
+temperature and filtering (vLLM's default "raw_logprobs"; after a grammar's mask, as in vLLM): the
+chosen token's and the top `params.logprobs` alternatives, best first.
 
 Seeded requests: `make_generator(params, device)` makes the request's torch.Generator; the engine
 keeps it with the request for its whole life (also across preemption and recompute, which never
@@ -47,6 +49,7 @@ import torch
 from deepinfer.core.engine.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.transfers import HostCopy, to_device
+from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
 
 # Below this temperature a row is sampled greedily: logits / T would overflow float32 (vLLM: same).
 _GREEDY_TEMPERATURE = 1e-5
@@ -118,11 +121,15 @@ def reads_output_tokens(params: SamplingParams) -> bool:
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               grammar_mask: GrammarMask | None = None) -> SamplerOutput:
+        """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified.
+        grammar_mask: the token masks of the constrained rows, None when there are none."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"sampler: logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
+        if grammar_mask is not None:
+            logits = apply_grammar_mask(logits, grammar_mask)
         num_top = [row.params.logprobs for row in rows]
         logprob_rows = [i for i, n in enumerate(num_top) if n is not None]
         logprob_index = None  # [L] on the device; None when every row asked (no gather needed)

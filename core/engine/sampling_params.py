@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.core.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
     skip_special_tokens: bool = True
+    # The output must follow this JSON schema, regex, choice or grammar (a dict of its fields works too).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +38,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+            except TypeError as err:
+                raise ValueError(str(err)) from None
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),

@@ -2,16 +2,22 @@
 
 Only text is accepted: a content given as parts is joined from its "text" parts; images and
 audio are a 400. The "developer" role (OpenAI's newer name for system) is passed to templates
-as "system", which every template knows.
+as "system", which every template knows. Assistant turns may carry `tool_calls` (then their
+content may be null) and `tool` turns answer one of them; core/structured/tools.py renders them
+and the request's tools.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.protocol import ChatMessage
+from deepinfer.core.structured.tool_parsers import ToolParser
+from deepinfer.core.structured.tools import ToolPlan, render_chat
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
@@ -32,8 +38,9 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Validated, plain {"role", "content"} dicts in the order given."""
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated, plain {"role", "content"} dicts in the order given (with "tool_calls" on assistant
+    turns that made calls, "tool_call_id" on tool turns)."""
     if not messages:
         raise InvalidParameter("messages must contain at least one message", param="messages")
     plain = []
@@ -43,16 +50,26 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 f"messages[{index}].role: unknown role {message.role!r}; use one of {', '.join(CHAT_ROLES)}",
                 param=f"messages.{index}.role")
         role = "system" if message.role == "developer" else message.role
-        plain.append({"role": role, "content": _message_text(message, index)})
+        entry: dict[str, Any] = {"role": role, "content": _message_text(message, index)}
+        if message.tool_calls and role == "assistant":
+            entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                    "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                                   for call in message.tool_calls]
+        if role == "tool" and message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        plain.append(entry)
     return plain
 
 
-def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    """The prompt text the model sees. The tokenizer raises InvalidRequestError when the model has no
-    template or the template refuses the conversation (roles that do not alternate: templates call
-    raise_exception); both are answered with a 400."""
+def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                       parser: ToolParser | None = None, plan: ToolPlan | None = None) -> str:
+    """The prompt text the model sees, with the request's tools (`plan`) where it has any. The
+    tokenizer raises InvalidRequestError when the model has no template or the template refuses the
+    conversation (roles that do not alternate: templates call raise_exception); both are a 400."""
     plain = to_template_messages(messages)
     try:
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except InvalidRequestError as err:
+        if parser is None:
+            return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        return render_chat(tokenizer, plain, add_generation_prompt, parser, plan)
+    except (InvalidRequestError, ValueError) as err:
         raise InvalidParameter(str(err), param="messages") from None

@@ -15,6 +15,7 @@ class ServerConfig:
     served_model_name: str | None = None  # the name clients pass as "model"; None = the engine's model name
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_tokens: int | None = None  # None = the context length
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = detected from the chat template
 
     def __post_init__(self) -> None:
         checks = [
@@ -23,6 +24,8 @@ class ServerConfig:
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
+            (self.tool_call_parser in (None, "hermes", "llama3_json", "mistral"),
+             f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,8 +3,12 @@
 Fields follow OpenAI's reference for /v1/chat/completions and /v1/completions, plus vLLM's
 sampling extras (top_k, min_p, repetition_penalty, ignore_eos, cache_salt). Unknown fields are
 ignored as OpenAI's own server does; fields that would change the answer in a way deepinfer
-cannot honour (tools, response_format, logit_bias, echo, suffix) are rejected with a 400
-instead of being silently dropped.
+cannot honour (logit_bias, echo, suffix) are rejected with a 400 instead of being silently dropped.
+
+Structured outputs (docs/STRUCTURED_OUTPUTS.md), one source per request: OpenAI's
+`response_format` (json_object, json_schema), vLLM's `structured_outputs` and its older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, llama.cpp's `grammar`.
+Tools: `tools`, `tool_choice`, `parallel_tool_calls`; messages may carry `tool_calls` and `tool` turns.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.server.errors import InvalidParameter
+from deepinfer.core.structured.params import StructuredOutputsParams
 
 MAX_N = 128  # samples per request; each holds its own KV blocks after the shared prompt
 MAX_TOP_LOGPROBS = 20
@@ -33,11 +38,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str = ""
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to this call
+
+
+# vLLM's structured_outputs options that change nothing here (one grammar engine, its own defaults).
+_IGNORED_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                               "whitespace_pattern")
 
 
 class _SamplingFields(BaseModel):
@@ -66,6 +91,15 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # Structured outputs (one source at most)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted for vLLM clients; there is one engine
+    grammar: str | None = None  # llama.cpp's GBNF
 
     @property
     def tenant(self) -> str | None:
@@ -78,7 +112,35 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed when stream is true", param="stream_options")
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request asks for, or None. Raises InvalidParameter."""
+        sources = {}
+        if self.response_format is not None:
+            constraint = _response_format_constraint(self.response_format)
+            if constraint is not None:
+                sources["response_format"] = constraint
+        if self.structured_outputs is not None:
+            options = {k: v for k, v in self.structured_outputs.items() if k not in _IGNORED_STRUCTURED_OPTIONS}
+            sources["structured_outputs"] = options
+        legacy = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "grammar": "grammar"}
+        for field_name, kind in legacy.items():
+            value = getattr(self, field_name)
+            if value is not None:
+                sources[field_name] = {kind: value}
+        if not sources:
+            return None
+        if len(sources) > 1:
+            raise InvalidParameter(f"give one structured output constraint, got {', '.join(sources)}",
+                                   param=next(iter(sources)))
+        param, fields = next(iter(sources.items()))
+        try:
+            return StructuredOutputsParams.coerce(fields)
+        except (ValueError, TypeError) as err:
+            raise InvalidParameter(f"{param}: {err}", param=param) from None
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
@@ -96,6 +158,7 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except ValueError as err:
             raise InvalidParameter(str(err)) from None
@@ -112,21 +175,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         """Reject what pydantic's field checks cannot see (400s, before the engine sees anything)."""
         self._check_common()
         if not self.messages:
             raise InvalidParameter("messages must contain at least one message", param="messages")
-        if self.tools:
-            raise InvalidParameter("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidParameter("tool_choice is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidParameter("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs requires logprobs to be true", param="top_logprobs")
 
@@ -134,9 +191,10 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, structured_outputs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -172,6 +230,27 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+    def to_sampling_params(self, max_tokens: int,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs, structured_outputs)
+
+
+def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's response_format -> StructuredOutputsParams fields (None for plain text)."""
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidParameter("response_format json_schema needs json_schema.schema, a JSON Schema object",
+                                   param="response_format")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidParameter("response_format json_schema.strict must be a boolean", param="response_format")
+        return {"json": spec["schema"], "strict": bool(strict)}
+    raise InvalidParameter(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")
 

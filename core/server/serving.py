@@ -20,10 +20,13 @@ from starlette.responses import StreamingResponse
 
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.errors import DeepInferError
+from deepinfer.core.errors import DeepInferError, InvalidRequestError
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.errors import APIError, InvalidParameter, engine_error_to_api, error_body
 from deepinfer.core.server.logprobs import TokenStrings
+from deepinfer.core.structured.params import StructuredOutputsParams
+from deepinfer.core.structured.tool_parsers import make_tool_parser
+from deepinfer.core.structured.tools import ToolPlan
 
 
 def new_request_id(prefix: str) -> str:
@@ -58,6 +61,7 @@ class ServingEngine:
         self.max_num_seqs = engine.config.max_num_seqs
         self.vocab_size = engine.spec.vocab_size
         self.token_text = TokenStrings(engine.tokenizer)
+        self.tool_parser = make_tool_parser(server_config.tool_call_parser, engine.tokenizer)
         self.created = int(time.time())
 
     def check_model(self, requested: str | None) -> None:
@@ -78,7 +82,28 @@ class ServingEngine:
             raise InvalidParameter(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
         return list(prompt)
 
-    def sampling_params(self, request, prompt_ids: list[int]) -> SamplingParams:
+    def tool_plan(self, request) -> ToolPlan | None:
+        """The chat request's tools and tool_choice, checked; None when it has neither."""
+        if not request.tools and request.tool_choice is None:
+            return None
+        try:
+            return ToolPlan.make(request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser)
+        except (ValueError, TypeError) as err:
+            param = "tool_choice" if "tool_choice" in str(err) else "tools"
+            raise InvalidParameter(str(err), param=param) from None
+
+    async def compile_constraint(self, constraint: StructuredOutputsParams | None, param: str) -> None:
+        """Compile the grammar off the event loop, within the compile timeout, so that adding the
+        request finds it in the cache. A constraint the grammar engine refuses is a 400."""
+        if constraint is None:
+            return
+        try:
+            await self.engine.grammars.compile_with_timeout(constraint)
+        except InvalidRequestError as err:  # GrammarError, or a vocabulary llguidance cannot read
+            raise InvalidParameter(str(err), param=param) from None
+
+    def sampling_params(self, request, prompt_ids: list[int],
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Check the prompt against --max-prompt-tokens and prompt + max_tokens against the context."""
         num_prompt = len(prompt_ids)
         if num_prompt == 0:
@@ -101,7 +126,7 @@ class ServingEngine:
                      f"{num_prompt + max(max_tokens, 0)} tokens ({num_prompt} in the prompt, {max(max_tokens, 0)} "
                      f"for the completion). Please reduce the prompt or max_tokens.",
                 param="max_tokens", code="context_length_exceeded")
-        return request.to_sampling_params(max_tokens)
+        return request.to_sampling_params(max_tokens, structured_outputs)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None):
         try:

@@ -1,7 +1,13 @@
-"""POST /v1/chat/completions: messages -> chat template -> engine -> OpenAI chat completion (or chunks)."""
+"""POST /v1/chat/completions: messages -> chat template -> engine -> OpenAI chat completion (or chunks).
+
+With tools, the reply goes through the server's tool parser: a non-streaming answer carries the
+parsed `tool_calls` (and the content outside them), a stream sends OpenAI's tool-call deltas (id
+and name first, then argument fragments); a reply with calls finishes with "tool_calls".
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from starlette.requests import Request
@@ -9,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.server.chat_format import render_chat_prompt
+from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.logprobs import chat_logprobs
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import (
@@ -20,15 +27,29 @@ from deepinfer.core.server.serving import (
     stream_events,
     usage,
 )
+from deepinfer.core.structured.tool_parsers import ToolCallStream
 
 
 async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, raw_request: Request):
     request.check()
     serving.check_model(request.model)
-    prompt = render_chat_prompt(serving.engine.tokenizer, request.messages, request.add_generation_prompt)
+    plan = serving.tool_plan(request)
+    parser = serving.tool_parser
+    prompt = render_chat_prompt(serving.engine.tokenizer, request.messages, request.add_generation_prompt,
+                                parser, plan)
     # The template already wrote BOS and the other special tokens as text.
     prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=False)
-    params = serving.sampling_params(request, prompt_ids)
+    constraint, param = request.structured_outputs_params(), "response_format"
+    if plan is not None and plan.constraint is not None:
+        if constraint is not None:
+            raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
+                                   "structured output constraint", param="tool_choice")
+        constraint, param = plan.constraint, "tools"
+    await serving.compile_constraint(constraint, param)
+    params = serving.sampling_params(request, prompt_ids, constraint)
+    parses_calls = plan is not None and plan.parses_calls
+    if parses_calls and parser.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     request_id = new_request_id("chatcmpl")
     stream = serving.submit(prompt_ids, params, request_id, request.tenant)
     num_top = request.top_logprobs or 0
@@ -37,42 +58,62 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
     def logprobs_of(entries) -> dict | None:
         return chat_logprobs(entries, num_top, serving.token_text) if request.logprobs else None
 
+    def message_of(completion: CompletionOutput) -> tuple[dict, str | None]:
+        """The choice's message and finish_reason, with its tool calls parsed out."""
+        message = {"role": "assistant", "content": completion.text}
+        if not parses_calls:
+            return message, completion.finish_reason
+        content, calls = parser.extract(completion.text, plan.parallel)
+        if not calls:
+            return message, completion.finish_reason
+        message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
+        return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
+
     if not request.stream:
         output = await final_output(stream, raw_request)
         check_finished(output)
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = message_of(c)
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs_of(c.logprobs or []),
+                            "finish_reason": finish_reason})
         return JSONResponse({
             "id": request_id,
             "object": "chat.completion",
             "created": created,
             "model": serving.model_name,
-            "choices": [{
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs_of(c.logprobs or []),
-                "finish_reason": c.finish_reason,
-            } for c in output.outputs],
+            "choices": choices,
             "usage": usage(output),
             "system_fingerprint": None,
         })
 
     usage_field = {"usage": None} if request.include_usage else {}
     sent_role: set[int] = set()
+    call_streams: dict[int, ToolCallStream] = {}  # per choice index, when the reply's calls are parsed
 
     def chunk(choice: dict) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": serving.model_name, "system_fingerprint": None, "choices": [choice], **usage_field}
 
     def choice_delta(completion: CompletionOutput) -> dict | None:
-        has_news = completion.delta_text or completion.delta_logprobs or completion.finish_reason
+        content, tool_calls = completion.delta_text, []
+        finish_reason = completion.finish_reason
+        if parses_calls:
+            calls = call_streams.setdefault(completion.index, ToolCallStream(parser, plan.parallel))
+            content, tool_calls = calls.feed(completion.delta_text, final=finish_reason is not None)
+            if calls.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        has_news = content or tool_calls or completion.delta_logprobs or finish_reason
         if completion.index in sent_role and not has_news:
             return None
-        delta = {"content": completion.delta_text}
+        delta = {"content": content if content or not tool_calls else None}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         if completion.index not in sent_role:
             delta["role"] = "assistant"
             sent_role.add(completion.index)
         logprobs = logprobs_of(completion.delta_logprobs or []) if completion.delta_logprobs else None
-        return {"index": completion.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason}
+        return {"index": completion.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chunks_of(output: RequestOutput) -> list[dict]:
         choices = (choice_delta(c) for c in output.outputs)

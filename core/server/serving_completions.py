@@ -25,7 +25,9 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
     request.check()
     serving.check_model(request.model)
     prompt_ids = serving.tokenize(request.single_prompt(), param="prompt")
-    params = serving.sampling_params(request, prompt_ids)
+    constraint = request.structured_outputs_params()
+    await serving.compile_constraint(constraint, "response_format")
+    params = serving.sampling_params(request, prompt_ids, constraint)
     request_id = new_request_id("cmpl")
     stream = serving.submit(prompt_ids, params, request_id, request.tenant)
     num_top = request.logprobs or 0
