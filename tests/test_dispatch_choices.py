@@ -43,37 +43,51 @@ def _raise(choice: str):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Kernels pass their CUDA checks on CPU tensors; each launcher and reference raises Chosen(path)."""
-    import dataclasses
-
-    from deepinfer.core.ops import activation, dispatch, norm, paged_attention, quant_matmul, rotary
+    """Kernels pass their CUDA checks on CPU tensors (of a 132-SM device); each launcher and reference raises
+    Chosen(path), the launchers with the kernel or path core/ops chose for them."""
+    from deepinfer.core.ops import (
+        activation,
+        dispatch,
+        norm,
+        paged_attention,
+        quant_matmul,
+        quant_matmul_table,
+        rotary,
+    )
+    from deepinfer.core.ops import paged_attention_table as attention_table
+    from deepinfer.kernels import act_and_mul as ka
+    from deepinfer.kernels import dequantize as kd
     from deepinfer.kernels import paged_attention as kp
     from deepinfer.kernels import quant_matmul as kq
-    from deepinfer.kernels import registry
+    from deepinfer.kernels import rms_norm as kr
+    from deepinfer.kernels import rope_cache as krc
 
-    monkeypatch.setattr(dispatch, "kernel_blocker", lambda *tensors: None)
-    monkeypatch.setattr(kp, "_device_limits", lambda index: (132, 2048, 65536, 32))
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    monkeypatch.setattr(kp, "multiprocessors", lambda index: 132)
     clusters = {"available": False}
-    monkeypatch.setattr(kp, "clusters_available", lambda index: clusters["available"])
+    monkeypatch.setattr(paged_attention, "clusters_available", lambda index: clusters["available"])
 
-    def product(x, qweight, scales, zeros, bits, group_size, *args, **kwargs):
-        raise Chosen(kq.pick_kernel(x.shape[0], x.shape[1], qweight.shape[0], bits, group_size))
+    def chosen_kernel(*args, kernel, **kwargs):
+        raise Chosen(kernel)
 
-    def decode(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, *args, **kwargs):
-        raise Chosen(kp.decode_path(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len, None))
+    def chosen_path(*args, path, **kwargs):
+        raise Chosen(path)
 
-    launchers = {"quant_matmul": product, "dequantize": _raise("dense"), "paged_decode_attention": decode,
-                 "paged_prefill_attention": _raise("prefill"), "rms_norm": _raise("kernel"),
-                 "act_and_mul": _raise("kernel"), "rope_cache_write": _raise("kernel"),
-                 "quant_matmul_rope_cache": _raise("fused"), "quant_matmul_act_and_mul": _raise("fused")}
-    for name, launcher in launchers.items():
-        monkeypatch.setitem(registry.OPS, name, dataclasses.replace(registry.OPS[name], launch=launcher))
+    for module, name, launcher in (
+            (kq, "quant_matmul", chosen_kernel), (kd, "dequantize", _raise("dense")),
+            (kq, "quant_matmul_rope_cache", _raise("fused")), (kq, "quant_matmul_act_and_mul", _raise("fused")),
+            (kp, "paged_decode_attention", chosen_path), (kp, "paged_prefill_attention", _raise("prefill")),
+            (kr, "rms_norm", _raise("kernel")), (ka, "act_and_mul", _raise("kernel")),
+            (krc, "rope_and_cache_write", _raise("kernel"))):
+        monkeypatch.setattr(module, name, launcher)
     for module, name in ((quant_matmul, "quant_matmul_reference"), (paged_attention, "paged_decode_attention_reference"),
                          (paged_attention, "paged_prefill_attention_reference"), (norm, "rms_norm_reference"),
                          (activation, "act_and_mul_reference"), (rotary, "apply_rotary_reference"),
                          (rotary, "write_kv_cache_reference")):
         monkeypatch.setattr(module, name, _raise("reference"))
     dispatch.reset_log()
+    quant_matmul_table.product_row.cache_clear()
+    attention_table.decode_path.cache_clear()
     yield clusters
     dispatch.reset_log()
 
@@ -107,12 +121,6 @@ def _activations(section: dict, features: int, dtype: str) -> torch.Tensor:
     return torch.empty(max(section["tokens"]), features, dtype=DTYPES[dtype])
 
 
-def _projection(packed):
-    from deepinfer.core.quant.quant_linear import QuantLinear
-
-    return QuantLinear(packed)
-
-
 def test_products_take_the_recorded_kernel_at_every_token_count(recorded):
     from deepinfer.core.ops.quant_matmul import quant_matmul
 
@@ -128,11 +136,11 @@ def test_the_fused_qkv_rope_epilogue_serves_the_recorded_cases(recorded):
 
     section = CHOICES["qkv_rope"]
     for k, heads, kv_heads, head_dim, bits, group, dtype, kv, block_size, runs in section["rows"]:
-        projection = _projection(_packed(k, (heads + 2 * kv_heads) * head_dim, bits, group))
+        packed = _packed(k, (heads + 2 * kv_heads) * head_dim, bits, group)
         cache = torch.zeros(4, kv_heads, block_size, head_dim, dtype=torch.int8 if kv == "int8" else DTYPES[dtype])
         x, cos = _activations(section, k, dtype), _activations(section, head_dim // 2, dtype)
         slots = torch.zeros(x.shape[0], dtype=torch.long)
-        got = [_path(qkv_rotary_and_cache_write, x[:m], projection, heads, kv_heads, head_dim, cos[:m], cos[:m],
+        got = [_path(qkv_rotary_and_cache_write, x[:m], packed, heads, kv_heads, head_dim, cos[:m], cos[:m],
                      cache, cache, slots[:m]) or "separate"
                for m in section["tokens"]]
         assert got == _expand(runs), (k, heads, kv_heads, head_dim, bits, group, dtype, kv, block_size)
@@ -143,8 +151,8 @@ def test_the_fused_gate_up_activation_epilogue_serves_the_recorded_cases(recorde
 
     section = CHOICES["gate_up_act"]
     for k, inner, bits, group, activation, dtype, runs in section["rows"]:
-        projection, x = _projection(_packed(k, 2 * inner, bits, group)), _activations(section, k, dtype)
-        got = [_path(gate_up_act_and_mul, x[:m], projection, activation) or "separate"
+        packed, x = _packed(k, 2 * inner, bits, group), _activations(section, k, dtype)
+        got = [_path(gate_up_act_and_mul, x[:m], packed, activation) or "separate"
                for m in section["tokens"]]
         assert got == _expand(runs), (k, inner, bits, group, activation, dtype)
 
@@ -170,6 +178,7 @@ def test_decode_attention_takes_the_recorded_path(recorded):
 
 def test_prefill_tiles_and_graph_thresholds_are_the_recorded_ones(recorded):
     from deepinfer.core.engine import backends, cuda_graphs
+    from deepinfer.core.ops import paged_attention_table
 
     class Backend:
         def __init__(self, name):
@@ -186,7 +195,7 @@ def test_prefill_tiles_and_graph_thresholds_are_the_recorded_ones(recorded):
         buffers.tile_tokens, buffers.max_rows = tile_tokens, max_rows
         assert [str(buffers.num_tiles(t)) for t in section["bucket_tokens"]] == _expand(runs), (tile_tokens, max_rows)
     for kv_heads, limit in CHOICES["graph_attention_work_limit"]["rows"]:
-        assert cuda_graphs.GRAPH_ATTENTION_WORK // kv_heads == limit
+        assert paged_attention_table.graph_attention_work_limit(kv_heads) == limit
 
 
 def test_small_ops_take_the_kernel_in_the_recorded_cases(recorded):

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], check=False, cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_public_api_and_version_from_outside_the_source_tree(tmp_path):
@@ -36,7 +37,7 @@ def test_public_api_and_version_from_outside_the_source_tree(tmp_path):
     assert params_module == "deepinfer.core.engine.sampling_params"
 
 
-@pytest.mark.parametrize("name", ["core", "kernels", "deepinfer_cli"])
+@pytest.mark.parametrize("name", ["core", "kernels", "deepinfer_cli", "validate"])
 def test_folder_names_are_not_importable_at_top_level(tmp_path, name):
     # tmp_path as the working directory keeps the repository itself off sys.path
     result = _run_python(f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)",
@@ -47,7 +48,7 @@ def test_folder_names_are_not_importable_at_top_level(tmp_path, name):
 @pytest.mark.slow
 def test_wheel_holds_only_the_deepinfer_package(tmp_path):
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-                           capture_output=True, text=True, timeout=600)
+                           check=False, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("deepinfer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -55,5 +56,5 @@ def test_wheel_holds_only_the_deepinfer_package(tmp_path):
     assert top_level == {"deepinfer"}
     for expected in ("deepinfer/__init__.py", "deepinfer/core/llm.py", "deepinfer/cli/main.py",
                      "deepinfer/kernels/quant_matmul.cu", "deepinfer/kernels/common.cuh",
-                     "deepinfer/configs/shapes/qwen2.5-3b.json"):
+                     "deepinfer/configs/shapes/qwen2.5-3b.json", "deepinfer/validate/run.py"):
         assert expected in names
