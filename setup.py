@@ -14,6 +14,7 @@ PACKAGE_DIRS = {
     "deepinfer.configs": "configs",
     "deepinfer.core": "core",
     "deepinfer.kernels": "kernels",
+    "deepinfer.validate": "validate",
 }
 
 

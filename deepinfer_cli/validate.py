@@ -12,6 +12,23 @@ import typer
 from deepinfer.cli.errors import fail
 
 
+def gpu_unavailable_reason(device: int) -> str | None:
+    """Why the kernels cannot run on CUDA device `device` here (no CuPy, no GPU, torch without CUDA, a GPU older
+    than the kernels need), or None."""
+    from deepinfer.kernels import cuda_unavailable_reason, device_unsupported_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        return reason
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    if not 0 <= device < torch.cuda.device_count():
+        return f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
+    return device_unsupported_reason(device)
+
+
 def _format(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -28,16 +45,14 @@ def validate_kernels(
              "quant_matmul_act_and_mul, cuda_graph, end_to_end); default all.")] = None,
 ) -> None:
     """Check each CUDA kernel against its torch reference and write results/kernel_validation_<gpu>.json."""
+    reason = gpu_unavailable_reason(device)
+    if reason is not None:
+        fail(f"validate-kernels needs an NVIDIA GPU with CuPy: {reason}")
     from rich.console import Console
     from rich.table import Table
 
     from deepinfer.core.bench.env_info import gpu_slug
-    from deepinfer.kernels import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        fail(f"validate-kernels needs a CUDA GPU with CuPy: {reason}")
-    from deepinfer.core.bench.kernel_validation import CHECK_GROUPS, run_validation
+    from deepinfer.validate.run import CHECK_GROUPS, run_validation
 
     groups = tuple(item.strip() for item in only.split(",") if item.strip()) if only else None
     unknown = [group for group in groups or () if group not in CHECK_GROUPS]

@@ -12,16 +12,24 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
-def unsupported_reason(gate: torch.Tensor, up: torch.Tensor, activation: str) -> str | None:
+def rows_aligned(tensor: torch.Tensor) -> bool:
+    """Whether every row of a [T, I] tensor is contiguous and starts on a 16-byte boundary (the kernel reads 8
+    elements at a time)."""
+    return tensor.stride(-1) == 1 and tensor.stride(0) % 8 == 0 and tensor.data_ptr() % 16 == 0
+
+
+def unsupported_reason(activation: str, gate_dtype: torch.dtype, up_dtype: torch.dtype, shapes_match: bool,
+                       inner: int, aligned: bool) -> str | None:
+    """Why the kernel cannot compute act(gate) * up (None when it can). shapes_match: gate and up are [T, I]
+    tensors of one shape; aligned: rows_aligned for both."""
     if activation not in ACTIVATIONS:
         return f"activation {activation!r}"
-    if gate.dtype not in _DTYPE_CODES or up.dtype != gate.dtype:
-        return f"dtypes {gate.dtype}/{up.dtype} (kernel takes float16/bfloat16)"
-    if gate.dim() != 2 or gate.shape != up.shape:
-        return f"shapes {tuple(gate.shape)} / {tuple(up.shape)} (kernel takes two [T, I] tensors)"
-    for tensor in (gate, up):
-        if tensor.stride(1) != 1 or tensor.stride(0) % 8 or tensor.data_ptr() % 16 or gate.shape[1] % 8:
-            return "rows not 16-byte aligned (kernel reads 8 elements at a time)"
+    if gate_dtype not in _DTYPE_CODES or up_dtype != gate_dtype:
+        return f"dtypes {gate_dtype}/{up_dtype} (kernel takes float16/bfloat16)"
+    if not shapes_match:
+        return "gate and up are not two [T, I] tensors of one shape"
+    if not aligned or inner % 8:
+        return "rows not 16-byte aligned (kernel reads 8 elements at a time)"
     return None
 
 

@@ -6,19 +6,18 @@ import torch
 
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import i32, launch, ptr
-from deepinfer.kernels.quant_matmul import packed_layout_reason
+from deepinfer.kernels.quant_matmul import PackedOperands, packed_layout_reason
 
 SOURCE = "dequantize.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 _ZERO_MODES = {"zero": 0, "min": 1}
 
 
-def unsupported_reason(dtype: torch.dtype, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       bits: int, group_size: int) -> str | None:
+def unsupported_reason(dtype: torch.dtype, weight: PackedOperands) -> str | None:
     """Why the kernel cannot dequantize this weight into `dtype` (None when it can)."""
     if dtype not in _DTYPE_CODES:
         return f"output dtype {dtype} (kernel writes float16/bfloat16)"
-    return packed_layout_reason(qweight, scales, zeros, bits, group_size)
+    return packed_layout_reason(weight)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,

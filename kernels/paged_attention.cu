@@ -762,58 +762,6 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   }
 }
 
-// Diagnostic for `bench gemv`: paged_decode_kernel's K/V loads alone (same grid, tiles and addressing;
-// no math, no window), i.e. what its access pattern can stream.
-template <int DT, int D>
-__global__ void __launch_bounds__(32) paged_read_probe_kernel(
-    const void* __restrict__ key_cache, const void* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, u32* __restrict__ sink, int num_heads, int num_kv_heads, int log2_block_size,
-    int max_blocks, int tokens_per_split) {
-  launch_dependents();
-  wait_for_prior_grids();
-  constexpr int CHUNKS = D / 32;
-  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
-  const int group = num_heads / num_kv_heads;
-  const int head_tiles = (group + 15) / 16;
-  const int kv_head = blockIdx.x / head_tiles;
-  const int seq = blockIdx.y, split = blockIdx.z;
-  const int block_size = 1 << log2_block_size;
-  const int* table = block_tables + (i64)seq * max_blocks;
-  const int begin = split * tokens_per_split;
-  const int end = min(seq_lens[seq], (split + 1) * tokens_per_split);
-  const i64 head_stride = (i64)block_size * D;
-  u32 fold = 0;
-  for (int tile = begin; tile < end; tile += 16) {
-    u32 kf[2][CHUNKS][4], vf[4][CHUNKS][2];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int tok = tile + 8 * nt + g;
-      const bool valid = tok < end;
-      const int blk = valid ? table[tok >> log2_block_size] : 0;
-      const i64 row = ((i64)blk * num_kv_heads + kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) KvRow<DT, 0>::load8(key_cache, row + 32 * c + 8 * t, valid, kf[nt][c]);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = tile + 2 * t + (e & 1) + 8 * (e >> 1);
-      const bool valid = tok < end;
-      const int blk = valid ? table[tok >> log2_block_size] : 0;
-      const i64 row = ((i64)blk * num_kv_heads + kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) KvRow<DT, 0>::load4(value_cache, row + 32 * c + 4 * g, valid, vf[e][c]);
-    }
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) fold ^= kf[0][c][i] ^ kf[1][c][i];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fold ^= vf[e][c][0] ^ vf[e][c][1];
-    }
-  }
-  if (fold == 0x9E3779B9u) sink[blockIdx.x] = fold;  // keeps the loads; practically never true
-}
-
 // Combine the splits of each (sequence, head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 // grid (num_heads, num_seqs), block 128 threads: first a split per thread (the max M, each split's weight
 // e^(m_s - M) into shared memory, the total), then a dimension per thread, summing the splits in order with

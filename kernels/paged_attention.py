@@ -1,33 +1,28 @@
-"""Launcher of the paged decode attention kernels in paged_attention.cu.
+"""Launchers of the paged attention kernels in paged_attention.cu: decode (one query token per sequence) on one of
+three paths, and prefill tiles. Which path serves a batch is core/ops' choice (core/ops/paged_attention_table.py,
+docs/KERNELS.md); the launcher takes it as `path=`.
 
-One CTA per (kv head, 16-query-head tile, sequence, context split), on one of three paths:
+Decode: one CTA per (kv head, 16-query-head tile, sequence, context split):
+- "combined": one split, a CTA of COMBINED_WARPS warps that take the sequence's 16-token tiles round robin up to
+  its real seq_len and combine their softmax states in shared memory. One kernel, no partials, no dependent reduce
+  launch. The grid does not depend on max_seq_len and the work follows the real context, so a CUDA graph captured
+  at a 1024-token bound runs a 300-token context at the cost of 300 tokens.
+- "clustered" (SM90+): the combined path's kernel with each (KV head tile, sequence) spread over a thread-block
+  cluster of CLUSTER_CTAS CTAs, whose warps take the tiles round robin and combine their states through
+  distributed shared memory: one kernel, spread over more SMs.
+- "split": one warp a CTA, the context cut into splits of at least MIN_TOKENS_PER_SPLIT tokens whose count fills
+  whole waves of the CTAs the GPU holds at once (a partial last wave would leave SMs idle at the end); with more
+  than one split, paged_reduce_kernel combines the splits' partial outputs. The split count, hence the grid,
+  depends only on max_seq_len, and splits past a sequence's end write an empty partial.
 
-- combined (max_seq_len <= COMBINED_MAX_SEQ_LEN, no explicit `tokens_per_split`, and by default at least
-  COMBINED_MIN_CTAS CTAs; `combined=` forces either path): one split, a CTA of COMBINED_WARPS warps that take
-  the sequence's 16-token tiles round robin up to its real seq_len and combine their softmax states in shared
-  memory. One kernel, no partials, no dependent reduce launch. The grid does not depend on max_seq_len and the
-  work follows the real context, so a CUDA graph captured at a 1024-token bound runs a 300-token context at
-  the cost of 300 tokens. With few sequences its warps walk their tiles one after another on a few SMs, which
-  measured slower than the split path (one decoding stream of a 3B model has 2 CTAs a layer).
-- clustered (the combined path's bounds with fewer than COMBINED_MIN_CTAS CTAs whose clusters all fit the SMs at
-  once, on SM90+; `clustered=` forces or forbids it): the combined path's kernel with each (KV head tile,
-  sequence) spread over a thread-block cluster of CLUSTER_CTAS CTAs, whose warps take the tiles round robin and
-  combine their states through distributed shared memory. One kernel, like the combined path, with the split
-  path's spread over SMs for few sequences (a decoding stream of a 3B model: 8 CTAs a layer instead of 2).
-- split (longer bounds, an explicit `tokens_per_split`, or few CTAs without clusters): one warp a CTA, the
-  context cut into splits of at least MIN_TOKENS_PER_SPLIT tokens whose count fills whole waves of the CTAs
-  the GPU holds at once (a partial last wave would leave SMs idle at the end); with more than one split,
-  paged_reduce_kernel combines the splits' partial outputs. Long contexts need the CTAs across the context to keep the GPU
-  busy. The split count, hence the grid, depends only on max_seq_len, and splits past a sequence's end
-  write an empty partial.
-
-For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the path and
-the grid depend only on it and the batch's shape.
+For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the grid depends
+only on it, the path and the batch's shape.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -38,9 +33,9 @@ SOURCE = "paged_attention.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
-# Down to two 16-token tiles a split: one sequence at a 1024-token bound took 32 splits (H200, Qwen2.5-3B,
-# one stream: 1810 us a decode step against 1841 with 64-token splits, since the reduce reads splits in parallel;
-# measured before such bounds took the combined path).
+DECODE_PATHS = ("split", "combined", "clustered")
+# Down to two 16-token tiles a split: the reduce reads the splits in parallel, so short splits cost little there
+# (docs/KERNELS.md).
 MIN_TOKENS_PER_SPLIT = 32
 TARGET_TOKENS_PER_SPLIT = 256
 # paged_reduce_kernel keeps a weight per split in shared memory (4 bytes each, 32 KiB at most): contexts past
@@ -53,42 +48,43 @@ MAX_WAVES = 16
 # thread: 8 x 32 x 256 = 65536, the whole register file; more warps would cap it at 128 and spill), and a round
 # of 8 warps covers 128 tokens (a 300-token context: 3 tiles a warp).
 COMBINED_WARPS = 8
-# Bounds up to this may take the combined path. Its latency follows the real context: a warp walks up to
-# bound / 16 / COMBINED_WARPS tiles (8 at 1024), about one memory round trip each (a tile's math overlaps the
-# next tile's loads, not the one after), where the split path walks 2 tiles a split at any context and then pays
-# a second, dependent kernel. At a 2048 bound a lone long context would walk 16 tiles a warp. 1024 is also the
-# engine's smallest CUDA-graph context bound (the next is 4096).
-COMBINED_MAX_SEQ_LEN = 1024
-# ... but by default only from this many CTAs (sequences x KV heads x head tiles): with one CTA a sequence and KV
-# head, a few sequences leave most SMs idle while each warp walks its tiles one after another, where the split
-# path spreads them over the GPU. Measured on an H200 (Qwen2.5-3B W4A16, bf16, 268-368-token contexts under a
-# 1024 bound, scripts/profile_graph_steps.py): one stream (2 CTAs) 1785 us a steady decode step combined against
-# 1684 split; 32 streams (64 CTAs) 3263 against 3302.
-COMBINED_MIN_CTAS = 64
 # The clustered path's cluster: CTAs a (KV head tile, sequence) spreads over. 4 x 8 warps cover a 512-token round
 # (a 1024 bound: two tiles a warp); clusters of 4 full-SM CTAs fit the H200's GPCs of 16-18 SMs.
 CLUSTER_CTAS = 4
-# Load each tile's K/V one tile ahead of its math (head_dim <= 128): more bytes in flight per warp,
-# fewer warps per SM. `pipelined=` overrides it per call (bench gemv compares both).
-PIPELINED_BY_DEFAULT = True
 # cudaDeviceGetAttribute numbers
 _ATTR_MULTIPROCESSORS, _ATTR_THREADS_PER_SM, _ATTR_REGISTERS_PER_SM, _ATTR_BLOCKS_PER_SM = 16, 39, 82, 106
 
 
-def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> str | None:
-    """Why the kernel cannot serve this decode batch (None when it can)."""
-    if query.dtype not in _DTYPE_CODES:
-        return f"query dtype {query.dtype} (kernel takes float16/bfloat16)"
-    head_dim = query.shape[-1]
+class AttentionOperands(NamedTuple):
+    """What the attention kernels' checks read (`attention_operands` builds it from the query and the cache)."""
+
+    dtype: torch.dtype  # the query's
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+    block_size: int
+
+
+def attention_operands(query: torch.Tensor, key_cache: torch.Tensor) -> AttentionOperands:
+    """query [..., H, D]; key_cache [num_blocks, KVH, block_size, D]."""
+    return AttentionOperands(query.dtype, query.shape[-2], key_cache.shape[1], query.shape[-1], key_cache.dtype,
+                             key_cache.shape[2])
+
+
+def unsupported_reason(operands: AttentionOperands) -> str | None:
+    """Why the decode kernel cannot serve these operands (None when it can)."""
+    if operands.dtype not in _DTYPE_CODES:
+        return f"query dtype {operands.dtype} (kernel takes float16/bfloat16)"
+    head_dim = operands.head_dim
     if head_dim % 32 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (kernel needs a multiple of 32, at most {MAX_HEAD_DIM})"
-    if key_cache.dtype not in (query.dtype, torch.int8):
-        return f"KV cache dtype {key_cache.dtype} with query {query.dtype}"
-    block_size = key_cache.shape[2]
-    if block_size & (block_size - 1):
-        return f"block_size {block_size} is not a power of two"
-    if query.shape[1] % num_kv_heads:
-        return f"{query.shape[1]} query heads over {num_kv_heads} KV heads"
+    if operands.kv_dtype not in (operands.dtype, torch.int8):
+        return f"KV cache dtype {operands.kv_dtype} with query {operands.dtype}"
+    if operands.block_size & (operands.block_size - 1):
+        return f"block_size {operands.block_size} is not a power of two"
+    if operands.num_heads % operands.num_kv_heads:
+        return f"{operands.num_heads} query heads over {operands.num_kv_heads} KV heads"
     return None
 
 
@@ -101,6 +97,10 @@ def _device_limits(device_index: int) -> tuple[int, int, int, int]:
         _ATTR_MULTIPROCESSORS, _ATTR_THREADS_PER_SM, _ATTR_REGISTERS_PER_SM, _ATTR_BLOCKS_PER_SM))
 
 
+def multiprocessors(device_index: int) -> int:
+    return _device_limits(device_index)[0]
+
+
 def resident_ctas(registers_per_thread: int, device_index: int) -> int:
     """How many one-warp CTAs of a kernel using this many registers the whole GPU holds at once."""
     sms, threads, registers, blocks = _device_limits(device_index)
@@ -111,54 +111,6 @@ def resident_ctas(registers_per_thread: int, device_index: int) -> int:
 def ctas_per_split(num_seqs: int, num_heads: int, num_kv_heads: int) -> int:
     """CTAs a context split takes: one per (sequence, KV head, 16-query-head tile)."""
     return num_seqs * num_kv_heads * ((num_heads // num_kv_heads + 15) // 16)
-
-
-def combined_path(max_seq_len: int, tokens_per_split: int | None = None) -> bool:
-    """Whether the combined path (one split, COMBINED_WARPS warps a CTA) may serve this bound; an explicit
-    tokens_per_split always takes the split path. Host values only: fixed at graph capture."""
-    return tokens_per_split is None and max_seq_len <= COMBINED_MAX_SEQ_LEN
-
-
-def takes_combined_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
-                        tokens_per_split: int | None = None, combined: bool | None = None) -> bool:
-    """The path paged_decode_attention takes. combined None: the combined path where it may serve and the batch
-    gives it at least COMBINED_MIN_CTAS CTAs; True / False: that path (True where it may serve, else ValueError)."""
-    eligible = combined_path(max_seq_len, tokens_per_split)
-    if combined is None:
-        return eligible and ctas_per_split(num_seqs, num_heads, num_kv_heads) >= COMBINED_MIN_CTAS
-    if combined and not eligible:
-        raise ValueError(f"the combined path serves bounds up to {COMBINED_MAX_SEQ_LEN} without tokens_per_split "
-                         f"(got max_seq_len={max_seq_len}, tokens_per_split={tokens_per_split})")
-    return combined
-
-
-def takes_clustered_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
-                         tokens_per_split: int | None = None, combined: bool | None = None,
-                         clustered: bool | None = None) -> bool:
-    """Whether paged_decode_attention takes the clustered path. clustered None: where the combined path may serve
-    but is not taken for want of CTAs (takes_combined_path with combined None), the device has clusters and
-    the clusters' CTAs fit the SMs at once; False: never; True: wherever the combined path may serve (ValueError
-    elsewhere or without clusters)."""
-    eligible = combined_path(max_seq_len, tokens_per_split)
-    if clustered:
-        if not eligible or combined or not clusters_available(device_index):
-            raise ValueError(f"the clustered path serves bounds up to {COMBINED_MAX_SEQ_LEN} without tokens_per_split, "
-                             "on SM90+, and not with combined=True")
-        return True
-    if clustered is False or combined is not None or not eligible or not clusters_available(device_index):
-        return False
-    ctas = ctas_per_split(num_seqs, num_heads, num_kv_heads)
-    return ctas < COMBINED_MIN_CTAS and ctas * CLUSTER_CTAS <= _device_limits(device_index)[0]
-
-
-def decode_path(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device_index: int,
-                tokens_per_split: int | None = None, combined: bool | None = None,
-                clustered: bool | None = None) -> str:
-    """The path paged_decode_attention takes: "clustered", "combined" or "split"."""
-    shape = (num_seqs, num_heads, num_kv_heads, max_seq_len)
-    if takes_clustered_path(*shape, device_index, tokens_per_split, combined, clustered):
-        return "clustered"
-    return "combined" if takes_combined_path(*shape, tokens_per_split, combined) else "split"
 
 
 def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, resident: int,
@@ -175,50 +127,45 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
-def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool | None = None, warps: int = 1,
+def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool, warps: int = 1,
                  cluster: int = 1) -> str:
     """The split path's kernel (warps == 1) leaves WARPS at its default, the combined path's CLUSTER: the names
     the registry compiles ahead."""
     dt, head_dim, int8 = _DTYPE_CODES[query.dtype], query.shape[-1], int(key_cache.dtype == torch.int8)
-    if pipelined is None:
-        pipelined = PIPELINED_BY_DEFAULT
     name = f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}"
     return name + (f",{warps},{cluster}>" if cluster > 1 else f",{warps}>" if warps > 1 else ">")
 
 
-def _split_plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
-                    tokens_per_split: int | None = None, pipelined: bool | None = None) -> tuple[int, int]:
-    """split_plan for this batch, with the residency of its one-warp kernel."""
+def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int, path: str, pipelined: bool,
+             tokens_per_split: int | None = None) -> tuple[int, int]:
+    """The (splits, tokens per split) paged_decode_attention launches on `path`: on the combined and clustered
+    paths one split of max_seq_len in whole tiles; on the split path split_plan with the residency of its
+    one-warp kernel (compiled here to read its register count)."""
+    if path not in DECODE_PATHS:
+        raise ValueError(f"unknown decode path {path!r}; choose from {', '.join(DECODE_PATHS)}")
+    if path != "split":
+        if tokens_per_split is not None:
+            raise ValueError(f"tokens_per_split sizes the split path's splits; the {path} path has one")
+        return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
     index = query.device.index
     kernel = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     return split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
                       resident_ctas(kernel.num_regs, index), tokens_per_split)
 
 
-def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int,
-             tokens_per_split: int | None = None, pipelined: bool | None = None,
-             combined: bool | None = None, clustered: bool | None = None) -> tuple[int, int]:
-    """The (splits, tokens per split) paged_decode_attention uses for this batch: on the combined and clustered
-    paths (takes_combined_path, takes_clustered_path) one split of max_seq_len in whole tiles."""
-    shape = (query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len)
-    if (takes_combined_path(*shape, tokens_per_split, combined)
-            or takes_clustered_path(*shape, query.device.index, tokens_per_split, combined, clustered)):
-        return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
-    return _split_plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined)
-
-
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, tokens_per_split: int | None = None,
-                           pipelined: bool | None = None, combined: bool | None = None,
-                           clustered: bool | None = None, fresh_tokens: int = 1) -> torch.Tensor:
-    """query [B, H, D] (one token per sequence) -> [B, H, D].
+                           out: torch.Tensor | None = None, *, path: str, pipelined: bool,
+                           tokens_per_split: int | None = None, fresh_tokens: int = 1) -> torch.Tensor:
+    """query [B, H, D] (one token per sequence) -> [B, H, D], on `path` (one of DECODE_PATHS).
 
     key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
     key_scales/value_scales [num_blocks, KVH, block_size]); block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length including this token); max_seq_len >= every seq_len;
+    pipelined: each tile's K/V loaded one tile ahead of its math (more bytes in flight per warp, fewer warps per SM);
+    tokens_per_split: the split path's split size (default split_plan's);
     fresh_tokens: at most this many of each sequence's newest positions were written by the launch just before
     this one (the kernel reads the older ones before waiting for it).
     """
@@ -233,14 +180,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    if path == "clustered" and not clusters_available(index):
+        raise ValueError("the clustered path needs thread-block clusters (SM90+)")
     dt = _DTYPE_CODES[query.dtype]
     int8 = int(key_cache.dtype == torch.int8)
-    path = decode_path(num_seqs, num_heads, num_kv_heads, max_seq_len, index, tokens_per_split, combined, clustered)
-    clustered, combined = path == "clustered", path == "combined"
-    warps = COMBINED_WARPS if combined or clustered else 1
-    cluster = CLUSTER_CTAS if clustered else 1
+    splits, per_split = plan_for(query, key_cache, max_seq_len, path, pipelined, tokens_per_split)
+    warps = 1 if path == "split" else COMBINED_WARPS
+    cluster = CLUSTER_CTAS if path == "clustered" else 1
     fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps, cluster), index)
-    splits, per_split = plan_for(query, key_cache, max_seq_len, tokens_per_split, pipelined, combined, clustered)
     if splits > MAX_SPLITS:
         raise ValueError(f"{splits} context splits exceed {MAX_SPLITS} (the reduce's shared memory): "
                          f"pass a larger tokens_per_split")
@@ -255,7 +202,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
         ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
         i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0),
-        i32(fresh_tokens)), index, cluster=(1, 1, cluster) if clustered else None)
+        i32(fresh_tokens)), index, cluster=(1, 1, cluster) if cluster > 1 else None)
     if splits > 1:
         reduce = get_kernel(SOURCE, f"paged_reduce_kernel<{dt}>", index)
         launch(reduce, (num_heads, num_seqs, 1), (128, 1, 1), (
@@ -280,17 +227,18 @@ def prefill_tile_tokens(num_heads: int, num_kv_heads: int) -> int | None:
     return PREFILL_WARPS * (16 // group) if group <= 16 else None
 
 
-def prefill_unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> str | None:
-    """Why paged_prefill_attention cannot serve these tensors (None when it can)."""
-    reason = unsupported_reason(query, key_cache, num_kv_heads)
+def prefill_unsupported_reason(operands: AttentionOperands) -> str | None:
+    """Why paged_prefill_attention cannot serve these operands (None when it can)."""
+    reason = unsupported_reason(operands)
     if reason is not None:
         return reason
-    if key_cache.dtype != query.dtype:
-        return f"KV cache dtype {key_cache.dtype} (the prefill kernel reads fp16/bf16 caches)"
-    if query.shape[-1] not in PREFILL_HEAD_DIMS:
-        return f"head_dim {query.shape[-1]} (the prefill kernel takes {' or '.join(map(str, PREFILL_HEAD_DIMS))})"
-    if prefill_tile_tokens(query.shape[1], num_kv_heads) is None:
-        return f"{query.shape[1] // num_kv_heads} query heads a KV head (the prefill kernel takes at most 16)"
+    if operands.kv_dtype != operands.dtype:
+        return f"KV cache dtype {operands.kv_dtype} (the prefill kernel reads fp16/bf16 caches)"
+    if operands.head_dim not in PREFILL_HEAD_DIMS:
+        return f"head_dim {operands.head_dim} (the prefill kernel takes {' or '.join(map(str, PREFILL_HEAD_DIMS))})"
+    if prefill_tile_tokens(operands.num_heads, operands.num_kv_heads) is None:
+        return (f"{operands.num_heads // operands.num_kv_heads} query heads a KV head "
+                "(the prefill kernel takes at most 16)")
     return None
 
 
@@ -300,7 +248,7 @@ def prefill_split_plan(num_tokens: int, tile_tokens: int, num_kv_heads: int, max
     full tiles fill PREFILL_CTAS_PER_SM per SM, else about as many as fill them, each of at least
     MIN_TOKENS_PER_PREFILL_SPLIT keys. Host values only (the grid a CUDA graph fixes)."""
     units = -(-num_tokens // tile_tokens) * num_kv_heads
-    wanted = PREFILL_CTAS_PER_SM * _device_limits(device_index)[0] // units
+    wanted = PREFILL_CTAS_PER_SM * multiprocessors(device_index) // units
     splits = max(1, min(wanted, -(-max_seq_len // MIN_TOKENS_PER_PREFILL_SPLIT)))
     keys = -(-max_seq_len // splits)
     per_split = -(-keys // TILE_TOKENS) * TILE_TOKENS
@@ -348,18 +296,3 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
             ptr(part_out), ptr(part_stats), ptr(tiles), ptr(out), i32(num_heads), i32(splits), i32(head_dim),
             i32(tile_tokens)), index, shared_mem=4 * splits)
     return out
-
-
-def kv_read_probe(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, max_seq_len: int) -> None:
-    """Diagnostic: the split path's K/V loads with the same grid and addressing but no math."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    index = query.device.index
-    splits, per_split = _split_plan_for(query, key_cache, max_seq_len)
-    sink = torch.empty(1, dtype=torch.int32, device=query.device)
-    fn = get_kernel(SOURCE, f"paged_read_probe_kernel<{_DTYPE_CODES[query.dtype]},{head_dim}>", index)
-    head_tiles = (num_heads // num_kv_heads + 15) // 16
-    launch(fn, (num_kv_heads * head_tiles, num_seqs, splits), (32, 1, 1), (
-        ptr(key_cache), ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(sink), i32(num_heads),
-        i32(num_kv_heads), i32(block_size.bit_length() - 1), i32(block_tables.shape[1]), i32(per_split)), index)

@@ -321,44 +321,6 @@ __device__ __forceinline__ bool reduce_cluster_splits(float (&acc)[TT][4], float
   return split == 0;
 }
 
-// CTA = 4 warps = 64 output rows x 8*TT tokens x a K range of `segs_per_split` segments; the 4 warps
-// read the same activations (L1 hits after the first). With gridDim.z > 1 splits, each CTA writes
-// fp32 partials and the last CTA of an output tile (a counter per tile) sums them in split order,
-// then resets the counter.
-template <int DT, int BITS, int TT, int SCALE_F32>
-__global__ void __launch_bounds__(128) quant_mma_kernel(
-    const u16* __restrict__ x,          // [M, K]
-    const u32* __restrict__ qweight,    // [N, K*BITS/32]
-    const void* __restrict__ scales,    // [N, K/G]
-    const void* __restrict__ zeros,     // [N, K/G]
-    const u16* __restrict__ bias,       // [N] or null
-    u16* __restrict__ out,              // [M, N]
-    float* __restrict__ partials,       // [splits, M, N] when gridDim.z > 1
-    int* __restrict__ counters,         // [gridDim.x * gridDim.y], zero before and after
-    int M, int N, int K, int group_size, int zero_mode, int segs_per_split) {
-  launch_dependents();
-  wait_for_prior_grids();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 64 + warp * 16 + g;
-  const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = (K + 127) / 128;
-  const int seg_begin = blockIdx.z * segs_per_split;
-  const int seg_end = min(num_segs, seg_begin + segs_per_split);
-
-  float acc[TT][4];
-#pragma unroll
-  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  for (int seg = seg_begin; seg < seg_end; seg += 2) {
-    SegmentPair<BITS> d;
-    load_segment_pair<DT, BITS, SCALE_F32>(d, seg, 1, seg_end, qweight, scales, zeros, row0, t, N, K, group_size,
-                                           zero_mode);
-    mma_segment_pair<DT, BITS, TT>(d, seg, 1, seg_end, x, tok0, g, t, M, K, acc);
-  }
-
-  reduce_splits_and_store<DT, TT>(acc, bias, out, partials, counters, row0, tok0, t, M, N);
-}
-
 // Few tokens: CTA = 8 warps on the same 16 output rows, warp w taking segments w, w+8, w+16, ... of
 // the whole K, so a CTA streams its rows front to back and no split-K pass over global memory is
 // needed; the warps' partial sums meet in shared memory. Weight words are software-pipelined: a
@@ -400,39 +362,6 @@ __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
   }
 
   if (sum_warps<TT, WARPS>(acc, WARPS)) store_tile<DT, TT>(acc, bias, out, row0, tok0, t, M, N);
-}
-
-// Diagnostic for `bench gemv`: the ksplit kernel's weight loads alone (same grid, warps, segment order
-// and pipelining; no scales, no math), i.e. what its access pattern can stream.
-template <int BITS>
-__global__ void __launch_bounds__(256) quant_read_probe_kernel(const u32* __restrict__ qweight, u32* __restrict__ sink,
-                                                               int N, int K) {
-  launch_dependents();
-  wait_for_prior_grids();
-  constexpr int WARPS = 8, WORDS = Chunk<BITS>::WORDS;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 16 + g;
-  const int num_segs = (K + 127) / 128, words_per_row = K * BITS / 32;
-  u32 fold = 0;
-  for (int seg = warp; seg < num_segs; seg += 2 * WARPS) {
-    u32 w[2][2][WORDS];
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int kc = (seg + u * WARPS) * 128 + 32 * t;
-        load_chunk<BITS>(qweight, words_per_row, row0 + 8 * r, kc, seg + u * WARPS < num_segs && kc < K && row0 + 8 * r < N,
-                         w[u][r]);
-      }
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int i = 0; i < WORDS; ++i) fold ^= w[u][r][i];
-  }
-  if (fold == 0x9E3779B9u) sink[blockIdx.x] = fold;  // keeps the loads; practically never true
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -518,14 +447,14 @@ __global__ void __launch_bounds__(128) quant_gemv_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core path with the activations staged in shared memory. The old kernels above reload each
+// Tensor-core path with the activations staged in shared memory. The ksplit kernel above reloads each
 // token tile's activations from L1/L2 for every 16 rows (for 64 tokens that is 16x the weight bytes);
 // here a CTA of 8 warps (128 output rows, warp w rows 16w..16w+15) stages the activations of a
 // K stage ONCE, already in the mma B-fragment order of load_x_pairs, and every warp dequantizes its
 // weights once per segment and multiplies them against all 8*TT tokens from shared memory:
 //   xs[(s * TT + tt) * 4 + c][lane] = pairs 4c..4c+3 of token tok0 + 8tt + lane/4, codes
 //   [128 (stage + s) + 32 (lane % 4), +32)   (uint4; consecutive lanes -> consecutive 16 B: no conflicts)
-// A CTA covers a K range of `segs_per_split` segments (gridDim.z splits, reduced as in quant_mma_kernel),
+// A CTA covers a K range of `segs_per_split` segments (gridDim.z splits, reduced by reduce_splits),
 // walked in stages of Staged<TT>::SEGS segments (44 KiB of activations at most: static shared memory
 // stops at 48 KiB, and the split-K epilogue needs a few bytes of it).
 template <int TT> struct Staged { static constexpr int SEGS = 22 / TT; };  // a segment is TT * 2 KiB
@@ -736,63 +665,8 @@ __global__ void __launch_bounds__(128) quant_stream_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// GEMV for 1..4 tokens (MT) with K split across the warps of a CTA, so that short-N shapes still
-// put enough warps (and so loads) on every SM. CTA = 8 warps = (8 / ksplit) row pairs x ksplit
-// K-parts: warp w owns rows row0, row0 + 1 of slot w / ksplit and K-part p = w % ksplit; its lane l
-// takes chunks p*32 + l + j*ksplit*32, UNROLL per step with all their loads issued before any math
-// (row_pair_sums, the loop quant_stream_kernel runs with stride 32). The K-parts' fp32 sums meet in
-// shared memory and one thread per output adds them in K-part order, adds the bias and rounds once.
-// ksplit: 1, 2, 4 or 8.
-template <int DT, int BITS, int MT, int SCALE_F32>
-__global__ void __launch_bounds__(256) quant_gemv_split_kernel(
-    const u16* __restrict__ x,          // [M, K]
-    const u32* __restrict__ qweight,    // [N, K*BITS/32]
-    const void* __restrict__ scales,    // [N, K/G]
-    const void* __restrict__ zeros,     // [N, K/G]
-    const u16* __restrict__ bias,       // [N] or null
-    u16* __restrict__ out,              // [M, N]
-    int M, int N, int K, int group_size, int zero_mode, int ksplit) {
-  launch_dependents();
-  wait_for_prior_grids();
-  // UNROLL: 2 chunks ahead for one token keeps it at <= 80 registers (3 CTAs per SM); 4 ahead took 110-116.
-  // More tokens hold each chunk's weights across MT activation loads, so one chunk per step.
-  constexpr int WARPS = 8, ROWS = 2, UNROLL = MT == 1 ? 2 : 1;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int slots = WARPS / ksplit, part = warp % ksplit;
-  const int row_base = blockIdx.x * slots * ROWS;
-  const int row0 = row_base + (warp / ksplit) * ROWS;
-  const int tok0 = blockIdx.y * MT;
-
-  float acc[MT][ROWS];
-  row_pair_sums<DT, BITS, MT, SCALE_F32, UNROLL>(acc, x, qweight, scales, zeros, row0, tok0, M, N, K, group_size,
-                                                 zero_mode, part * 32 + lane, 32 * ksplit);
-
-  __shared__ float partial[WARPS][MT][ROWS];  // fp32 sum of each warp's K-part, per (token, row)
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const float sum = warp_sum(acc[m][r]);
-      if (lane == 0) partial[warp][m][r] = sum;
-    }
-  }
-  __syncthreads();
-  // thread t -> token t / (slots * ROWS), row row_base + t % (slots * ROWS): consecutive rows, coalesced stores
-  const int t = threadIdx.x, rows_per_cta = slots * ROWS;
-  if (t >= MT * rows_per_cta) return;
-  const int m = t / rows_per_cta, slot_row = t % rows_per_cta;
-  const int row = row_base + slot_row, tok = tok0 + m;
-  if (row >= N || tok >= M) return;
-  const int first = (slot_row / ROWS) * ksplit, r = slot_row % ROWS;
-  float sum = 0.0f;
-  for (int p = 0; p < ksplit; ++p) sum += partial[first + p][m][r];
-  if (bias != nullptr) sum += Num<DT>::to_float(bias[row]);
-  out[(i64)tok * N + row] = Num<DT>::from_float(sum);
-}
-
-// ---------------------------------------------------------------------------------------------
 // Tensor-core GEMV for 1..32 tokens, W4 only: the instruction-lean successor of ksplit. Nsight Compute on
-// an H200 (kernels/PERFORMANCE.md) showed the earlier GEMVs issue 11-14 instructions per weight byte (64-bit
+// an H200 (docs/KERNELS.md) showed the earlier GEMVs issue 11-14 instructions per weight byte (64-bit
 // index math, an integer division per chunk, bounds branches, fp32 dot products in bf16): they are bound by
 // instruction issue, not by DRAM. Here a thread spends ~2-3 instructions per weight pair:
 //   - shapes are whole: N % 16 == 0 and K % 128 == 0 (the launcher checks), so no bounds tests on weights;

@@ -1,30 +1,30 @@
-"""Launchers of the W4A16/W3A16 kernels in quant_matmul.cu.
+"""Launchers of the W4A16/W3A16 kernels in quant_matmul.cu. Which kernel serves a product is core/ops' choice
+(core/ops/quant_matmul_table.py, docs/KERNELS.md); the launcher takes it as `kernel=`.
 
-Eight kernels read the same packed layout (core/quant/packed.py, passed here as plain tensors):
-- "gemv": CUDA cores, up to 4 tokens per weight read (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
-- "stream": CUDA cores, up to 4 tokens, 2 rows per warp with 4 chunks of loads in flight per lane and
-  half2 products (`quant_stream_kernel`), for one token on long rows;
-- "split": CUDA cores, up to 4 tokens, 8-warp CTAs whose warps split K into `ksplit` parts
-  (`quant_gemv_split_kernel`), so short-N shapes still get enough warps per SM (`split_ksplit`);
-  measured no faster than gemv/stream on an H200 (kernels/PERFORMANCE.md), so dispatch never picks it;
-- "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share
-  16 output rows and split K among themselves (`quant_mma_ksplit_kernel`), for few tokens;
-- "mma": tensor cores, a tile of 8/16/32/64 tokens per weight read, 64 output rows per CTA, split
-  along K across CTAs when the output alone gives too few CTAs to fill the GPU (`quant_mma_kernel`);
-- "staged": tensor cores, 8 to 64 tokens per weight read, 128 output rows per CTA with the tokens'
-  activations staged once per CTA in shared memory (`quant_mma_staged_kernel`), split along K;
-- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, 16 output rows per CTA of 8 or 16 warps
-  splitting K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight
-  byte, and with integer zero points each group's sum is scaled once (`tc_reason` says when it serves);
-- "tcs": tc's loads and pairs with staged's layout (128 rows per CTA, the activations of a K stage staged
-  once in shared memory, split along K), for 9-32 tokens (`quant_tcs_kernel`).
-`pick_kernel` chooses by the number of tokens and the shape, from `bench gemv` on an H200
-(results/bench_gemv_w4a16-w3a16_nvidia_h200.json, kernels/PERFORMANCE.md); `kernel=` forces one.
+Six kernels compute x @ W.T from the same packed layout (core/quant/packed.py, passed here as plain tensors):
+- "gemv": CUDA cores, up to 4 tokens per weight read, 2 rows per warp (`quant_gemv_kernel<DT, BITS, MT, SCALE_F32>`);
+- "stream": CUDA cores, up to 4 tokens, 2 rows per warp with 4 chunks of loads in flight per lane and half2
+  products (`quant_stream_kernel`);
+- "ksplit": tensor cores (mma.sync m16n8k16), 8 or 16 tokens per weight read; a CTA's 8 warps share 16 output
+  rows and split K among themselves (`quant_mma_ksplit_kernel`);
+- "staged": tensor cores, 8 to 64 tokens per weight read, 128 output rows per CTA with the tokens' activations
+  staged once per CTA in shared memory, split along K across CTAs (`quant_mma_staged_kernel`);
+- "tc": tensor cores, W4 only, 8/16/32 tokens per weight read, 16 output rows per CTA of 8 or 16 warps splitting
+  K (`quant_tc_gemv_kernel`): ksplit's layout with about half the instructions per weight byte, and with integer
+  zero points each group's sum is scaled once (`tc_reason` says which weights it takes);
+- "tcs": tc's loads and pairs with staged's layout (128 rows per CTA, the activations of a K stage staged once in
+  shared memory, split along K) (`quant_tcs_kernel`).
+Two more run tc / tcs with an epilogue fused in: quant_matmul_rope_cache (RoPE and the KV-cache write of a merged
+q/k/v product) and quant_matmul_act_and_mul (the gated activation of a merged gate/up product).
+
+The capability checks (`unsupported_reason`, `tc_reason`, ...) read plain values (PackedOperands, dtypes, sizes),
+not tensors, so core/ops can cache a decision under exactly what it was made from.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -34,24 +34,14 @@ from deepinfer.kernels.launch import clusters_available, i32, launch, ptr
 
 SOURCE = "quant_matmul.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-# (largest token count, kernel): the first entry whose bound covers M serves it. Measured on an H200 at
-# 1..64 tokens: ksplit is fastest at 2-16 tokens, staged at 32 and 64 (up to 1.7x the mma kernel), and
-# mma stays for more than 64 tokens, where staged was not measured.
-AUTO_KERNELS = ((1, "gemv"), (16, "ksplit"), (64, "staged"), (1 << 30, "mma"))
-MAX_TILE = {"gemv": 4, "stream": 4, "split": 4, "ksplit": 2, "staged": 8, "mma": 8, "tc": 4, "tcs": 4}
+MAX_TILE = {"gemv": 4, "stream": 4, "ksplit": 2, "staged": 8, "tc": 4, "tcs": 4}
 KERNELS = tuple(MAX_TILE)
-MMA_ROWS_PER_CTA = 64
 STAGED_ROWS_PER_CTA = 128
 KSPLIT_ROWS_PER_CTA = 16
 TC_ROWS_PER_CTA = 16
 TC_SEGMENT = 128  # codes of K per thread-quad step of the tc kernel
-TC_MAX_TOKENS = 32  # 4 token tiles of 8
-TC_LONG_K = 4096  # from this many input features tc also wins at 1 and 9-32 tokens
-SPLIT_WARPS = 8  # warps per CTA of the split GEMV
-SPLIT_PARTS = (1, 2, 4, 8)  # K-parts per row pair it can take
-SPLIT_CTAS_PER_SM = 4  # CTAs per SM the split plan aims the grid at
-_CUDA_CORE_KERNELS = ("gemv", "stream", "split")
 MMA_SEGMENT = 128  # codes of K per thread-quad step
+_CUDA_CORE_KERNELS = ("gemv", "stream")
 _COUNTER_SLOTS = 1 << 14
 
 _counters: dict[int, torch.Tensor] = {}
@@ -59,35 +49,52 @@ _workspaces: dict[tuple[int, int], torch.Tensor] = {}
 _plans: dict[tuple, tuple] = {}
 
 
-def packed_layout_reason(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                         group_size: int) -> str | None:
+class PackedOperands(NamedTuple):
+    """What the kernels' checks read of a packed weight (`packed_operands` builds it from the tensors)."""
+
+    bits: int
+    group_size: int
+    scales_dtype: torch.dtype
+    zeros_dtype: torch.dtype
+    contiguous: bool  # qweight, scales and zeros
+    aligned: bool  # qweight starts on a 16-byte boundary
+
+
+def packed_operands(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                    group_size: int) -> PackedOperands:
+    return PackedOperands(bits, group_size, scales.dtype, zeros.dtype,
+                          qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous(),
+                          qweight.data_ptr() % 16 == 0)
+
+
+def packed_layout_reason(weight: PackedOperands) -> str | None:
     """Why a packed weight is outside what every W4/W3 kernel reads (None when it is inside)."""
-    if bits not in (3, 4):
-        return f"{bits}-bit weights"
-    if scales.dtype not in (torch.float16, torch.float32) or zeros.dtype != scales.dtype:
-        return f"scales {scales.dtype} / zeros {zeros.dtype}"
-    if group_size % 32:
-        return f"group size {group_size} (kernels need a multiple of 32)"
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+    if weight.bits not in (3, 4):
+        return f"{weight.bits}-bit weights"
+    if weight.scales_dtype not in (torch.float16, torch.float32) or weight.zeros_dtype != weight.scales_dtype:
+        return f"scales {weight.scales_dtype} / zeros {weight.zeros_dtype}"
+    if weight.group_size % 32:
+        return f"group size {weight.group_size} (kernels need a multiple of 32)"
+    if not weight.contiguous:
         return "non-contiguous packed weight"
     return None
 
 
-def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       bits: int, group_size: int) -> str | None:
-    """Why the kernels cannot compute this product (None when they can)."""
-    if x.dtype not in _DTYPE_CODES:
-        return f"activation dtype {x.dtype} (kernels take float16/bfloat16)"
-    reason = packed_layout_reason(qweight, scales, zeros, bits, group_size)
+def unsupported_reason(dtype: torch.dtype, weight: PackedOperands) -> str | None:
+    """Why the kernels cannot multiply `dtype` activations by this weight (None when they can)."""
+    if dtype not in _DTYPE_CODES:
+        return f"activation dtype {dtype} (kernels take float16/bfloat16)"
+    reason = packed_layout_reason(weight)
     if reason:
         return reason
-    if bits == 4 and qweight.data_ptr() % 16:
+    if weight.bits == 4 and not weight.aligned:
         return "qweight not 16-byte aligned"
     return None
 
 
 def default_tile(kernel: str, num_tokens: int) -> int:
-    """Tokens per CTA of gemv/stream/split (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2) / staged, mma (1..8)."""
+    """Tokens per CTA of gemv/stream (1, 2, 4) or 8-token tiles per CTA of ksplit (1, 2), staged (1..8), tc and
+    tcs (1, 2, 4)."""
     sizes = tuple(size for size in (1, 2, 4, 8) if size <= MAX_TILE[kernel])
     unit = 1 if kernel in _CUDA_CORE_KERNELS else 8
     return next((size for size in sizes if num_tokens <= size * unit), sizes[-1])
@@ -95,10 +102,9 @@ def default_tile(kernel: str, num_tokens: int) -> int:
 
 def instantiations() -> tuple[str, ...]:
     """Every template instantiation the launcher can ask for (compiled ahead by validate-kernels)."""
-    tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "split": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8), "mma": (1, 2, 4, 8)}
-    kernels = {"gemv": "quant_gemv_kernel", "stream": "quant_stream_kernel", "split": "quant_gemv_split_kernel",
-               "ksplit": "quant_mma_ksplit_kernel",
-               "staged": "quant_mma_staged_kernel", "mma": "quant_mma_kernel"}
+    tiles = {"gemv": (1, 2, 4), "stream": (1, 2, 4), "ksplit": (1, 2), "staged": (1, 2, 4, 8)}
+    kernels = {"gemv": "quant_gemv_kernel", "stream": "quant_stream_kernel", "ksplit": "quant_mma_ksplit_kernel",
+               "staged": "quant_mma_staged_kernel"}
     packed_kernels = tuple(f"{kernels[name]}<{dt},{bits},{tile},{f32}>" for name in tiles for dt in (0, 1)
                            for bits in (4, 3) for tile in tiles[name] for f32 in (0, 1))
     tc = tuple(f"quant_{kernel}<{dt},{tile},{mode},{f32}>" for kernel in ("tc_gemv_kernel", "tcs_kernel")
@@ -116,7 +122,7 @@ def tc_group_shift(in_features: int, group_size: int) -> int | None:
 
 
 def tc_reason(bits: int, in_features: int, out_features: int, group_size: int) -> str | None:
-    """Why the tc kernel cannot take this weight (None when it can): it reads whole 16-row tiles and
+    """Why the tc and tcs kernels cannot take this weight (None when they can): they read whole 16-row tiles and
     128-code segments of 4-bit codes."""
     if bits != 4:
         return f"{bits}-bit weights"
@@ -131,59 +137,6 @@ def tc_mode(zero_mode: str, integer_zeros: bool, group_size: int) -> int:
     """0: codes minus whole zero points, exact, and each 128-code segment's sum scaled once (a segment must
     lie in one group); 1: weights dequantized before the product, as the other kernels do."""
     return 0 if zero_mode == "zero" and integer_zeros and group_size % TC_SEGMENT == 0 else 1
-
-
-def pick_kernel(num_tokens: int, in_features: int = 0, out_features: int = 0, bits: int = 4,
-                group_size: int = 128) -> str:
-    """The kernel measured fastest for M tokens (H200, bf16, Qwen2.5-3B's merged shapes:
-    results/bench_gemv_tcs_bf16_nvidia_h200.json). W4 weights tc / tcs take, up to 32 tokens:
-    - outputs at least 3x the input (gate_up): tcs (2048x22016: 14.7 us at one token against gemv 15.4,
-      12.9 with two K-splits, see _plan; 18.3 at 16 tokens against staged 27.2, 26.6 at 32 against 35.7);
-    - K >= 4096 (down): tc (11008x2048: 8.6 us at one token against stream 12.6, 22.0 at 32 against
-      ksplit 23.5);
-    - otherwise tc at 1-8 tokens (2048x2560 at 4 tokens 4.6 us against ksplit 5.3; at one token it ties gemv
-      alone, but under programmatic dependent launch its first weight loads overlap the kernel before it: a
-      one-stream decode step of Qwen2.5-3B took 1693 us against 1817 with gemv), and as below at 9-32 tokens,
-      where tc loses to ksplit.
-    Others: one token, stream where K >= 4096 and N <= K, gemv elsewhere; 17-32 tokens, ksplit (two 16-token
-    tiles) unless the output is at least 3x the input, where staged shares its staged activations over
-    more rows; then AUTO_KERNELS by token count."""
-    wide = out_features >= 3 * in_features
-    long_k = in_features >= TC_LONG_K
-    if num_tokens <= TC_MAX_TOKENS and tc_reason(bits, in_features, out_features, group_size) is None:
-        if wide:
-            return "tcs"
-        if long_k or num_tokens <= 8:
-            return "tc"
-    if num_tokens == 1 and long_k and out_features <= in_features:
-        return "stream"
-    if 16 < num_tokens <= 32 and not wide:
-        return "ksplit"
-    return next(kernel for bound, kernel in AUTO_KERNELS if num_tokens <= bound)
-
-
-def weight_read_probe(qweight: torch.Tensor, bits: int, in_features: int) -> None:
-    """Diagnostic: the ksplit kernel's weight loads with no math (what its access pattern streams)."""
-    index = qweight.device.index
-    sink = torch.empty(1, dtype=torch.int32, device=qweight.device)
-    fn = get_kernel(SOURCE, f"quant_read_probe_kernel<{bits}>", index)
-    out_features = qweight.shape[0]
-    launch(fn, ((out_features + KSPLIT_ROWS_PER_CTA - 1) // KSPLIT_ROWS_PER_CTA, 1, 1), (256, 1, 1), (
-        ptr(qweight), ptr(sink), i32(out_features), i32(in_features)), index)
-
-
-def split_ksplit(num_rows: int, in_features: int, num_sms: int) -> int:
-    """K-parts per row pair of the split GEMV: the fewest that give at least SPLIT_CTAS_PER_SM full CTAs
-    of warps per SM (a CTA holds SPLIT_WARPS / ksplit row pairs), but no more parts than K has 32-chunk
-    strides for its lanes (32 * ksplit <= K / 32), so that every lane of every part has a chunk."""
-    row_pairs = -(-num_rows // 2)
-    num_chunks = in_features // 32
-    allowed = [parts for parts in SPLIT_PARTS if parts == 1 or 32 * parts <= num_chunks]
-    wanted_warps = SPLIT_CTAS_PER_SM * num_sms * SPLIT_WARPS
-    for parts in allowed:
-        if -(-row_pairs // (SPLIT_WARPS // parts)) * SPLIT_WARPS >= wanted_warps:
-            return parts
-    return allowed[-1]
 
 
 @cache
@@ -245,8 +198,7 @@ def _tcs_grid_splits(index: int, tile: int, num_tokens: int, row_tiles: int, in_
     token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
     if splits is None and tile == 1 and row_tiles * token_tiles < 2 * _num_sms(index):
         # Up to 8 tokens, between one and two CTAs per SM leave some SMs with twice the work of others;
-        # two K-splits even that out (2048x22016, H200: one token 12.9 us against 14.7 unsplit;
-        # results/sweep_tcs_splits_bf16_nvidia_h200_55cc580.json). From 9 tokens one split stays fastest.
+        # two K-splits even that out (docs/KERNELS.md). From 9 tokens one split stays fastest.
         splits = 2
     splits, per_split = _split_plan(in_features // TC_SEGMENT, row_tiles * token_tiles, 8 * tile * token_tiles,
                                     in_features, index, splits)
@@ -264,19 +216,10 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
     if plan is not None:
         return plan
     template = f"<{dt},{bits},{tile},{scale_f32}>"
-    if name in ("gemv", "stream"):
+    if name in _CUDA_CORE_KERNELS:
         rows = 8  # 4 warps x 2 rows
         fn = get_kernel(SOURCE, f"quant_{name}_kernel{template}", index)
         plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (128, 1, 1), 1, 0)
-    elif name == "split":
-        if splits is None:
-            splits = split_ksplit(out_features, in_features, _num_sms(index))
-        elif splits not in SPLIT_PARTS:
-            raise ValueError(f"the split kernel takes {SPLIT_PARTS} K-parts, not splits={splits}")
-        rows = 2 * (SPLIT_WARPS // splits)
-        fn = get_kernel(SOURCE, f"quant_gemv_split_kernel{template}", index)
-        plan = (fn, ((out_features + rows - 1) // rows, (num_tokens + tile - 1) // tile, 1), (32 * SPLIT_WARPS, 1, 1),
-                splits, 0)
     elif name == "tc":
         fn = get_kernel(SOURCE, f"quant_tc_gemv_kernel<{dt},{tile},{mode},{scale_f32}>", index)
         plan = (fn, *_tc_grid_block(index, tile, num_tokens, out_features), 1, 0)
@@ -288,25 +231,16 @@ def _plan(index: int, dt: int, bits: int, scale_f32: int, num_tokens: int, out_f
         fn = get_kernel(SOURCE, f"quant_tcs_kernel<{dt},{tile},{mode},{scale_f32}>", index)
         plan = (fn, *_tcs_grid_splits(index, tile, num_tokens, -(-out_features // STAGED_ROWS_PER_CTA), in_features,
                                       splits))
-    else:
-        rows, threads = (STAGED_ROWS_PER_CTA, 256) if name == "staged" else (MMA_ROWS_PER_CTA, 128)
-        row_tiles = (out_features + rows - 1) // rows
+    else:  # staged
+        row_tiles = (out_features + STAGED_ROWS_PER_CTA - 1) // STAGED_ROWS_PER_CTA
         token_tiles = (num_tokens + 8 * tile - 1) // (8 * tile)
         num_segments = (in_features + MMA_SEGMENT - 1) // MMA_SEGMENT
-        if name == "staged":
-            splits, per_split = _split_plan(num_segments, row_tiles * token_tiles, 8 * tile * token_tiles,
-                                            in_features, index, splits)
-        else:
-            if splits is None:
-                target_ctas = 4 * _num_sms(index)
-                splits = max(1, min(num_segments, -(-target_ctas // (row_tiles * token_tiles))))
-            per_split = -(-num_segments // splits)
-            splits = -(-num_segments // per_split)
+        splits, per_split = _split_plan(num_segments, row_tiles * token_tiles, 8 * tile * token_tiles,
+                                        in_features, index, splits)
         if splits > 1 and row_tiles * token_tiles > _COUNTER_SLOTS:
             raise ValueError(f"{row_tiles * token_tiles} output tiles exceed the split-K counter slots")
-        kernel_name = "quant_mma_staged_kernel" if name == "staged" else "quant_mma_kernel"
-        fn = get_kernel(SOURCE, f"{kernel_name}{template}", index)
-        plan = (fn, (row_tiles, token_tiles, splits), (threads, 1, 1), splits, per_split)
+        fn = get_kernel(SOURCE, f"quant_mma_staged_kernel{template}", index)
+        plan = (fn, (row_tiles, token_tiles, splits), (256, 1, 1), splits, per_split)
     _plans[key] = plan
     return plan
 
@@ -323,19 +257,18 @@ def _activation_operands(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[to
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                 group_size: int, zero_mode: str, bias: torch.Tensor | None = None,
-                 kernel: str = "auto", tile: int | None = None, splits: int | None = None,
-                 out: torch.Tensor | None = None, integer_zeros: bool = False) -> torch.Tensor:
-    """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype.
+                 group_size: int, zero_mode: str, bias: torch.Tensor | None = None, *, kernel: str,
+                 tile: int | None = None, splits: int | None = None, out: torch.Tensor | None = None,
+                 integer_zeros: bool = False) -> torch.Tensor:
+    """x [M, K] (fp16/bf16, already in input_perm order) -> [M, N] in x's dtype, on `kernel` (one of KERNELS).
 
-    kernel: "auto" | "gemv" | "stream" | "split" | "ksplit" | "staged" | "mma" | "tc" | "tcs"; tile: tokens
-    per CTA (gemv, stream, split: 1/2/4) or 8-token tiles (ksplit: 1/2, staged and mma: 1/2/4/8, tc and tcs:
-    1/2/4); splits: K splits across CTAs of the staged, mma and tcs kernels (default: enough CTAs to fill
-    the GPU), or K-parts within a CTA of the split kernel (1/2/4/8, default `split_ksplit`); out: a
-    contiguous [M, N] buffer;
-    integer_zeros: every zero point is a whole number (PackedWeight.integer_zeros), which lets the tc and tcs
-    kernels scale group sums instead of weights.
+    tile: tokens per CTA (gemv, stream: 1/2/4) or 8-token tiles (ksplit: 1/2, staged: 1/2/4/8, tc and tcs: 1/2/4;
+    default `default_tile`); splits: K splits across CTAs of the staged and tcs kernels (default: enough CTAs to
+    fill the GPU); out: a contiguous [M, N] buffer; integer_zeros: every zero point is a whole number
+    (PackedWeight.integer_zeros), which lets the tc and tcs kernels scale group sums instead of weights.
     """
+    if kernel not in MAX_TILE:
+        raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
     x, bias = _activation_operands(x, bias)
@@ -344,29 +277,24 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=device)
     if num_tokens == 0:
         return out
-    name = (pick_kernel(num_tokens, in_features, out_features, bits, group_size) if kernel == "auto" else kernel)
-    tile = tile or default_tile(name, num_tokens)
+    tile = tile or default_tile(kernel, num_tokens)
     index = device.index
     dt = _DTYPE_CODES[x.dtype]
     mode = 0
-    if name in ("tc", "tcs"):
-        # an automatic pick already passed tc_reason; an explicit kernel is checked here
-        reason = tc_reason(bits, in_features, out_features, group_size) if kernel != "auto" else None
+    if kernel in ("tc", "tcs"):
+        reason = tc_reason(bits, in_features, out_features, group_size)
         if reason:
-            raise ValueError(f"the {name} kernel does not take {reason}")
+            raise ValueError(f"the {kernel} kernel does not take {reason}")
         mode = tc_mode(zero_mode, integer_zeros, group_size)
     fn, grid, block, split_count, per_split = _plan(index, dt, bits, int(scales.dtype == torch.float32), num_tokens,
-                                                    out_features, in_features, name, tile, splits, mode)
+                                                    out_features, in_features, kernel, tile, splits, mode)
     head = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out))
     sizes = (i32(num_tokens), i32(out_features), i32(in_features), i32(group_size),
              i32(0 if zero_mode == "zero" else 1))
-    if name in ("tc", "tcs"):
+    if kernel in ("tc", "tcs"):
         sizes = sizes[:3] + (i32(tc_group_shift(in_features, group_size)),) + sizes[4:]
-    if name in ("gemv", "stream", "ksplit", "tc"):
+    if kernel in ("gemv", "stream", "ksplit", "tc"):
         launch(fn, grid, block, head + sizes, index)
-        return out
-    if name == "split":
-        launch(fn, grid, block, head + sizes + (i32(split_count),), index)
         return out
     partials = counters = None
     if split_count > 1:
@@ -379,14 +307,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 QKV_ROPE_MAX_TOKENS = 8  # one token tile of quant_tc_rope_kernel
 
 
-def qkv_rope_unsupported_reason(qweight: torch.Tensor, bits: int, group_size: int, in_features: int, num_heads: int,
-                                num_kv_heads: int, head_dim: int, key_cache: torch.Tensor,
+def qkv_rope_unsupported_reason(bits: int, group_size: int, in_features: int, out_features: int, num_heads: int,
+                                num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int,
                                 dtype: torch.dtype) -> str | None:
-    """Why quant_matmul_rope_cache cannot serve this merged q/k/v projection at any token count (None when it can;
-    qkv_rope_takes then says which token counts): a weight the tc kernel takes, heads that tile into rotation
-    pairs, and a cache in the activations' dtype (an int8 cache's per-head scale needs the whole head, which spans
-    CTAs)."""
-    out_features = qweight.shape[0]
+    """Why quant_matmul_rope_cache cannot serve this merged q/k/v projection ([N, K] weight, `dtype` activations, a
+    `kv_dtype` cache of `block_size`-token blocks), None when it can: a weight the tc kernel takes, heads that tile
+    into rotation pairs, and a cache in the activations' dtype (an int8 cache's per-head scale needs the whole
+    head, which spans CTAs)."""
     reason = tc_reason(bits, in_features, out_features, group_size)
     if reason:
         return f"the tc kernel does not take {reason}"
@@ -394,18 +321,11 @@ def qkv_rope_unsupported_reason(qweight: torch.Tensor, bits: int, group_size: in
         return f"head_dim {head_dim} (needs a multiple of 16: a tile is 8 rotation pairs)"
     if out_features != (num_heads + 2 * num_kv_heads) * head_dim:
         return f"{out_features} outputs are not ({num_heads} + 2 x {num_kv_heads}) heads x {head_dim}"
-    if key_cache.dtype != dtype:
-        return f"KV cache dtype {key_cache.dtype} with activations {dtype}"
-    block_size = key_cache.shape[2]
+    if kv_dtype != dtype:
+        return f"KV cache dtype {kv_dtype} with activations {dtype}"
     if block_size & (block_size - 1):
         return f"block_size {block_size} is not a power of two"
     return None
-
-
-def qkv_rope_takes(num_tokens: int, in_features: int, out_features: int) -> bool:
-    """Whether quant_matmul_rope_cache serves an M-token product of a weight qkv_rope_unsupported_reason accepts:
-    where dispatch would pick tc for the plain product, up to one token tile (decode steps)."""
-    return 0 < num_tokens <= QKV_ROPE_MAX_TOKENS and pick_kernel(num_tokens, in_features, out_features) == "tc"
 
 
 def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -414,10 +334,10 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The merged q/k/v product x [M, K] @ W.T (+ bias) with RoPE on q and k and the k/v cache write fused into its
-    epilogue (quant_tc_rope_kernel; for weights qkv_rope_unsupported_reason accepts, at token counts qkv_rope_takes).
+    epilogue (quant_tc_rope_kernel, for weights qkv_rope_unsupported_reason accepts; core/ops sends it decode steps).
     cos/sin [M, D/2] (or [M, 1, D/2]) in x's dtype, slot_mapping [M] int64. Returns (rotated query [M, H, D],
-    rotated key [M, KVH, D], value [M, KVH, D] as a view of the product's v columns): what quant_matmul followed by
-    rope_cache.rope_and_cache_write give, bit for bit."""
+    rotated key [M, KVH, D], value [M, KVH, D] as a view of the product's v columns): what the tc product followed
+    by rope_cache.rope_and_cache_write give, bit for bit."""
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
     x, bias = _activation_operands(x, bias)
@@ -444,12 +364,10 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     return query, key, value
 
 
-def gate_up_act_unsupported_reason(qweight: torch.Tensor, bits: int, group_size: int, in_features: int,
+def gate_up_act_unsupported_reason(bits: int, group_size: int, in_features: int, out_features: int,
                                    activation: str) -> str | None:
-    """Why quant_matmul_act_and_mul cannot serve this merged [gate | up] projection at any token count (None when
-    it can; gate_up_act_takes then says which token counts): a weight the tcs kernel takes, halves of whole 16-row
-    tiles, and an activation act_and_mul has."""
-    out_features = qweight.shape[0]
+    """Why quant_matmul_act_and_mul cannot serve this merged [gate | up] projection ([N, K] weight), None when it
+    can: a weight the tcs kernel takes, halves of whole 16-row tiles, and an activation act_and_mul has."""
     reason = tc_reason(bits, in_features, out_features, group_size)
     if reason:
         return f"the tcs kernel does not take {reason}"
@@ -460,12 +378,6 @@ def gate_up_act_unsupported_reason(qweight: torch.Tensor, bits: int, group_size:
     return None
 
 
-def gate_up_act_takes(num_tokens: int, in_features: int, out_features: int) -> bool:
-    """Whether quant_matmul_act_and_mul serves an M-token product of a weight gate_up_act_unsupported_reason
-    accepts: where dispatch would pick tcs for the plain product (1-32 tokens)."""
-    return num_tokens > 0 and pick_kernel(num_tokens, in_features, out_features) == "tcs"
-
-
 MAX_CLUSTER_SPLITS = 8  # the portable thread-block cluster size
 
 
@@ -473,8 +385,8 @@ def quant_matmul_act_and_mul(x: torch.Tensor, qweight: torch.Tensor, scales: tor
                              bias: torch.Tensor | None, group_size: int, zero_mode: str, integer_zeros: bool,
                              activation: str, cluster_splits: bool | None = None) -> torch.Tensor:
     """The merged [gate | up] product x [M, K] @ W.T (+ bias), W [2I, K], with the gated activation in its epilogue
-    (quant_tcs_act_kernel; for weights gate_up_act_unsupported_reason accepts, at token counts gate_up_act_takes):
-    act(gate) * up [M, I], what quant_matmul followed by act_and_mul.act_and_mul gives, bit for bit.
+    (quant_tcs_act_kernel, for weights gate_up_act_unsupported_reason accepts): act(gate) * up
+    [M, I], what the tcs product followed by act_and_mul.act_and_mul gives, bit for bit.
     cluster_splits: with K splits, a tile's splits meet in a thread-block cluster's shared memory instead of fp32
     partials in global memory (None: where the device has clusters and there are at most MAX_CLUSTER_SPLITS)."""
     num_tokens, in_features = x.shape

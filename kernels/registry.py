@@ -1,15 +1,22 @@
-"""The op registry: every kernel-backed op, its source, launcher and capability check.
+"""The op registry: every kernel-backed op, its source and the template instantiations compiled ahead.
 
-`core/ops` dispatches through this table (`get(name)`), and `deepinfer validate-kernels` walks it,
-so an op is either registered here with a check of what it serves, or it does not exist.
+The op names are the ones core/ops logs its choices under (core/ops/dispatch.py) and `deepinfer validate-kernels`
+groups its checks by; the launchers and their capability checks live beside each kernel (kernels/<op>.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from deepinfer.kernels import act_and_mul, dequantize, paged_attention, quant_matmul, rms_norm, rope_cache
+from deepinfer.kernels import (
+    act_and_mul,
+    dequantize,
+    paged_attention,
+    quant_matmul,
+    rms_norm,
+    rope_cache,
+    w4_gemm,
+)
 
 
 @dataclass(frozen=True)
@@ -17,8 +24,6 @@ class KernelOp:
     name: str
     source: str  # kernels/<source>
     summary: str
-    launch: Callable  # the launcher (torch tensors in, torch tensors out)
-    unsupported_reason: Callable[..., str | None]  # None when the kernel serves the case
     instantiations: tuple[str, ...]  # the template instantiations common models use (compiled ahead)
 
 
@@ -38,34 +43,35 @@ _ATTENTION_PATHS = ("", f",{paged_attention.COMBINED_WARPS}",
 
 _OPS = (
     KernelOp("quant_matmul", quant_matmul.SOURCE,
-             "W4A16/W3A16 matmul: tensor-core GEMV (W4, up to 32 tokens), CUDA-core GEMV, mma.sync K-split "
-             "(few tokens) and 64-row tiles (many tokens)",
-             quant_matmul.quant_matmul, quant_matmul.unsupported_reason,
+             "W4A16/W3A16 matmul: tensor-core GEMVs tc / tcs (W4), CUDA-core GEMVs gemv / stream, mma.sync "
+             "K-split (ksplit) and 128-row staged tiles (staged)",
              _names("quant_tc_gemv_kernel<{dt},{tile},{mode},{f32}>", dt=_DT, tile=(1, 2, 4), mode=(0, 1), f32=(0, 1))
              + _names("quant_tcs_kernel<{dt},{tile},{mode},{f32}>", dt=_DT, tile=(1, 2, 4), mode=(0, 1), f32=(0, 1))
-             + _names("quant_mma_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8), f32=(0, 1))
+             + _names("quant_mma_staged_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4, 8),
+                      f32=(0, 1))
              + _names("quant_mma_ksplit_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2), f32=(0, 1))
-             + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
+             + _names("quant_gemv_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))
+             + _names("quant_stream_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
     KernelOp("quant_matmul_rope_cache", quant_matmul.SOURCE,
              "the merged q/k/v W4 product (tc, up to 8 tokens) with RoPE on q/k and the KV-cache write fused into "
              "its epilogue (fp16/bf16 KV)",
-             quant_matmul.quant_matmul_rope_cache, quant_matmul.qkv_rope_unsupported_reason,
              _names("quant_tc_rope_kernel<{dt},{mode},{f32}>", dt=_DT, mode=(0, 1), f32=(0, 1))),
     KernelOp("quant_matmul_act_and_mul", quant_matmul.SOURCE,
              "the merged gate/up W4 product (tcs, up to 32 tokens) with SiLU / GeLU-tanh gate times up fused into "
              "its epilogue; K splits meet in a thread-block cluster on SM90+",
-             quant_matmul.quant_matmul_act_and_mul, quant_matmul.gate_up_act_unsupported_reason,
              _names("quant_tcs_act_kernel<{dt},{tile},{mode},{f32},{act}{splits}>", dt=_DT, tile=(1, 2, 4),
                     mode=(0, 1), f32=(0, 1), act=(0, 1), splits=("", ",1"))),  # K splits: global memory, a cluster
+    KernelOp("w4_gemm", w4_gemm.SOURCE,
+             "W4A16 GEMM on tensor cores reading the packed weight: wgmma with the weights unpacked in registers "
+             "(SM90), mma.sync (SM80+); 65-128-token MLP products",
+             w4_gemm.instantiations()),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
-             dequantize.dequantize, dequantize.unsupported_reason,
              _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3), mode=(0, 1), f32=(0, 1))),
     KernelOp("paged_decode_attention", paged_attention.SOURCE,
              "paged GQA decode attention over the block table: split-K + reduce, or one 8-warp CTA a sequence "
              "and KV head (many sequences, bounds up to 1024), or a cluster of 4 such CTAs (few sequences, SM90+); "
              "fp16/bf16/int8 KV",
-             paged_attention.paged_decode_attention, paged_attention.unsupported_reason,
              _names("paged_decode_kernel<{dt},{d},{int8},{pipe}{path}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
                     pipe=(0, 1), path=_ATTENTION_PATHS)
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
@@ -73,17 +79,13 @@ _OPS = (
              "paged GQA attention of prefill tiles (consecutive tokens of one sequence, each with its causal "
              "prefix): one 4-warp CTA a tile, KV head and key split, K/V tiles staged in shared memory once for "
              "all its tokens, splits combined by a reduce; fp16/bf16 KV",
-             paged_attention.paged_prefill_attention, paged_attention.prefill_unsupported_reason,
              _names("paged_prefill_kernel<{dt},{d}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS)
              + _names("paged_prefill_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
-             rms_norm.rms_norm, rms_norm.unsupported_reason,
              _names("rms_norm_kernel<{dt},{res},{offset}>", dt=_DT, res=(0, 1), offset=(0, 1))),
     KernelOp("rope_cache_write", rope_cache.SOURCE, "RoPE on q/k + paged KV-cache write (fp16/bf16/int8)",
-             rope_cache.rope_and_cache_write, rope_cache.unsupported_reason,
              _names("rope_cache_kernel<{dt},{int8},{rope}>", dt=_DT, int8=(0, 1), rope=(0, 1))),
     KernelOp("act_and_mul", act_and_mul.SOURCE, "SiLU / GeLU-tanh gate times up",
-             act_and_mul.act_and_mul, act_and_mul.unsupported_reason,
              _names("act_and_mul_kernel<{dt},{act}>", dt=_DT, act=(0, 1))),
 )
 OPS: dict[str, KernelOp] = {op.name: op for op in _OPS}

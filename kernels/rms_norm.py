@@ -11,13 +11,14 @@ SOURCE = "rms_norm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 
 
-def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    if x.dtype not in _DTYPE_CODES:
-        return f"dtype {x.dtype} (kernel takes float16/bfloat16)"
-    if weight.dtype != x.dtype:
-        return f"weight dtype {weight.dtype} differs from input {x.dtype}"
-    if x.shape[-1] % 8:
-        return f"hidden size {x.shape[-1]} is not a multiple of 8"
+def unsupported_reason(dtype: torch.dtype, weight_dtype: torch.dtype, hidden: int) -> str | None:
+    """Why the kernel cannot normalize rows of `hidden` `dtype` values with a `weight_dtype` weight (None: it can)."""
+    if dtype not in _DTYPE_CODES:
+        return f"dtype {dtype} (kernel takes float16/bfloat16)"
+    if weight_dtype != dtype:
+        return f"weight dtype {weight_dtype} differs from input {dtype}"
+    if hidden % 8:
+        return f"hidden size {hidden} is not a multiple of 8"
     return None
 
 

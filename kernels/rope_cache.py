@@ -12,15 +12,15 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 
 
-def unsupported_reason(key: torch.Tensor, key_cache: torch.Tensor) -> str | None:
-    if key.dtype not in _DTYPE_CODES:
-        return f"dtype {key.dtype} (kernel takes float16/bfloat16)"
-    if key_cache.dtype not in (key.dtype, torch.int8):
-        return f"KV cache dtype {key_cache.dtype} with activations {key.dtype}"
-    head_dim = key.shape[-1]
+def unsupported_reason(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> str | None:
+    """Why the kernel cannot rotate and cache `dtype` keys of `head_dim` into a `kv_dtype` cache of `block_size`
+    blocks (None when it can)."""
+    if dtype not in _DTYPE_CODES:
+        return f"dtype {dtype} (kernel takes float16/bfloat16)"
+    if kv_dtype not in (dtype, torch.int8):
+        return f"KV cache dtype {kv_dtype} with activations {dtype}"
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (kernel needs an even head_dim of at most {MAX_HEAD_DIM})"
-    block_size = key_cache.shape[2]
     if block_size & (block_size - 1):
         return f"block_size {block_size} is not a power of two"
     return None

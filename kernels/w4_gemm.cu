@@ -660,18 +660,16 @@ __device__ __forceinline__ void gemm_body(const u16* __restrict__ x, const u32* 
   store_tile<DT, L>(acc, smem, bias, out, row0, tok0, M, N);
 }
 
-#define W4_GEMM_PARAMS                                                                                          \
-  const u16 *__restrict__ x,        /* [M, K] activations, DT */                                                \
-      const u32 *__restrict__ qweight, /* [N, K / 8] packed codes */                                            \
-      const uint2 *__restrict__ sz,    /* [ceil(N / 16), num_groups, 8] (scale pair, zero pair), DT */          \
-      const u16 *__restrict__ bias,    /* [N] DT, or null */                                                    \
-      u16 *__restrict__ out,           /* [M, N] DT */                                                          \
-      float *__restrict__ partials,    /* split-K sums: [tiles, splits, REGS, THREADS] fp32 */                  \
-      u32 *__restrict__ counters,      /* [tiles], zero between launches */                                     \
-      int M, int N, int K, int group_size, int group_shift, int slot_shift, int num_groups
-
 template <int DT, int ZMODE, int WARPS, int RW, int TT, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) w4_gemm_kernel(W4_GEMM_PARAMS) {
+__global__ void __launch_bounds__(WARPS * 32) w4_gemm_kernel(
+    const u16* __restrict__ x,        // [M, K] activations, DT
+    const u32* __restrict__ qweight,  // [N, K / 8] packed codes
+    const uint2* __restrict__ sz,     // [ceil(N / 16), num_groups, 8] (scale pair, zero pair), DT
+    const u16* __restrict__ bias,     // [N] DT, or null
+    u16* __restrict__ out,            // [M, N] DT
+    float* __restrict__ partials,     // split-K sums: [tiles, splits, REGS, THREADS] fp32
+    u32* __restrict__ counters,       // [tiles], zero between launches
+    int M, int N, int K, int group_size, int group_shift, int slot_shift, int num_groups) {
   using L = MmaTile<WARPS, RW, TT>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last_flag;
@@ -682,7 +680,15 @@ __global__ void __launch_bounds__(WARPS * 32) w4_gemm_kernel(W4_GEMM_PARAMS) {
 }
 
 template <int DT, int ZMODE, int WG, int MT, int NTOK, int STAGES>
-__global__ void __launch_bounds__(WG * 128) w4_gemm_wgmma_kernel(W4_GEMM_PARAMS) {
+__global__ void __launch_bounds__(WG * 128) w4_gemm_wgmma_kernel(
+    const u16* __restrict__ x,        // [M, K] activations, DT
+    const u32* __restrict__ qweight,  // [N, K / 8] packed codes
+    const uint2* __restrict__ sz,     // [ceil(N / 16), num_groups, 8] (scale pair, zero pair), DT
+    const u16* __restrict__ bias,     // [N] DT, or null
+    u16* __restrict__ out,            // [M, N] DT
+    float* __restrict__ partials,     // split-K sums: [tiles, splits, REGS, THREADS] fp32
+    u32* __restrict__ counters,       // [tiles], zero between launches
+    int M, int N, int K, int group_size, int group_shift, int slot_shift, int num_groups) {
   using L = WgmmaTile<WG, MT, NTOK>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ int last_flag;
@@ -693,4 +699,3 @@ __global__ void __launch_bounds__(WG * 128) w4_gemm_wgmma_kernel(W4_GEMM_PARAMS)
   gemm_body<DT, ZMODE, L, STAGES, true>(x, qweight, sz, bias, out, partials, counters, M, N, K, group_size,
                                         group_shift, slot_shift, num_groups, smem, &last_flag, acc);
 }
-#undef W4_GEMM_PARAMS

@@ -196,16 +196,28 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 _configured: set[tuple[str, int]] = set()
 
 
+def _allow_shared_memory(fn, shared_bytes: int, device_index: int) -> None:
+    """Beyond 48 KiB a kernel must ask for its dynamic shared memory (once per kernel and device)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        fn.max_dynamic_shared_size_bytes = shared_bytes
+
+
 def _kernel(config: TileConfig | WgmmaConfig, dt: int, zmode: int, device_index: int):
     name = config.name(dt, zmode)
     fn = get_kernel(SOURCE, name, device_index)
-    if (name, device_index) not in _configured:  # beyond 48 KiB a kernel must ask for its shared memory
-        import cupy
-
-        with cupy.cuda.Device(device_index):
-            fn.max_dynamic_shared_size_bytes = config.shared_bytes
+    if (name, device_index) not in _configured:
+        _allow_shared_memory(fn, config.shared_bytes, device_index)
         _configured.add((name, device_index))
     return fn
+
+
+def instantiations() -> tuple[str, ...]:
+    """The launch shapes `plan` picks, for both dtypes and zero modes (compiled ahead by validate-kernels)."""
+    shapes = [WgmmaConfig(2, 1, n, 4) for n in (16, 32, 64)]
+    shapes += [TileConfig(4, 2, tt, stages) for tt in (1, 2, 4, 8) for stages in (4, 3)]
+    return tuple(shape.name(dt, zmode) for shape in shapes for dt in (0, 1) for zmode in (0, 1))
 
 
 def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, zmode: int, group_size: int,

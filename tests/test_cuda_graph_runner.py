@@ -85,12 +85,12 @@ def test_static_buffers_hold_the_replay_inputs_with_padding_on_the_dummy_block()
 
 
 def test_tiled_buckets_stage_decodes_first_then_prefill_tiles_and_padding_tiles(monkeypatch):
-    """Above max_num_seqs tokens (with the prefill kernel's tile size, from MIN_TILED_TOKENS, here 16): decodes
+    """Above max_num_seqs tokens (with the prefill kernel's tile size, from the table's MIN_TILED_TOKENS, here 16): decodes
     take the first rows, chunks of several tokens and the padding rows are cut into tiles, and the decode kernel's
     lengths are 0 on tile rows."""
-    from deepinfer.core.engine import cuda_graphs
+    from deepinfer.core.ops import paged_attention_table
 
-    monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 16)
+    monkeypatch.setattr(paged_attention_table, "MIN_TILED_TOKENS", 16)
     buffers = StaticStepBuffers(max_tokens=32, max_rows=4, max_model_len=64, block_size=4, dummy_block=99,
                                 device=torch.device("cpu"), tile_tokens=4)
     long_prompt = Request("p", list(range(100, 109)), SamplingParams(max_tokens=4))
@@ -279,13 +279,12 @@ def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir,
     tokens and logprobs still equal the unpadded engine's. On the CPU the torch backend attends per token and
     ignores the tiles; the GPU tests run them."""
     from deepinfer.core.engine import startup
+    from deepinfer.core.ops import paged_attention_table
 
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)
     settings = {"num_gpu_blocks": 64, "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
-    from deepinfer.core.engine import cuda_graphs
-
     monkeypatch.setattr(startup, "prefill_tile_tokens", lambda *args: 4)
-    monkeypatch.setattr(cuda_graphs, "MIN_TILED_TOKENS", 8)
+    monkeypatch.setattr(paged_attention_table, "MIN_TILED_TOKENS", 8)
     padded = LLMEngine(EngineConfig(**settings), loaded_model=loaded, decode_mode="padded")
     assert padded.step_runner.buffers.tile_tokens == 4
     eager = LLMEngine(EngineConfig(**settings), loaded_model=loaded)

@@ -82,23 +82,27 @@ def test_get_kernel_compiles_once_then_skips_hashing(monkeypatch):
 def test_decide_runs_the_checks_once_per_key_and_env_setting(monkeypatch):
     calls = []
 
-    def reason():
-        calls.append(1)
+    def reason(case, calls=calls):  # a check reads only its case (decide refuses closures)
+        calls.append(case)
         return "not served"
 
+    cpu = (torch.device("cpu"),)
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    for _ in range(5):
+        assert not dispatch.decide("op", (cpu, 1), reason)
+    assert calls == [(cpu, 1)]
+    assert not dispatch.decide("op", (cpu, 2), reason)  # another case: checked again
+    assert len(calls) == 2
+    monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")  # the env setting is part of the key
+    assert not dispatch.decide("op", (cpu, 1), reason)
+    assert len(calls) == 3
+    assert dispatch.decide("op2", (cpu, 1), lambda case: None)
+    weight = torch.zeros(2, requires_grad=True)
+    assert not dispatch.decide("op2", (cpu, 1), lambda case: None, (weight,))  # autograd records it: reference
     with torch.no_grad():
-        for _ in range(5):
-            assert not dispatch.decide("op", ("k", 1), reason)
-        assert len(calls) == 1
-        assert not dispatch.decide("op", ("k", 2), reason)  # another signature: checked again
-        assert len(calls) == 2
-        monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")  # the env setting is part of the key
-        assert not dispatch.decide("op", ("k", 1), reason)
-        assert len(calls) == 3
-        assert dispatch.decide("op2", ("k", 1), lambda: None)
-    assert not dispatch.decide("op", ("k", 1), reason)  # autograd on: never cached
-    assert not dispatch.decide("op", ("k", 1), reason)
-    assert len(calls) == 5
+        assert dispatch.decide("op2", (cpu, 1), lambda case: None, (weight,))
+    assert len(calls) == 3
+    assert dispatch.logged_paths()["op2"] == ["kernel", dispatch.AUTOGRAD_REASON]
 
 
 def test_cached_decisions_still_follow_the_env_switch(caplog):
@@ -107,11 +111,11 @@ def test_cached_decisions_still_follow_the_env_switch(caplog):
     x, weight = torch.randn(3, 16), torch.randn(16)
     with torch.no_grad():
         rms_norm(x, weight, 1e-6)
-        assert ("rms_norm", "tensors are not on a CUDA device") in dispatch._logged
+        assert "tensors are not on a CUDA device" in dispatch.logged_paths()["rms_norm"]
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
             rms_norm(x, weight, 1e-6)
-        assert ("rms_norm", f"{dispatch.FORCE_REFERENCE_ENV}=1") in dispatch._logged
+        assert f"{dispatch.FORCE_REFERENCE_ENV}=1" in dispatch.logged_paths()["rms_norm"]
 
 
 def test_quant_linear_reuses_its_packed_weight_until_a_buffer_changes():

@@ -38,7 +38,7 @@ def test_public_api_and_version_from_outside_the_source_tree(tmp_path):
     assert params_module == "deepinfer.core.engine.sampling_params"
 
 
-@pytest.mark.parametrize("name", ["core", "kernels", "deepinfer_cli"])
+@pytest.mark.parametrize("name", ["core", "kernels", "deepinfer_cli", "validate"])
 def test_folder_names_are_not_importable_at_top_level(tmp_path, name):
     # tmp_path as the working directory keeps the repository itself off sys.path
     result = _run_python(f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)",
@@ -61,5 +61,5 @@ def test_wheel_holds_only_the_deepinfer_package(tmp_path):
     assert top_level == {"deepinfer"}
     for expected in ("deepinfer/__init__.py", "deepinfer/core/llm.py", "deepinfer/cli/main.py",
                      "deepinfer/kernels/quant_matmul.cu", "deepinfer/kernels/common.cuh",
-                     "deepinfer/configs/shapes/qwen2.5-3b.json"):
+                     "deepinfer/configs/shapes/qwen2.5-3b.json", "deepinfer/validate/run.py"):
         assert expected in names

@@ -53,7 +53,7 @@ def test_force_reference_env_is_the_reason(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="deepinfer.ops")
     monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
     assert dispatch.force_reference()
-    assert dispatch.kernel_blocker(torch.randn(2)) == "DEEPINFER_FORCE_REFERENCE=1"
+    assert dispatch.kernel_blocker((torch.device("cpu"),)) == "DEEPINFER_FORCE_REFERENCE=1"
     rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6)
     assert _messages(caplog) == ["rms_norm: torch reference (DEEPINFER_FORCE_REFERENCE=1)"]
     monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "0")
@@ -251,7 +251,6 @@ def test_split_and_tile_choices(monkeypatch):
     assert paged_attention.split_plan(1, 16, 2, 1 << 22, resident)[0] == paged_attention.MAX_SPLITS
     # 2048 single-token queries (a graphed prefill step) at a 4096 bound: 16 waves, not 41
     assert paged_attention.split_plan(2048, 16, 2, 4096, resident) == (6, 688)
-    assert [kq.default_tile("mma", m) for m in (1, 8, 9, 16, 17, 33, 500)] == [1, 1, 2, 2, 4, 8, 8]
     assert [kq.default_tile("ksplit", m) for m in (1, 8, 9, 16, 17)] == [1, 1, 2, 2, 2]
     assert [kq.default_tile("gemv", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
     assert [kq.default_tile("stream", m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
@@ -274,25 +273,50 @@ def test_an_explicit_tc_kernel_refuses_weights_it_cannot_take():
 
 
 def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shape():
-    from deepinfer.core.ops.quant_matmul import uses_dense
-    from deepinfer.kernels import quant_matmul as kq
+    from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
 
-    # (tokens, in, out) -> path, as bench gemv and the decode-step profile measured it on an H200 (Qwen2.5-3B's
-    # merged shapes, W4 G128)
+    # (tokens, in, out) -> path, as bench gemv, the W4 GEMM sweep and the decode-step profile measured it on an
+    # H200 (Qwen2.5-3B's merged shapes, W4 G128)
     expected = {(1, 2048, 2560): "tc", (1, 2048, 22016): "tcs", (1, 11008, 2048): "tc", (2, 2048, 2560): "tc",
                 (4, 2048, 22016): "tcs", (8, 2048, 2048): "tc", (9, 2048, 2048): "ksplit",
                 (16, 2048, 22016): "tcs", (16, 11008, 2048): "tc", (24, 2048, 2560): "ksplit",
                 (32, 11008, 2048): "tc", (32, 2048, 22016): "tcs", (48, 2048, 22016): "staged",
-                (33, 2048, 2560): "dense", (48, 11008, 2048): "dense", (65, 2048, 22016): "dense",
+                (33, 2048, 2560): "dense", (48, 11008, 2048): "dense", (65, 2048, 22016): "w4_gemm",
+                (128, 11008, 2048): "w4_gemm", (129, 2048, 22016): "dense", (100, 2048, 2560): "dense",
                 (2048, 2048, 2048): "dense"}
     for (tokens, k, n), path in expected.items():
-        got = "dense" if uses_dense(tokens, k, n) else kq.pick_kernel(tokens, k, n)
-        assert got == path, (tokens, k, n)
+        assert product_row(ProductShape(tokens, k, n, 4, 128)).kernel == path, (tokens, k, n)
     # weights the tc kernel does not take keep the CUDA-core and mma kernels
     untaken = {(1, 2048, 2560, 3, 128): "gemv", (1, 11008, 2048, 3, 128): "stream", (8, 2048, 2048, 3, 128): "ksplit",
-               (1, 11008, 1000, 4, 128): "stream", (4, 2000, 2048, 4, 32): "ksplit", (24, 11008, 2048, 4, 96): "ksplit"}
+               (1, 11008, 1000, 4, 128): "stream", (4, 2016, 2048, 4, 32): "ksplit", (24, 11008, 2048, 4, 96): "ksplit",
+               (24, 2048, 11008, 3, 128): "staged", (64, 2048, 11008, 3, 128): "staged",
+               (100, 2048, 11008, 3, 128): "dense"}
     for (tokens, k, n, bits, group), path in untaken.items():
-        assert kq.pick_kernel(tokens, k, n, bits, group) == path, (tokens, k, n, bits, group)
+        assert product_row(ProductShape(tokens, k, n, bits, group)).kernel == path, (tokens, k, n, bits, group)
+
+
+def test_a_product_tables_row_serves_the_shapes_it_names_and_launches_its_kernel(monkeypatch):
+    """A row added before the others takes the shapes it serves, through its own launcher, and only those: the
+    table is the one place a product's kernel is chosen."""
+    from deepinfer.core.ops import quant_matmul_table as table
+    from deepinfer.core.ops.quant_matmul import quant_matmul
+
+    launched = []
+    row = table.ProductRow("w4_gemm", lambda s: 9 <= s.tokens <= 256 and s.bits == 4,
+                           lambda rows, packed: launched.append(rows.shape[0]) or rows.new_zeros(rows.shape[0], 48),
+                           "a test row")
+    monkeypatch.setattr(table, "PRODUCT_TABLE", (row, *table.PRODUCT_TABLE))
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    table.product_row.cache_clear()
+    try:
+        assert [table.product_row(table.ProductShape(m, 2048, 2048, 4, 128)).kernel for m in (8, 9, 256, 257)] == [
+            "tc", "w4_gemm", "w4_gemm", "dense"]
+        packed = quantize_rtn(torch.randn(48, 64), bits=4, group_size=32)
+        with torch.no_grad():
+            out = quant_matmul(torch.randn(2, 6, 64, dtype=torch.float16), packed)  # 12 tokens
+        assert launched == [12] and out.shape == (2, 6, 48)
+    finally:
+        table.product_row.cache_clear()
 
 
 def _kernel_parameters(source: str, template: str) -> list[str]:
@@ -312,7 +336,8 @@ _ARG_KIND = {np.uint64: "ptr", np.int32: "int", np.int64: "i64", np.float32: "fl
 
 
 def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
-    """Every launcher's argument list matches its kernel's C signature, in count and exact type."""
+    """Every launcher's argument list matches its kernel's C signature, in count and exact type; and every kernel
+    of the sources has a launcher (no kernel is left in a .cu file that nothing launches)."""
     from deepinfer.kernels import act_and_mul as ka
     from deepinfer.kernels import paged_attention as kp
     from deepinfer.kernels import quant_matmul as kq
@@ -339,13 +364,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                         kernel=kernel)
     monkeypatch.setattr(kp, "clusters_available", lambda index: True)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
-    for combined, clustered in ((False, None), (True, None), (None, True)):  # split (decode + reduce), combined, clustered
+    for path in kp.DECODE_PATHS:  # split (decode + reduce), combined, clustered
         kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache,
                                   torch.zeros(2, 20, dtype=torch.int32), torch.tensor([300, 5], dtype=torch.int32), 300,
-                                  0.125, combined=combined, clustered=clustered)
-    kq.weight_read_probe(packed.qweight, 4, 512)
-    kp.kv_read_probe(torch.randn(2, 8, 64, dtype=half), cache, cache, torch.zeros(2, 20, dtype=torch.int32),
-                     torch.tensor([300, 5], dtype=torch.int32), 300)
+                                  0.125, path=path, pipelined=True)
     for bound in (20, 4096):  # one key split; several, and their reduce
         kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), cache, cache,
                                    torch.zeros(20, 20, dtype=torch.int32), torch.arange(1, 21, dtype=torch.int32),
@@ -364,15 +386,36 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for cluster_splits in (False, True):  # two K splits: through global memory, or a cluster
         kq.quant_matmul_act_and_mul(torch.randn(3, 512, dtype=half), gate_up.qweight, gate_up.scales, gate_up.zeros,
                                     None, 128, "zero", gate_up.integer_zeros, "silu", cluster_splits=cluster_splits)
+    from deepinfer.kernels import dequantize as kd
+
+    monkeypatch.setattr(kd, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kd, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+    kd.dequantize(packed.qweight, packed.scales, packed.zeros, 4, 128, "zero", half)
+    from deepinfer.kernels import w4_gemm as kw
+
+    monkeypatch.setattr(kw, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kw, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
+                        launches.append((kernel, args)))
+    monkeypatch.setattr(kw, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
+    monkeypatch.setattr(kw, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kw, "_max_shared_bytes", lambda index: 232448)
+    monkeypatch.setattr(kw, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setattr(kw, "_split_workspace", lambda device, numel: torch.zeros(1))
+    sz, zmode = kw.gemm_scales(packed.scales, packed.zeros, "zero", half)
+    for wgmma in (False, True):
+        monkeypatch.setattr(kw, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
+        kw.w4_gemm(torch.randn(100, 512, dtype=half), packed.qweight, sz, zmode, 128, bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
-                     "quant_gemv_kernel",
-                     "quant_stream_kernel", "quant_mma_ksplit_kernel",
-                     "quant_mma_kernel", "quant_gemv_split_kernel",
-                     "quant_mma_staged_kernel", "paged_decode_kernel",
-                     "paged_reduce_kernel", "quant_read_probe_kernel", "paged_read_probe_kernel", "paged_prefill_kernel",
-                     "paged_prefill_reduce_kernel",
-                     "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel"}
+                     "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
+                     "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
+                     "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
+                     "w4_gemm_kernel", "w4_gemm_wgmma_kernel"}
+    from deepinfer.kernels.compiler import SOURCE_DIR, source_text
+
+    in_sources = {name for path in SOURCE_DIR.glob("*.cu") for name in
+                  re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", source_text(path.name))}
+    assert in_sources == names
     for (source, name), args in launches:
         assert [_ARG_KIND[type(arg)] for arg in args] == _kernel_parameters(source, name.split("<")[0]), name
 
@@ -380,42 +423,47 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
 def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     """Where the q/k/v product takes RoPE and the cache write into its epilogue: a W4 weight tc takes, heads that
     tile into rotation pairs, a cache in the activations' dtype, and the token counts tc serves up to one tile."""
+    from deepinfer.core.ops.quant_matmul_table import QKV_ROPE, ProductShape, epilogue_serves, product_row
     from deepinfer.kernels import quant_matmul as kq
 
-    bf16 = torch.bfloat16
-    qwen_3b = torch.zeros((16 + 2 * 2) * 128, 2048 // 8, dtype=torch.int32)  # Qwen2.5-3B's merged q/k/v
-    cache = torch.zeros(4, 2, 16, 128, dtype=bf16)
-    assert kq.qkv_rope_unsupported_reason(qwen_3b, 4, 128, 2048, 16, 2, 128, cache, bf16) is None
-    assert [kq.qkv_rope_takes(m, 2048, 2560) for m in (0, 1, 4, 8, 9, 32)] == [False, True, True, True, False, False]
-    assert "int8" in kq.qkv_rope_unsupported_reason(qwen_3b, 4, 128, 2048, 16, 2, 128, cache.to(torch.int8), bf16)
-    assert "3-bit" in kq.qkv_rope_unsupported_reason(qwen_3b, 3, 128, 2048, 16, 2, 128, cache, bf16)
-    assert "heads" in kq.qkv_rope_unsupported_reason(qwen_3b, 4, 128, 2048, 16, 4, 128, cache, bf16)
-    odd_heads = torch.zeros((8 + 2 * 4) * 72, 2048 // 8, dtype=torch.int32)  # 1152 rows: whole tc tiles
-    assert "head_dim 72" in kq.qkv_rope_unsupported_reason(odd_heads, 4, 128, 2048, 8, 4, 72, cache, bf16)
-    smollm = torch.zeros((9 + 2 * 3) * 64, 576 // 8, dtype=torch.int32)  # K = 576: not whole 128-code segments
-    assert "tc kernel" in kq.qkv_rope_unsupported_reason(smollm, 4, 64, 576, 9, 3, 64, cache, bf16)
+    bf16, int8 = torch.bfloat16, torch.int8
+    qwen_3b = (16 + 2 * 2) * 128  # Qwen2.5-3B's merged q/k/v outputs, K = 2048
+    assert kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, bf16, 16, bf16) is None
+    assert [epilogue_serves(QKV_ROPE, ProductShape(m, 2048, 2560, 4, 128)) for m in (0, 1, 4, 8, 9, 32)] == [
+        False, True, True, True, False, False]
+    assert "int8" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, int8, 16, bf16)
+    assert "3-bit" in kq.qkv_rope_unsupported_reason(3, 128, 2048, qwen_3b, 16, 2, 128, bf16, 16, bf16)
+    assert "heads" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 4, 128, bf16, 16, bf16)
+    assert "power of two" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, bf16, 24, bf16)
+    odd_heads = (8 + 2 * 4) * 72  # 1152 rows: whole tc tiles
+    assert "head_dim 72" in kq.qkv_rope_unsupported_reason(4, 128, 2048, odd_heads, 8, 4, 72, bf16, 16, bf16)
+    smollm = (9 + 2 * 3) * 64  # K = 576: not whole 128-code segments
+    assert "tc kernel" in kq.qkv_rope_unsupported_reason(4, 64, 576, smollm, 9, 3, 64, bf16, 16, bf16)
     # long-K weights (K >= 4096) go to tc at 9-32 tokens as well, but the fused kernel stops at one token tile
-    assert kq.pick_kernel(12, 4096, 6144) == "tc" and not kq.qkv_rope_takes(12, 4096, 6144)
+    assert product_row(ProductShape(12, 4096, 6144, 4, 128)).kernel == "tc"
+    assert not epilogue_serves(QKV_ROPE, ProductShape(12, 4096, 6144, 4, 128))
+    # a W3 weight: the plain product is not on tc, so the fusion never serves
+    assert not epilogue_serves(QKV_ROPE, ProductShape(1, 2048, 2560, 3, 128))
 
 
 def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
     """Where the gate/up product takes the activation into its epilogue: a W4 weight tcs takes (whole 16-row tiles
     in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-32)."""
+    from deepinfer.core.ops.quant_matmul_table import GATE_UP_ACT, ProductShape, epilogue_serves, product_row
     from deepinfer.kernels import quant_matmul as kq
 
-    qwen_3b = torch.zeros(2 * 11008, 2048 // 8, dtype=torch.int32)  # Qwen2.5-3B's merged gate/up
-    assert kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "silu") is None
-    assert kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "gelu_tanh") is None
-    assert [kq.gate_up_act_takes(m, 2048, 22016) for m in (0, 1, 8, 9, 32, 33)] == [False, True, True, True, True,
-                                                                                    False]
-    assert "activation 'gelu'" in kq.gate_up_act_unsupported_reason(qwen_3b, 4, 128, 2048, "gelu")
-    assert "3-bit" in kq.gate_up_act_unsupported_reason(qwen_3b, 3, 128, 2048, "silu")
-    halves = torch.zeros(1040, 2048 // 8, dtype=torch.int32)  # whole 16-row tiles, but halves of 520 rows
-    assert "two halves" in kq.gate_up_act_unsupported_reason(halves, 4, 128, 2048, "silu")
-    smollm = torch.zeros(2 * 1536, 576 // 8, dtype=torch.int32)  # K = 576: not whole 128-code segments
-    assert "tcs kernel" in kq.gate_up_act_unsupported_reason(smollm, 4, 64, 576, "silu")
+    qwen_3b = 2 * 11008  # Qwen2.5-3B's merged gate/up outputs, K = 2048
+    assert kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "silu") is None
+    assert kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "gelu_tanh") is None
+    assert [epilogue_serves(GATE_UP_ACT, ProductShape(m, 2048, 22016, 4, 128)) for m in (0, 1, 8, 9, 32, 33)] == [
+        False, True, True, True, True, False]
+    assert "activation 'gelu'" in kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "gelu")
+    assert "3-bit" in kq.gate_up_act_unsupported_reason(3, 128, 2048, qwen_3b, "silu")
+    assert "two halves" in kq.gate_up_act_unsupported_reason(4, 128, 2048, 1040, "silu")  # halves of 520 rows
+    assert "tcs kernel" in kq.gate_up_act_unsupported_reason(4, 64, 576, 2 * 1536, "silu")  # K = 576
     # a narrow merged MLP (2I < 3K) goes to tc, not tcs: the separate ops serve it
-    assert kq.pick_kernel(1, 4096, 4096) == "tc" and not kq.gate_up_act_takes(1, 4096, 4096)
+    assert product_row(ProductShape(1, 4096, 4096, 4, 128)).kernel == "tc"
+    assert not epilogue_serves(GATE_UP_ACT, ProductShape(1, 4096, 4096, 4, 128))
 
 
 @pytest.mark.parametrize("clusters", [True, False])
@@ -456,14 +504,13 @@ def test_gate_up_products_k_splits_meet_in_a_cluster_where_the_device_has_cluste
 def test_gate_up_act_and_mul_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):
     from deepinfer.core.ops import dispatch
     from deepinfer.core.ops.gate_up_activation import gate_up_act_and_mul
-    from deepinfer.core.quant.quant_linear import QuantLinear
 
     dispatch.reset_log()
     caplog.set_level(logging.INFO, logger="deepinfer.ops")
-    assert gate_up_act_and_mul(torch.randn(1, 512), torch.nn.Linear(512, 2 * 1024), "silu") is None
-    layer = QuantLinear(quantize_rtn(torch.randn(2 * 1024, 512), bits=4, group_size=128))
-    assert gate_up_act_and_mul(torch.randn(1, 512), layer, "silu") is None  # on the CPU
-    assert gate_up_act_and_mul(torch.randn(40, 512), layer, "silu") is None  # 40 tokens: not tcs, nothing logged
+    assert gate_up_act_and_mul(torch.randn(1, 512), None, "silu") is None  # an unquantized projection
+    packed = quantize_rtn(torch.randn(2 * 1024, 512), bits=4, group_size=128)
+    assert gate_up_act_and_mul(torch.randn(1, 512), packed, "silu") is None  # on the CPU
+    assert gate_up_act_and_mul(torch.randn(40, 512), packed, "silu") is None  # 40 tokens: not tcs, nothing logged
     messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
     assert messages == ["quant_matmul_act_and_mul: separate ops (tensors are not on a CUDA device)"]
 
@@ -471,18 +518,37 @@ def test_gate_up_act_and_mul_leaves_cpu_and_unquantized_layers_to_the_unfused_op
 def test_qkv_rotary_and_cache_write_leaves_cpu_and_unquantized_layers_to_the_unfused_ops(caplog):
     from deepinfer.core.ops import dispatch
     from deepinfer.core.ops.qkv_rotary import qkv_rotary_and_cache_write
-    from deepinfer.core.quant.quant_linear import QuantLinear
 
     dispatch.reset_log()
     caplog.set_level(logging.INFO, logger="deepinfer.ops")
 
     cache = torch.zeros(4, 2, 16, 128)
     cos = sin = torch.zeros(1, 64)
-    dense = torch.nn.Linear(512, (4 + 2 * 2) * 128)
-    assert qkv_rotary_and_cache_write(torch.randn(1, 512), dense, 4, 2, 128, cos, sin, cache, cache,
-                                      torch.tensor([3])) is None
-    layer = QuantLinear(quantize_rtn(torch.randn((4 + 2 * 2) * 128, 512), bits=4, group_size=128))
-    assert qkv_rotary_and_cache_write(torch.randn(1, 512), layer, 4, 2, 128, cos, sin, cache, cache,
+    assert qkv_rotary_and_cache_write(torch.randn(1, 512), None, 4, 2, 128, cos, sin, cache, cache,
+                                      torch.tensor([3])) is None  # an unquantized projection
+    packed = quantize_rtn(torch.randn((4 + 2 * 2) * 128, 512), bits=4, group_size=128)
+    assert qkv_rotary_and_cache_write(torch.randn(1, 512), packed, 4, 2, 128, cos, sin, cache, cache,
                                       torch.tensor([3])) is None  # on the CPU
     messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
     assert messages == ["quant_matmul_rope_cache: separate ops (tensors are not on a CUDA device)"]
+
+
+def test_dispatch_decisions_are_keyed_by_everything_their_checks_read(monkeypatch):
+    """A check sees only its op's case (a NamedTuple built from the tensors), so two calls that differ in anything
+    the check reads have different cases: an unaligned gate after an aligned one of the same shape is not served
+    from the aligned one's cached decision; and a check that closes over a tensor is refused outright."""
+    from deepinfer.core.ops.activation import ActCase, act_and_mul
+    from deepinfer.kernels import act_and_mul as ka
+
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    served = []
+    monkeypatch.setattr(ka, "act_and_mul", lambda gate, up, activation: served.append(True) or gate)
+    gate, up = torch.zeros(3, 64, dtype=torch.float16), torch.zeros(3, 64, dtype=torch.float16)
+    unaligned = torch.zeros(3 * 64 + 8, dtype=torch.float16)[1:1 + 3 * 64].view(3, 64)
+    with torch.no_grad():
+        act_and_mul(gate, up, "silu")
+        act_and_mul(unaligned, up, "silu")
+    assert served == [True]
+    assert ActCase.of(gate, up, "silu") != ActCase.of(unaligned, up, "silu")
+    with pytest.raises(TypeError, match="reads only its case"):
+        dispatch.decide("some_op", ActCase.of(gate, up, "silu"), lambda case: None if gate.dim() == 2 else "no")

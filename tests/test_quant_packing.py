@@ -170,7 +170,8 @@ def test_quant_linear_matches_dequantized_matmul_and_keeps_scale_dtype():
 @pytest.mark.parametrize("zero_mode", ["zero", "min"])
 def test_eight_bit_quant_linear_runs_the_reference(zero_mode):
     """The CUDA kernels take 3 and 4 bits only: an 8-bit layer is dequantized and multiplied in torch."""
-    from deepinfer.kernels import registry
+    from deepinfer.kernels import dequantize as kd
+    from deepinfer.kernels import quant_matmul as kq
 
     gen = torch.Generator().manual_seed(11)
     codes = torch.randint(0, 256, (24, 128), generator=gen)
@@ -184,11 +185,8 @@ def test_eight_bit_quant_linear_runs_the_reference(zero_mode):
     x = torch.randn(3, 128, generator=gen)
     torch.testing.assert_close(layer(x), x @ weight.T + bias)
     assert layer.packed.qweight.shape == (24, 32)
-    half = torch.zeros(1, 128, dtype=torch.float16)
-    assert registry.get("quant_matmul").unsupported_reason(half, layer.qweight, layer.scales, layer.zeros, 8, 32) \
-        == "8-bit weights"
-    assert registry.get("dequantize").unsupported_reason(torch.float16, layer.qweight, layer.scales, layer.zeros,
-                                                         8, 32) == "8-bit weights"
+    weight = kq.packed_operands(layer.qweight, layer.scales, layer.zeros, 8, 32)
+    assert kq.unsupported_reason(torch.float16, weight) == kd.unsupported_reason(torch.float16, weight) == "8-bit weights"
 
 
 def test_quantize_projections_swaps_only_projections(tiny_models):

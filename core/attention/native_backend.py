@@ -17,8 +17,11 @@ import torch
 
 from deepinfer.core.attention.metadata import AttentionMetadata
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
-from deepinfer.core.ops import dispatch
-from deepinfer.core.ops.paged_attention import paged_decode_attention, paged_prefill_attention
+from deepinfer.core.ops.paged_attention import (
+    decode_kernel_serves,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from deepinfer.core.ops.rotary import write_kv_cache
 
 
@@ -38,7 +41,7 @@ class NativePagedAttention:
         kv_written: the step's K/V are already in the cache at slot_mapping (key/value are then unused)."""
         num_decodes = attn_metadata.num_decodes
         key_cache, value_cache = kv_cache.key_caches[layer_idx], kv_cache.value_caches[layer_idx]
-        if num_decodes == 0 or not self._kernel_serves(query, key_cache, kv_cache.num_kv_heads):
+        if num_decodes == 0 or not decode_kernel_serves(query, key_cache):
             return self._reference.forward(layer_idx, query, key, value, attn_metadata, kv_cache, scale,
                                            sliding_window, softcap, kv_written)
         key_scales = kv_cache.key_scales[layer_idx] if kv_cache.quantized else None
@@ -63,16 +66,6 @@ class NativePagedAttention:
                 layer_idx, query[num_decodes:], key[num_decodes:], value[num_decodes:],
                 self._prefills_of(attn_metadata), kv_cache, scale, sliding_window, softcap, kv_written)
         return out
-
-    @staticmethod
-    def _kernel_serves(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> bool:
-        from deepinfer.kernels import registry
-
-        op = registry.get("paged_decode_attention")
-        key = (query.device, query.dtype, query.shape[1:], key_cache.device, key_cache.dtype, key_cache.shape[1:],
-               num_kv_heads)
-        return dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(query, key_cache)
-                               or op.unsupported_reason(query, key_cache, num_kv_heads))
 
     def _prefills_of(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata restricted to its prefill requests; built once per step, shared by all layers."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.core.bench.kernel_checks import random_paged_kv
+from deepinfer.core.bench.paged_kv import random_paged_kv
 
 SHAPES = ((2048, 2048), (2048, 11008), (11008, 2048), (4096, 4096), (4096, 14336), (14336, 4096),
           (8192, 8192))  # (K in, N out)
@@ -26,12 +26,11 @@ ATTENTION_BATCHES = (1, 4, 16, 64)
 ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
 ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
-# (kernel, most tokens it is timed at): the tc and tcs kernels (W4 weights they take) up to 32, the CUDA-core kernels for a few tokens, ksplit up to 32, the staged
-# tensor-core kernel up to 64 (the decode batches), the 64-row mma kernel and the dense path always
-KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("split", 4), ("ksplit", 32), ("staged", 64),
-                     ("mma", 1 << 30), ("dense", 1 << 30))
+# (kernel, most tokens it is timed at): the tc and tcs kernels (W4 weights they take) up to 32, the CUDA-core
+# kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the dense path always
+KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("ksplit", 32), ("staged", 64),
+                     ("dense", 1 << 30))
 DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
-SPLIT_SWEEP_TOKENS = 1  # the split kernel is also timed at every K-part count it can take at this token count
 
 
 def _events_ms(fn: Callable[[], None], count: int) -> float:
@@ -85,43 +84,22 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
     }
 
 
-def quant_points(num_tokens: int, in_features: int, planned_ksplit: int, tc_takes: bool = True,
-                 sweep_split: bool = True) -> list[tuple[str, int | None]]:
-    """(kernel, K-parts or None) of each point timed at one token count: every kernel of KERNEL_MAX_TOKENS
-    that serves it (tc where `tc_takes`); the split kernel with its planned K-parts, and at SPLIT_SWEEP_TOKENS
-    with each count K allows when `sweep_split`."""
-    from deepinfer.kernels.quant_matmul import SPLIT_PARTS
-
-    points = []
-    for kernel, most in KERNEL_MAX_TOKENS:
-        if num_tokens > most or (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS) or (kernel in ("tc", "tcs") and not tc_takes):
-            continue
-        if kernel != "split":
-            points.append((kernel, None))
-        elif num_tokens == SPLIT_SWEEP_TOKENS and sweep_split:
-            points += [(kernel, parts) for parts in SPLIT_PARTS if parts == 1 or 32 * parts <= in_features // 32]
-        else:
-            points.append((kernel, planned_ksplit))
-    return points
+def quant_points(num_tokens: int, tc_takes: bool = True) -> list[str]:
+    """The kernels timed at one token count: every kernel of KERNEL_MAX_TOKENS that serves it (tc and tcs where
+    `tc_takes`, the dense path from DENSE_FROM_TOKENS)."""
+    return [kernel for kernel, most in KERNEL_MAX_TOKENS
+            if num_tokens <= most and not (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS)
+            and not (kernel in ("tc", "tcs") and not tc_takes)]
 
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
-                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5,
-                       sweep_split: bool = False) -> list[dict]:
-    """Every kernel that suits each token count (KERNEL_MAX_TOKENS), the split kernel with the K-parts its
-    plan picks (and, with `sweep_split`, at SPLIT_SWEEP_TOKENS with every count it can take: measured once,
-    results/bench_gemv_split_w4_nvidia_h200.json, and not dispatched); a point whose launch fails is
-    recorded with its error instead of a time."""
-    from deepinfer.core.ops.quant_matmul import uses_dense
-    from deepinfer.kernels.quant_matmul import (
-        default_tile,
-        pick_kernel,
-        quant_matmul,
-        split_ksplit,
-        tc_reason,
-    )
+                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
+    """Every kernel that suits each token count (KERNEL_MAX_TOKENS), each point marked `auto` where it is the
+    kernel dispatch's table picks (core/ops/quant_matmul_table.py); a point whose launch fails is recorded with
+    its error instead of a time."""
+    from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
+    from deepinfer.kernels.quant_matmul import default_tile, quant_matmul, tc_reason
 
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     records = []
     for in_features, out_features in shapes:
         for bits in bits_list:
@@ -131,14 +109,12 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
             for num_tokens in batches:
                 x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
-                planned = split_ksplit(out_features, in_features, num_sms)
                 tc_takes = tc_reason(bits, in_features, out_features, group_size) is None
-                for kernel, ksplit in quant_points(num_tokens, in_features, planned, tc_takes, sweep_split=sweep_split):
-                    launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel, ksplit)
+                chosen = product_row(ProductShape(num_tokens, in_features, out_features, bits, group_size)).kernel
+                for kernel in quant_points(num_tokens, tc_takes):
+                    launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
                     point = {"in_features": in_features, "out_features": out_features, "bits": bits,
                              "tokens": num_tokens, "kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
-                    if ksplit is not None:
-                        point |= {"ksplit": ksplit, "ksplit_planned": ksplit == planned}
                     try:
                         mean_us, std_us = time_graph(launch_all, copies, repeats, device)
                     except Exception as err:  # noqa: BLE001 - one broken kernel must not end the sweep
@@ -149,9 +125,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
                     records.append(point | {
                         "group_size": group_size,
                         "tile": 0 if kernel == "dense" else default_tile(kernel, num_tokens),
-                        "auto": kernel == ("dense" if uses_dense(num_tokens, in_features, out_features)
-                                           else pick_kernel(num_tokens, in_features, out_features, bits,
-                                                            group_size)),
+                        "auto": kernel == chosen,
                         "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
                         "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -160,7 +134,7 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
 
 
 def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: list[torch.Tensor], bits: int,
-                    group_size: int, kernel: str, splits: int | None = None) -> Callable[[], None]:
+                    group_size: int, kernel: str) -> Callable[[], None]:
     if kernel == "dense":
         from deepinfer.kernels.dequantize import dequantize
 
@@ -174,7 +148,7 @@ def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: li
     def launch_all() -> None:
         for weight, out in zip(weights, outs):
             quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
-                         kernel=kernel, splits=splits, out=out, integer_zeros=True)
+                         kernel=kernel, out=out, integer_zeros=True)
     return launch_all
 
 
@@ -196,14 +170,14 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
                           torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None) -> list[dict]:
-    from deepinfer.kernels.paged_attention import (
-        PIPELINED_BY_DEFAULT,
-        decode_path,
-        paged_decode_attention,
-        plan_for,
-    )
+    """Decode attention on the path dispatch picks for each batch and context (core/ops/paged_attention_table.py),
+    with the pipelined loads or (`pipelined`) the other variant."""
+    from deepinfer.core.ops import paged_attention_table
+    from deepinfer.core.ops.paged_attention import decode_path
+    from deepinfer.kernels.paged_attention import AttentionOperands, paged_decode_attention, plan_for
 
-    pipelined = PIPELINED_BY_DEFAULT if pipelined is None else pipelined
+    pipelined = paged_attention_table.PIPELINED if pipelined is None else pipelined
+    operands = AttentionOperands(dtype, heads, kv_heads, head_dim, torch.int8 if int8 else dtype, block_size)
 
     records = []
     element = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
@@ -219,21 +193,23 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
             outs = [torch.empty_like(query) for _ in range(copies)]
             table_sets = [tables[i * num_seqs:(i + 1) * num_seqs] for i in range(copies)]
             scale = head_dim**-0.5
+            path = decode_path(num_seqs, operands, context, device.index)
 
             def launch_all(caches=(k_cache, v_cache, k_scales, v_scales), query=query, seq_lens=seq_lens, outs=outs,
-                           table_sets=table_sets, context=context, scale=scale):
+                           table_sets=table_sets, context=context, scale=scale, path=path):
                 for table, out in zip(table_sets, outs):
                     paged_decode_attention(query, caches[0], caches[1], table, seq_lens, context, scale,
-                                           key_scales=caches[2], value_scales=caches[3], out=out, pipelined=pipelined)
+                                           key_scales=caches[2], value_scales=caches[3], out=out, path=path,
+                                           pipelined=pipelined)
 
             mean_us, std_us = time_graph(launch_all, copies, repeats, device)
             moved = kv_bytes + 2 * query.nbytes
-            splits, per_split = plan_for(query, k_cache, context, pipelined=pipelined)
+            splits, per_split = plan_for(query, k_cache, context, path, pipelined)
             record = {
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                 "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",
-                "pipelined": pipelined, "default_variant": pipelined == PIPELINED_BY_DEFAULT,
-                "path": decode_path(num_seqs, heads, kv_heads, context, device.index),
+                "pipelined": pipelined, "default_variant": pipelined == paged_attention_table.PIPELINED,
+                "path": path,
                 "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
                 "bytes": moved, "gbps": moved / (mean_us * 1e-6) / 1e9,
                 "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
@@ -249,46 +225,6 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                 record["torch_us_mean"] = statistics.mean(samples)
                 record["speedup_vs_torch"] = record["torch_us_mean"] / mean_us
             records.append(record)
-    return records
-
-
-def bench_read_probes(device, copy_gbps: float, repeats: int = 5) -> list[dict]:
-    """What the kernels' load patterns alone stream (no math): the ceiling their math runs under."""
-    from deepinfer.kernels.paged_attention import kv_read_probe
-    from deepinfer.kernels.quant_matmul import weight_read_probe
-
-    records = []
-    for in_features, out_features in ((4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)):
-        weight_bytes = out_features * in_features // 2
-        copies = max(1, min(128, -(-ROTATE_BYTES // weight_bytes)))
-        weights = [_random_weight(in_features, out_features, 4, 128, device)["qweight"] for _ in range(copies)]
-
-        def launch_all(weights=weights, in_features=in_features):
-            for qweight in weights:
-                weight_read_probe(qweight, 4, in_features)
-
-        mean_us, std_us = time_graph(launch_all, copies, repeats, device)
-        records.append({"probe": "quant weight loads (ksplit pattern)", "shape": f"{in_features}x{out_features}",
-                        "bytes": weight_bytes, "us_mean": mean_us, "us_std": std_us,
-                        "fraction_of_copy": weight_bytes / (mean_us * 1e-6) / 1e9 / copy_gbps})
-    for num_seqs, context in ((16, 4096), (16, 16384), (64, 4096)):
-        kv_bytes = 2 * num_seqs * context * 8 * 128 * 2
-        copies = max(1, min(256, -(-ROTATE_BYTES // kv_bytes)))
-        k_cache, v_cache, _, _, tables = random_paged_kv([context] * (num_seqs * copies), 8, 128, 16, torch.float16,
-                                                         False, device, spare_blocks=0)
-        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
-        query = torch.randn(num_seqs, 32, 128, dtype=torch.float16, device=device)
-        table_sets = [tables[i * num_seqs:(i + 1) * num_seqs] for i in range(copies)]
-
-        def launch_all(table_sets=table_sets, k_cache=k_cache, v_cache=v_cache, query=query, seq_lens=seq_lens,
-                       context=context):
-            for table in table_sets:
-                kv_read_probe(query, k_cache, v_cache, table, seq_lens, context)
-
-        mean_us, std_us = time_graph(launch_all, copies, repeats, device)
-        records.append({"probe": "attention K/V loads (decode kernel pattern)", "shape": f"batch {num_seqs} ctx {context}",
-                        "bytes": kv_bytes, "us_mean": mean_us, "us_std": std_us,
-                        "fraction_of_copy": kv_bytes / (mean_us * 1e-6) / 1e9 / copy_gbps})
     return records
 
 
@@ -315,9 +251,11 @@ def summarize_targets(quant: list[dict], attention: list[dict]) -> dict:
 
 
 def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3), attention: bool = True,
-                       repeats: int = 5, probes_enabled: bool = True, dtype: torch.dtype = torch.float16) -> dict:
+                       repeats: int = 5, dtype: torch.dtype = torch.float16) -> dict:
     """Copy bandwidth, quant-matmul sweep (activations in `dtype`), decode-attention sweep and the targets,
     as one JSON payload."""
+    from deepinfer.core.ops import paged_attention_table
+
     copy = copy_bandwidth(device)
     quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, dtype=dtype, repeats=repeats)
     attention_records = []
@@ -327,26 +265,16 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
                                                    int8=True, repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096,),
                                                    heads=9, kv_heads=3, head_dim=64, repeats=repeats)
-        from deepinfer.kernels.paged_attention import PIPELINED_BY_DEFAULT
-
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16, 64), contexts=(4096, 16384),
-                                                   repeats=repeats, pipelined=not PIPELINED_BY_DEFAULT,
+                                                   repeats=repeats, pipelined=not paged_attention_table.PIPELINED,
                                                    torch_baseline_max_bytes=0)
-    probes = bench_read_probes(device, copy["gbps_mean"], repeats) if probes_enabled else []
     return {"copy_bandwidth": copy, "quant_matmul": quant, "paged_attention": attention_records,
-            "read_probes": probes, "targets": summarize_targets(quant, attention_records)}
-
-
-def _ksplit_label(record: dict) -> str:
-    """' k4' for the split kernel at the K-parts its plan picks, ' k2 sweep' for another count; '' otherwise."""
-    if "ksplit" not in record:
-        return ""
-    return f" k{record['ksplit']}" + ("" if record["ksplit_planned"] else " sweep")
+            "targets": summarize_targets(quant, attention_records)}
 
 
 def _attention_path_label(record: dict) -> str:
     """'combined' (one CTA of warps a sequence and KV head, no reduce), 'clustered' (a cluster of such CTAs) or the
-    split path's split count; records written before the path was recorded show their split count."""
+    split path's split count (also for records that lack the path)."""
     path = record.get("path")
     return path if path in ("combined", "clustered") else f"split {record['splits']}"
 
@@ -362,11 +290,10 @@ def gemv_tables(payload: dict) -> list:
         quant.add_column(column, justify="right")
     for r in payload["quant_matmul"]:
         if "error" in r:
-            quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]),
-                          r["kernel"] + _ksplit_label(r),
+            quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), r["kernel"],
                           "FAILED", "-", r["error"][:60])
             continue
-        kernel = f"{r['kernel']}/{r['tile']}" + _ksplit_label(r) + ("" if r["auto"] else " (alt)")
+        kernel = f"{r['kernel']}/{r['tile']}" + ("" if r["auto"] else " (alt)")
         quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), kernel,
                       f"{r['us_mean']:.2f} ± {r['us_std']:.2f}", f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}")
     tables = [quant]
@@ -384,14 +311,6 @@ def gemv_tables(payload: dict) -> list:
                          f"{r['us_mean']:.1f} ± {r['us_std']:.1f}",
                          f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}", torch_us, speedup)
         tables.append(attn)
-    if payload.get("read_probes"):
-        probes = Table(title="Load patterns alone (no math): the bandwidth ceiling of each kernel's access pattern")
-        for column in ("probe", "point", "us / call", "% copy BW"):
-            probes.add_column(column)
-        for r in payload["read_probes"]:
-            probes.add_row(r["probe"], r["shape"], f"{r['us_mean']:.2f} ± {r['us_std']:.2f}",
-                           f"{100 * r['fraction_of_copy']:.1f}")
-        tables.append(probes)
     targets = Table(title="Targets")
     for column in ("target", "point", "value", "met"):
         targets.add_column(column)

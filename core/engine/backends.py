@@ -22,26 +22,15 @@ from deepinfer.core.errors import DeepInferError
 logger = logging.getLogger(__name__)
 
 
-def _kernel_reason(op_name: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                   head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> str | None:
-    """Why the attention kernel op `op_name` cannot serve this model on `device` (None when it can), asked with
-    probe tensors of the shapes and dtypes the layers will pass (one token, one block)."""
-    from deepinfer.core.ops import dispatch
-    from deepinfer.kernels import registry
-
-    query = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
-    key_cache = torch.empty(1, num_kv_heads, block_size, head_dim, dtype=kv_storage_dtype, device=device)
-    op = registry.get(op_name)
-    return dispatch.kernel_blocker(query, key_cache) or op.unsupported_reason(query, key_cache, num_kv_heads)
-
-
 def native_unavailable_reason(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                               head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> str | None:
     """Why the native backend cannot serve this model on `device` (None when it can)."""
     if device.type != "cuda":
         return f"device is {device.type}, the kernels need a CUDA GPU"
-    return _kernel_reason("paged_decode_attention", device, dtype, num_heads, num_kv_heads, head_dim,
-                          kv_storage_dtype, block_size)
+    from deepinfer.core.ops.paged_attention import decode_attention_unavailable_reason
+
+    return decode_attention_unavailable_reason(device, dtype, num_heads, num_kv_heads, head_dim, kv_storage_dtype,
+                                               block_size)
 
 
 def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -51,14 +40,10 @@ def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_h
     steps attend every token on the decode kernel. The reason is logged once."""
     if getattr(backend, "name", None) != "native":
         return None
-    from deepinfer.core.ops import dispatch
-    from deepinfer.kernels.paged_attention import prefill_tile_tokens as tile_tokens
+    from deepinfer.core.ops import paged_attention
 
-    reason = _kernel_reason("paged_prefill_attention", device, dtype, num_heads, num_kv_heads, head_dim,
-                            kv_storage_dtype, block_size)
-    if not dispatch.use_kernel("paged_prefill_attention", reason, fallback="the decode kernel per token"):
-        return None
-    return tile_tokens(num_heads, num_kv_heads)
+    return paged_attention.prefill_tile_tokens(device, dtype, num_heads, num_kv_heads, head_dim, kv_storage_dtype,
+                                               block_size)
 
 
 def choose_attention_backend(requested: str, device: torch.device, dtype: torch.dtype, spec,
@@ -82,17 +67,8 @@ def choose_attention_backend(requested: str, device: torch.device, dtype: torch.
 
 
 def kernel_summary(device: torch.device) -> dict:
-    """{available, unavailable_reason, ops}: whether the CUDA kernels can run here, and for every op
-    that has run, "kernel" or "reference (why)" as core/ops dispatch logged it."""
-    reason = f"device is {device.type}" if device.type != "cuda" else None
-    if reason is None:
-        from deepinfer.kernels import cuda_unavailable_reason, device_unsupported_reason
-
-        reason = cuda_unavailable_reason() or device_unsupported_reason(device.index or 0)
+    """{available, unavailable_reason, ops}: whether the CUDA kernels can run here, and which path every op that
+    has run took (core/ops/dispatch.py: kernel_summary)."""
     from deepinfer.core.ops import dispatch
 
-    ops: dict[str, list[str]] = {}
-    for op, why in sorted(dispatch._logged):  # the dispatch's record of each (op, reason) it logged once
-        ops.setdefault(op, []).append("kernel" if not why else f"reference ({why})")
-    return {"available": reason is None, "unavailable_reason": reason,
-            "ops": {op: ", ".join(paths) for op, paths in ops.items()}}
+    return dispatch.kernel_summary(device)

@@ -17,11 +17,11 @@ each request (padding rows read token 0).
 
 Per-token attention re-reads a prompt's context once per query token. Where the native backend's prefill
 kernel serves the model (`prefill_tile_tokens`), buckets above max_num_seqs (which only steps with prefill
-chunks reach) and of at least MIN_TILED_TOKENS attend each chunk, and the padding rows, in tiles of
-consecutive tokens instead (paged_prefill_attention: a tile reads the context once for all its tokens); the
+chunks reach) that core/ops/paged_attention_table.py tiles attend each chunk, and the padding rows, in tiles
+of consecutive tokens instead (paged_prefill_attention: a tile reads the context once for all its tokens); the
 decode kernel then serves the step's decodes, placed in the first max_num_seqs rows, with a length of 0 for
 the tiles' tokens among them. The attention's cost grows with the context each query (a token, or a tile)
-walks; a step whose sum (times the KV heads) passes GRAPH_ATTENTION_WORK runs eagerly instead, where prefill
+walks; a step whose sum (times the KV heads) passes that table's limit runs eagerly instead, where prefill
 chunks go to SDPA. Short prompts, prompts up to the token budget at short contexts, chunked long prompts and
 every decode batch stay under it.
 
@@ -56,21 +56,13 @@ from deepinfer.core.engine.scheduler_output import ScheduledChunk
 from deepinfer.core.engine.step_inputs import StepStager
 from deepinfer.core.engine.transfers import to_device
 from deepinfer.core.kv.kv_manager import cdiv
+from deepinfer.core.ops import paged_attention_table as attention_table
 
 logger = logging.getLogger(__name__)
 
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
 MAX_GRAPH_TOKENS = 2048
-# Buckets of at least this many tokens attend prefill chunks in tiles (paged_prefill_attention). Smaller steps
-# carry short chunks, often at long contexts, which the decode kernel spreads over more CTAs than a few tiles: in
-# the jitter sweep on an H200 (Qwen2.5-3B W4A16, a 2048-token prompt inserted beside a stream) 16- and 32-token
-# budgets held the stream's max ITL at 2.06x / 2.91x its median per token against 3.13x / 3.85x tiled, 64 was
-# even (5.24x / 5.53x) and from 128 tiles won (128: 6.83x -> 5.53x, the prompt's TTFT 133 -> 110 ms).
-MIN_TILED_TOKENS = 128
-# Sum over a step's tokens of their context lengths, times the KV heads, above which it runs eagerly.
-# 2**21: a 512-token chunk at ~2k context with 2 KV heads, or eight 256-token prompts with 8 KV heads.
-GRAPH_ATTENTION_WORK = 1 << 21
 
 
 def decode_bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -164,8 +156,8 @@ class StaticStepBuffers:
 
     def num_tiles(self, tokens: int) -> int:
         """Prefill tiles a bucket's steps attend in: 0 unless it is tiled (tile_tokens set, tokens > max_rows and
-        at least MIN_TILED_TOKENS)."""
-        if self.tile_tokens is None or tokens <= self.max_rows or tokens < MIN_TILED_TOKENS:
+        a bucket size core/ops/paged_attention_table.py tiles)."""
+        if self.tile_tokens is None or tokens <= self.max_rows or not attention_table.tiles_prefill(tokens):
             return 0
         return max_prefill_tiles(tokens, self.max_rows, self.tile_tokens)
 
@@ -285,7 +277,7 @@ class PaddedStepRunner:
         self.use_graphs = use_graphs
         self.bucket_sizes = token_bucket_sizes(max_num_seqs, min(max_num_batched_tokens, MAX_GRAPH_TOKENS))
         self.context_bounds = context_bounds(max_model_len)
-        self.attention_work_limit = GRAPH_ATTENTION_WORK // num_kv_heads
+        self.attention_work_limit = attention_table.graph_attention_work_limit(num_kv_heads)
         self.buffers = StaticStepBuffers(self.bucket_sizes[-1], max_num_seqs, max_model_len, block_size,
                                          dummy_block, device, prefill_tile_tokens)
         self.report = CaptureReport()

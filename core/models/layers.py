@@ -100,7 +100,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_proj is not None:
             # decode steps: the product's epilogue applies the activation (None where it cannot)
-            fused = gate_up_act_and_mul(x, self.gate_up_proj, self.hidden_act)  # [T, inner]
+            fused = gate_up_act_and_mul(x, getattr(self.gate_up_proj, "packed", None), self.hidden_act)  # [T, I]
             if fused is not None:
                 return self.down_proj(fused)
             gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
@@ -138,8 +138,9 @@ class Attention(nn.Module):
         fused = None
         if self.qkv_proj is not None and self.q_norm is None:
             # decode steps: the product's epilogue rotates q/k and writes the cache (None where it cannot)
-            fused = qkv_rotary_and_cache_write(x, self.qkv_proj, self.num_heads, self.num_kv_heads, self.head_dim,
-                                               cos, sin, key_cache, value_cache, attn_metadata.slot_mapping)
+            fused = qkv_rotary_and_cache_write(x, getattr(self.qkv_proj, "packed", None), self.num_heads,
+                                               self.num_kv_heads, self.head_dim, cos, sin, key_cache, value_cache,
+                                               attn_metadata.slot_mapping)
         if fused is not None:
             query, key, value = fused
         else:

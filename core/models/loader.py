@@ -20,6 +20,8 @@
 3. merge q/k/v and gate/up into one product each (core/models/merged_projections.py).
 4. on a GPU, compact: re-lay the weights in fresh allocator segments when the merge left holes
    between them (core/models/compaction.py).
+5. on a GPU, lay out the W4 GEMM's scale pairs of the projections it serves (core/ops/quant_matmul.py:
+   prepare_products), so they are in place before the engine measures its memory and captures its graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from deepinfer.core.models.compaction import compact_weights
 from deepinfer.core.models.decoder import DecoderModel
 from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.ops.quant_matmul import prepare_products
+from deepinfer.core.quant.quant_linear import QuantLinear
 from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, put_quant_linear, quantize_projections
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
 from deepinfer.core.weights import hf_safetensors, layered
@@ -72,6 +76,7 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     merge_projections(loaded.model)  # q/k/v and gate/up: one product each
     if device.type == "cuda":
         compact_weights(loaded.model, device)
+        prepare_products([m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)], dtype)
     return loaded
 
 

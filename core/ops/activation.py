@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from deepinfer.core.ops import dispatch
+from deepinfer.kernels import act_and_mul as kernels
+
+OP = "act_and_mul"
+
+
+class ActCase(NamedTuple):
+    devices: tuple[torch.device, ...]  # gate's and up's
+    activation: str
+    gate_dtype: torch.dtype
+    up_dtype: torch.dtype
+    shapes_match: bool  # two [T, I] tensors of one shape
+    inner: int
+    aligned: bool  # every row of both contiguous and 16-byte aligned
+
+    @classmethod
+    def of(cls, gate: torch.Tensor, up: torch.Tensor, activation: str) -> ActCase:
+        return cls((gate.device, up.device), activation, gate.dtype, up.dtype,
+                   gate.dim() == 2 and gate.shape == up.shape, gate.shape[-1],
+                   kernels.rows_aligned(gate) and kernels.rows_aligned(up))
+
+
+def _reason(case: ActCase) -> str | None:
+    return kernels.unsupported_reason(case.activation, case.gate_dtype, case.up_dtype, case.shapes_match, case.inner,
+                                      case.aligned)
 
 
 def act_and_mul_reference(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -23,13 +49,6 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
 
     gate and up may be the two halves of one merged projection (`gu[:, :I]`, `gu[:, I:]`).
     """
-    from deepinfer.kernels import registry
-
-    op = registry.get("act_and_mul")
-    # the kernel's checks read shapes, strides and 16-byte alignment; only the token count is left out
-    key = (activation, gate.device, up.device, gate.dtype, up.dtype, gate.shape[1:], gate.shape == up.shape,
-           gate.stride(), up.stride(), gate.data_ptr() % 16, up.data_ptr() % 16)
-    if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(gate, up)
-                       or op.unsupported_reason(gate, up, activation)):
-        return op.launch(gate, up, activation)
+    if dispatch.decide(OP, ActCase.of(gate, up, activation), _reason, (gate, up)):
+        return kernels.act_and_mul(gate, up, activation)
     return act_and_mul_reference(gate, up, activation)

@@ -2,32 +2,49 @@
 
 A decode step runs the W4 gate/up product on the tcs kernel and then act_and_mul_kernel, which reads the [T, 2I]
 product back and writes act(gate) * up [T, I]: a kernel launch and its round trips per layer. Where the fused
-kernel serves (kernels/quant_matmul.py: gate_up_act_unsupported_reason, gate_up_act_takes), the product's epilogue
-does that work instead, with the same roundings, so the result is the unfused one bit for bit. Everywhere else
-(other weights, more tokens, the CPU) the caller runs the two ops.
+kernel serves (core/ops/quant_matmul_table.py: GATE_UP_ACT; kernels/quant_matmul.py:
+gate_up_act_unsupported_reason), the product's epilogue does that work instead, with the same roundings, so the
+result is the unfused one bit for bit. Everywhere else (other weights, more tokens, the CPU) the caller runs the
+two ops.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.quant_matmul import ProductCase, product_reason, product_shape, stored_order
+from deepinfer.core.ops.quant_matmul_table import GATE_UP_ACT, epilogue_serves
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.kernels import quant_matmul as kernels
 
 
-def gate_up_act_and_mul(x: torch.Tensor, gate_up_proj: torch.nn.Module, activation: str) -> torch.Tensor | None:
-    """x [T, hidden] through the merged projection `gate_up_proj` ([gate | up] outputs, 2I) -> act(gate) * up
-    [T, I] as `gate_up_proj(x)` + act_and_mul would give, or None where the fused kernel does not serve (the caller
-    then runs those two)."""
-    from deepinfer.kernels import registry
-    from deepinfer.kernels.quant_matmul import gate_up_act_takes
+class GateUpActCase(NamedTuple):
+    devices: tuple[torch.device, ...]  # the activations' and the weight's
+    product: ProductCase
+    in_features: int
+    out_features: int
+    activation: str
 
-    op = registry.get("quant_matmul_act_and_mul")
-    served = dispatch.fused_product_inputs(
-        op.name, x, gate_up_proj, gate_up_act_takes, (activation,), (),
-        lambda packed: op.unsupported_reason(packed.qweight, packed.bits, packed.group_size, packed.in_features,
-                                             activation))
-    if served is None:
+
+def _reason(case: GateUpActCase) -> str | None:
+    weight = case.product.weight
+    return product_reason(case.product) or kernels.gate_up_act_unsupported_reason(
+        weight.bits, weight.group_size, case.in_features, case.out_features, case.activation)
+
+
+def gate_up_act_and_mul(x: torch.Tensor, packed: PackedWeight | None, activation: str) -> torch.Tensor | None:
+    """x [T, hidden] through the merged [gate | up] weight `packed` (2I outputs; None for an unquantized projection)
+    -> act(gate) * up [T, I] as the product followed by act_and_mul would give, or None where the fused kernel does
+    not serve (the caller then runs those two)."""
+    if packed is None or not epilogue_serves(GATE_UP_ACT, product_shape(x.shape[0], packed)):
         return None
-    x, packed = served
-    return op.launch(x, packed.qweight, packed.scales, packed.zeros, packed.bias, packed.group_size, packed.zero_mode,
-                     packed.integer_zeros, activation)
+    case = GateUpActCase((x.device, packed.qweight.device), ProductCase.of(x, packed), packed.in_features,
+                         packed.out_features, activation)
+    if not dispatch.decide(GATE_UP_ACT.op, case, _reason, (x,), fallback="separate ops"):
+        return None
+    rows = stored_order(x, packed)
+    return kernels.quant_matmul_act_and_mul(rows, packed.qweight, packed.scales, packed.zeros, packed.bias,
+                                            packed.group_size, packed.zero_mode, packed.integer_zeros, activation)

@@ -7,9 +7,25 @@ With a residual, the sum `x + residual` is rounded to the model dtype first, as 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from deepinfer.core.ops import dispatch
+from deepinfer.kernels import rms_norm as kernels
+
+OP = "rms_norm"
+
+
+class NormCase(NamedTuple):
+    devices: tuple[torch.device, ...]  # x's, the weight's, the residual's
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+    hidden: int
+
+
+def _reason(case: NormCase) -> str | None:
+    return kernels.unsupported_reason(case.dtype, case.weight_dtype, case.hidden)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
@@ -31,14 +47,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
 
     Without `residual` the second value is None. weight_offset is 1.0 for Gemma's `1 + weight`.
     """
-    from deepinfer.kernels import registry
-
-    op = registry.get("rms_norm")
-    key = (x.device, x.dtype, x.shape[-1], weight.device, weight.dtype, None if residual is None else residual.device)
-    if dispatch.decide(op.name, key, lambda: dispatch.kernel_blocker(x, weight, residual)
-                       or op.unsupported_reason(x, weight)):
+    devices = (x.device, weight.device) if residual is None else (x.device, weight.device, residual.device)
+    if dispatch.decide(OP, NormCase(devices, x.dtype, weight.dtype, x.shape[-1]), _reason, (x, weight, residual)):
         shape = x.shape
-        out, summed = op.launch(x.reshape(-1, shape[-1]), weight, eps, weight_offset,
-                                None if residual is None else residual.reshape(-1, shape[-1]))
+        out, summed = kernels.rms_norm(x.reshape(-1, shape[-1]), weight, eps, weight_offset,
+                                       None if residual is None else residual.reshape(-1, shape[-1]))
         return out.view(shape), (None if summed is None else summed.view(shape))
     return rms_norm_reference(x, weight, eps, weight_offset, residual)

@@ -1,34 +1,27 @@
 """quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16 PackedWeight; every QuantLinear routes here.
 
-On CUDA with fp16/bf16 activations the kernels in kernels/quant_matmul.cu read the packed weight
-directly (the act-order permutation is gathered on the activation side first) for products that
-`uses_dense` leaves to them; the others (prefill chunks, large decode batches) dequantize the weight
-once with kernels/dequantize.cu and multiply on cuBLAS: one read of the packed weight plus a write
-and a read of the dense copy, whatever the token count. Which is faster was measured per token count
-and shape on an H200 (`deepinfer bench gemv`, results/bench_gemv_dense_w4_nvidia_h200.json): the
-kernels up to 32 tokens (2048x2048 at 32 tokens: 7.0 us against 13.4 dense), and on outputs at
-least 3x the input up to 64 (2048x22016 at 64: staged 67.7 us, dense 88.0); dense beyond.
-Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch reference dequantizes the whole
-weight and multiplies.
+On CUDA with fp16/bf16 activations and a weight the kernels read (kernels/quant_matmul.py: unsupported_reason),
+the row of core/ops/quant_matmul_table.py that serves the product's token count and shape runs it: one of the
+packed-weight kernels (the act-order permutation gathered on the activation side first), or for many tokens the
+dense path (dequantize once, then cuBLAS). Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch
+reference dequantizes the whole weight and multiplies.
+
+The fused products (core/ops/qkv_rotary.py, core/ops/gate_up_activation.py) run the same capability check first.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 
 from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.quant_matmul_table import ProductShape, gemm_may_serve, gemm_scale_pairs, product_row
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import dequantize
+from deepinfer.kernels import quant_matmul as kernels
 
-KERNEL_MAX_TOKENS = 32  # the packed-weight kernels serve up to this many tokens on any shape
-WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where out_features >= 3 * in_features
-
-
-def uses_dense(num_tokens: int, in_features: int, out_features: int) -> bool:
-    """Whether an M-token product goes through dequantize + cuBLAS rather than a packed-weight kernel."""
-    most = WIDE_KERNEL_MAX_TOKENS if out_features >= 3 * in_features else KERNEL_MAX_TOKENS
-    return num_tokens > most
+OP = "quant_matmul"
 
 
 def quant_matmul_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -40,35 +33,53 @@ def quant_matmul_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tenso
     return out
 
 
-def _signature(x: torch.Tensor, packed: PackedWeight) -> tuple:
-    """Everything the kernel-or-reference decision reads, none of it changing with the token count."""
-    weights = (packed.qweight, packed.scales, packed.zeros)
-    return (x.device, x.dtype, packed.qweight.device, packed.bits, packed.group_size, packed.scales.dtype,
-            packed.zeros.dtype, all(t.is_contiguous() for t in weights), packed.qweight.data_ptr() % 16)
+class ProductCase(NamedTuple):
+    """What the kernels' capability check reads of a product (none of it changes with the token count)."""
+
+    devices: tuple[torch.device, ...]  # the activations' and the weight's
+    dtype: torch.dtype  # the activations'
+    weight: kernels.PackedOperands
+
+    @classmethod
+    def of(cls, x: torch.Tensor, packed: PackedWeight) -> ProductCase:
+        return cls((x.device, packed.qweight.device), x.dtype,
+                   kernels.packed_operands(packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size))
+
+
+def product_reason(case: ProductCase) -> str | None:
+    return kernels.unsupported_reason(case.dtype, case.weight)
+
+
+def product_shape(num_tokens: int, packed: PackedWeight) -> ProductShape:
+    return ProductShape(num_tokens, packed.in_features, packed.out_features, packed.bits, packed.group_size)
+
+
+def stored_order(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """rows [M, K] in the weight's stored column order: stored column j multiplies x[input_perm[j]]."""
+    return rows if packed.input_perm is None else rows.index_select(1, packed.input_perm)
 
 
 def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype: the CUDA kernel when it serves the case, else the reference.
-    The decision is made once per signature (dispatch.decide); the launcher caches its launch plan per
-    shape, so a call costs a couple of dict lookups besides the launch."""
-    from deepinfer.kernels import registry
-
-    op = registry.get("quant_matmul")
-    signature = _signature(x, packed)
-    if not dispatch.decide(op.name, signature, lambda: (
-            dispatch.kernel_blocker(x, packed.qweight)
-            or op.unsupported_reason(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size))):
+    """x [..., K] -> [..., N] in x's dtype: the kernel its table row names where the kernels serve the case, else
+    the reference. The capability is decided once per case (dispatch.decide) and the row once per shape, so a call
+    costs a few dict lookups besides the launch."""
+    if not dispatch.decide(OP, ProductCase.of(x, packed), product_reason, (x,)):
         return quant_matmul_reference(x, packed)
-    rows = x.reshape(-1, packed.in_features)  # [M, K]
-    if packed.input_perm is not None:
-        rows = rows.index_select(1, packed.input_perm)  # stored column j multiplies x[input_perm[j]]
-    if uses_dense(rows.shape[0], packed.in_features, packed.out_features):
-        dense = registry.get("dequantize")
-        if dispatch.decide(dense.name, signature, lambda: dense.unsupported_reason(
-                x.dtype, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size)):
-            weight = dense.launch(packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
-                                  packed.zero_mode, x.dtype)  # [N, K], stored column order
-            return F.linear(rows, weight, packed.bias).view(*x.shape[:-1], packed.out_features)
-    out = op.launch(rows, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
-                    packed.zero_mode, packed.bias, integer_zeros=packed.integer_zeros)  # [M, N]
+    rows = stored_order(x.reshape(-1, packed.in_features), packed)  # [M, K]
+    out = product_row(product_shape(rows.shape[0], packed)).launch(rows, packed)  # [M, N]
     return out.view(*x.shape[:-1], packed.out_features)
+
+
+def prepare_products(weights: list[PackedWeight], dtype: torch.dtype) -> int:
+    """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (the W4 GEMM's
+    scale pairs), so nothing is allocated for it during a step; returns how many weights got one. Weights the
+    kernels cannot serve on their device are left alone."""
+    prepared = 0
+    for packed in weights:
+        case = ProductCase((packed.qweight.device, packed.qweight.device), dtype,
+                           kernels.packed_operands(packed.qweight, packed.scales, packed.zeros, packed.bits,
+                                                   packed.group_size))
+        if dispatch.kernel_blocker(case.devices) is None and product_reason(case) is None and gemm_may_serve(packed):
+            gemm_scale_pairs(packed, dtype)
+            prepared += 1
+    return prepared

@@ -7,10 +7,29 @@ A token with flat slot s lands in block s // block_size at offset s % block_size
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from deepinfer.core.kv.cache import quantize_int8
 from deepinfer.core.ops import dispatch
+from deepinfer.kernels import rope_cache as kernels
+
+ROPE_OP, WRITE_OP = "rope_cache_write", "kv_cache_write"
+
+
+class CacheWriteCase(NamedTuple):
+    devices: tuple[torch.device, ...]
+    dtype: torch.dtype  # the keys'
+    kv_dtype: torch.dtype
+    head_dim: int
+    block_size: int
+    same_dtypes: bool  # query, key and cos/sin share the keys' dtype (True for the write alone)
+
+
+def _reason(case: CacheWriteCase) -> str | None:
+    return (kernels.unsupported_reason(case.dtype, case.kv_dtype, case.head_dim, case.block_size)
+            or (None if case.same_dtypes else "q/k/cos dtypes differ"))
 
 
 def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,14 +59,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor, key_scales: torch.Tensor | None = None,
                    value_scales: torch.Tensor | None = None) -> None:
     """Store key/value [T, KVH, D] at slot_mapping [T] int64 (quantizing for an int8 cache)."""
-    from deepinfer.kernels import registry
-
-    op = registry.get("rope_cache_write")
-    signature = (key.device, key.dtype, key.shape[-1], value.device, key_cache.device, key_cache.dtype,
-                 key_cache.shape[2])
-    if dispatch.decide("kv_cache_write", signature, lambda: dispatch.kernel_blocker(key, value, key_cache)
-                       or op.unsupported_reason(key, key_cache)):
-        op.launch(None, key, value, None, None, key_cache, value_cache, slot_mapping, key_scales, value_scales)
+    case = CacheWriteCase((key.device, value.device, key_cache.device), key.dtype, key_cache.dtype, key.shape[-1],
+                          key_cache.shape[2], True)
+    if dispatch.decide(WRITE_OP, case, _reason, (key, value)):
+        kernels.rope_and_cache_write(None, key, value, None, None, key_cache, value_cache, slot_mapping, key_scales,
+                                     value_scales)
         return
     write_kv_cache_reference(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
 
@@ -58,15 +74,12 @@ def rotary_and_cache_write(query: torch.Tensor, key: torch.Tensor, value: torch.
                            value_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query [T, H, D] and key [T, KVH, D] with cos/sin [T, D/2] (or [T, 1, D/2]), store the
     rotated key and the value in the paged cache; returns (rotated query, rotated key)."""
-    from deepinfer.kernels import registry
-
-    op = registry.get("rope_cache_write")
-    signature = (query.device, query.dtype, key.device, key.dtype, key.shape[-1], value.device, cos.device,
-                 cos.dtype, sin.device, key_cache.device, key_cache.dtype, key_cache.shape[2])
-    if dispatch.decide(op.name, signature, lambda: dispatch.kernel_blocker(query, key, value, cos, sin, key_cache)
-                       or op.unsupported_reason(key, key_cache)
-                       or (None if query.dtype == key.dtype == cos.dtype else "q/k/cos dtypes differ")):
-        return op.launch(query, key, value, cos, sin, key_cache, value_cache, slot_mapping, key_scales, value_scales)
+    case = CacheWriteCase((query.device, key.device, value.device, cos.device, sin.device, key_cache.device),
+                          key.dtype, key_cache.dtype, key.shape[-1], key_cache.shape[2],
+                          query.dtype == key.dtype == cos.dtype)
+    if dispatch.decide(ROPE_OP, case, _reason, (query, key, value)):
+        return kernels.rope_and_cache_write(query, key, value, cos, sin, key_cache, value_cache, slot_mapping,
+                                            key_scales, value_scales)
     query, key = apply_rotary_reference(query, cos, sin), apply_rotary_reference(key, cos, sin)
     write_kv_cache_reference(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
     return query, key

@@ -17,13 +17,13 @@ import torch
 
 from deepinfer.core.attention.native_backend import NativePagedAttention
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
-from deepinfer.core.bench.kernel_checks import CheckResult, compare
 from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.models.decoder import DecoderModel
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.ops.dispatch import FORCE_REFERENCE_ENV
 from deepinfer.core.quant.quantize_model import quantize_projections
+from deepinfer.validate.compare import CheckResult, compare
 
 BLOCK_SIZE = 16
 VOCAB = 1024
@@ -49,7 +49,7 @@ def build_tiny_llama(dtype: torch.dtype, device, bits: int, group_size: int, see
 
 
 @contextmanager
-def _forced_reference(enabled: bool):
+def forced_reference(enabled: bool):
     previous = os.environ.get(FORCE_REFERENCE_ENV)
     if enabled:
         os.environ[FORCE_REFERENCE_ENV] = "1"
@@ -73,7 +73,7 @@ STEPS = (
 
 
 @torch.no_grad()
-def _run_steps(model: DecoderModel, device, int8_kv: bool, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+def run_steps(model: DecoderModel, device, int8_kv: bool, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
     spec = model.spec
     cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, model.model.norm.weight.dtype,
                     device, quantized=int8_kv)
@@ -96,12 +96,12 @@ def check_tiny_model(device, dtype: torch.dtype, bits: int, group_size: int, int
     model = build_tiny_llama(dtype, device, bits, group_size)
     generator = torch.Generator().manual_seed(1)
     tokens = {name: torch.randint(0, VOCAB, (48,), generator=generator).to(device) for name in "abc"}
-    with _forced_reference(True):
+    with forced_reference(True):
         model.attention_backend = TorchPagedAttention()
-        reference = _run_steps(model, device, int8_kv, tokens)
-    with _forced_reference(False):
+        reference = run_steps(model, device, int8_kv, tokens)
+    with forced_reference(False):
         model.attention_backend = NativePagedAttention()
-        native = _run_steps(model, device, int8_kv, tokens)
+        native = run_steps(model, device, int8_kv, tokens)
     result = compare("end_to_end", case, native, reference, rel_tol)
     agree = float((native.argmax(-1) == reference.argmax(-1)).float().mean())
     result.detail = f"argmax agreement {agree:.3f} over {native.shape[0]} next-token positions"

@@ -1,0 +1,89 @@
+"""Which paged-attention kernel serves a step: the decode path per batch and context bound, the decode kernel's
+load variant, which CUDA-graph buckets attend prefill chunks in tiles, and how much attention a graphed step may
+carry. The numbers behind each threshold are in docs/KERNELS.md.
+
+Decode: one table, the first row that serves a DecodeShape wins (kernels/paged_attention.py describes the paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import NamedTuple
+
+from deepinfer.kernels import paged_attention as kernels
+
+# Bounds up to this may take the combined and clustered paths. Their latency follows the real context: a warp
+# walks up to bound / 16 / COMBINED_WARPS tiles (8 at 1024), about one memory round trip each (a tile's math
+# overlaps the next tile's loads, not the one after), where the split path walks 2 tiles a split at any context and
+# then pays a second, dependent kernel. At a 2048 bound a lone long context would walk 16 tiles a warp. 1024 is
+# also the engine's smallest CUDA-graph context bound (the next is 4096).
+COMBINED_MAX_SEQ_LEN = 1024
+# The combined path by default only from this many CTAs (sequences x KV heads x head tiles): with one CTA a
+# sequence and KV head, a few sequences leave most SMs idle while each warp walks its tiles one after another.
+COMBINED_MIN_CTAS = 64
+# Each tile's K/V loaded one tile ahead of its math (the pipelined variant; head_dim <= 128 takes it).
+PIPELINED = True
+# Buckets of at least this many tokens attend prefill chunks in tiles (paged_prefill_attention); smaller steps
+# carry short chunks, often at long contexts, which the decode kernel spreads over more CTAs than a few tiles.
+MIN_TILED_TOKENS = 128
+# Sum over a graphed step's queries of the context each walks, times the KV heads, above which the step runs
+# eagerly. 2**21: a 512-token chunk at ~2k context with 2 KV heads, or eight 256-token prompts with 8 KV heads.
+GRAPH_ATTENTION_WORK = 1 << 21
+
+
+class DecodeShape(NamedTuple):
+    """Everything a decode row's choice reads (host values: a CUDA graph fixes them at capture)."""
+
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    max_seq_len: int  # the bound of the batch's context lengths
+    clusters: bool  # the device launches thread-block clusters (SM90+)
+    multiprocessors: int
+
+
+def ctas(shape: DecodeShape) -> int:
+    """CTAs a context split takes: one per (sequence, KV head, 16-query-head tile)."""
+    return kernels.ctas_per_split(shape.num_seqs, shape.num_heads, shape.num_kv_heads)
+
+
+def short_bound(shape: DecodeShape) -> bool:
+    return shape.max_seq_len <= COMBINED_MAX_SEQ_LEN
+
+
+class DecodeRow(NamedTuple):
+    path: str  # kernels/paged_attention.py: DECODE_PATHS
+    serves: Callable[[DecodeShape], bool]
+    measured: str
+
+
+DECODE_TABLE = (
+    DecodeRow("clustered", lambda s: (short_bound(s) and s.clusters and ctas(s) < COMBINED_MIN_CTAS
+                                      and ctas(s) * kernels.CLUSTER_CTAS <= s.multiprocessors),
+              "few sequences under short bounds whose clusters all fit the SMs at once: 1540 us a step against 1537 "
+              "split at one stream, 1773 against 1792 at 8 (results/experiments_session7_nvidia_h200_20261130/"
+              "index.json, 'clustered')"),
+    DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
+              "many sequences under short bounds: 3263 us a step against 3302 split at 32 streams, but 1785 against "
+              "1684 at one (results/experiments_fused_norm_nvidia_h200_20261129/index.json, run1)"),
+    DecodeRow("split", lambda s: True,
+              "long bounds, and few sequences without clusters: the context spread over the GPU "
+              "(results/bench_gemv_w4a16-w3a16-attention_nvidia_h200.json)"),
+)
+
+
+@cache
+def decode_path(shape: DecodeShape) -> str:
+    """The first row of DECODE_TABLE that serves `shape`."""
+    return next(row.path for row in DECODE_TABLE if row.serves(shape))
+
+
+def tiles_prefill(bucket_tokens: int) -> bool:
+    """Whether a CUDA-graph bucket of this many tokens attends its prefill chunks in tiles."""
+    return bucket_tokens >= MIN_TILED_TOKENS
+
+
+def graph_attention_work_limit(num_kv_heads: int) -> int:
+    """The most attention work (sum of the contexts its queries walk) a graphed step of this model may carry."""
+    return GRAPH_ATTENTION_WORK // num_kv_heads

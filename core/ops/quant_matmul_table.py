@@ -1,0 +1,175 @@
+"""Which kernel serves a W4A16/W3A16 product: one table, the first row that serves a shape wins.
+
+A product is described by its ProductShape (tokens M, in_features K, out_features N, bits, group size); each row
+names a kernel, the shapes it serves, its launcher and the measurement that put it there (docs/KERNELS.md has the
+table with its numbers). The two fused epilogues serve exactly where the plain product's row is the kernel they
+extend: the q/k/v product with RoPE and the KV-cache write on the tc row (up to one token tile), the gate/up
+product with the gated activation on the tcs row. A new kernel is one more row (with its launcher) placed before
+the rows it beats; the CPU test tests/test_dispatch_choices.py records which row serves what.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from functools import cache
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.core.ops import dispatch
+from deepinfer.core.quant.packed import PackedWeight
+from deepinfer.kernels import dequantize as kernels_dequantize
+from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w4_gemm as kernels_gemm
+
+KERNEL_MAX_TOKENS = 32  # the packed-weight kernels serve up to this many tokens on any shape
+WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where the product is wide (out_features >= 3 x in_features)
+TC_MAX_TOKENS = 32  # tc and tcs: four 8-token tiles a CTA
+TC_FEW_TOKENS = 8  # tc at any K up to here; beyond it only on long K
+LONG_K = 4096  # in_features from which tc (any token count it serves) and stream (one token) win
+GEMM_TOKENS = (65, 128)  # the W4 GEMM's token range, on elongated products
+
+
+class ProductShape(NamedTuple):
+    """Everything a row's choice reads: rows can only serve by these fields, so they key the cache of choices."""
+
+    tokens: int
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int
+
+
+def wide(shape: ProductShape) -> bool:
+    """Outputs at least 3x the inputs (a merged gate/up projection)."""
+    return shape.out_features >= 3 * shape.in_features
+
+
+def elongated(shape: ProductShape) -> bool:
+    """One side at least 3x the other: the MLP's gate/up (wide) and down (tall) projections."""
+    return max(shape.in_features, shape.out_features) >= 3 * min(shape.in_features, shape.out_features)
+
+
+def long_k(shape: ProductShape) -> bool:
+    return shape.in_features >= LONG_K
+
+
+def tc_takes(shape: ProductShape) -> bool:
+    """A W4 weight of whole 16-row tiles and 128-code segments (kernels/quant_matmul.py: tc_reason)."""
+    return kernels.tc_reason(shape.bits, shape.in_features, shape.out_features, shape.group_size) is None
+
+
+def packed_kernel(kernel: str) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
+    """The launcher of one of kernels/quant_matmul.py's kernels on a PackedWeight."""
+    def launch(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+        return kernels.quant_matmul(rows, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
+                                    packed.zero_mode, packed.bias, kernel=kernel, integer_zeros=packed.integer_zeros)
+    return launch
+
+
+def dense(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """kernels/dequantize.cu writes the dense weight [N, K] (stored column order, bit-identical to
+    core.quant.packing.dequantize), then cuBLAS multiplies. It reads every weight the packed kernels read, so the
+    product's capability check covers it."""
+    dispatch.use_kernel("dequantize", None)
+    weight = kernels_dequantize.dequantize(packed.qweight, packed.scales, packed.zeros, packed.bits,
+                                           packed.group_size, packed.zero_mode, rows.dtype)
+    return F.linear(rows, weight, packed.bias)
+
+
+# The GEMM's scale pairs of each weight and activation dtype (kernels/w4_gemm.py gemm_scales), by the id of the
+# weight's scales tensor and dropped when that tensor is; the loader makes them before the engine measures its
+# memory (core/ops/quant_matmul.py: prepare_products).
+_scale_pairs: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def gemm_scale_pairs(packed: PackedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(sz, zmode) of this weight for `dtype` activations, laid out on first use."""
+    key = id(packed.scales)
+    entry = _scale_pairs.get(key)
+    if entry is None or entry[0]() is not packed.scales:
+        entry = _scale_pairs[key] = (weakref.ref(packed.scales, lambda _, key=key: _scale_pairs.pop(key, None)), {})
+    per_dtype = entry[1]
+    pairs = per_dtype.get(dtype)
+    if pairs is None:
+        pairs = per_dtype[dtype] = kernels_gemm.gemm_scales(packed.scales, packed.zeros, packed.zero_mode, dtype)
+    return pairs
+
+
+def gemm_may_serve(packed: PackedWeight) -> bool:
+    """Whether the GEMM row serves some token count of this weight (the loader prepares only those)."""
+    shape = ProductShape(GEMM_TOKENS[1], packed.in_features, packed.out_features, packed.bits, packed.group_size)
+    return product_row(shape).kernel == "w4_gemm"
+
+
+def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """kernels/w4_gemm.cu: tensor cores reading the packed weight (wgmma on SM90, mma.sync on SM80-89)."""
+    dispatch.use_kernel("w4_gemm", None)
+    sz, zmode = gemm_scale_pairs(packed, rows.dtype)
+    return kernels_gemm.w4_gemm(rows, packed.qweight, sz, zmode, packed.group_size, packed.bias)
+
+
+class ProductRow(NamedTuple):
+    kernel: str  # the name dispatch logs and bench gemv marks as "auto"
+    serves: Callable[[ProductShape], bool]
+    launch: Callable[[torch.Tensor, PackedWeight], torch.Tensor]  # rows [M, K] in stored column order -> [M, N]
+    measured: str  # why the row is where it is (docs/KERNELS.md gives the numbers)
+
+
+PRODUCT_TABLE = (
+    ProductRow("w4_gemm", lambda s: GEMM_TOKENS[0] <= s.tokens <= GEMM_TOKENS[1] and s.bits == 4 and elongated(s),
+               gemm,
+               "at 128 tokens 1.24-1.49x faster than dequantize + cuBLAS on the MLP products of Qwen2.5-3B and 7B on "
+               "an H200 (64-token tiles, K split to about two CTAs per SM); on the attention products, and at 256 "
+               "tokens on them, it was not faster with this launch shape (results/w4_gemm_sweep_nvidia_h200.json)"),
+    ProductRow("dense", lambda s: s.tokens > (WIDE_KERNEL_MAX_TOKENS if wide(s) else KERNEL_MAX_TOKENS), dense,
+               "dequantize + cuBLAS costs about the same at any token count and beats the packed kernels beyond 32 "
+               "tokens, beyond 64 on wide products (results/bench_gemv_dense_w4_nvidia_h200.json)"),
+    ProductRow("tcs", lambda s: s.tokens <= TC_MAX_TOKENS and wide(s) and tc_takes(s), packed_kernel("tcs"),
+               "fastest on wide W4 products at 1-32 tokens (results/bench_gemv_tcs_bf16_nvidia_h200.json)"),
+    ProductRow("tc", lambda s: (s.tokens <= TC_FEW_TOKENS or (s.tokens <= TC_MAX_TOKENS and long_k(s))) and tc_takes(s),
+               packed_kernel("tc"),
+               "fastest W4 kernel at 2-8 tokens and on long K up to 32; at one token it ties gemv alone and wins "
+               "under programmatic dependent launch (results/bench_gemv_tc_registers_bf16_nvidia_h200.json, "
+               "results/experiments_pdl_nvidia_h200_20261129/index.json)"),
+    ProductRow("stream", lambda s: s.tokens == 1 and long_k(s) and s.out_features <= s.in_features,
+               packed_kernel("stream"),
+               "one token on long rows (results/bench_gemv_w4a16-w3a16_nvidia_h200.json)"),
+    ProductRow("gemv", lambda s: s.tokens == 1, packed_kernel("gemv"),
+               "one token elsewhere (results/bench_gemv_w4a16-w3a16_nvidia_h200.json)"),
+    ProductRow("ksplit", lambda s: s.tokens <= 16 or (s.tokens <= KERNEL_MAX_TOKENS and not wide(s)),
+               packed_kernel("ksplit"),
+               "fastest at 2-16 tokens, and at 17-32 unless wide (results/bench_gemv_w4a16-w3a16_nvidia_h200.json, "
+               "results/bench_gemv_dense_w4_nvidia_h200.json)"),
+    ProductRow("staged", lambda s: s.tokens <= WIDE_KERNEL_MAX_TOKENS, packed_kernel("staged"),
+               "wide products at 17-64 tokens the tc kernels do not take: its staged activations serve 128 rows "
+               "(results/bench_gemv_w4a16-w3a16_nvidia_h200.json, results/bench_gemv_dense_w4_nvidia_h200.json)"),
+)
+
+
+@cache
+def product_row(shape: ProductShape) -> ProductRow:
+    """The first row of PRODUCT_TABLE that serves `shape` (the dense row serves every shape the others leave)."""
+    return next(row for row in PRODUCT_TABLE if row.serves(shape))
+
+
+class Epilogue(NamedTuple):
+    """A product with more work fused into its epilogue, served where the plain product's row is `kernel`."""
+
+    op: str  # the kernel op (kernels/registry.py), as dispatch logs it
+    kernel: str  # the plain product's kernel it extends
+    max_tokens: int | None  # the most tokens the fused kernel takes (None: whatever the row serves)
+
+
+QKV_ROPE = Epilogue("quant_matmul_rope_cache", "tc", kernels.QKV_ROPE_MAX_TOKENS)
+GATE_UP_ACT = Epilogue("quant_matmul_act_and_mul", "tcs", None)
+
+
+def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
+    """Whether the fused epilogue serves this product shape (its weight-level checks aside: the fused op runs
+    those through dispatch.decide)."""
+    if shape.tokens <= 0 or (epilogue.max_tokens is not None and shape.tokens > epilogue.max_tokens):
+        return False
+    return product_row(shape).kernel == epilogue.kernel

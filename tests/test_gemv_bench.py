@@ -1,0 +1,35 @@
+"""`deepinfer bench gemv` on the CPU: which kernels it times at each token count, and how its tables label the
+attention rows (the sweep itself needs a GPU)."""
+
+from __future__ import annotations
+
+from deepinfer.core.bench.gemv_bench import gemv_tables, quant_points
+
+
+def test_bench_times_every_kernel_that_serves_a_token_count():
+    assert quant_points(1) == ["tc", "tcs", "gemv", "stream", "ksplit", "staged"]
+    assert quant_points(4, tc_takes=False) == ["gemv", "stream", "ksplit", "staged"]
+    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "dense"]  # dense from 16 tokens
+    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "dense"]
+    assert quant_points(33) == ["staged", "dense"]  # tc and ksplit: up to 32 tokens
+    assert quant_points(65) == ["dense"]
+
+
+def test_bench_gemv_attention_rows_name_their_path():
+    """The attention table says which path a row timed: the combined or clustered kernel (one split, no reduce) or
+    the split path with its split count; rows without a path show their split count."""
+    from rich.console import Console
+
+    row = {"batch": 64, "context": 1024, "heads": 16, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16",
+           "kv": "same", "pipelined": True, "splits": 1, "us_mean": 10.0, "us_std": 0.1, "gbps": 3000.0,
+           "fraction_of_copy": 0.7, "torch_us_mean": None, "speedup_vs_torch": None}
+    targets = {"w4_batch1_bandwidth": [], "w4_batch16_cost": [], "decode_attention_bandwidth": []}
+    payload = {"copy_bandwidth": {"gbps_mean": 4252.0, "gbps_std": 8.0}, "quant_matmul": [], "targets": targets,
+               "paged_attention": [row | {"path": "combined"}, row | {"batch": 1, "path": "split", "splits": 32},
+                                   row | {"batch": 2, "splits": 16}, row | {"batch": 4, "path": "clustered"}]}
+    console = Console(record=True, width=200)
+    for table in gemv_tables(payload):
+        console.print(table)
+    lines = [line for line in console.export_text().splitlines() if "16/2x128" in line]
+    assert len(lines) == 4
+    assert "combined" in lines[0] and "split 32" in lines[1] and "split 16" in lines[2] and "clustered" in lines[3]

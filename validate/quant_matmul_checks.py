@@ -1,0 +1,340 @@
+"""The W4A16/W3A16 product kernels against the fp32 product of the dequantized weight, each on its own cases and
+with an explicit kernel choice; the dense path (dequantize bit-identical to the reference's); and the fused
+epilogues against the unfused kernels they replace (the same bits) and the fp32 reference."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.core.ops.activation import act_and_mul_reference
+from deepinfer.core.ops.rotary import apply_rotary_reference
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compare, guarded, poisoned
+from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight
+
+# (tokens, out_features, in_features, group size, kernel, tile, splits, fp32 scales, bias)
+QUANT_CASES = (
+    (1, 4096, 4096, 128, "gemv", 1, None, False, False),
+    (1, 4096, 4096, 128, "ksplit", 1, None, False, True),
+    (1, 1000, 11008, 128, "gemv", 1, None, True, False),  # N not a multiple of the 8 rows a CTA takes
+    (3, 1536, 576, 32, "ksplit", 1, None, False, False),
+    (16, 1000, 11008, 128, "ksplit", 2, None, True, False),
+    (5, 4096, 14336, 32, "ksplit", 1, None, False, True),
+    (9, 1000, 4096, 128, "ksplit", 2, None, False, False),
+    (24, 2560, 2048, 128, "ksplit", 2, None, False, True),  # 17-32 tokens: two token tiles (grid.y)
+    (32, 1000, 11008, 128, "ksplit", 2, None, True, False),
+    (29, 1536, 576, 32, "ksplit", 2, None, False, False),
+    (3, 1536, 576, 32, "gemv", 4, None, False, False),
+    (2, 1000, 4096, 4096, "gemv", 2, None, False, True),
+    (1, 4096, 4096, 128, "stream", 1, None, False, True),
+    (3, 1536, 576, 32, "stream", 4, None, False, False),
+    (2, 1000, 4096, 4096, "stream", 2, None, True, True),
+    (1, 1000, 11008, 128, "stream", 1, None, False, False),
+    (64, 4096, 4096, 128, "staged", 8, None, False, True),
+    (33, 1000, 11008, 32, "staged", 8, None, False, False),
+    (16, 1000, 4096, 128, "staged", 2, None, True, False),
+    (5, 1536, 576, 64, "staged", 1, None, False, False),
+    (100, 768, 2048, 64, "staged", 8, 3, False, True),
+    (64, 768, 8192, 128, "staged", 8, 1, False, False),
+    (24, 4096, 14336, 128, "staged", 4, None, False, True),
+)
+
+
+# The tc kernel (W4 only): (tokens, out_features, in_features, group size, tile, zeros, fp32 scales, bias), zeros
+# "int" (zero mode, whole zero points: group sums scaled once when G % 128 == 0), "frac" (zero mode, fractional
+# zero points) or "min" (GGUF-style offsets): the last two dequantize weights before the product.
+TC_CASES = (
+    (1, 2560, 2048, 128, 1, "int", False, False),
+    (1, 2048, 11008, 128, 1, "int", False, True),
+    (1, 22016, 2048, 128, 1, "int", False, False),
+    (1, 2048, 2048, 128, 1, "frac", False, False),
+    (1, 2048, 2048, 128, 1, "min", True, True),
+    (3, 1024, 4096, 32, 1, "int", False, False),  # G = 32: weights dequantized first
+    (2, 512, 1024, 64, 1, "min", False, False),
+    (1, 512, 1024, 256, 1, "int", True, False),
+    (4, 512, 11008, 11008, 1, "int", False, True),  # per-channel
+    (1, 16, 128, 128, 1, "int", False, False),  # one tile, one segment
+    (8, 2048, 2048, 128, 1, "int", False, False),
+    (12, 2560, 2048, 128, 2, "int", False, True),
+    (16, 2048, 11008, 128, 2, "min", False, False),
+    (24, 2048, 2048, 128, 4, "int", False, False),
+    (32, 22016, 2048, 128, 4, "int", False, True),
+    (29, 1024, 4096, 32, 4, "frac", True, False),
+    (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
+)
+# The tcs kernel (tc's pairs, staged activations, split-K): the same fields.
+TCS_CASES = (
+    (9, 2560, 2048, 128, 2, "int", False, True),
+    (16, 22016, 2048, 128, 2, "int", False, False),
+    (24, 2048, 11008, 128, 4, "int", False, False),
+    (32, 2048, 2048, 128, 4, "int", True, True),
+    (32, 992, 4096, 32, 4, "frac", False, False),  # N not a multiple of 128: idle warps
+    (20, 512, 1024, 64, 4, "min", False, True),
+    (5, 16, 128, 128, 1, "int", False, False),
+    (40, 2048, 2048, 128, 4, "int", False, False),  # two token tiles along grid.y
+    (12, 512, 11008, 11008, 2, "int", False, False),  # per-channel
+    (1, 22016, 2048, 128, 1, "int", False, True),  # up to 8 tokens on few row tiles: two K-splits
+    (6, 2560, 2048, 64, 1, "min", True, False),
+)
+TC_KERNEL_CASES = {"tc": TC_CASES, "tcs": TCS_CASES}
+
+
+def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str = "tc",
+                   cases=TC_CASES) -> list[CheckResult]:
+    """The tc or tcs kernel on its cases against the fp32 reference product, in both activation dtypes."""
+    from deepinfer.kernels.quant_matmul import quant_matmul
+
+    results = []
+    for m, n, k, g, tile, zeros_kind, f32_scales, with_bias in cases:
+        for dtype in dtypes:
+            case = (f"{DTYPE_NAMES[dtype]} W4 {zeros_kind}-zeros M={m} N={n} K={k} G={g} {kernel}/{tile}"
+                    + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, tile=tile, zeros_kind=zeros_kind, f32_scales=f32_scales,
+                    with_bias=with_bias, dtype=dtype, case=case, kernel=kernel):
+                packed = tc_case_weight(n, k, g, zeros_kind, f32_scales, dtype if with_bias else None, device)
+                zero_mode = packed.zero_mode
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, g, zero_mode, packed.bias,
+                             kernel=kernel, tile=tile, out=out, integer_zeros=packed.integer_zeros)
+                ref = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    ref = ref + packed.bias.float()
+                return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
+
+            results += guarded("quant_matmul", case, run)
+    return results
+
+
+def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUANT_CASES) -> list[CheckResult]:
+    from deepinfer.kernels.quant_matmul import quant_matmul
+
+    results = []
+    for index, (m, n, k, g, kernel, tile, splits, f32_scales, with_bias) in enumerate(cases):
+        for dtype in dtypes:
+            for bits in (4, 3):
+                zero_mode = "zero" if (index + bits) % 2 else "min"
+                case = (f"{DTYPE_NAMES[dtype]} W{bits} {zero_mode} M={m} N={n} K={k} G={g} {kernel}/{tile}"
+                        + (f" splits={splits}" if splits else "") + (" fp32-scales" if f32_scales else "")
+                        + (" bias" if with_bias else ""))
+
+                def run(m=m, n=n, k=k, g=g, kernel=kernel, tile=tile, splits=splits, f32_scales=f32_scales,
+                        with_bias=with_bias, dtype=dtype, bits=bits, zero_mode=zero_mode, case=case):
+                    packed = random_packed(n, k, g, bits, zero_mode, torch.float32 if f32_scales else torch.float16,
+                                           device, bias_dtype=dtype if with_bias else None)
+                    x = torch.randn(m, k, device=device, dtype=dtype)
+                    out = poisoned((m, n), dtype, device)
+                    quant_matmul(x, packed.qweight, packed.scales, packed.zeros, bits, g, zero_mode, packed.bias,
+                                 kernel=kernel, tile=tile, splits=splits, out=out)
+                    ref = x.float() @ dequantize(packed, torch.float32).T
+                    if packed.bias is not None:
+                        ref = ref + packed.bias.float()
+                    return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
+
+                results += guarded("quant_matmul", case, run)
+    for dtype in dtypes:  # act-order permutation and bias through core.ops dispatch
+        case = f"{DTYPE_NAMES[dtype]} W4 act-order via core.ops M=5 N=640 K=1024 G=128"
+
+        def run_dispatch(dtype=dtype, case=case):
+            from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
+
+            packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
+            x = torch.randn(5, 1024, device=device, dtype=dtype)
+            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
+
+        results += guarded("quant_matmul", case, run_dispatch)
+    return results
+
+
+def check_quant_matmul_all(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """Every quantized-matmul kernel's cases: QUANT_CASES, then the tc and tcs kernels' own."""
+    results = check_quant_matmul(device, dtypes)
+    for kernel, cases in TC_KERNEL_CASES.items():
+        results += check_quant_tc(device, dtypes, kernel, cases)
+    return results
+
+
+# ---- dequantize (the dense path of many-token products) -------------------------------------------
+
+def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """The kernel's dense weight must equal the reference's bit for bit (same fp32 operations, one
+    rounding to the dtype), and core.ops.quant_matmul's dense path must match the reference product."""
+    from deepinfer.kernels.dequantize import dequantize as dequantize_kernel
+
+    results = []
+    for dtype in dtypes:
+        for bits in (4, 3):
+            for zero_mode, scale_dtype, group_size in (("zero", torch.float16, 128), ("min", torch.float32, 32),
+                                                       ("zero", torch.float16, 2048)):
+                case = f"{DTYPE_NAMES[dtype]} W{bits} {zero_mode} N=1000 K=2048 G={group_size} scales {scale_dtype}"
+
+                def run(dtype=dtype, bits=bits, zero_mode=zero_mode, scale_dtype=scale_dtype, group_size=group_size,
+                        case=case):
+                    packed = random_packed(1000, 2048, group_size, bits, zero_mode, scale_dtype, device)
+                    out = poisoned((1000, 2048), dtype, device)
+                    dequantize_kernel(packed.qweight, packed.scales, packed.zeros, bits, group_size, zero_mode, dtype,
+                                      out=out)
+                    ref = dequantize(packed, dtype)
+                    result = compare("dequantize", case, out, ref, REL_TOL[dtype])
+                    result.ok = bool(torch.equal(out, ref))
+                    if not result.ok:
+                        result.detail = "not bit-identical to core.quant.packing.dequantize"
+                    return result
+
+                results += guarded("dequantize", case, run)
+        case = f"{DTYPE_NAMES[dtype]} W4 act-order dense path via core.ops M=100 N=640 K=1024 G=128"
+
+        def run_dense(dtype=dtype, case=case):
+            from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
+            from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
+
+            packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
+            assert product_row(ProductShape(100, 1024, 640, 4, 128)).kernel == "dense"
+            x = torch.randn(100, 1024, device=device, dtype=dtype)
+            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            return compare("dequantize", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
+
+        results += guarded("dequantize", case, run_dense)
+    return results
+
+
+
+# The merged q/k/v product with RoPE and the cache write in its epilogue: (tokens, q heads, KV heads, head_dim,
+# in_features, group size, zeros, bias), zeros as in TC_CASES.
+QKV_ROPE_CASES = (
+    (1, 16, 2, 128, 2048, 128, "int", True),  # Qwen2.5-3B
+    (8, 16, 2, 128, 2048, 128, "int", True),
+    (3, 32, 8, 128, 4096, 128, "int", False),  # Llama-3-8B
+    (5, 8, 4, 64, 1024, 64, "min", False),
+    (2, 12, 4, 256, 2048, 128, "frac", True),
+)
+
+
+def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """quant_matmul_rope_cache against the unfused kernels it replaces (tc product, then rope_cache_kernel): the
+    rotated q and k, the v columns and the cache rows must be the same bits, and no other cache row written;
+    and against the fp32 reference product rotated in fp32 within the usual tolerance."""
+    from deepinfer.core.ops.quant_matmul_table import QKV_ROPE, ProductShape, epilogue_serves
+    from deepinfer.kernels.quant_matmul import (
+        qkv_rope_unsupported_reason,
+        quant_matmul,
+        quant_matmul_rope_cache,
+    )
+    from deepinfer.kernels.rope_cache import rope_and_cache_write
+
+    results = []
+    num_blocks, block_size = 24, 16
+    for m, heads, kv_heads, head_dim, k, g, zeros_kind, with_bias in QKV_ROPE_CASES:
+        for dtype in dtypes:
+            case = (f"{DTYPE_NAMES[dtype]} M={m} H={heads}/{kv_heads} D={head_dim} K={k} G={g} {zeros_kind}-zeros"
+                    + (" bias" if with_bias else ""))
+
+            def run(m=m, heads=heads, kv_heads=kv_heads, head_dim=head_dim, k=k, g=g, zeros_kind=zeros_kind,
+                    with_bias=with_bias, dtype=dtype, case=case):
+                n = (heads + 2 * kv_heads) * head_dim
+                packed = tc_case_weight(n, k, g, zeros_kind, False, dtype if with_bias else None, device)
+                zero_mode = packed.zero_mode
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                cos, sin = rope_tables(m, head_dim, dtype, device)
+                shape = (num_blocks, kv_heads, block_size, head_dim)
+                caches = [poisoned(shape, dtype, device) for _ in range(4)]
+                reason = qkv_rope_unsupported_reason(4, g, k, n, heads, kv_heads, head_dim, caches[0].dtype, block_size,
+                                                     dtype)
+                served = epilogue_serves(QKV_ROPE, ProductShape(m, k, n, 4, g))
+                assert reason is None and served, f"not a case the engine sends here: {reason}"
+                slots = torch.randperm(num_blocks * block_size, device=device)[:m]
+                if m > 2:
+                    slots[m // 2] = -1  # a padding row: no cache write
+                args = (packed.qweight, packed.scales, packed.zeros)
+                query, key, value = quant_matmul_rope_cache(
+                    x, *args, packed.bias, g, zero_mode, packed.integer_zeros, heads, kv_heads, head_dim, cos, sin,
+                    caches[0], caches[1], slots)
+                qkv = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, kernel="tc", tile=1,
+                                   integer_zeros=packed.integer_zeros)
+                q_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+                q_raw, k_raw, v_raw = (part.reshape(m, -1, head_dim) for part in qkv.split(q_sizes, dim=-1))
+                ref_q, ref_k = rope_and_cache_write(q_raw, k_raw, v_raw, cos, sin, caches[2], caches[3], slots)
+                checks = []
+                for name, got, want in (("q", query, ref_q), ("k", key, ref_k), ("v", value, v_raw),
+                                        ("k cache", caches[0], caches[2]), ("v cache", caches[1], caches[3])):
+                    same = torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
+                    checks.append(CheckResult("quant_matmul_rope_cache", f"{case} {name} == unfused", same,
+                                              detail="" if same else "differs from the unfused kernels' bits"))
+                full = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    full = full + packed.bias.float()
+                fq, fk, _ = (part.reshape(m, -1, head_dim) for part in full.split(q_sizes, dim=-1))
+                checks.append(compare("quant_matmul_rope_cache", f"{case} q vs fp32",
+                                      query, apply_rotary_reference(fq, cos.float(), sin.float()), REL_TOL[dtype]))
+                checks.append(compare("quant_matmul_rope_cache", f"{case} k vs fp32",
+                                      key, apply_rotary_reference(fk, cos.float(), sin.float()), REL_TOL[dtype]))
+                return checks
+
+            results += guarded("quant_matmul_rope_cache", case, run)
+    return results
+
+
+# The merged gate/up product with the activation in its epilogue: (tokens, inner I, in_features, group size, zeros,
+# fp32 scales, bias, activation), zeros as in TC_CASES; the weight is [2I, K].
+GATE_UP_ACT_CASES = (
+    (1, 11008, 2048, 128, "int", False, False, "silu"),  # Qwen2.5-3B at one token: two K-splits
+    (8, 11008, 2048, 128, "int", False, True, "silu"),
+    (12, 11008, 2048, 128, "int", False, False, "silu"),  # two token tiles a CTA
+    (32, 11008, 2048, 128, "frac", True, False, "gelu_tanh"),  # four token tiles, one split
+    (2, 14336, 4096, 128, "int", False, False, "silu"),  # Llama-3-8B
+    (5, 1504, 512, 64, "min", False, True, "gelu_tanh"),  # I not a multiple of 64: idle warps in the last CTA
+    (4, 2048, 512, 512, "int", False, False, "silu"),  # per-channel
+)
+
+
+def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """quant_matmul_act_and_mul against the unfused kernels it replaces (the tcs product, then act_and_mul_kernel):
+    the same bits; and against the fp32 reference product's act(gate) * up within the usual tolerance."""
+    from deepinfer.core.ops.quant_matmul_table import GATE_UP_ACT, ProductShape, epilogue_serves
+    from deepinfer.kernels.act_and_mul import act_and_mul
+    from deepinfer.kernels.quant_matmul import (
+        gate_up_act_unsupported_reason,
+        quant_matmul,
+        quant_matmul_act_and_mul,
+    )
+
+    results = []
+    for m, inner, k, g, zeros_kind, f32_scales, with_bias, activation in GATE_UP_ACT_CASES:
+        for dtype in dtypes:
+            case = (f"{DTYPE_NAMES[dtype]} {activation} M={m} I={inner} K={k} G={g} {zeros_kind}-zeros"
+                    + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, inner=inner, k=k, g=g, zeros_kind=zeros_kind, f32_scales=f32_scales, with_bias=with_bias,
+                    activation=activation, dtype=dtype, case=case):
+                packed = tc_case_weight(2 * inner, k, g, zeros_kind, f32_scales, dtype if with_bias else None,
+                                        device)
+                zero_mode = packed.zero_mode
+                reason = gate_up_act_unsupported_reason(4, g, k, 2 * inner, activation)
+                served = epilogue_serves(GATE_UP_ACT, ProductShape(m, k, 2 * inner, 4, g))
+                assert reason is None and served, f"not a case the engine sends here: {reason}"
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                args = (packed.qweight, packed.scales, packed.zeros)
+                out = quant_matmul_act_and_mul(x, *args, packed.bias, g, zero_mode, packed.integer_zeros, activation)
+                gate_up = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, kernel="tcs",
+                                       integer_zeros=packed.integer_zeros)
+                want = act_and_mul(gate_up[:, :inner], gate_up[:, inner:], activation)
+                # the default (K splits in a cluster where the device has them) and splits through global memory
+                global_splits = quant_matmul_act_and_mul(x, *args, packed.bias, g, zero_mode, packed.integer_zeros,
+                                                         activation, cluster_splits=False)
+                checks = []
+                for name, got in (("", out), (" global split-K", global_splits)):
+                    same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    checks.append(CheckResult("quant_matmul_act_and_mul", f"{case}{name} == unfused", same,
+                                              detail="" if same else "differs from the unfused kernels' bits"))
+                full = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    full = full + packed.bias.float()
+                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                checks.append(compare("quant_matmul_act_and_mul", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype]))
+                return checks
+
+            results += guarded("quant_matmul_act_and_mul", case, run)
+    return results
+
