@@ -78,6 +78,7 @@ def detect_source(path: Path) -> str:
 def _load_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(model_dir))
     files = hf_safetensors.safetensors_files(model_dir)
+    hf_safetensors.check_safetensors_match_spec(spec, files)  # before the model is allocated
     model = _build_model(spec, config, device, dtype)
     model.load_weights(hf_safetensors.iter_safetensors(files))
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
