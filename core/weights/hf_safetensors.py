@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from deepinfer.core.errors import ModelLoadError
-from deepinfer.core.models.spec import MAX_EOS_TOKEN_IDS
+from deepinfer.core.models.spec import MAX_EOS_TOKEN_IDS, ModelSpec
 from deepinfer.core.weights.file_checks import checked_file, confinement_root, member_path, read_json_file
 from deepinfer.core.weights.tensor_checks import check_tensors_match_spec
 
@@ -36,7 +36,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
-    """config.json, with generation_config.json's eos ids merged into `eos_token_id` (a list)."""
+    """config.json, with generation_config.json's eos ids merged into `eos_token_id` (a list), checked
+    against ModelSpec's bounds here, so that an error names the file's path."""
     config = read_json(model_dir / CONFIG_FILE)
     generation_path = model_dir / "generation_config.json"
     if generation_path.is_file():
@@ -44,6 +45,7 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
             read_json(generation_path).get("eos_token_id"), generation_path)
         if eos_ids:
             config["eos_token_id"] = list(dict.fromkeys(eos_ids))
+    ModelSpec.from_hf_config(config, where=str(model_dir / CONFIG_FILE))
     return config
 
 
