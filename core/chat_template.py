@@ -12,8 +12,8 @@ does; a template that runs past a limit raises ChatTemplateError (an InvalidRequ
   loop iterations in all (nested loops multiply quickly);
 - size: the rendered prompt holds at most `max_output_chars` (plus OUTPUT_PER_INPUT_CHAR per
   character of the messages), and every string, list or output piece the template builds (`~`,
-  `+`, `*`, `%`, filters, method calls, macro results) is charged to an allocation budget
-  (`max_allocated_chars`, plus ALLOCATION_PER_INPUT_CHAR per input character). Calls that
+  `+`, `*`, `%`, filters, method calls, macro results) is charged, by its size in bytes, to an
+  allocation budget (`max_allocated_bytes`, plus ALLOCATION_PER_INPUT_CHAR per input character). Calls that
   amplify (`center`, `ljust`, `replace`, `join`, `format`, `indent`, `wordwrap`, `batch`, `sum`,
   `*`, `%`, ...) are charged their result's size before they run, so no single step allocates
   past the budget;
@@ -56,7 +56,7 @@ class TemplateLimits:
     max_seconds: float = 2.0
     max_iterations: int = 1_000_000
     max_output_chars: int = 1 << 20
-    max_allocated_chars: int = 32 << 20
+    max_allocated_bytes: int = 32 << 20
 
 
 class _Budget:
@@ -67,7 +67,7 @@ class _Budget:
         self.deadline = time.monotonic() + limits.max_seconds
         self.iterations = limits.max_iterations
         self.output_limit = limits.max_output_chars + OUTPUT_PER_INPUT_CHAR * input_chars
-        self.allocation_limit = limits.max_allocated_chars + ALLOCATION_PER_INPUT_CHAR * input_chars
+        self.allocation_limit = limits.max_allocated_bytes + ALLOCATION_PER_INPUT_CHAR * input_chars
         self.allocated = 0
 
     def check_time(self) -> None:
@@ -81,10 +81,10 @@ class _Budget:
         self.check_time()
 
     def charge(self, size: int) -> None:
-        """Count `size` characters (or items) about to be built; refuse past the allocation budget."""
+        """Count `size` bytes about to be built (see `_size`); refuse past the allocation budget."""
         self.allocated += size
         if self.allocated > self.allocation_limit:
-            raise ChatTemplateError(f"the chat template built more than {self.allocation_limit} characters "
+            raise ChatTemplateError(f"the chat template built more than {self.allocation_limit} bytes "
                                     f"of strings and lists")
         self.check_time()
 
@@ -100,7 +100,14 @@ def _budget() -> _Budget:
 
 
 def _size(value: Any) -> int:
-    return len(value) if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)) else 0
+    """Bytes `value` holds, roughly: a byte per character, a pointer per item (more per dict entry)."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return 8 * len(value)
+    if isinstance(value, dict):
+        return 32 * len(value)
+    return 0
 
 
 def _check_int(value: Any) -> Any:
