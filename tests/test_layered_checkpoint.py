@@ -113,7 +113,7 @@ def copy_checkpoint(converted, tmp_path):
 @pytest.mark.parametrize(("damage", "message"), [
     ("flip", r"layer_00001.safetensors: size or sha256 does not match the manifest"),
     ("truncate", r"embeddings.safetensors: size or sha256 does not match the manifest"),
-    ("delete", r"cannot read layers/layer_00002.safetensors"),
+    ("delete", r"layers/layer_00002.safetensors: checkpoint file is missing"),
     ("version", r"format version 2 is not supported"),
     ("wrong_layer", r"layer_00001.safetensors: holds layer '0', expected 1"),
 ])

@@ -165,9 +165,8 @@ def test_dummy_weights_from_a_shape_file_run(tmp_path, monkeypatch):
 
 
 def test_no_chat_template_is_a_clear_error(tiny_tokenizer):
-    tokenizer = Tokenizer(tiny_tokenizer)
-    tokenizer.hf_tokenizer = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer,
-                                                      eos_token="<|im_end|>")
+    tokenizer = Tokenizer(tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer,
+                                                   eos_token="<|im_end|>"))
     assert tokenizer.eos_token_ids == {tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")}
     with pytest.raises(InvalidRequestError, match="no chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])

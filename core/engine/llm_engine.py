@@ -30,8 +30,8 @@ chooses the attention backend, measures the largest step to size the KV pool, al
 captures the step CUDA graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
 
 Every step is exception-safe: a failed forward fails the requests of that step alone (finish
-reason "error", blocks freed) and the next step goes on; a request whose detokenization fails
-fails alone. Bad input is refused when the request is made (`make_request_group`), never in a step.
+reason "error", blocks freed) and the next step goes on; a request whose sampling or
+detokenization fails fails alone. Bad input is refused when the request is made (`make_request_group`), never in a step.
 With a step in flight, a step whose launch fails is reported after the step in flight is applied
 (its requests keep the tokens that step gave them, then fail); an abort finishes the request at
 once and discards what the step in flight computed for it.
@@ -247,6 +247,7 @@ class LLMEngine:
             new_prompt_tokens = sum(  # prompt tokens computed for the first time
                 max(0, min(c.seq_len, c.request.num_prompt_tokens) - c.request.max_computed_prompt_tokens)
                 for c in scheduler_output.chunks if not c.request.is_finished)
+            sampling_failed = self._fail_sampling_failures(inflight)  # before update, which then skips them
             sampled = self.scheduler.update(scheduler_output, runner_output)
         except Exception as err:  # fail this step's requests only; the engine goes on
             logger.exception("a step of %d requests failed; failing them", len(requests))
@@ -259,7 +260,18 @@ class LLMEngine:
                                            stop_reason=stop)
         for request, message in failed:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR, error=message)
-        return sampled + [request for request, _ in failed]
+        return sampled + [request for request, _ in failed] + sampling_failed
+
+    def _fail_sampling_failures(self, inflight: InflightStep) -> list[Request]:
+        """Fail the requests whose own sampling raised in `inflight` (the sampler gave them token 0)."""
+        failures = inflight.sampled.failures if inflight.sampled is not None else {}
+        finished = []
+        for row, message in failures.items():
+            request = inflight.sampling_chunks[row].request
+            logger.error("request %s failed: %s", request.request_id, message)
+            finished += self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
+                                                       error=message)
+        return finished
 
     def _fail(self, requests: list[Request], err: Exception) -> list[Request]:
         message = f"{type(err).__name__}: {err}"

@@ -35,11 +35,17 @@ first read. The per-row parameters go host->device in small non-blocking copies.
 
 Penalties read the rows' output tokens on the host (`reads_output_tokens`): a step with such a row
 can only be launched once the previous step's tokens are applied.
+
+A row whose sampling raises fails alone: when the batched call raises, the seeded rows' generators
+are put back and every row is sampled again by itself; a row that raises then gets token 0 and its
+error in `failures` (the engine fails that request), the others get the tokens they would have got
+in a batch without it (a row's token depends only on its own logits, parameters and generator).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,6 +56,8 @@ from deepinfer.core.engine.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.transfers import HostCopy, to_device
 from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
+
+logger = logging.getLogger(__name__)
 
 # Below this temperature a row is sampled greedily: logits / T would overflow float32 (vLLM: same).
 _GREEDY_TEMPERATURE = 1e-5
@@ -74,6 +82,7 @@ class SamplerOutput:
         """sampled: [N] int64; logprob_table: [L, 2 + 2K] float64 for the L rows whose num_top is
         not None (see `_logprob_table`); num_top: [N], each row's params.logprobs."""
         self.sampled = sampled
+        self.failures: dict[int, str] = {}  # row -> error, for rows whose sampling raised
         self._num_top = num_top
         self._copy = HostCopy([sampled] if logprob_table is None else [sampled, logprob_table])
 
@@ -96,6 +105,25 @@ class SamplerOutput:
             top = [(int(values[2 + max_top + j]), values[2 + j]) for j in range(self._num_top[row])]
             logprobs[row] = TokenLogprob(token_id=int(values[0]), logprob=values[1], top=top)
         return logprobs
+
+
+class RowwiseSamplerOutput:
+    """The tokens of a batch sampled row by row (some rows failed): what SamplerOutput gives, from
+    one SamplerOutput per row (None for a failed row, whose token is 0)."""
+
+    def __init__(self, rows: list[SamplerOutput | None], failures: dict[int, str], device: torch.device) -> None:
+        self._rows = rows
+        self.failures = failures
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        self.sampled = torch.cat([zero if row is None else row.sampled for row in rows])  # [N]
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        return [0 if row is None else row.token_ids[0] for row in self._rows]
+
+    @cached_property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        return [None if row is None else row.logprobs[0] for row in self._rows]
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -122,14 +150,33 @@ def reads_output_tokens(params: SamplingParams) -> bool:
 
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               grammar_mask: GrammarMask | None = None) -> SamplerOutput:
+               grammar_mask: GrammarMask | None = None) -> SamplerOutput | RowwiseSamplerOutput:
         """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified.
-        grammar_mask: the token masks of the constrained rows, None when there are none."""
+        grammar_mask: the token masks of the constrained rows, None when there are none.
+        A row whose sampling raises fails alone (see the module docstring)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"sampler: logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
-        logits = logits.float()
         if grammar_mask is not None:
-            logits = apply_grammar_mask(logits, grammar_mask)
+            logits = apply_grammar_mask(logits.float(), grammar_mask)
+        states = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
+        try:
+            return self._sample_batch(logits, rows)
+        except Exception:  # whatever one row's parameters made fail, the others go on
+            logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(rows), exc_info=True)
+        for generator, state in states:  # the failed call may have drawn from them
+            generator.set_state(state)
+        outputs: list[SamplerOutput | None] = []
+        failures: dict[int, str] = {}
+        for index, row in enumerate(rows):
+            try:
+                outputs.append(self._sample_batch(logits[index:index + 1], [row]))
+            except Exception as err:  # noqa: BLE001 - this row fails alone
+                outputs.append(None)
+                failures[index] = f"sampling failed: {type(err).__name__}: {err}"
+        return RowwiseSamplerOutput(outputs, failures, logits.device)
+
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
         num_top = [row.params.logprobs for row in rows]
         logprob_rows = [i for i, n in enumerate(num_top) if n is not None]
         logprob_index = None  # [L] on the device; None when every row asked (no gather needed)

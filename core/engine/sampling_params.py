@@ -1,12 +1,36 @@
 """SamplingParams: how one request turns logits into tokens and when it stops.
 
-Validated on construction, so a bad value becomes a clear ValueError at the API edge
-(the server maps it to a 400) and never reaches the engine loop.
+Validated on construction, so a bad value becomes a clear InvalidRequestError (a ValueError) at
+the API edge (the server maps it to a 400) and never reaches the engine loop. Types are exact: counts are integers (a bool
+is not one, nor is 2.5), rates are real numbers (not bools); ranges are those that survive the
+sampler's float32 arithmetic:
+
+- top_p >= the smallest normal float32 (a smaller one rounds to 0 and masks every token);
+- repetition_penalty in [0.01, 100] (a logit is divided or multiplied by it: 1e-300 is 0 in
+  float32, a division by zero);
+- temperature finite and at most float32's maximum;
+- seed + n - 1 within what torch.Generator.manual_seed takes, [-2**63, 2**64 - 1] (sample i of
+  a request with n > 1 is seeded seed + i);
+- stop strings: at most MAX_STOP_STRINGS, each non-empty, of any length, with a UTF-8 form.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+from deepinfer.core.errors import InvalidRequestError
+
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
+MAX_STOP_STRINGS = 16  # each is checked against the new text after every token, on the engine thread
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 from deepinfer.core.structured.params import StructuredOutputsParams
 
@@ -32,35 +56,87 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.n = _integer("n", self.n, 1)
+        self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
+        self.temperature = _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        self.top_p = _real("top_p", self.top_p, FLOAT32_TINY, 1.0)
+        self.top_k = _integer("top_k", self.top_k, -1, hint=" (-1 or 0 disables)")
         if self.top_k == -1:
             self.top_k = 0
+        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                                        MAX_REPETITION_PENALTY)
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, MIN_SEED, MAX_SEED - (self.n - 1),
+                                 hint=" (with n samples, seed + n - 1 must fit 64 bits)" if self.n > 1 else "")
+        self.stop = _stop_strings(self.stop)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+        self.stop_token_ids = [_integer("stop_token_ids", token, 0) for token in self.stop_token_ids]
+        self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.structured_outputs is not None:
             try:
                 self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             except TypeError as err:
-                raise ValueError(str(err)) from None
-        checks = [
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (or -1 to disable), got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+                raise InvalidRequestError(str(err)) from None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
+    """An integer (not a bool, not a float) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__} {_shown(value)}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        interval = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidRequestError(f"{name} must be {interval}{hint}, got {value}")
+    return value
+
+
+def _real(name: str, value: Any, low: float, high: float) -> float:
+    """A finite real number (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float64
+        value = math.inf
+    if not math.isfinite(value) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value:g}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be true or false, got {type(value).__name__} {_shown(value)}")
+    return value
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop holds {len(stop)} strings, more than the {MAX_STOP_STRINGS} allowed")
+    for text in stop:
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"stop must be non-empty strings, got {_shown(text)}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidRequestError(f"stop string {_shown(text)} is not valid Unicode (a lone surrogate at "
+                             f"character {err.start})") from None
+    return list(stop)

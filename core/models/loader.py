@@ -116,6 +116,7 @@ def detect_source(path: Path) -> str:
 def _read_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(model_dir))
     files = hf_safetensors.safetensors_files(model_dir)
+    hf_safetensors.check_safetensors_match_spec(spec, files)  # before the model is allocated
     model = _build_model(spec, config, device, dtype)
     model.load_weights(hf_safetensors.iter_safetensors(files))
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
@@ -138,8 +139,8 @@ def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
 def _read_layered(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
     """Layer by layer, each file's sha256 checked as it is read, so peak host memory stays near one layer."""
     manifest = layered.read_manifest(path)
-    layered.read_checked_bytes(path, layered.CONFIG_FILE, manifest)
-    spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
+    layered.verify_small_files(path, manifest)  # config, tokenizer, template: checked before any is read
+    spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path), where=str(path / layered.CONFIG_FILE))
     if spec.num_layers != manifest["num_layers"]:
         raise ModelLoadError(f"{path}: config.json has {spec.num_layers} layers, the manifest {manifest['num_layers']}")
     model = DecoderModel.on_meta(spec, dtype, device, _max_positions(spec, config))

@@ -11,8 +11,11 @@ as transformers' GGUF loader does (`modeling_gguf_pytorch_utils.py`):
 - Llama 3 RoPE scaling is stored as a `rope_freqs.weight` tensor of per-frequency divisors; it
   becomes ModelSpec.rope_scaling ("freq_factors"), not a weight.
 
-Every tensor's byte range is checked against the file size before any data is touched, so a
-truncated download is a one-line ModelLoadError, not a numpy reshape error.
+The file is untrusted: before gguf-py parses it, core/weights/gguf_header.py walks its header with
+every count, length and tensor range checked against the file (a truncated download, an array that
+claims 2**63 items, overlapping tensors are one-line ModelLoadErrors); the metadata then goes
+through ModelSpec's bounds under its GGUF key names, and the tensors the header declares must be
+exactly those of the model the metadata describes, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import numpy as np
 import torch
 
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
-from deepinfer.core.models.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+from deepinfer.core.models.spec import MAX_HEAD_DIM, SUPPORTED_MODEL_TYPES, ModelSpec
+from deepinfer.core.weights.file_checks import checked_file
+from deepinfer.core.weights.gguf_header import scan_gguf_header
+from deepinfer.core.weights.tensor_checks import check_tensors_match_spec
 
-GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"
 
 # general.architecture -> HF model_type
@@ -66,26 +71,21 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
 
 
 def open_gguf(path: Path) -> Any:
-    """A `gguf.GGUFReader` over `path`, with the file checked to hold every tensor it declares."""
+    """A `gguf.GGUFReader` over `path` (a regular file), its header checked first (gguf_header.py)."""
     import gguf
 
-    try:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
-    except OSError as err:
-        raise ModelLoadError(f"cannot read {path}: {err}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    checked_file(path, what="GGUF file")
+    layout = scan_gguf_header(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as err:  # noqa: BLE001 - gguf-py raises ValueError, IndexError... on a damaged header
-        raise ModelLoadError(f"GGUF file {path} is truncated or damaged ({type(err).__name__}: {err})") from None
-    file_size = path.stat().st_size
+        raise ModelLoadError(f"{path}: GGUF file is damaged ({type(err).__name__}: {err})") from None
+    # gguf-py must see the ranges that were checked (its offsets are uint64 arithmetic).
+    ranges = {tensor.name: (tensor.start, tensor.nbytes) for tensor in layout.tensors}
     for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > file_size or tensor.data.nbytes != int(tensor.n_bytes):
-            raise ModelLoadError(f"GGUF file {path} is truncated: tensor {tensor.name!r} needs bytes up to {end}, "
-                                 f"the file has {file_size}")
+        if ranges.get(tensor.name) != (int(tensor.data_offset), int(tensor.n_bytes)) \
+                or tensor.data.nbytes != int(tensor.n_bytes):
+            raise ModelLoadError(f"{path}: GGUF tensor {tensor.name!r} is not where its header says")
     return reader
 
 
@@ -95,12 +95,15 @@ def read_field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
-    """The HF config.json the GGUF's metadata describes (what transformers' GGUF loader builds)."""
+    """The HF config.json the GGUF's metadata describes (what transformers' GGUF loader builds),
+    checked: every number within ModelSpec's bounds (errors name the GGUF key), and the tensors the
+    header declares exactly those of the model it describes (names and shapes)."""
+    where = str(reader.data.filename)
     arch = read_field(reader, "general.architecture")
-    model_type = _ARCH_TO_MODEL_TYPE.get(arch)
+    model_type = _ARCH_TO_MODEL_TYPE.get(arch) if isinstance(arch, str) else None
     if model_type is None:
         raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}")
+            f"{where}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}")
     names = {tensor.name for tensor in reader.tensors}
 
     def meta(key: str, default: Any = None) -> Any:
@@ -109,17 +112,20 @@ def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
     num_heads = meta("attention.head_count")
     hidden_size = meta("embedding_length")
     num_layers = meta("block_count")
-    if None in (num_heads, hidden_size, num_layers):
-        raise ModelLoadError(f"GGUF metadata lacks {arch}.attention.head_count / embedding_length / block_count")
-    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden_size // num_heads
-    tokens = read_field(reader, "tokenizer.ggml.tokens") or []
-    vocab_size = meta("vocab_size") or len(tokens) or _embedding_rows(reader)
+    missing = [key for key, value in (("attention.head_count", num_heads), ("embedding_length", hidden_size),
+                                      ("block_count", num_layers)) if value is None]
+    if missing:
+        raise ModelLoadError(f"{where}: GGUF metadata lacks {', '.join(f'{arch}.{key}' for key in missing)}")
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count")  # None: hidden / heads
+    token_field = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = meta("vocab_size") or (len(token_field.data) if token_field is not None else 0) \
+        or _embedding_rows(reader)
     eos_ids = [read_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")]
 
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [SUPPORTED_MODEL_TYPES[model_type]],
-        "vocab_size": int(vocab_size),
+        "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": num_layers,
@@ -132,27 +138,62 @@ def gguf_metadata_to_hf_config(reader: Any) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": read_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": [int(e) for e in dict.fromkeys(eos_ids) if e is not None],
+        "eos_token_id": [e for e in dict.fromkeys(eos_ids) if e is not None],
     }
     scaling_type = meta("rope.scaling.type", "none")
     if ROPE_FREQS in names:  # Llama 3.x: HF's llama3 scaling, baked into one factor per frequency
-        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(reader)}
+        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": _rope_freq_factors(reader, where)}
     elif scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
     elif scaling_type != "none":
-        raise UnsupportedModelError(f"unsupported GGUF rope scaling type {scaling_type!r}; supported: none, linear")
+        raise UnsupportedModelError(f"{where}: unsupported GGUF rope scaling type {scaling_type!r}; "
+                                    f"supported: none, linear")
     if model_type == "gemma2":
         config["sliding_window"] = meta("attention.sliding_window")
         config["attn_logit_softcapping"] = meta("attn_logit_softcapping", 50.0)
         config["final_logit_softcapping"] = meta("final_logit_softcapping", 30.0)
         # llama.cpp's rule: Gemma 2 27B (46 layers) scales by hidden/heads, the others by head_dim.
-        config["query_pre_attn_scalar"] = hidden_size // num_heads if num_layers == 46 else head_dim
+        per_head = hidden_size // num_heads if _positive_ints(hidden_size, num_heads) else None
+        config["query_pre_attn_scalar"] = per_head if num_layers == 46 or head_dim is None else head_dim
+    spec = ModelSpec.from_hf_config(config, where, _gguf_field_names(arch))
+    norm_names = layer_norm_names(spec)
+    shapes = {gguf_to_hf_name(t.name, norm_names): tuple(int(d) for d in reversed(t.shape))
+              for t in reader.tensors if t.name != ROPE_FREQS}
+    check_tensors_match_spec(spec, shapes, where, layers_field=f"{arch}.block_count")
     return config
 
 
 def gguf_spec(reader: Any) -> ModelSpec:
     """The ModelSpec of an open `gguf.GGUFReader` (metadata -> HF-style config -> from_hf_config)."""
     return ModelSpec.from_hf_config(gguf_metadata_to_hf_config(reader))
+
+
+def _gguf_field_names(arch: str) -> dict[str, str]:
+    """HF config key -> the GGUF metadata key it was read from, for error messages."""
+    return {
+        "vocab_size": f"{arch}.vocab_size (or the token list's length)",
+        "hidden_size": f"{arch}.embedding_length",
+        "intermediate_size": f"{arch}.feed_forward_length",
+        "num_hidden_layers": f"{arch}.block_count",
+        "num_attention_heads": f"{arch}.attention.head_count",
+        "num_key_value_heads": f"{arch}.attention.head_count_kv",
+        "head_dim": f"{arch}.attention.key_length",
+        "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+        "rope_theta": f"{arch}.rope.freq_base",
+        "max_position_embeddings": f"{arch}.context_length",
+        "rope_scaling.factor": f"{arch}.rope.scaling.factor",
+        "rope_scaling.freq_factors": ROPE_FREQS,
+        "sliding_window": f"{arch}.attention.sliding_window",
+        "attn_logit_softcapping": f"{arch}.attn_logit_softcapping",
+        "final_logit_softcapping": f"{arch}.final_logit_softcapping",
+        "query_pre_attn_scalar": f"{arch}.attention.key_length",
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_id": "tokenizer.ggml.eos_token_id / eot_token_id",
+    }
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
 
 
 def iter_gguf_weights(reader: Any, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
@@ -197,15 +238,22 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
 
 
-def _rope_freq_factors(reader: Any) -> list[float]:
+def _rope_freq_factors(reader: Any, where: str) -> list[float]:
     from gguf.quants import dequantize
 
     tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
-    return [float(f) for f in np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)]
+    if int(tensor.n_elements) > MAX_HEAD_DIM // 2:  # one factor per rotary frequency: head_dim / 2
+        raise ModelLoadError(f"{where}: {ROPE_FREQS} has {int(tensor.n_elements)} factors, more than a head "
+                             f"of at most {MAX_HEAD_DIM} dimensions rotates")
+    try:
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    except NotImplementedError as err:
+        raise UnsupportedModelError(f"{where}: GGUF tensor {ROPE_FREQS!r}: {err}") from None
+    return [float(f) for f in values]
 
 
 def _embedding_rows(reader: Any) -> int:
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
             return int(tensor.shape[-1])
-    raise ModelLoadError("GGUF file has no token_embd.weight")
+    raise ModelLoadError(f"{reader.data.filename}: GGUF file has no token_embd.weight")

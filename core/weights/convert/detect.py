@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from deepinfer.core.errors import ConversionError, ModelLoadError
+from deepinfer.core.weights.file_checks import checked_file, read_json_file
+from deepinfer.core.weights.gguf_header import GGUF_MAGIC
 from deepinfer.core.weights.layered import is_layered_checkpoint
 
-GGUF_MAGIC = b"GGUF"
 SOURCE_KINDS = ("gptq", "awq", "gguf", "hf")
 
 
@@ -28,11 +28,8 @@ def detect_source(path: Path) -> tuple[str, Path]:
         if len(ggufs) == 1:
             return "gguf", ggufs[0]
         raise ModelLoadError(f"no checkpoint in {path}: expected config.json + *.safetensors, or one .gguf file")
-    try:
-        config = json.loads(config_path.read_text())
-    except (ValueError, OSError) as err:
-        raise ModelLoadError(f"{config_path}: unreadable JSON: {err}") from None
-    quant_config = config.get("quantization_config") if isinstance(config, dict) else None
+    config = read_json_file(config_path)
+    quant_config = config.get("quantization_config")
     if isinstance(quant_config, dict):
         method = str(quant_config.get("quant_method", "")).lower()
         if method in ("gptq", "awq"):
@@ -50,6 +47,8 @@ def detect_source(path: Path) -> tuple[str, Path]:
 
 
 def _has_gguf_magic(path: Path) -> bool:
+    if not path.is_file():  # a FIFO or a device would block or never end
+        return False
     try:
         with open(path, "rb") as handle:
             return handle.read(4) == GGUF_MAGIC
@@ -60,6 +59,7 @@ def _has_gguf_magic(path: Path) -> bool:
 def _has_packed_tensors(path: Path) -> bool:
     """Whether any safetensors header in `path` names a `.qweight` (read from the header only)."""
     for shard in path.glob("*.safetensors"):
+        checked_file(shard, what="weight file")
         try:
             with open(shard, "rb") as handle:
                 header_len = int.from_bytes(handle.read(8), "little")

@@ -19,6 +19,7 @@ from deepinfer.core.weights.convert.source import (
     target_type,
 )
 from deepinfer.core.weights.convert.summary import REQUANTIZED, ConversionSummary, TensorRecord
+from deepinfer.core.weights.tensor_checks import check_tensors_match_spec
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -28,6 +29,8 @@ class HFSource(SafetensorsDirSource):
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
         self.files = SafetensorsDir(path)
+        # An unquantized source holds exactly the model's parameters: check them before converting any.
+        check_tensors_match_spec(self.files.spec, self.files.shapes(), str(path))
         self.bits = options.rtn_bits
         self.group_size = options.group_size  # None: DEFAULT_GROUP_SIZE, or the largest smaller one that divides
         self.sym = options.sym

@@ -1,11 +1,21 @@
-"""convert_checkpoint: any supported source -> a deepinfer layered checkpoint, one layer at a time."""
+"""convert_checkpoint: any supported source -> a deepinfer layered checkpoint, one layer at a time.
+
+While it runs in the main thread, SIGTERM and SIGHUP raise ConversionError (SIGINT raises
+KeyboardInterrupt as always), so the writer removes its temp directory whichever way the run is
+stopped short of kill -9; what a kill -9 leaves, the next conversion into the same OUT removes
+(core/weights/convert/staging.py).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from deepinfer.core.errors import ConversionError
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.weights.convert.awq import AWQSource
 from deepinfer.core.weights.convert.detect import detect_source
@@ -32,7 +42,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, options: 
                        progress: ProgressCallback | None = None) -> ConversionSummary:
     """Convert `src` into the new directory `out`; on any error nothing is left at `out`."""
     report = progress or (lambda done, total, what: None)
-    with LayeredWriter(out) as writer:  # refuses an existing `out` before any source is read
+    with _termination_raises(Path(out)), LayeredWriter(out) as writer:  # refuses an existing `out` first
         source = open_source(src, options or ConvertOptions())
         try:
             spec = ModelSpec.from_hf_config(source.config)  # an unsupported model fails before any work
@@ -61,3 +71,26 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, options: 
         finally:
             source.close()
     return summary
+
+
+@contextmanager
+def _termination_raises(out: Path) -> Iterator[None]:
+    """SIGTERM / SIGHUP raise ConversionError inside the block (once: a second signal during the
+    cleanup is ignored), so `with` blocks clean up; outside the main thread signals cannot be caught."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGTERM, signal.SIGHUP)
+
+    def stop(signum: int, frame: object) -> None:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise ConversionError(f"conversion stopped by {signal.Signals(signum).name}: nothing was written "
+                              f"to {out}, its temp directory was removed")
+
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

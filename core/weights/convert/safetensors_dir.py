@@ -1,12 +1,15 @@
 """An HF checkpoint directory (config.json + one or more safetensors shards), read lazily by tensor name.
 
-The GPTQ, AWQ and plain-HF sources all read their tensors through this.
+The GPTQ, AWQ and plain-HF sources all read their tensors through this. The directory is checked
+as the loader checks it: config.json within ModelSpec's bounds, index entries plain relative
+paths, shards and tokenizer files regular files inside the directory, the layers that hold
+tensors exactly 0 .. num_hidden_layers - 1.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,26 +18,36 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.weights.convert.source import LINEAR_NAMES, ConversionSource, packed_nbytes, target_type
 from deepinfer.core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
+from deepinfer.core.weights.file_checks import (
+    MAX_TOKENIZER_FILE_BYTES,
+    TOKENIZER_FILES,
+    checked_file,
+    confinement_root,
+    member_path,
+    read_checked_file,
+)
 from deepinfer.core.weights.hf_safetensors import read_json
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "generation_config.json")
 
 
 class SafetensorsDir:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.root = confinement_root(path)
         self.config = read_json(path / "config.json")
+        self.spec = ModelSpec.from_hf_config(self.config, where=str(path / "config.json"))
         index_path = path / "model.safetensors.index.json"
         if index_path.is_file():
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ModelLoadError(f"{index_path}: no 'weight_map'")
+            for name in set(weight_map.values()):
+                member_path(path, name, f"{index_path}: weight_map")
             shard_names = sorted(set(weight_map.values()))
         else:
             shard_names = sorted(p.name for p in path.glob("*.safetensors"))
@@ -43,6 +56,7 @@ class SafetensorsDir:
         self._handles = {}
         self._file_of: dict[str, str] = {}
         for shard in shard_names:
+            checked_file(path / shard, root=self.root, what="weight shard")
             try:
                 handle = safe_open(str(path / shard), framework="pt")
             except (SafetensorError, OSError) as err:
@@ -58,10 +72,14 @@ class SafetensorsDir:
                 self.layer_names[int(match.group(1))].append(name)
             else:
                 self.other_names.append(name)
-        num_layers = int(self.config.get("num_hidden_layers", 0))
+        num_layers = self.spec.num_layers
         extra = sorted(i for i in self.layer_names if i >= num_layers)
         if extra:
             raise ModelLoadError(f"{path}: tensors of layer {extra[0]} but config.json says {num_layers} layers")
+        missing = [i for i in range(num_layers) if i not in self.layer_names]
+        if missing:
+            raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers is {num_layers}, but no tensor of "
+                                 f"layer {missing[0]} is in the weights")
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -74,6 +92,10 @@ class SafetensorsDir:
             return self._handles[shard].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as err:
             raise ModelLoadError(f"{self.path / shard}: cannot read tensor {name!r} (truncated file?): {err}") from None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, as the headers declare it."""
+        return {name: tuple(self.shape(name)) for name in self._file_of}
 
     def names_under(self, module: str) -> list[str]:
         return [name for name in self._file_of if name.startswith(module + ".")]
@@ -91,9 +113,12 @@ class SafetensorsDir:
         return self._handles[self._file_of[name]].get_slice(name).get_dtype()
 
     def copy_tokenizer(self, directory: Path) -> None:
+        """Copy the tokenizer files there are (each checked and read with a size bound)."""
         for file_name in TOKENIZER_FILES:
-            if (self.path / file_name).is_file():
-                shutil.copyfile(self.path / file_name, directory / file_name)
+            if os.path.lexists(self.path / file_name):
+                data = read_checked_file(self.path / file_name, MAX_TOKENIZER_FILE_BYTES, root=self.root,
+                                         what="tokenizer file")
+                (directory / file_name).write_bytes(data)
 
     def close(self) -> None:
         self._handles.clear()
