@@ -26,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +48,9 @@ class SamplingParams:
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                                            for t, b in self.logit_bias.items()),
+             "logit_bias must map token ids to biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -7,7 +7,7 @@ as "system", which every template knows.
 
 from __future__ import annotations
 
-from deepinfer.core.errors import InvalidRequestError
+from deepinfer.core.errors import DeepInferError
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.protocol import ChatMessage
 
@@ -49,10 +49,11 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
     """The prompt text the model sees. The tokenizer raises InvalidRequestError when the model has no
-    template or the template refuses the conversation (roles that do not alternate: templates call
-    raise_exception); both are answered with a 400."""
+    template, the template refuses the conversation (roles that do not alternate: templates call
+    raise_exception) or it runs past its time or size budget; each is answered with a 400.
+    Runs on a preprocessing thread: a slow template holds that thread, never the event loop."""
     plain = to_template_messages(messages)
     try:
         return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except InvalidRequestError as err:
+    except DeepInferError as err:
         raise InvalidParameter(str(err), param="messages") from None

@@ -10,27 +10,35 @@ from starlette.responses import JSONResponse
 from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.logprobs import chat_logprobs
+from deepinfer.core.server.preprocess import parse_body
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import (
     EventStreamResponse,
+    PreparedPrompt,
     ServingEngine,
     check_finished,
-    final_output,
+    final_outputs,
     new_request_id,
     stream_events,
     usage,
 )
+from deepinfer.core.server.unsupported import CHAT
 
 
-async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, raw_request: Request):
+def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionRequest, PreparedPrompt]:
+    """Parse, validate, render and tokenize (a preprocessing thread)."""
+    request = parse_body(body, ChatCompletionRequest, CHAT)
     request.check()
     serving.check_model(request.model)
     prompt = render_chat_prompt(serving.engine.tokenizer, request.messages, request.add_generation_prompt)
-    # The template already wrote BOS and the other special tokens as text.
-    prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=False)
-    params = serving.sampling_params(request, prompt_ids)
+    prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=request.add_special_tokens)
+    return request, PreparedPrompt(prompt_ids, serving.sampling_params(request, prompt_ids))
+
+
+async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prompt: PreparedPrompt,
+                                 raw_request: Request):
     request_id = new_request_id("chatcmpl")
-    stream = serving.submit(prompt_ids, params, request_id, request.tenant)
+    streams = serving.submit([prompt], request_id, request.tenant)
     num_top = request.top_logprobs or 0
     created = int(time.time())
 
@@ -38,8 +46,8 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         return chat_logprobs(entries, num_top, serving.token_text) if request.logprobs else None
 
     if not request.stream:
-        output = await final_output(stream, raw_request)
-        check_finished(output)
+        (output,) = await final_outputs(serving, streams, raw_request)
+        check_finished([output])
         return JSONResponse({
             "id": request_id,
             "object": "chat.completion",
@@ -51,7 +59,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
                 "logprobs": logprobs_of(c.logprobs or []),
                 "finish_reason": c.finish_reason,
             } for c in output.outputs],
-            "usage": usage(output),
+            "usage": usage([output]),
             "system_fingerprint": None,
         })
 
@@ -74,14 +82,15 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         return {"index": completion.index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason}
 
-    def chunks_of(output: RequestOutput) -> list[dict]:
+    def chunks_of(_: int, output: RequestOutput) -> list[dict]:
         choices = (choice_delta(c) for c in output.outputs)
         return [chunk(choice) for choice in choices if choice is not None]
 
-    def final_chunks(output: RequestOutput) -> list[dict]:
+    def final_chunks(outputs: list[RequestOutput]) -> list[dict]:
         if not request.include_usage:
             return []
         return [{"id": request_id, "object": "chat.completion.chunk", "created": created,
-                 "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(output)}]
+                 "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(outputs)}]
 
-    return EventStreamResponse(stream_events(stream, chunks_of, final_chunks))
+    return EventStreamResponse(stream_events(serving, streams, chunks_of, final_chunks),
+                               on_close=lambda: serving.release(streams))
