@@ -91,13 +91,12 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
             self._deadline = None
             if self.transport.is_closing():
                 return
-            if self._bytes_since_armed:
-                cycle = self.cycle
-                if cycle is None or not cycle.response_started:
-                    if cycle is not None:
-                        cycle.disconnected = True  # the handler's own answer, if it comes, goes nowhere
-                    self.transport.write(timed_out)
-                    on_refused(408)
+            cycle = self.cycle  # the request being received, or the previous one (response complete)
+            if self._bytes_since_armed and (cycle is None or cycle.response_complete or not cycle.response_started):
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True  # the handler waiting for the body sees a disconnect; its answer goes nowhere
+                self.transport.write(timed_out)
+                on_refused(408)
             self.transport.close()
 
     return GuardedH11Protocol

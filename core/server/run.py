@@ -83,6 +83,15 @@ def fit_open_files(max_connections: int) -> int:
     return max_connections
 
 
+def uvicorn_config(app, server_config: ServerConfig, max_connections: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for `app`: the guarded HTTP protocol, no websockets, our timeouts."""
+    protocol = guarded_protocol(server_config.request_timeout_s, max_connections,
+                                on_refused=app.state.deepinfer.metrics.count_rejection)
+    return uvicorn.Config(app, http=protocol, ws="none", lifespan="on", log_level=log_level.lower(),
+                          timeout_keep_alive=server_config.keep_alive_timeout_s, backlog=BACKLOG,
+                          timeout_graceful_shutdown=server_config.shutdown_timeout_s + SHUTDOWN_GRACE_S)
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server with our signal handling instead of its own (which re-raises the signal at exit)."""
 
@@ -133,12 +142,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         else:
             running[0].call_soon_threadsafe(state.end_requests)
 
-    protocol = guarded_protocol(server_config.request_timeout_s, max_connections,
-                                on_refused=state.metrics.count_rejection)
-    config = uvicorn.Config(app, http=protocol, ws="none", lifespan="on", log_level=log_level.lower(),
-                            timeout_keep_alive=server_config.keep_alive_timeout_s, backlog=BACKLOG,
-                            timeout_graceful_shutdown=server_config.shutdown_timeout_s + SHUTDOWN_GRACE_S)
-    server = _Server(config, on_signal)
+    server = _Server(uvicorn_config(app, server_config, max_connections, log_level), on_signal)
 
     async def serve() -> None:
         running.append(asyncio.get_running_loop())
