@@ -52,6 +52,14 @@ ToolParserOpt = Annotated[str | None, typer.Option(
     "--tool-call-parser", help="hermes | llama3_json | mistral: how the model writes tool calls "
                                "(default: detected from its chat template).")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error.")]
+AllowedOriginsOpt = Annotated[str | None, typer.Option(
+    "--allowed-origins", help="Comma-separated origins browsers may call from (CORS), or '*'; off by default.")]
+ShutdownTimeoutOpt = Annotated[float, typer.Option(
+    "--shutdown-timeout", help="Seconds running requests get to finish after SIGTERM/SIGINT; then they are ended.")]
+RequestTimeoutOpt = Annotated[float, typer.Option(
+    "--request-timeout", help="Seconds a client has to send a whole request (line, headers, body); then 408.")]
+MaxConnectionsOpt = Annotated[int, typer.Option(
+    "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
 
 def serve(
@@ -83,13 +91,16 @@ def serve(
     max_prompt_tokens: MaxPromptOpt = None,
     tool_call_parser: ToolParserOpt = None,
     log_level: LogLevelOpt = "info",
+    allowed_origins: AllowedOriginsOpt = None,
+    shutdown_timeout: ShutdownTimeoutOpt = 30.0,
+    request_timeout: RequestTimeoutOpt = 30.0,
+    max_connections: MaxConnectionsOpt = 2048,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with /health and /metrics."""
-    import uvicorn
-
     from deepinfer.core.config import parse_size
-    from deepinfer.core.server.app import create_app
+    from deepinfer.core.errors import DeepInferError
     from deepinfer.core.server.config import ServerConfig
+    from deepinfer.core.server.run import run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config(
@@ -99,21 +110,20 @@ def serve(
         kv_cache_memory=kv_cache_memory, max_vram=max_vram, prefix_caching=prefix_caching,
         max_waiting_requests=max_waiting_requests, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         attention_backend=attention_backend, dummy_weights=dummy_weights, shape=shape, seed=seed)
-    server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                                 max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens,
-                                 tool_call_parser=tool_call_parser)
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+    try:
+        server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                                     max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens,
+                                     allowed_origins=origins, shutdown_timeout_s=shutdown_timeout,
+                                     request_timeout_s=request_timeout, max_connections=max_connections,
+                                     tool_call_parser=tool_call_parser)
+    except ValueError as err:
+        fail(str(err))
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("deepinfer.server").warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", host)
-    load_errors: list[Exception] = []
-
-    def stop_on_load_failure(err: Exception) -> None:
-        load_errors.append(err)
-        server.should_exit = True
-
-    app = create_app(config, server_config, on_load_failed=stop_on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           timeout_graceful_shutdown=5))
-    server.run()
-    if load_errors:
-        fail(f"cannot serve: {load_errors[0]}")
+    try:
+        code = run_server(config, server_config, log_level)
+    except DeepInferError as err:
+        fail(f"cannot serve: {err}")
+    raise typer.Exit(code)

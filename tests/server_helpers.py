@@ -1,11 +1,13 @@
 """A real deepinfer HTTP server for tests: uvicorn in a background thread on a free loopback port.
 
 Each test module starts one server (module-scoped fixture) around a real AsyncEngine and talks to
-it over TCP with the `openai` client or httpx, exactly as a user would.
+it over TCP with the `openai` client or httpx, exactly as a user would. uvicorn runs with the
+settings `deepinfer serve` uses (core/server/run.py), minus the signal handling.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -17,17 +19,26 @@ from prometheus_client.parser import text_string_to_metric_families
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.app import create_app
 from deepinfer.core.server.config import ServerConfig
+from deepinfer.core.server.run import uvicorn_config
 
 
 class ServerThread:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig | None = None, **app_kwargs):
-        self.app = create_app(engine_config, server_config or ServerConfig(), **app_kwargs)
+        server_config = server_config or ServerConfig(shutdown_timeout_s=1.0)
+        self.app = create_app(engine_config, server_config, **app_kwargs)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))  # the OS picks a free port; no race with other tests
         self.port = self._socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+        # The settings `deepinfer serve` runs with (guarded protocol, timeouts), signals left to pytest.
+        config = uvicorn_config(self.app, server_config, server_config.max_connections, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.server.serve(sockets=[self._socket])
 
     @property
     def state(self):
@@ -54,6 +65,9 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        """As a signal would: running requests are ended at once, then uvicorn shuts down."""
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self.state.begin_shutdown, 0.0)
         self.server.should_exit = True
         self._thread.join(timeout=30)
 

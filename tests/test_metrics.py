@@ -64,7 +64,7 @@ def test_counters_sum_steps_and_gauges_keep_the_last_step():
     steps = [
         IterationStats(num_running=3, num_waiting=5, kv_cache_usage=0.25, prefix_cache_queries=64,
                        prefix_cache_hits=32, num_prompt_tokens=32, num_generation_tokens=3,
-                       time_to_first_tokens_s=[0.003, 0.2, 0.2]),
+                       request_prompt_tokens=64, request_cached_tokens=32, time_to_first_tokens_s=[0.003, 0.2, 0.2]),
         IterationStats(num_running=2, num_waiting=0, kv_cache_usage=0.5, num_preemptions=1,
                        num_generation_tokens=2, inter_token_latencies_s=[0.02, 0.03],
                        finished_requests=[FinishedRequestStats("stop", 10, 2, 0.4, 0.003, 0.001)]),
@@ -86,7 +86,11 @@ def test_counters_sum_steps_and_gauges_keep_the_last_step():
     assert v[("deepinfer:prefix_cache_queries_total", m)] == 64
     assert v[("deepinfer:prefix_cache_hits_total", m)] == 32
     assert v[("deepinfer:num_preemptions_total", m)] == 1
-    assert v[("deepinfer:prompt_tokens_total", m)] == 32
+    # vLLM's prompt_tokens: whole prompts (cached tokens included), split by source
+    assert v[("deepinfer:prompt_tokens_total", m)] == 64
+    assert v[("deepinfer:prompt_tokens_cached_total", m)] == 32
+    assert v[("deepinfer:prompt_tokens_by_source_total", (("model_name", "m"), ("source", "local_compute")))] == 32
+    assert v[("deepinfer:prompt_tokens_by_source_total", (("model_name", "m"), ("source", "local_cache_hit")))] == 32
     assert v[("deepinfer:generation_tokens_total", m)] == 3 + 2 + 1  # per step, never again at finish
     assert v[("deepinfer:request_success_total", reason("stop"))] == 1
     assert v[("deepinfer:request_success_total", reason("length"))] == 1
@@ -104,6 +108,16 @@ def test_counters_sum_steps_and_gauges_keep_the_last_step():
     assert v[("deepinfer:e2e_request_latency_seconds_count", m)] == 3
     assert math.isclose(v[("deepinfer:e2e_request_latency_seconds_sum", m)], 3.6)
     assert v[("deepinfer:e2e_request_latency_seconds_bucket", (("le", "0.5"), ("model_name", "m")))] == 1
+
+
+def test_exposition_has_no_created_series():
+    metrics = EngineMetrics("m")
+    metrics.record(IterationStats(num_generation_tokens=2, time_to_first_tokens_s=[0.1]))
+    names = [sample.name for family in text_string_to_metric_families(metrics.render().decode())
+             for sample in family.samples]
+    assert "deepinfer:generation_tokens_total" in names and "deepinfer:time_to_first_token_seconds_sum" in names
+    assert not [name for name in names if name.endswith("_created")]
+    assert b"_created" not in metrics.render()
 
 
 def test_buckets_are_vllms():
@@ -153,14 +167,19 @@ def test_server_metrics_add_up_to_what_clients_received(server):
     num_requests = len(usages)
     generated = sum(u["completion_tokens"] for u in usages)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
     assert cached == 32 + 32  # the second and fourth prompt reuse the first one's two full blocks
     assert delta("deepinfer:generation_tokens_total") == generated
-    assert delta("deepinfer:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages) - cached
+    assert delta("deepinfer:prompt_tokens_total") == prompt_tokens  # as vLLM: cached tokens included
+    assert delta("deepinfer:prompt_tokens_cached_total") == cached
+    assert delta("deepinfer:prompt_tokens_by_source_total", source="local_compute") == prompt_tokens - cached
+    assert delta("deepinfer:prompt_tokens_by_source_total", source="local_cache_hit") == cached
     assert delta("deepinfer:prefix_cache_hits_total") == cached
     assert delta("deepinfer:prefix_cache_queries_total") >= cached
     assert delta("deepinfer:time_to_first_token_seconds_count") == num_requests
     assert delta("deepinfer:inter_token_latency_seconds_count") == generated - num_requests
     assert delta("deepinfer:e2e_request_latency_seconds_count") == num_requests
+    assert delta("deepinfer:request_queue_time_seconds_count") == num_requests
     finished_by_length = 4 + (stopped["choices"][0]["finish_reason"] == "length")
     assert delta("deepinfer:request_success_total", finished_reason="length") == finished_by_length
     assert delta("deepinfer:request_success_total", finished_reason="stop") == num_requests - finished_by_length
@@ -169,3 +188,42 @@ def test_server_metrics_add_up_to_what_clients_received(server):
     assert after[("deepinfer:kv_cache_usage_perc", ())] == 0
     text = httpx.get(server.base_url + "/metrics").text
     assert 'deepinfer:generation_tokens_total{model_name="metered"}' in text
+    assert "_created" not in text
+
+
+def test_a_request_with_n_samples_is_one_observation(server):
+    """n > 1: one TTFT, one e2e, one queue time, one request_success and its prompt counted once (as in
+    usage.prompt_tokens); inter-token latencies are per token after each sample's first."""
+    before = server.metrics()
+    body = {"prompt": list(range(200, 230)), "n": 3, "temperature": 1.0, "seed": 3, "max_tokens": 5,
+            "ignore_eos": True}
+    reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+    server.wait_idle()
+    after = server.metrics()
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert len(reply["choices"]) == 3 and reply["usage"]["completion_tokens"] == 15
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count"):
+        assert delta(f"deepinfer:{name}") == 1, name
+    assert delta("deepinfer:request_success_total", finished_reason="length") == 1
+    assert delta("deepinfer:prompt_tokens_total") == reply["usage"]["prompt_tokens"] == 30
+    assert delta("deepinfer:generation_tokens_total") == 15
+    assert delta("deepinfer:inter_token_latency_seconds_count") == 15 - 3
+
+
+def test_rejections_are_counted_by_status(server):
+    def rejected(status: int) -> float:
+        return server.metrics().get(("deepinfer:requests_rejected_total", (("status", str(status)),)), 0.0)
+
+    before = {status: rejected(status) for status in (400, 404, 415)}
+    httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "temperature": "hot"})
+    httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 10**6})
+    httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "model": "other"})
+    httpx.post(server.base_url + "/v1/completions", content=b"{}")  # no Content-Type
+    assert rejected(400) - before[400] == 2
+    assert rejected(404) - before[404] == 1
+    assert rejected(415) - before[415] == 1

@@ -10,9 +10,9 @@ A snapshot costs O(1) per sample, not O(output length): the delta lists are hand
 completion starts new ones), and the cumulative `token_ids` / `logprobs` are copied out of the
 sample's append-only lists only if someone reads them (`CompletionSnapshot`). Streams read deltas.
 
-Timings go into the step's IterationStats exactly once: a TTFT when a sample's first token
-arrives, an inter-token latency for every later token, and one FinishedRequestStats when the
-whole group is done.
+Timings go into the step's IterationStats exactly once: a TTFT (and the request's prompt tokens)
+when the group's first token arrives, an inter-token latency for every later token of each sample,
+and one FinishedRequestStats when the whole group is done.
 """
 
 from __future__ import annotations
@@ -120,7 +120,11 @@ class OutputProcessor:
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-                stats.time_to_first_tokens_s.append(now - metrics.arrival_time)
+                if not any(s.metrics.first_token_time is not None for s in group.samples if s is not request):
+                    # The request's first token, of any sample: counted once per request, like its finish.
+                    stats.time_to_first_tokens_s.append(now - metrics.arrival_time)
+                    stats.request_prompt_tokens += len(group.prompt_token_ids)
+                    stats.request_cached_tokens += request.num_cached_tokens
             else:
                 stats.inter_token_latencies_s.append(now - metrics.last_token_time)
             metrics.last_token_time = now

@@ -3,6 +3,7 @@
 Per row, in this order (vLLM v1's order):
   0. constrained rows (structured outputs): tokens their grammar forbids get -inf
      (core/structured/step_mask.py builds the mask);
+  0. logit_bias (OpenAI's): each listed token's bias is added to its logit (a masked token stays -inf);
   1. penalties on the raw logits: repetition (HF/CTRL: over prompt + output tokens, a positive
      logit is divided by the penalty, a negative one multiplied), then frequency and presence
      (OpenAI: `logit -= frequency * count + presence * (count > 0)` over output tokens);
@@ -187,6 +188,7 @@ class Sampler:
             chosen_logits = logits if logprob_index is None else logits.index_select(0, logprob_index)
             raw_logprobs = torch.log_softmax(chosen_logits, dim=-1)
 
+        logits = apply_logit_bias(logits, rows)
         logits = apply_penalties(logits, rows)
         greedy = [_is_greedy(row.params) for row in rows]
         if all(greedy):
@@ -199,6 +201,17 @@ class Sampler:
             chosen_ids = token_ids if logprob_index is None else token_ids.index_select(0, logprob_index)
             table = _logprob_table(raw_logprobs, chosen_ids, max(num_top[i] for i in logprob_rows))
         return SamplerOutput(token_ids, table, num_top)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Returns new logits [N, V] with each row's logit_bias added; the same tensor when no row has one."""
+    entries = [(i, token_id, bias) for i, row in enumerate(rows) if row.params.logit_bias
+               for token_id, bias in row.params.logit_bias.items()]
+    if not entries:
+        return logits
+    rows_tokens = to_device([[i for i, _, _ in entries], [t for _, t, _ in entries]], torch.int64, logits.device)
+    biases = to_device([b for _, _, b in entries], torch.float32, logits.device)  # [B]
+    return logits.index_put((rows_tokens[0], rows_tokens[1]), biases, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

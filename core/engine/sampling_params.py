@@ -54,6 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The output must follow this JSON schema, regex, choice or grammar (a dict of its fields works too).
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, 1)
@@ -84,6 +85,11 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             except TypeError as err:
                 raise InvalidRequestError(str(err)) from None
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
+            self.logit_bias = {_integer("logit_bias token id", token, 0): _real("logit_bias", bias, -100.0, 100.0)
+                               for token, bias in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:

@@ -30,6 +30,9 @@ class IterationStats:
     num_preemptions: int = 0  # requests preempted this step
     num_prompt_tokens: int = 0  # prompt tokens computed (not cached) this step
     num_generation_tokens: int = 0  # output tokens sampled this step
-    time_to_first_tokens_s: list[float] = field(default_factory=list)  # requests whose first token came this step
+    # The requests whose first token came this step (one per request, whatever its n), as vLLM counts them:
+    request_prompt_tokens: int = 0  # their prompt tokens, cached ones included
+    request_cached_tokens: int = 0  # of those, the tokens the prefix cache served (to the first sample)
+    time_to_first_tokens_s: list[float] = field(default_factory=list)  # one per request whose first token came
     inter_token_latencies_s: list[float] = field(default_factory=list)  # one per non-first output token
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,30 +1,47 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics, and the engine loaded in the background.
+"""The FastAPI app: OpenAI routes, /tokenize, /detokenize, /health, /metrics, and the engine loaded
+in the background.
 
 The HTTP server answers from its first second: while the model loads, /health says
-{"status": "loading"} with a 503 and so does every /v1 route, so an orchestrator can tell
-"starting" from "dead". The engine is built in a worker thread (loading is blocking) and then
-started on the server's event loop.
+{"status": "loading"} with a 503 and so does every API route, so an orchestrator can tell
+"starting" from "dead". The engine is built on a daemon thread (loading is blocking; a signal
+during it must not wait for it) and then started on the server's event loop.
+
+Handlers take the raw request: the event loop reads the body's bytes and nothing else; parsing,
+validation, chat templating and tokenization run on the preprocessing threads (preprocess.py).
+The OpenAPI schema is written by openapi.py from the same request models.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
+from deepinfer import __version__
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.config import ServerConfig
+from deepinfer.core.server.connection import AcceptErrorLog
 from deepinfer.core.server.errors import APIError, install_error_handlers
-from deepinfer.core.server.metrics import EngineMetrics
-from deepinfer.core.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from deepinfer.core.server.protocol import ChatCompletionRequest, CompletionRequest
-from deepinfer.core.server.serving import ServingEngine
-from deepinfer.core.server.serving_chat import create_chat_completion
-from deepinfer.core.server.serving_completions import create_completion
+from deepinfer.core.server.health import HealthSnapshots
+from deepinfer.core.server.metrics import CONTENT_TYPE, EngineMetrics, ServerMetrics
+from deepinfer.core.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    ErrorCountMiddleware,
+    HeadAsGetMiddleware,
+)
+from deepinfer.core.server.openapi import install_openapi
+from deepinfer.core.server.preprocess import ClientGone, Preprocessor, read_json_bytes
+from deepinfer.core.server.serving import ServingEngine, chars_per_token_bound
+from deepinfer.core.server.serving_chat import create_chat_completion, prepare_chat
+from deepinfer.core.server.serving_completions import create_completion, prepare_completion
+from deepinfer.core.server.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -35,41 +52,99 @@ def _build_engine(config: EngineConfig):
     return AsyncEngine(config)
 
 
-class ServerState:
-    """Where the engine is: "loading" -> "ready" (serving and metrics set) or "failed" (error set)."""
+async def _on_daemon_thread(fn: Callable, *args):
+    """`fn(*args)` on a daemon thread: unlike asyncio.to_thread, exiting never waits for it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
 
-    def __init__(self):
+    def settle(outcome: Callable, value) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: future.done() or outcome(value))
+        except RuntimeError:  # the loop is closed: the server stopped while this ran; nobody waits
+            pass
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as err:  # noqa: BLE001 -- handed to the awaiting task
+            settle(future.set_exception, err)
+        else:
+            settle(future.set_result, result)
+
+    threading.Thread(target=run, name="deepinfer-load", daemon=True).start()
+    return await future
+
+
+def _engine_alive(engine) -> bool:
+    thread = engine._thread  # AsyncEngine keeps no public flag for it
+    return thread is not None and thread.is_alive() and engine._dead is None
+
+
+class ServerState:
+    """Where the server is: "loading" -> "ready" (serving set) or "failed" (error set); then
+    "shutting_down" once a signal came (new requests get a 503, running ones finish)."""
+
+    def __init__(self, server_config: ServerConfig):
         self.status = "loading"
         self.engine = None
         self.serving: ServingEngine | None = None
-        self.metrics: EngineMetrics | None = None
+        self.health: HealthSnapshots | None = None
+        self.metrics = ServerMetrics()
+        self.preprocessor = Preprocessor(server_config.preprocess_workers, server_config.max_pending_requests)
         self.error: str | None = None
+        self._end_timer: asyncio.TimerHandle | None = None
 
     def require_serving(self) -> ServingEngine:
+        if self.status == "shutting_down":
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.serving is None:
             message = "the model is still loading" if self.status == "loading" else f"the model failed to load: " \
                                                                                       f"{self.error}"
             raise APIError(503, message, code="model_loading" if self.status == "loading" else "model_load_failed")
         return self.serving
 
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests; end the running ones (final chunk, [DONE]) unless they finish within `timeout_s`."""
+        if self.status == "shutting_down":
+            return
+        self.status = "shutting_down"
+        logger.info("shutting down: running requests get %.0f s to finish", timeout_s)
+        self._end_timer = asyncio.get_running_loop().call_later(timeout_s, self.end_requests)
+
+    def end_requests(self) -> None:
+        if self._end_timer is not None:
+            self._end_timer.cancel()
+        if self.serving is not None:
+            ended = self.serving.end_all()
+            if ended:
+                logger.info("ended %d running requests", ended)
+
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig | None = None,
                engine_factory: Callable[[EngineConfig], object] = _build_engine,
                on_load_failed: Callable[[Exception], None] | None = None) -> FastAPI:
-    """`engine_factory(config)` builds the (unstarted) AsyncEngine; it runs in a worker thread.
+    """`engine_factory(config)` builds the (unstarted) AsyncEngine; it runs on a loader thread.
     `on_load_failed(err)` lets the caller stop the process when the model cannot be loaded."""
     server_config = server_config or ServerConfig()
-    state = ServerState()
+    state = ServerState(server_config)
+
+    def load() -> tuple[object, int | None]:
+        engine = engine_factory(engine_config)
+        return engine, chars_per_token_bound(engine.tokenizer)
 
     async def load_engine() -> None:
         try:
-            engine = await asyncio.to_thread(engine_factory, engine_config)
+            engine, chars_per_token = await _on_daemon_thread(load)
             state.engine = engine
-            await engine.start()
-            serving = ServingEngine(engine, server_config)
-            metrics = EngineMetrics(serving.model_name)
+            serving = ServingEngine(engine, server_config, chars_per_token)
+            health = HealthSnapshots(engine)  # before the engine thread runs: the first snapshot is exact
+            metrics = EngineMetrics(serving.model_name, state.metrics.registry)
             engine.add_stats_listener(metrics.record)
-            state.serving, state.metrics, state.status = serving, metrics, "ready"
+            engine.add_stats_listener(health.on_step)
+            await engine.start()
+            state.serving, state.health = serving, health
+            if state.status == "loading":
+                state.status = "ready"
             logger.info("model %s ready", serving.model_name)
         except Exception as err:  # noqa: BLE001 -- reported by /health and the CLI; HTTP keeps answering
             state.status, state.error = "failed", str(err) or type(err).__name__
@@ -79,21 +154,38 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         loader = asyncio.create_task(load_engine())
         try:
             yield
         finally:
             if not loader.done():
                 loader.cancel()
-            if state.engine is not None and state.status == "ready":
+            state.end_requests()
+            if state.engine is not None and state.serving is not None:
                 await state.engine.shutdown()
+            state.preprocessor.shutdown()
 
-    app = FastAPI(title="deepinfer", lifespan=lifespan)
+    app = FastAPI(title="deepinfer", summary="OpenAI-compatible LLM inference server", version=__version__,
+                  lifespan=lifespan, docs_url=None, redoc_url=None)  # Swagger UI and ReDoc load their code from a CDN
     app.state.deepinfer = state
     install_error_handlers(app)
+    # Added innermost first: the error count sees everything, CORS answers preflights before the key check.
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
     if server_config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=server_config.api_key)
+    app.add_middleware(HeadAsGetMiddleware)
+    if server_config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=server_config.allowed_origins,
+                           allow_methods=["GET", "POST", "HEAD", "OPTIONS"], allow_headers=["*"], max_age=600)
+    app.add_middleware(ErrorCountMiddleware, count=state.metrics.count_rejection)
+
+    async def prepared(raw_request: Request, prepare: Callable):
+        """Read the body on the loop, prepare it on a preprocessing thread (parse, template, tokenize)."""
+        serving = state.require_serving()
+        with state.preprocessor.slot():
+            body = await read_json_bytes(raw_request)
+            return serving, await state.preprocessor.run(prepare, serving, body)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -101,13 +193,11 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             body = {"status": state.status} | ({"error": state.error} if state.error else {})
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "served_model_name": state.serving.model_name,
-                             **state.engine.health()})
+                             **state.health.latest, "engine_alive": _engine_alive(state.engine)})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.metrics is None:
-            return Response(b"", media_type=EngineMetrics.content_type)
-        return Response(state.metrics.render(), media_type=EngineMetrics.content_type)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     def model_card(serving: ServingEngine) -> dict:
         return {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "deepinfer",
@@ -124,11 +214,36 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         return JSONResponse(model_card(serving))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
-        return await create_chat_completion(state.require_serving(), request, raw_request)
+    async def chat_completions(raw_request: Request):
+        try:
+            serving, (request, prompt) = await prepared(raw_request, prepare_chat)
+        except ClientGone:
+            return Response(status_code=499)
+        return await create_chat_completion(serving, request, prompt, raw_request)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request):
-        return await create_completion(state.require_serving(), request, raw_request)
+    async def completions(raw_request: Request):
+        try:
+            serving, (request, prompts) = await prepared(raw_request, prepare_completion)
+        except ClientGone:
+            return Response(status_code=499)
+        return await create_completion(serving, request, prompts, raw_request)
 
+    @app.post("/tokenize")
+    async def tokenize_route(raw_request: Request):
+        try:
+            _, answer = await prepared(raw_request, tokenize)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(answer)
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw_request: Request):
+        try:
+            _, answer = await prepared(raw_request, detokenize)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(answer)
+
+    install_openapi(app)
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.core.errors import InvalidRequestError
+from deepinfer.core.errors import DeepInferError
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.protocol import ChatMessage
 from deepinfer.core.structured.tool_parsers import ToolParser
@@ -64,12 +64,14 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                        parser: ToolParser | None = None, plan: ToolPlan | None = None) -> str:
     """The prompt text the model sees, with the request's tools (`plan`) where it has any. The
-    tokenizer raises InvalidRequestError when the model has no template or the template refuses the
-    conversation (roles that do not alternate: templates call raise_exception); both are a 400."""
+    tokenizer raises InvalidRequestError when the model has no template, the template refuses the
+    conversation (roles that do not alternate: templates call raise_exception) or it runs past its
+    time or size budget; each is answered with a 400. Runs on a preprocessing thread: a slow template
+    holds that thread, never the event loop."""
     plain = to_template_messages(messages)
     try:
         if parser is None:
             return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
         return render_chat(tokenizer, plain, add_generation_prompt, parser, plan)
-    except (InvalidRequestError, ValueError) as err:
+    except (DeepInferError, ValueError) as err:
         raise InvalidParameter(str(err), param="messages") from None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024**2  # a 2 MiB JSON body holds a prompt far beyond any context length
 
@@ -11,11 +12,23 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024**2  # a 2 MiB JSON body holds a prompt far bey
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless the operator says otherwise
     port: int = 8000
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every route but /health and /metrics needs "Authorization: Bearer <key>"
     served_model_name: str | None = None  # the name clients pass as "model"; None = the engine's model name
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_tokens: int | None = None  # None = the context length
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = detected from the chat template
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers at all
+    # Slow and idle clients: a request's line, headers and body must all arrive within request_timeout_s
+    # of the connection opening (or of the previous response on a kept-alive connection).
+    request_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 2048  # open connections beyond this are answered 503 and closed at once
+    # SIGTERM/SIGINT: in-flight requests get this long to finish, then are ended (final chunk, [DONE]).
+    shutdown_timeout_s: float = 30.0
+    # Request parsing, chat templating and tokenization run on these threads, never on the event loop;
+    # at most max_pending_requests requests are being read or prepared at once (more get a 429).
+    preprocess_workers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
+    max_pending_requests: int = 256
 
     def __post_init__(self) -> None:
         checks = [
@@ -26,6 +39,12 @@ class ServerConfig:
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.tool_call_parser in (None, "hermes", "llama3_json", "mistral"),
              f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}"),
+            (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
+            (self.keep_alive_timeout_s > 0, f"keep_alive_timeout_s must be > 0, got {self.keep_alive_timeout_s}"),
+            (self.max_connections >= 1, f"max_connections must be >= 1, got {self.max_connections}"),
+            (self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"),
+            (self.preprocess_workers >= 1, f"preprocess_workers must be >= 1, got {self.preprocess_workers}"),
+            (self.max_pending_requests >= 1, f"max_pending_requests must be >= 1, got {self.max_pending_requests}"),
         ]
         for ok, message in checks:
             if not ok:

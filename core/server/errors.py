@@ -23,7 +23,9 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -73,17 +75,17 @@ def engine_error_to_api(err: Exception) -> APIError:
     return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
 
 
-def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
-    """pydantic's error list as one line: 'body.messages.0.role: Field required; ...', and the first param."""
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's error list as one line: 'messages.0.role: Field required; ...', and the first param."""
     parts, first_param = [], None
-    for item in err.errors():
+    for item in errors:
         location = [str(p) for p in item.get("loc", ()) if p != "body"]
         # Union members add their type name to the location ("str", "list[int]"); drop those.
         location = [p for p in location if not any(c in p for c in "[]") and p not in ("str", "int", "float")]
         where = ".".join(location)
         first_param = first_param or where or None
         message = item.get("msg", "invalid value")
-        if not where and item.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        if not where and item.get("type") in ("missing", "model_attributes_type", "model_type", "dict_type"):
             return "the request body must be a JSON object", None
         if item.get("type") == "json_invalid":
             return "request body is not valid JSON: " + str(item.get("ctx", {}).get("error", message)), None
@@ -101,12 +103,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI clients expect 400 for a malformed body.
-        message, param = _validation_message(err)
+        message, param = validation_message(err.errors())
         return error_response(400, message, param=param, code="invalid_parameter")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(err.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
+                415: "unsupported_media_type"}.get(err.status_code)
         return error_response(err.status_code, str(err.detail), code=code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)

@@ -1,4 +1,4 @@
-"""Plain ASGI middleware for the checks that come before any parsing: API key and body size.
+"""Plain ASGI middleware for what comes before any parsing: API key, body size, HEAD, error counts.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and the client-disconnect
 signal pass through untouched: the disconnect is what aborts a streaming request.
@@ -7,10 +7,13 @@ signal pass through untouched: the disconnect is what aborts a streaming request
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 
 from deepinfer.core.server.errors import error_bytes
+
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers never need the API key
 
 
 async def send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -21,19 +24,28 @@ async def send_error(send, status: int, message: str, code: str, headers: list[t
     await send({"type": "http.response.body", "body": body})
 
 
+def bearer_token(authorization: bytes) -> bytes | None:
+    """The credentials of 'Bearer <token>'; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip()
+
+
 class ApiKeyMiddleware:
-    """With an API key set, every /v1/ route needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+    """With an API key set, every route but /health and /metrics needs `Authorization: Bearer <key>`
+    (the OpenAI routes, /tokenize, /detokenize and the OpenAPI schema)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
+        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        if given is None or not hmac.compare_digest(given, self._expected):
             await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
             return
@@ -42,7 +54,7 @@ class ApiKeyMiddleware:
 
 class BodyLimitMiddleware:
     """Answers 413 for a body over `max_bytes`: at once from Content-Length, or while reading a chunked body
-    (raised as an HTTPException from receive(), which FastAPI's body reader lets through to the 413 handler)."""
+    (raised as an HTTPException from receive(), which the body reader lets through to the 413 handler)."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -69,3 +81,36 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class HeadAsGetMiddleware:
+    """HEAD is answered wherever GET is: routed as GET; the server drops the body (it knows the method)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = dict(scope, method="GET")
+        await self.app(scope, receive, send)
+
+
+class ErrorCountMiddleware:
+    """Counts every answer with an error status (`count(status)`), whoever produced it: a handler,
+    another middleware, a 404 from the router. 499 (the client left first) is not an answer."""
+
+    def __init__(self, app, count: Callable[[int], None]):
+        self.app = app
+        self._count = count
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400 and message["status"] != 499:
+                self._count(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,21 +1,27 @@
 """OpenAI request bodies as pydantic models, and their translation to SamplingParams.
 
 Fields follow OpenAI's reference for /v1/chat/completions and /v1/completions, plus vLLM's
-sampling extras (top_k, min_p, repetition_penalty, ignore_eos, cache_salt). Unknown fields are
-ignored as OpenAI's own server does; fields that would change the answer in a way deepinfer
-cannot honour (logit_bias, echo, suffix) are rejected with a 400 instead of being silently dropped.
+sampling extras (top_k, min_p, repetition_penalty, ignore_eos, cache_salt, add_special_tokens)
+and vLLM's /tokenize and /detokenize bodies. Unknown fields are ignored as OpenAI's own server
+does; fields that would change the answer in a way deepinfer cannot honour are listed in
+unsupported.py and rejected with a 400 before these models see the body.
 
 Structured outputs (docs/STRUCTURED_OUTPUTS.md), one source per request: OpenAI's
 `response_format` (json_object, json_schema), vLLM's `structured_outputs` and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, llama.cpp's `grammar`.
 Tools: `tools`, `tool_choice`, `parallel_tool_calls`; messages may carry `tool_calls` and `tool` turns.
+
+Types are strict, so "abc" for a number is a 400, not a guess, and NaN or Infinity (which
+Python's JSON reader accepts) never reach the sampler. An integer field takes an integral float
+(`"n": 46.0`), which JSON Schema counts as an integer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.server.errors import InvalidParameter
@@ -24,16 +30,29 @@ from deepinfer.core.structured.params import StructuredOutputsParams
 MAX_N = 128  # samples per request; each holds its own KV blocks after the shared prompt
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each is checked against the new text after every token, on the engine thread
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds become torch generator seeds (int64)
 
 
+def _integral_float_to_int(value):
+    """46.0 -> 46 (JSON Schema's integers include integral floats); anything else is left to the int check."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
+StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _STRICT
     type: str
     text: str | None = None
 
@@ -52,7 +71,7 @@ class MessageToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _STRICT
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -66,30 +85,29 @@ _IGNORED_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "di
 
 
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share; strict on types, so "abc" for a number is a 400, not a guess,
-    and NaN or Infinity (which Python's JSON reader accepts) never reach the sampler."""
+    """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = _STRICT
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | StopStrings | None = None
+    seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias added to its logit
     # vLLM-style extras
-    top_k: int = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     cache_salt: str | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     # Structured outputs (one source at most)
     response_format: dict[str, Any] | None = None
@@ -107,8 +125,6 @@ class _SamplingFields(BaseModel):
         return self.cache_salt if self.cache_salt is not None else self.user
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise InvalidParameter("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -139,7 +155,22 @@ class _SamplingFields(BaseModel):
         except (ValueError, TypeError) as err:
             raise InvalidParameter(f"{param}: {err}", param=param) from None
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+    def token_biases(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with its keys read as token ids of this vocabulary (400 for anything else)."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            token_id = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= token_id < vocab_size:
+                raise InvalidParameter(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                                       param="logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidParameter(f"logit_bias[{key!r}] = {bias} is outside [-100, 100]", param="logit_bias")
+            biases[token_id] = bias
+        return biases
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, logit_bias: dict[int, float] | None,
                          structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
@@ -158,6 +189,7 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=logit_bias,
                 structured_outputs=structured_outputs,
             )
         except ValueError as err:
@@ -170,14 +202,15 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    add_special_tokens: bool = False  # the template writes BOS and the other special tokens as text
 
     def check(self) -> None:
         """Reject what pydantic's field checks cannot see (400s, before the engine sees anything)."""
@@ -191,48 +224,49 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int,
+    def to_sampling_params(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, structured_outputs)
+        return self._sampling_params(max_tokens, logprobs, logit_bias, structured_outputs)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's legacy default
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's legacy default
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
 
     def check(self) -> None:
         self._check_common()
-        if self.echo:
-            raise InvalidParameter("echo is not supported", param="echo")
-        if self.suffix:
-            raise InvalidParameter("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameter("best_of other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise InvalidParameter("echo with logprobs is not supported (it needs the prompt's log-probabilities)",
+                                   param="echo")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: a string or token ids (a one-element batch is unwrapped)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or token ids; a single prompt is a batch of one."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidParameter("send one prompt per request (batched prompts are not supported)",
-                                       param="prompt")
-            prompt = prompt[0]
-        if len(prompt) == 0:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
             raise InvalidParameter("prompt must not be empty", param="prompt")
-        return prompt
+        if isinstance(prompt[0], int):
+            return [prompt]
+        for index, item in enumerate(prompt):
+            if len(item) == 0:
+                raise InvalidParameter(f"prompt[{index}] must not be empty", param="prompt")
+        return list(prompt)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int,
+    def to_sampling_params(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs, structured_outputs)
+        return self._sampling_params(max_tokens, self.logprobs, logit_bias, structured_outputs)
 
 
 def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
@@ -254,3 +288,42 @@ def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, An
     raise InvalidParameter(f"response_format type must be text, json_object or json_schema, got {kind!r}",
                            param="response_format")
 
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's /tokenize body for a text prompt."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize body for chat messages (rendered with the model's template, then tokenized)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[Int]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-200 answer: OpenAI's error shape."""
+
+    error: ErrorDetail

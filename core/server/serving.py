@@ -2,9 +2,12 @@
 and following a request to its end while watching for the client going away.
 
 Every check here runs before the engine sees the request, so a bad request never takes a slot
-in the waiting queue. A request whose client disconnects is aborted (its blocks come back within
-one engine step): the streaming generator's `finally` and the non-streaming watcher both call
-`stream.abort()`.
+in the waiting queue. The checks that cost time (tokenization, the prompt limits) run on the
+preprocessing threads (preprocess.py); only `submit` and the following of streams run on the
+event loop. A request whose client disconnects is aborted (its blocks come back within one engine
+step): the streaming generator's `finally` and the non-streaming watcher both abort it. At
+shutdown, `end_all` aborts every request still running; each then ends with finish_reason
+"abort" as a client-side abort would.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -28,6 +32,10 @@ from deepinfer.core.structured.params import StructuredOutputsParams
 from deepinfer.core.structured.tool_parsers import make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan
 
+# Normalizers may merge characters (NFC composes up to 3 code points into one): a tokenizer with
+# one gets this much slack in the characters-per-token bound.
+NORMALIZER_SLACK = 4
+
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -39,48 +47,68 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+def usage(outputs: list[RequestOutput]) -> dict:
+    """OpenAI's usage of one API request: every prompt's tokens once, every choice's tokens."""
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)},
     }
+
+
+def chars_per_token_bound(tokenizer) -> int | None:
+    """The most characters one token of `tokenizer` can stand for (None: unknown, no bound).
+
+    A text of C characters then has at least C / bound tokens, so a text longer than
+    max_prompt_tokens * bound characters is too long without tokenizing it. Byte-level and
+    SentencePiece vocabularies spell each token with at least as many characters as it covers.
+    """
+    hf_tokenizer = getattr(tokenizer, "hf_tokenizer", None)
+    if hf_tokenizer is None:
+        return 1 if type(tokenizer).__name__ == "ByteTokenizer" else None  # one token per UTF-8 byte
+    try:
+        longest = max(len(token) for token in hf_tokenizer.get_vocab())
+        normalizer = hf_tokenizer.backend_tokenizer.normalizer
+    except Exception:  # noqa: BLE001 -- a tokenizer without these parts just gets no bound
+        return None
+    return longest * (NORMALIZER_SLACK if normalizer is not None else 1)
+
+
+@dataclass
+class PreparedPrompt:
+    """One prompt of a request, ready for the engine."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    text: str | None = None  # the prompt as text, when the response echoes it
 
 
 class ServingEngine:
     """The loaded engine as the HTTP handlers see it: its served name and the limits on a request."""
 
-    def __init__(self, engine, server_config: ServerConfig):
+    def __init__(self, engine, server_config: ServerConfig, chars_per_token: int | None = None):
         self.engine = engine
         self.model_name = server_config.served_model_name or engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_prompt_tokens = min(server_config.max_prompt_tokens or self.max_model_len, self.max_model_len)
+        self.max_prompt_chars = None if chars_per_token is None else self.max_prompt_tokens * chars_per_token
         self.max_num_seqs = engine.config.max_num_seqs
+        self.max_waiting_requests = engine.config.max_waiting_requests
         self.vocab_size = engine.spec.vocab_size
         self.token_text = TokenStrings(engine.tokenizer)
         self.tool_parser = make_tool_parser(server_config.tool_call_parser, engine.tokenizer)
         self.created = int(time.time())
+        self._live: set = set()  # RequestStreams submitted and not yet followed to their end
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise APIError(404, f"The model {requested!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as err:  # JSON "\ud800": a lone surrogate the tokenizer cannot take
-                raise InvalidParameter(f"{param} is not valid Unicode text: {err.reason} at position {err.start}",
-                                       param=param) from None
-            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidParameter(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
-        return list(prompt)
+    # Preprocessing (worker threads) ------------------------------------------------------------
 
     def tool_plan(self, request) -> ToolPlan | None:
         """The chat request's tools and tool_choice, checked; None when it has neither."""
@@ -102,15 +130,37 @@ class ServingEngine:
         except InvalidRequestError as err:  # GrammarError, or a vocabulary llguidance cannot read
             raise InvalidParameter(str(err), param=param) from None
 
-    def sampling_params(self, request, prompt_ids: list[int],
+    def _too_long(self, num_tokens: int | str) -> APIError:
+        return APIError(400, f"The prompt has {num_tokens} tokens; this server accepts at most "
+                             f"{self.max_prompt_tokens} prompt tokens.", code="context_length_exceeded")
+
+    def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids, refusing a text too long to fit before tokenizing it."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise self._too_long(f"at least {len(text) * self.max_prompt_tokens // self.max_prompt_chars}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON "\ud800": a lone surrogate the tokenizer cannot take
+            raise InvalidParameter(f"{param} is not valid Unicode text: {err.reason} at position {err.start}",
+                                   param=param) from None
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        if len(token_ids) > self.max_prompt_tokens:
+            raise self._too_long(len(token_ids))
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        return list(token_ids)
+
+    def sampling_params(self, request, prompt_ids: list[int], num_prompts: int = 1,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Check the prompt against --max-prompt-tokens and prompt + max_tokens against the context."""
         num_prompt = len(prompt_ids)
         if num_prompt == 0:
             raise InvalidParameter("the prompt is empty after tokenization", param="prompt")
         if num_prompt > self.max_prompt_tokens:
-            raise APIError(400, f"The prompt has {num_prompt} tokens; this server accepts at most "
-                                f"{self.max_prompt_tokens} prompt tokens.", code="context_length_exceeded")
+            raise self._too_long(num_prompt)
         bad_stop = next((t for t in request.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
         if bad_stop is not None:
             raise InvalidParameter(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})",
@@ -118,6 +168,9 @@ class ServingEngine:
         if request.n > self.max_num_seqs:
             raise InvalidParameter(f"n={request.n} exceeds this server's max_num_seqs={self.max_num_seqs}",
                                    param="n")
+        if request.n * num_prompts > self.max_waiting_requests:
+            raise InvalidParameter(f"{num_prompts} prompts x n={request.n} sequences exceed this server's "
+                                   f"max_waiting_requests={self.max_waiting_requests}", param="prompt")
         requested = request.requested_max_tokens
         max_tokens = requested if requested is not None else self.max_model_len - num_prompt
         if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
@@ -126,13 +179,68 @@ class ServingEngine:
                      f"{num_prompt + max(max_tokens, 0)} tokens ({num_prompt} in the prompt, {max(max_tokens, 0)} "
                      f"for the completion). Please reduce the prompt or max_tokens.",
                 param="max_tokens", code="context_length_exceeded")
-        return request.to_sampling_params(max_tokens, structured_outputs)
+        return request.to_sampling_params(max_tokens, request.token_biases(self.vocab_size), structured_outputs)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None):
+    # The event loop ----------------------------------------------------------------------------
+
+    def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None) -> list:
+        """One engine request per prompt; all or none (a refusal aborts the ones already queued)."""
+        streams = []
         try:
-            return self.engine.add_request(prompt_ids, params, request_id=request_id, cache_salt=tenant)
+            for index, prompt in enumerate(prompts):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                streams.append(self.engine.add_request(prompt.token_ids, prompt.params, request_id=engine_id,
+                                                       cache_salt=tenant))
         except DeepInferError as err:
+            for stream in streams:
+                stream.abort()
             raise engine_error_to_api(err) from None
+        self._live.update(streams)
+        return streams
+
+    def release(self, streams: list) -> None:
+        """The handler is done with `streams`: abort what is still running, forget them."""
+        for stream in streams:
+            stream.abort()
+        self._live.difference_update(streams)
+
+    def end_all(self) -> int:
+        """Abort every request still running (shutdown); each ends with finish_reason "abort"."""
+        for stream in list(self._live):
+            stream.abort()
+        return len(self._live)
+
+
+async def outputs_of(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream, as they come, until all have finished."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except DeepInferError as err:
+            queue.put_nowait((index, err))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -142,13 +250,13 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def final_output(stream, request: Request) -> RequestOutput:
-    """Follow a non-streaming request to its end; abort it if the client leaves first."""
+async def final_outputs(serving: ServingEngine, streams: list, request: Request) -> list[RequestOutput]:
+    """Follow a non-streaming request to its end (one output per prompt); abort it if the client leaves."""
 
-    async def consume() -> RequestOutput:
-        last = None
-        async for output in stream:
-            last = output
+    async def consume() -> list[RequestOutput]:
+        last: list = [None] * len(streams)
+        async for index, output in outputs_of(streams):
+            last[index] = output
         return last
 
     consumer = asyncio.ensure_future(consume())
@@ -163,16 +271,16 @@ async def final_output(stream, request: Request) -> RequestOutput:
         raise APIError(499, "client disconnected")
     finally:
         watcher.cancel()
-        if not consumer.done():
-            consumer.cancel()
-            stream.abort()
+        consumer.cancel()
+        serving.release(streams)
 
 
-def check_finished(output: RequestOutput) -> None:
+def check_finished(outputs: list[RequestOutput]) -> None:
     """A request that failed inside the engine (finish_reason "error") is the server's fault: a 500."""
-    if output.error is not None or any(c.finish_reason == "error" for c in output.outputs):
-        raise APIError(500, f"the request failed in the engine: {output.error or 'unknown error'}",
-                       code="engine_error")
+    for output in outputs:
+        if output.error is not None or any(c.finish_reason == "error" for c in output.outputs):
+            raise APIError(500, f"the request failed in the engine: {output.error or 'unknown error'}",
+                           code="engine_error")
 
 
 class EventStreamResponse(StreamingResponse):
@@ -180,42 +288,45 @@ class EventStreamResponse(StreamingResponse):
     sending task when the client disconnects but leaves the generator suspended; closing it here runs
     its `finally` (the abort) now rather than whenever the generator is garbage-collected."""
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close  # also when the generator never started (the client left at once)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self._on_close()
 
 
-async def stream_events(stream, chunks_of: Callable[[RequestOutput], list[dict]],
-                        final_chunks: Callable[[RequestOutput], list[dict]]) -> AsyncIterator[str]:
-    """SSE events for one request: `chunks_of(output)` per engine output, `final_chunks(last)` at the end,
-    then `data: [DONE]`. Cancellation (the client went away) or any error aborts the request."""
-    finished = False
+async def stream_events(serving: ServingEngine, streams: list,
+                        chunks_of: Callable[[int, RequestOutput], list[dict]],
+                        final_chunks: Callable[[list[RequestOutput]], list[dict]]) -> AsyncIterator[str]:
+    """SSE events for one API request: `chunks_of(prompt index, output)` per engine output,
+    `final_chunks(last outputs)` at the end, then `data: [DONE]`. Cancellation (the client went
+    away) or any error aborts the request's engine requests."""
+    last: list = [None] * len(streams)
     try:
-        last = None
         try:
-            async for output in stream:
-                last = output
-                for chunk in chunks_of(output):
+            async for index, output in outputs_of(streams):
+                last[index] = output
+                for chunk in chunks_of(index, output):
                     yield sse(chunk)
         except DeepInferError as err:  # the engine died mid-stream: the status line is sent, so say it in-band
             api_error = engine_error_to_api(err)
             yield sse(error_body(api_error.status, api_error.message, code=api_error.code))
             yield sse("[DONE]")
             return
-        finished = True
-        if last is not None and (last.error is not None or any(c.finish_reason == "error" for c in last.outputs)):
-            yield sse(error_body(500, f"the request failed in the engine: {last.error or 'unknown error'}",
+        failed = next((o for o in last if o is not None and (
+            o.error is not None or any(c.finish_reason == "error" for c in o.outputs))), None)
+        if failed is not None:
+            yield sse(error_body(500, f"the request failed in the engine: {failed.error or 'unknown error'}",
                                  code="engine_error"))
-        elif last is not None:
+        elif all(o is not None for o in last):
             for chunk in final_chunks(last):
                 yield sse(chunk)
         yield sse("[DONE]")
     finally:
-        if not finished:
-            stream.abort()
+        serving.release(streams)

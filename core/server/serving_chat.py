@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,41 +18,59 @@ from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.logprobs import chat_logprobs
+from deepinfer.core.server.preprocess import parse_body
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import (
     EventStreamResponse,
+    PreparedPrompt,
     ServingEngine,
     check_finished,
-    final_output,
+    final_outputs,
     new_request_id,
     stream_events,
     usage,
 )
+from deepinfer.core.server.unsupported import CHAT
+from deepinfer.core.structured.params import StructuredOutputsParams
 from deepinfer.core.structured.tool_parsers import ToolCallStream
+from deepinfer.core.structured.tools import ToolPlan
 
 
-async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, raw_request: Request):
+class PreparedChat(NamedTuple):
+    prompt: PreparedPrompt
+    plan: ToolPlan | None  # the request's tools and tool_choice
+    constraint: StructuredOutputsParams | None  # compiled on the event loop's grammar workers before submitting
+    constraint_param: str  # the request field a constraint error names
+
+
+def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionRequest, PreparedChat]:
+    """Parse, validate, render and tokenize (a preprocessing thread)."""
+    request = parse_body(body, ChatCompletionRequest, CHAT)
     request.check()
     serving.check_model(request.model)
     plan = serving.tool_plan(request)
-    parser = serving.tool_parser
     prompt = render_chat_prompt(serving.engine.tokenizer, request.messages, request.add_generation_prompt,
-                                parser, plan)
-    # The template already wrote BOS and the other special tokens as text.
-    prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=False)
+                                serving.tool_parser, plan)
+    prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=request.add_special_tokens)
     constraint, param = request.structured_outputs_params(), "response_format"
     if plan is not None and plan.constraint is not None:
         if constraint is not None:
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
                                    "structured output constraint", param="tool_choice")
         constraint, param = plan.constraint, "tools"
-    await serving.compile_constraint(constraint, param)
-    params = serving.sampling_params(request, prompt_ids, constraint)
-    parses_calls = plan is not None and plan.parses_calls
-    if parses_calls and parser.needs_special_tokens:
+    params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint)
+    if plan is not None and plan.parses_calls and serving.tool_parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
+    return request, PreparedChat(PreparedPrompt(prompt_ids, params), plan, constraint, param)
+
+
+async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prepared: PreparedChat,
+                                 raw_request: Request):
+    await serving.compile_constraint(prepared.constraint, prepared.constraint_param)
+    plan, parser = prepared.plan, serving.tool_parser
+    parses_calls = plan is not None and plan.parses_calls
     request_id = new_request_id("chatcmpl")
-    stream = serving.submit(prompt_ids, params, request_id, request.tenant)
+    streams = serving.submit([prepared.prompt], request_id, request.tenant)
     num_top = request.top_logprobs or 0
     created = int(time.time())
 
@@ -70,8 +89,8 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
 
     if not request.stream:
-        output = await final_output(stream, raw_request)
-        check_finished(output)
+        (output,) = await final_outputs(serving, streams, raw_request)
+        check_finished([output])
         choices = []
         for c in output.outputs:
             message, finish_reason = message_of(c)
@@ -83,7 +102,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
             "created": created,
             "model": serving.model_name,
             "choices": choices,
-            "usage": usage(output),
+            "usage": usage([output]),
             "system_fingerprint": None,
         })
 
@@ -115,14 +134,15 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         logprobs = logprobs_of(completion.delta_logprobs or []) if completion.delta_logprobs else None
         return {"index": completion.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunks_of(output: RequestOutput) -> list[dict]:
+    def chunks_of(_: int, output: RequestOutput) -> list[dict]:
         choices = (choice_delta(c) for c in output.outputs)
         return [chunk(choice) for choice in choices if choice is not None]
 
-    def final_chunks(output: RequestOutput) -> list[dict]:
+    def final_chunks(outputs: list[RequestOutput]) -> list[dict]:
         if not request.include_usage:
             return []
         return [{"id": request_id, "object": "chat.completion.chunk", "created": created,
-                 "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(output)}]
+                 "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(outputs)}]
 
-    return EventStreamResponse(stream_events(stream, chunks_of, final_chunks))
+    return EventStreamResponse(stream_events(serving, streams, chunks_of, final_chunks),
+                               on_close=lambda: serving.release(streams))
