@@ -170,7 +170,7 @@ def test_shared_prefix_is_served_from_the_prefix_cache(tmp_path, tiny_llama_dir,
     # 40-token prompts behind a 32-token shared prefix, blocks of 16: once the first request has run,
     # every later one (serial, concurrency 1) finds exactly the prefix's 2 full blocks = 32 tokens.
     output = tmp_path / "prefix.json"
-    flag = "--prefix-caching" if prefix_caching else "--no-prefix-caching"
+    flag = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
     _run_cli(["bench", "concurrency", "--model", str(tiny_llama_dir), "--concurrency", "1", "--prompt-len", "40",
               "--shared-prefix-len", "32", "--block-size", "16", "--output-len", "2", "--num-requests", "4", flag,
               "--output", str(output)], monkeypatch)
@@ -228,7 +228,7 @@ def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
     from deepinfer.core.bench import jitter
     from deepinfer.core.config import EngineConfig
 
-    async def measure(config, budget, workload, engine_info, weights):
+    async def measure(config, budget, workload, engine_info, weights, progress):
         if budget > 8:
             raise KeyboardInterrupt  # what `timeout -s INT` delivers
         return _budget(budget, 5.0)
