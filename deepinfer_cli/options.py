@@ -76,14 +76,15 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
 }
 
 
-def _check_table() -> None:
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+def check_table(config_class: type = EngineConfig) -> None:
+    """Raise unless ENGINE_FLAGS has exactly one row per field of `config_class`."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
     if fields != ENGINE_FLAGS.keys():
         raise RuntimeError(f"deepinfer_cli/options.py ENGINE_FLAGS is out of step with EngineConfig: missing "
                            f"{sorted(fields - ENGINE_FLAGS.keys())}, unknown {sorted(ENGINE_FLAGS.keys() - fields)}")
 
 
-_check_table()
+check_table()
 
 
 def flag_name(field_name: str) -> str:

@@ -262,3 +262,52 @@ def test_a_named_commit_wins_over_the_checkout(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
                           cwd=env_info._REPO_ROOT).stdout.strip()
     assert env_info.git_commit().split("-")[0] == (head or "unknown")
+
+
+@pytest.mark.slow
+def test_the_users_jitter_command_runs_on_the_default_model(tmp_path, smollm2_gguf):
+    # `deepinfer bench jitter --chunk-sizes 8,16,32,64` as written, shortened prompts only: on the default
+    # model, JSON under ./results/, the Rich table on stdout, each budget's line on stderr as it finishes.
+    import os
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "deepinfer", "bench", "jitter", "--chunk-sizes", "8,16,32,64",
+                             "--long-prompt-len", "16", "--stream-prompt-len", "4", "--insert-after", "2",
+                             "--stream-output-len", "10", "--cpu-kv-cache-memory", "32MiB"],
+                            check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    (written,) = (tmp_path / "results").glob("bench_jitter_smollm2-135m-instruct*.json")
+    data = json.loads(written.read_text())
+    assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
+    assert data["engine_config"]["max_num_batched_tokens"] == 64
+    assert "deepinfer bench jitter: " in result.stdout and "long TTFT inserted ms" in result.stdout
+    assert [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("budget ")] == [
+        "budget 8", "budget 16", "budget 32", "budget 64"]
+
+
+def test_progress_hears_every_request_and_every_level(tmp_path, tiny_llama_dir):
+    from deepinfer.core.bench.concurrency import ConcurrencyWorkload, run_concurrency_benchmark
+    from deepinfer.core.bench.progress import SweepProgress
+    from deepinfer.core.config import EngineConfig
+
+    class Recorder(SweepProgress):
+        def __init__(self):
+            self.events = []
+
+        def level_started(self, label, num_requests):
+            self.events.append(("start", label, num_requests))
+
+        def advance(self, requests=0, tokens=0):
+            self.events.append(("advance", requests, tokens))
+
+        def level_finished(self, line):
+            self.events.append(("finish", line.split(":")[0]))
+
+    recorder = Recorder()
+    run_concurrency_benchmark(EngineConfig(model=str(tiny_llama_dir), device="cpu"),
+                              ConcurrencyWorkload([1, 2], prompt_len=6, output_len=3, num_requests=4), None, recorder)
+    starts = [e for e in recorder.events if e[0] in ("start", "finish")]
+    assert starts == [("start", "c=1", 4), ("finish", "engine c=1"), ("start", "c=2", 4), ("finish", "engine c=2")]
+    advances = [e for e in recorder.events if e[0] == "advance"]
+    assert sum(e[1] for e in advances) == 8 and sum(e[2] for e in advances) == 8 * 3  # requests, tokens

@@ -194,8 +194,9 @@ class _HubFetch:
         if not self.offline:
             from huggingface_hub import HfApi
 
-            try:
-                return HfApi().list_repo_files(self.ref.repo_id, revision=self.revision)
+            try:  # one request (model_info is not retried, so a machine without network learns it at once)
+                info = HfApi().model_info(self.ref.repo_id, revision=self.revision)
+                return sorted(sibling.rfilename for sibling in info.siblings or [])
             except Exception as err:  # noqa: BLE001 - sorted below: the Hub's answers vs no answer at all
                 self._raise_hub_answer(err)
                 self.unreachable = f"{type(err).__name__}: {_first_line(err)}"
