@@ -41,13 +41,13 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
         "takes ORG/NAME:QUANT or ORG/NAME:FILE.gguf).", names=("-m",), default_text="SmolLM2-135M-Instruct",
         metavar="MODEL"),
     "revision": EngineFlag("Branch, tag or commit of a Hugging Face id.", default_text="main", metavar="REV"),
-    "dtype": EngineFlag("auto | float32 | bfloat16 | float16 (auto: float32 on the CPU, bfloat16 or float16 on "
+    "dtype": EngineFlag("auto, float32, bfloat16 or float16 (auto: float32 on the CPU, bfloat16 or float16 on "
                         "a GPU)."),
-    "device": EngineFlag("auto | cpu | cuda | cuda:N."),
+    "device": EngineFlag("auto, cpu, cuda or cuda:N."),
     "seed": EngineFlag("Seed of random weights (--dummy-weights) and of benchmark prompts.",
                        commands=_RANDOM_WEIGHT_COMMANDS),
     "block_size": EngineFlag("Tokens per KV-cache block: 8, 16, 32, 64 or 128."),
-    "kv_cache_dtype": EngineFlag("auto (the model dtype) | int8 | float16 | bfloat16 | float32."),
+    "kv_cache_dtype": EngineFlag("auto (the model dtype), int8, float16, bfloat16 or float32."),
     "enable_prefix_caching": EngineFlag("Share full prompt blocks between requests.", default_text="on"),
     "num_gpu_blocks": EngineFlag("Exactly this many KV blocks; overrides every memory budget."),
     "gpu_memory_utilization": EngineFlag("Fraction of the GPU's memory deepinfer may use."),
@@ -63,7 +63,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                          commands=("chat", "serve", "concurrency")),  # jitter sweeps it
     "max_waiting_requests": EngineFlag("Bounded waiting queue; past it new requests are refused (the server "
                                        "answers HTTP 429)."),
-    "attention_backend": EngineFlag("auto | torch | native."),
+    "attention_backend": EngineFlag("auto, torch or native (the CUDA kernels)."),
     "enforce_eager": EngineFlag("Never use CUDA graphs.", default_text="off"),
     "async_scheduling": EngineFlag("Schedule and launch each step while the previous one runs on the device "
                                    "(same tokens, one step later).", default_text="on"),
@@ -71,7 +71,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                 commands=_RANDOM_WEIGHT_COMMANDS),
     "shape": EngineFlag("configs/shapes/NAME.json (or a config.json path) for --dummy-weights.",
                         commands=_RANDOM_WEIGHT_COMMANDS, metavar="NAME"),
-    "quantization": EngineFlag("w4a16 | w3a16: round-to-nearest weight quantization at load.",
+    "quantization": EngineFlag("w4a16 or w3a16: round-to-nearest weight quantization at load.",
                                names=("--quant",)),
 }
 
