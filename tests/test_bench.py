@@ -308,6 +308,7 @@ def test_progress_hears_every_request_and_every_level(tmp_path, tiny_llama_dir):
     run_concurrency_benchmark(EngineConfig(model=str(tiny_llama_dir), device="cpu"),
                               ConcurrencyWorkload([1, 2], prompt_len=6, output_len=3, num_requests=4), None, recorder)
     starts = [e for e in recorder.events if e[0] in ("start", "finish")]
-    assert starts == [("start", "c=1", 4), ("finish", "engine c=1"), ("start", "c=2", 4), ("finish", "engine c=2")]
+    assert starts == [("start", "loading", 1), ("start", "warming up", 1), ("start", "c=1", 4),
+                      ("finish", "engine c=1"), ("start", "c=2", 4), ("finish", "engine c=2")]
     advances = [e for e in recorder.events if e[0] == "advance"]
     assert sum(e[1] for e in advances) == 8 and sum(e[2] for e in advances) == 8 * 3  # requests, tokens

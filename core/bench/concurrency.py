@@ -85,6 +85,7 @@ def _level_label(who: str, concurrency: int, repeat: int, repeats: int) -> str:
 async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, levels: list[dict],
                         progress: SweepProgress) -> None:
     """Fills `info` and appends one entry per finished level to `levels` (kept if interrupted)."""
+    progress.level_started("loading", 1)
     engine = await engine_client.start_engine(config)
     recorder = engine_client.StepRecorder()
     engine.add_stats_listener(recorder)
@@ -93,6 +94,7 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
     info.update(model_name=engine.model_name, vocab_size=vocab_size, engine_config=asdict(engine.config),
                 weights=engine_client.weight_summary(engine), health=engine.health())
     try:
+        progress.level_started("warming up", 1)
         await engine_client.warm_up(engine, vocab_size, workload.prompt_len)
         for concurrency in workload.concurrency_levels:
             runs = []

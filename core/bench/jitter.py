@@ -134,6 +134,7 @@ async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_
                           weights: dict, progress: SweepProgress) -> dict:
     # The weights load once per sweep (kept in `weights`); each budget gets a fresh engine (KV pool,
     # CUDA graphs) over them.
+    progress.level_started(f"budget {budget}: starting", 1)
     engine = await engine_client.start_engine(replace(config, max_num_batched_tokens=budget),
                                               weights.get("loaded_model"))
     weights.setdefault("loaded_model", engine_client.loaded_model_of(engine))

@@ -45,7 +45,7 @@ class RichSweepProgress(SweepProgress):
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self._progress = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+        self._progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("requests"), _TokensPerSecond(), TimeElapsedColumn(),
                                   console=console, transient=True)
         self._task = None
