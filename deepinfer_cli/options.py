@@ -123,9 +123,10 @@ FIRST_FIELDS = ("model", "revision")  # shown before a command's own options; th
 
 
 def engine_flags(command: str):
-    """Decorate a Typer command: add the engine flags of `command` after its own parameters.
+    """Decorate a Typer command: add the engine flags of `command` to its own parameters (--model and
+    --revision first, the rest after them).
 
-    The command declares `engine: dict` last and receives {field: value} for the flags given.
+    The command declares `*, engine: dict` last and receives {field: value} for the flags given.
     """
     config_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     names = engine_fields(command)
@@ -140,15 +141,13 @@ def engine_flags(command: str):
 
         @functools.wraps(func)
         def command_with_engine_flags(**kwargs):
-            engine = {n: kwargs.pop(n) for n in names if kwargs.get(n) is not None}
-            for n in names:
-                kwargs.pop(n, None)
-            return func(**kwargs, engine=engine)
+            given = {n: kwargs.pop(n, None) for n in names}
+            return func(**kwargs, engine={n: value for n, value in given.items() if value is not None})
 
         parameters = first + own + list(added.values())
         command_with_engine_flags.__signature__ = signature.replace(parameters=parameters)
         command_with_engine_flags.__annotations__ = {p.name: p.annotation for p in parameters}
-        del command_with_engine_flags.__wrapped__  # typer reads __signature__, not the wrapped function
+        del command_with_engine_flags.__wrapped__  # typer and get_type_hints read this function, not `func`
         return command_with_engine_flags
 
     return decorate

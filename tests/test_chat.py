@@ -116,7 +116,7 @@ def test_repl_ctrl_c_stops_an_answer_and_the_conversation_goes_on(chat_home):
     child.send("\x1b[200~Say hello\nin French.\x1b[201~\r")
     child.expect(">>>")
     # A message too long for the history: the oldest turns go, the system prompt stays, the user is told.
-    child.send("Count these words: " + "apple " * 300 + "\r")
+    child.send("Count these words: " + "apple " * 440 + "\r")
     child.expect("oldest turns were dropped")
     child.expect(">>>")
     child.send("/reset\r")

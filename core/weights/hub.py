@@ -164,13 +164,12 @@ class _HubFetch:
 
     def resolve(self) -> Path:
         files = self._repo_files()
-        fetch_now, list_file, gguf = select_weights(files, self.ref)
-        folder = self._fetch(fetch_now)
-        if list_file is not None:
-            listed = listed_files(folder / list_file)
-            folder = self._fetch(fetch_now + listed)
-        missing = [name for name in (fetch_now if list_file is None else fetch_now + listed)
-                   if not (folder / name).is_file()]
+        wanted, list_file, gguf = select_weights(files, self.ref)
+        folder = self._fetch(wanted)
+        if list_file is not None:  # the index or manifest names the rest
+            wanted += listed_files(folder / list_file)
+            folder = self._fetch(wanted)
+        missing = [name for name in wanted if not (folder / name).is_file()]
         if missing:
             raise ModelLoadError(f"{self._name()} in {self.cache_dir} is incomplete (missing {', '.join(missing[:3])})"
                                  f"{self._why_not_fetched()}")
