@@ -36,9 +36,10 @@ def chat(
     from deepinfer.core.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-    if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()  # `echo question | deepinfer chat`: one answer, as with --prompt
-        if not prompt.strip():
+    if prompt is None and (sys.stdin is None or not sys.stdin.isatty()):
+        # `echo question | deepinfer chat`: one answer, as with --prompt (echo's newline is not part of it)
+        prompt = sys.stdin.read().strip() if sys.stdin is not None else ""
+        if not prompt:
             fail("stdin is not a terminal and holds no message: pass --prompt TEXT, or run chat in a terminal")
     model_label = engine.get("model") or "SmolLM2-135M-Instruct (default)"
     config = engine_config(engine)

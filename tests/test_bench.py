@@ -264,20 +264,20 @@ def test_a_named_commit_wins_over_the_checkout(monkeypatch):
     assert env_info.git_commit().split("-")[0] == (head or "unknown")
 
 
-@pytest.mark.slow
-def test_the_users_jitter_command_runs_on_the_default_model(tmp_path, smollm2_gguf):
-    # `deepinfer bench jitter --chunk-sizes 8,16,32,64` as written, shortened prompts only: on the default
-    # model, JSON under ./results/, the Rich table on stdout, each budget's line on stderr as it finishes.
-    import os
-    import sys
+def test_jitter_takes_the_users_chunk_sizes(tmp_path, tiny_llama_dir, monkeypatch):
+    # `deepinfer bench jitter --chunk-sizes 8,16,32,64` (on a tiny model, short prompts): JSON under ./results/,
+    # the Rich table on stdout, each budget's line on stderr as it finishes. The GPU test below runs it as written.
+    from typer.testing import CliRunner
 
-    result = subprocess.run([sys.executable, "-m", "deepinfer", "bench", "jitter", "--chunk-sizes", "8,16,32,64",
-                             "--long-prompt-len", "16", "--stream-prompt-len", "4", "--insert-after", "2",
-                             "--stream-output-len", "10", "--cpu-kv-cache-memory", "32MiB"],
-                            check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                            env={**os.environ, "COLUMNS": "80"})
-    assert result.returncode == 0, result.stderr
-    (written,) = (tmp_path / "results").glob("bench_jitter_smollm2-135m-instruct*.json")
+    from deepinfer.cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "jitter", "--chunk-sizes", "8,16,32,64", "--model", str(tiny_llama_dir), "--long-prompt-len",
+            "16", "--stream-prompt-len", "4", "--insert-after", "2", "--stream-output-len", "10"]
+    monkeypatch.setattr("sys.argv", ["deepinfer", *args])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    (written,) = (tmp_path / "results").glob("bench_jitter_llama*.json")
     data = json.loads(written.read_text())
     assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
     assert data["engine_config"]["max_num_batched_tokens"] == 64
@@ -312,3 +312,21 @@ def test_progress_hears_every_request_and_every_level(tmp_path, tiny_llama_dir):
                       ("finish", "engine c=1"), ("start", "c=2", 4), ("finish", "engine c=2")]
     advances = [e for e in recorder.events if e[0] == "advance"]
     assert sum(e[1] for e in advances) == 8 and sum(e[2] for e in advances) == 8 * 3  # requests, tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_the_users_jitter_command_as_written_on_a_gpu(tmp_path, smollm2_gguf):
+    # Exactly the user's command, default workload (a 2048-token prompt), on the GPU with CUDA graphs.
+    import os
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "deepinfer", "bench", "jitter", "--chunk-sizes", "8,16,32,64"],
+                            check=False, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                            env={**os.environ, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    (written,) = (tmp_path / "results").glob("bench_jitter_*.json")
+    data = json.loads(written.read_text())
+    assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
+    assert all(b["insertion_window_complete"] for b in data["budgets"])
+    assert "deepinfer bench jitter: " in result.stdout

@@ -133,8 +133,8 @@ def test_repl_ctrl_c_stops_an_answer_and_the_conversation_goes_on(chat_home):
 
 
 @pytest.mark.slow
-def test_repl_leaves_at_once_on_ctrl_c_at_an_empty_prompt(chat_home):
-    child = _spawn_chat(chat_home)
+def test_repl_leaves_at_once_on_ctrl_c_at_an_empty_prompt(chat_home, tiny_llama_dir):
+    child = _spawn_chat(chat_home, "--model", str(tiny_llama_dir))
     child.expect(">>>")
     child.send("half a thought")
     child.send("\x03")  # Ctrl-C with text clears the line and stays
@@ -173,3 +173,13 @@ def test_chat_prompt_writes_the_generated_text_byte_for_byte(smollm2_gguf):
     assert result.returncode == 0, result.stderr
     assert len(expected) > 60 and "\n" not in expected.strip()  # longer than the 20 columns it must not wrap at
     assert result.stdout == (expected + "\n").encode("utf-8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_chat_prompt_on_a_gpu_answers_paris(smollm2_gguf):
+    result = subprocess.run([sys.executable, "-m", "deepinfer", "chat", "--prompt", "What is the capital of France?",
+                             "--temperature", "0", "--max-tokens", "16"], check=False, capture_output=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert b"Paris" in result.stdout

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_cache import add_snapshot, model_files
 
 from deepinfer.core.errors import ModelLoadError
 from deepinfer.core.weights import hub
-from hf_cache import add_snapshot, model_files
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
