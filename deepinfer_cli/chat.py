@@ -50,22 +50,26 @@ def chat(
 
 
 def _load(config, quiet: bool):
-    """A loaded ChatEngine; Ctrl-C while the model loads leaves at once (exit 130)."""
+    """A loaded ChatEngine. Ctrl-C while the model loads leaves at once (exit 130): the SIGINT handler
+    exits itself, so no library's `except` on the way can swallow a KeyboardInterrupt."""
+    from contextlib import nullcontext
+
     from rich.console import Console
 
-    from deepinfer.cli.chat_engine import ChatEngine, flush_and_exit
+    from deepinfer.cli.chat_engine import ChatEngine, flush_and_exit, sigint_handler
 
     chat = ChatEngine()
     stderr = Console(stderr=True)
-    try:
-        if quiet or not stderr.is_terminal:
-            chat.load(config)
-        else:
-            with stderr.status("loading model…"):
-                chat.load(config)
-    except KeyboardInterrupt:
+    status = nullcontext() if quiet or not stderr.is_terminal else stderr.status("loading model…")
+
+    def leave(signum, frame) -> None:
+        if hasattr(status, "stop"):
+            status.stop()  # gives the cursor back
         print(file=sys.stderr)
         flush_and_exit(130)
+
+    with sigint_handler(leave), status:
+        chat.load(config)
     return chat
 
 

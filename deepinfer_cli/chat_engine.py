@@ -37,10 +37,11 @@ class ChatEngine:
         self.engine = None
 
     def load(self, config) -> None:
-        """Build and start the AsyncEngine (blocking the loop thread, not the main one)."""
-        from deepinfer.core.engine.async_engine import AsyncEngine
+        """Build and start the AsyncEngine on the loop thread (imports too), the main thread only waiting."""
 
         async def build():
+            from deepinfer.core.engine.async_engine import AsyncEngine
+
             engine = AsyncEngine(config)
             await engine.start()
             return engine
@@ -82,7 +83,7 @@ class ChatEngine:
                 self._loop.call_soon_threadsafe(abort)
 
         text, finish_reason = "", None
-        with _sigint_handler(on_sigint):
+        with sigint_handler(on_sigint):
             asyncio.run_coroutine_threadsafe(produce(), self._loop)
             while True:
                 try:
@@ -115,7 +116,8 @@ class ChatEngine:
 
 
 @contextlib.contextmanager
-def _sigint_handler(handler) -> Iterator[None]:
+def sigint_handler(handler) -> Iterator[None]:
+    """Run `handler(signum, frame)` on SIGINT inside the block, in place of KeyboardInterrupt."""
     previous = signal.signal(signal.SIGINT, handler)
     try:
         yield

@@ -133,14 +133,15 @@ def test_repl_ctrl_c_stops_an_answer_and_the_conversation_goes_on(chat_home):
 
 
 @pytest.mark.slow
-def test_repl_leaves_at_once_on_ctrl_c_at_an_empty_prompt(chat_home, tiny_llama_dir):
+@pytest.mark.parametrize("key", ["\x03", "\x04"])  # Ctrl-C, Ctrl-D
+def test_repl_leaves_at_once_on_ctrl_c_or_ctrl_d_at_an_empty_prompt(chat_home, tiny_llama_dir, key):
     child = _spawn_chat(chat_home, "--model", str(tiny_llama_dir))
     child.expect(">>>")
     child.send("half a thought")
     child.send("\x03")  # Ctrl-C with text clears the line and stays
     time.sleep(1.0)
     assert child.isalive()
-    child.send("\x03")
+    child.send(key)
     child.expect(pexpect.EOF, timeout=15)
     child.close()
     assert child.exitstatus == 0
