@@ -25,7 +25,10 @@ def parse_size(text: str | int | None) -> int | None:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # path to HF dir, .gguf file or deepinfer layered dir; None = default model
+    # Path to an HF dir, .gguf file or deepinfer layered dir, or a Hugging Face id ORG/NAME[:QUANT]
+    # (core/weights/hub.py); None = the default model.
+    model: str | None = None
+    revision: str | None = None  # branch, tag or commit of a Hugging Face id; None = main
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16/fp16 on GPU)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

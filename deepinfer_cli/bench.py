@@ -8,40 +8,19 @@ from typing import Annotated
 import typer
 
 from deepinfer.cli.errors import fail
-from deepinfer.cli.options import (
-    AsyncSchedulingOpt,
-    AttentionBackendOpt,
-    BlockSizeOpt,
-    DeviceOpt,
-    DtypeOpt,
-    DummyWeightsOpt,
-    EnforceEagerOpt,
-    GpuMemUtilOpt,
-    KvCacheDtypeOpt,
-    KvCacheMemoryOpt,
-    MaxBatchedTokensOpt,
-    MaxModelLenOpt,
-    MaxNumSeqsOpt,
-    MaxVramOpt,
-    ModelOpt,
-    PrefixCachingOpt,
-    ReserveMbOpt,
-    SeedOpt,
-    ShapeOpt,
-    engine_config,
-)
+from deepinfer.cli.options import engine_config, engine_flags
 
-app = typer.Typer(help="Benchmarks (JSON under results/, Rich tables).", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks (JSON under results/, Rich tables).", no_args_is_help=True,
+                  rich_markup_mode=None)
 
-QuantizationOpt = Annotated[str | None, typer.Option(
-    "--quantization", "--quant", help="w4a16 | w3a16: round-to-nearest weight quantization at load.")]
 OutputOpt = Annotated[str | None, typer.Option(
     "--output", "-o", help="JSON path (default results/bench_<kind>_<model>_<gpu>_<time>.json).")]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", help="Runs per point; tables show mean ± std.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show engine and progress logs.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show engine logs.")]
 
 
 @app.command("concurrency")
+@engine_flags("concurrency")
 def concurrency(
     concurrency_levels: Annotated[str, typer.Option(
         "--concurrency", "-c", help="Comma-separated client counts; 1 is the serial baseline.")] = "1,4,8,32,64",
@@ -57,27 +36,9 @@ def concurrency(
         "--json-schema", help="A JSON Schema file; every request's output is constrained to it.")] = None,
     repeats: RepeatsOpt = 1,
     output: OutputOpt = None,
-    model: ModelOpt = None,
-    dummy_weights: DummyWeightsOpt = False,
-    shape: ShapeOpt = None,
-    quantization: QuantizationOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    block_size: BlockSizeOpt = 16,
-    kv_cache_dtype: KvCacheDtypeOpt = "auto",
-    prefix_caching: PrefixCachingOpt = True,
-    max_num_seqs: MaxNumSeqsOpt = 64,
-    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
-    max_model_len: MaxModelLenOpt = None,
-    gpu_memory_utilization: GpuMemUtilOpt = 0.90,
-    reserve_memory_mb: ReserveMbOpt = 0,
-    kv_cache_memory: KvCacheMemoryOpt = None,
-    max_vram: MaxVramOpt = None,
-    enforce_eager: EnforceEagerOpt = False,
-    async_scheduling: AsyncSchedulingOpt = True,
-    attention_backend: AttentionBackendOpt = "auto",
-    seed: SeedOpt = 0,
     verbose: VerboseOpt = False,
+    *,
+    engine: dict,
 ) -> None:
     """Serial vs concurrent sweep: TTFT, TPOT, ITL percentiles and throughput."""
     _setup_logging(verbose)
@@ -86,32 +47,28 @@ def concurrency(
 
     if peer not in (None, "hf"):
         fail(f"--peer must be hf, got {peer!r}")
-    config = engine_config(
-        model=model, dummy_weights=dummy_weights, shape=shape, quantization=quantization, dtype=dtype, device=device,
-        block_size=block_size, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
-        kv_cache_memory=kv_cache_memory, max_vram=max_vram, enforce_eager=enforce_eager,
-        async_scheduling=async_scheduling,
-        attention_backend=attention_backend, seed=seed)
+    config = engine_config(engine)
     workload = ConcurrencyWorkload(
         concurrency_levels=_int_list(concurrency_levels, "--concurrency"), prompt_len=prompt_len,
         output_len=output_len, num_requests=num_requests, shared_prefix_len=shared_prefix_len, repeats=repeats,
-        seed=seed, json_schema=_json_file(json_schema, "--json-schema") if json_schema else None)
+        seed=config.seed, json_schema=_json_file(json_schema, "--json-schema") if json_schema else None)
     peer_source = None
     if peer == "hf":
         from deepinfer.core.bench.engine_client import cuda_device_of
         from deepinfer.core.bench.hf_peer import peer_source as hf_peer_source
 
         peer_source = hf_peer_source(config, cuda_device_of(config) or "cpu")
-    payload = run_concurrency_benchmark(config, workload, peer_source)
+    with _progress() as progress:
+        payload = run_concurrency_benchmark(config, workload, peer_source, progress)
     _finish("concurrency", config, payload, concurrency_tables(payload), output)
 
 
 @app.command("jitter")
+@engine_flags("jitter")
 def jitter(
     token_budgets: Annotated[str, typer.Option(
-        "--token-budgets", help="Comma-separated max_num_batched_tokens values (the prefill chunk size).")
+        "--token-budgets", "--chunk-sizes",
+        help="Comma-separated max_num_batched_tokens values: the chunked-prefill chunk sizes swept.")
     ] = "64,128,256,512,1024,2048",
     long_prompt_len: Annotated[int, typer.Option("--long-prompt-len", help="Tokens of the inserted prompt.")] = 2048,
     long_output_len: Annotated[int, typer.Option("--long-output-len", help="Output tokens of the long prompt.")] = 4,
@@ -124,26 +81,9 @@ def jitter(
         "--itl-slo-ms", help="Pick the largest budget whose worst insertion ITL stays within this.")] = None,
     repeats: RepeatsOpt = 1,
     output: OutputOpt = None,
-    model: ModelOpt = None,
-    dummy_weights: DummyWeightsOpt = False,
-    shape: ShapeOpt = None,
-    quantization: QuantizationOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    block_size: BlockSizeOpt = 16,
-    kv_cache_dtype: KvCacheDtypeOpt = "auto",
-    prefix_caching: PrefixCachingOpt = True,
-    max_num_seqs: MaxNumSeqsOpt = 64,
-    max_model_len: MaxModelLenOpt = None,
-    gpu_memory_utilization: GpuMemUtilOpt = 0.90,
-    reserve_memory_mb: ReserveMbOpt = 0,
-    kv_cache_memory: KvCacheMemoryOpt = None,
-    max_vram: MaxVramOpt = None,
-    enforce_eager: EnforceEagerOpt = False,
-    async_scheduling: AsyncSchedulingOpt = True,
-    attention_backend: AttentionBackendOpt = "auto",
-    seed: SeedOpt = 0,
     verbose: VerboseOpt = False,
+    *,
+    engine: dict,
 ) -> None:
     """Long-prompt insertion: the running stream's ITL against its baseline, per token budget."""
     _setup_logging(verbose)
@@ -151,21 +91,14 @@ def jitter(
     from deepinfer.core.bench.report import jitter_tables
 
     budgets = _int_list(token_budgets, "--token-budgets")
-    config = engine_config(
-        model=model, dummy_weights=dummy_weights, shape=shape, quantization=quantization, dtype=dtype, device=device,
-        block_size=block_size, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budgets), max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, reserve_memory_mb=reserve_memory_mb,
-        kv_cache_memory=kv_cache_memory, max_vram=max_vram, enforce_eager=enforce_eager,
-        async_scheduling=async_scheduling,
-        attention_backend=attention_backend, seed=seed)
+    config = engine_config(engine, max_num_batched_tokens=max(budgets))
     workload = JitterWorkload(
         token_budgets=budgets, long_prompt_len=long_prompt_len, long_output_len=long_output_len,
         stream_prompt_len=stream_prompt_len, stream_output_len=stream_output_len, insert_after=insert_after,
-        repeats=repeats, itl_slo_ms=itl_slo_ms, seed=seed)
-    payload = run_jitter_benchmark(config, workload)
+        repeats=repeats, itl_slo_ms=itl_slo_ms, seed=config.seed)
+    with _progress() as progress:
+        payload = run_jitter_benchmark(config, workload, progress)
     _finish("jitter", config, payload, jitter_tables(payload), output)
-
 
 
 @app.command("gemv")
@@ -183,6 +116,11 @@ def gemv(
     output: OutputOpt = None,
 ) -> None:
     """W4A16/W3A16 kernels and paged decode attention: achieved bandwidth vs device copy bandwidth."""
+    from deepinfer.kernels import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        fail(f"bench gemv needs an NVIDIA GPU with CUDA and CuPy: {reason}")
     import sys
 
     import torch
@@ -191,11 +129,6 @@ def gemv(
     from deepinfer.core.bench.env_info import env_info, gpu_slug
     from deepinfer.core.bench.gemv_bench import gemv_tables, run_gemv_benchmark
     from deepinfer.core.bench.report import results_path, write_json
-    from deepinfer.kernels import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        fail(f"bench gemv needs a CUDA GPU with CuPy: {reason}")
     try:
         pairs = [tuple(int(side) for side in item.split("x")) for item in shapes.split(",") if item.strip()]
     except ValueError:
@@ -213,6 +146,15 @@ def gemv(
     for table in gemv_tables(payload):
         console.print(table)
     console.print(f"wrote {path}")
+
+def _progress():
+    """The sweep's progress bars on stderr, keeping stdout for the tables."""
+    from rich.console import Console
+
+    from deepinfer.core.bench.progress import RichSweepProgress
+
+    return RichSweepProgress(Console(stderr=True))
+
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,

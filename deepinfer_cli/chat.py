@@ -1,140 +1,105 @@
-"""`deepinfer chat`: an interactive REPL that streams tokens, or one answer with --prompt.
+"""`deepinfer chat`: an interactive REPL (deepinfer_cli/repl.py) that streams tokens, or one answer.
 
-The conversation is kept as OpenAI-style messages and rendered by the model's own chat template
-on every turn, so multi-turn history is exactly what the model was trained to see.
+With --prompt (or text piped on stdin) the answer alone goes to stdout, byte for byte as the model
+wrote it (UTF-8, no wrapping or markup), then a newline; logs, spinners and progress go to stderr.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import sys
 from typing import Annotated
 
 import typer
 
-from deepinfer.cli.options import (
-    AsyncSchedulingOpt,
-    BlockSizeOpt,
-    DeviceOpt,
-    DtypeOpt,
-    KvCacheDtypeOpt,
-    MaxModelLenOpt,
-    MaxVramOpt,
-    ModelOpt,
-    engine_config,
-)
-
-HELP = "Commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit."
+from deepinfer.cli.errors import fail
+from deepinfer.cli.options import engine_config, engine_flags
 
 
+@engine_flags("chat")
 def chat(
-    model: ModelOpt = None,
     prompt: Annotated[str | None, typer.Option(
         "--prompt", "-p", help="Answer this one message (chat template applied), print only the answer, exit.")] = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p")] = 0.9,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.9,
     top_k: Annotated[int, typer.Option("--top-k", help="0 disables.")] = 0,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per answer.")] = 512,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible answers).")] = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    kv_cache_dtype: KvCacheDtypeOpt = "auto",
-    block_size: BlockSizeOpt = 16,
-    max_model_len: MaxModelLenOpt = None,
-    max_vram: MaxVramOpt = None,
-    async_scheduling: AsyncSchedulingOpt = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show engine logs.")] = False,
+    *,
+    engine: dict,
 ) -> None:
     """Chat with a model (default: SmolLM2-135M-Instruct, fetched once into the user cache)."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from deepinfer.core.engine.sampling_params import SamplingParams
 
-    config = engine_config(model=model, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
-                           block_size=block_size, max_model_len=max_model_len, max_vram=max_vram,
-                           async_scheduling=async_scheduling, max_num_seqs=4)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-    asyncio.run(_run(config, params, prompt, system))
+    if prompt is None and (sys.stdin is None or not sys.stdin.isatty()):
+        # `echo question | deepinfer chat`: one answer, as with --prompt (echo's newline is not part of it)
+        prompt = sys.stdin.read().strip() if sys.stdin is not None else ""
+        if not prompt:
+            fail("stdin is not a terminal and holds no message: pass --prompt TEXT, or run chat in a terminal")
+    model_label = engine.get("model") or "SmolLM2-135M-Instruct (default)"
+    config = engine_config(engine)
+    if prompt is not None:
+        _one_answer(config, params, prompt, system)
+    else:
+        _interactive(config, params, system, model_label)
 
 
-async def _run(config, params, prompt: str | None, system: str | None) -> None:
+def _load(config, quiet: bool):
+    """A loaded ChatEngine. Ctrl-C while the model loads leaves at once (exit 130): the SIGINT handler
+    exits itself, so no library's `except` on the way can swallow a KeyboardInterrupt."""
+    from contextlib import nullcontext
+
     from rich.console import Console
 
-    from deepinfer.core.engine.async_engine import AsyncEngine
+    from deepinfer.cli.chat_engine import ChatEngine, flush_and_exit, sigint_handler
 
-    console = Console(highlight=False)
-    err_console = Console(stderr=True, highlight=False)
-    if prompt is None:
-        with err_console.status("loading model..."):
-            engine = AsyncEngine(config)
-    else:
-        engine = AsyncEngine(config)
-    await engine.start()
+    chat = ChatEngine()
+    stderr = Console(stderr=True)
+    status = nullcontext() if quiet or not stderr.is_terminal else stderr.status("loading model…")
+
+    def leave(signum, frame) -> None:
+        if hasattr(status, "stop"):
+            status.stop()  # gives the cursor back
+        print(file=sys.stderr)
+        flush_and_exit(130)
+
+    with sigint_handler(leave), status:
+        chat.load(config)
+    return chat
+
+
+def _one_answer(config, params, prompt: str, system: str | None) -> None:
+    from deepinfer.cli.conversation import Conversation
+
+    chat = _load(config, quiet=True)
     try:
-        if prompt is not None:
-            answer = await _answer(engine, _messages(system, [("user", prompt)]), params, console, stream=False)
-            console.print(answer, markup=False)
-            return
-        await _repl(engine, params, system, console)
+        prompt_ids = chat.engine.tokenizer.encode_chat(Conversation(system).messages(prompt))
+        out = sys.stdout.buffer
+
+        def write(piece: str) -> None:
+            out.write(piece.encode("utf-8"))
+            out.flush()
+
+        answer = chat.stream_answer(prompt_ids, params, write)
+        write("\n")
+        if answer.interrupted:
+            raise SystemExit(130)
     finally:
-        await engine.shutdown()
+        chat.shutdown()
 
 
-def _messages(system: str | None, turns: list[tuple[str, str]]) -> list[dict]:
-    messages = [{"role": "system", "content": system}] if system else []
-    return messages + [{"role": role, "content": content} for role, content in turns]
+def _interactive(config, params, system: str | None, model_label: str) -> None:
+    from deepinfer.cli.conversation import Conversation
+    from deepinfer.cli.repl import ChatRepl
+    from deepinfer.core.weights.default_model import cache_root
 
-
-async def _answer(engine, messages: list[dict], params, console, stream: bool) -> str:
-    """Run one turn; with stream=True print tokens as they come. Returns the full answer."""
-    prompt_text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    request = engine.add_request(engine.tokenizer.encode(prompt_text, add_special_tokens=False), params)
-    text = ""
-    async for output in request:
-        completion = output.outputs[0]
-        if stream and completion.delta_text:
-            console.print(completion.delta_text, end="", markup=False, soft_wrap=True)
-        text = completion.text
-    if stream:
-        console.print()
-    return text
-
-
-async def _repl(engine, params, system: str | None, console) -> None:
-    console.print(f"[bold]deepinfer chat[/bold] · {engine.model_name} · {HELP}")
-    turns: list[tuple[str, str]] = []
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            line = await loop.run_in_executor(None, lambda: console.input("[bold green]> [/bold green]"))
-        except (EOFError, KeyboardInterrupt):
-            console.print()
-            return
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            return
-        if line == "/reset":
-            turns.clear()
-            console.print("[dim](conversation cleared)[/dim]")
-            continue
-        if line.startswith("/system"):
-            system = line[len("/system"):].strip() or None
-            turns.clear()
-            console.print(f"[dim](system prompt {'set' if system else 'cleared'}; conversation cleared)[/dim]")
-            continue
-        if line.startswith("/"):
-            console.print(f"[red]unknown command {line.split()[0]}[/red]. {HELP}")
-            continue
-        turns.append(("user", line))
-        try:
-            answer = await _answer(engine, _messages(system, turns), params, console, stream=True)
-        except KeyboardInterrupt:
-            turns.pop()
-            continue
-        except ValueError as err:  # e.g. the conversation outgrew the context: say so, keep the REPL alive
-            turns.pop()
-            console.print(f"[red]error:[/red] {err}")
-            continue
-        turns.append(("assistant", answer))
+    chat = _load(config, quiet=False)
+    try:
+        ChatRepl(chat, params, Conversation(system), model_label, cache_root() / "chat_history").run()
+    finally:
+        chat.shutdown()

@@ -49,14 +49,19 @@ def convert(src: SrcArg, out: OutArg, bits: BitsOpt = None, group_size: GroupSiz
             progress.update(task, completed=done, total=total, description=what)
 
         summary = convert_checkpoint(src, out, options, progress=report)
-    _print_summary(Console(), summary, out)
+    stdout = Console()
+    if not stdout.is_terminal:  # a pipe or a log: whole rows and whole tensor names, never wrapped
+        stdout = Console(width=10_000)
+    _print_summary(stdout, summary, out)
 
 
 def _print_summary(console, summary, out: Path) -> None:
     from rich import box
     from rich.table import Table
 
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"deepinfer convert: {summary.source_kind} -> {out} (errors: max / mean abs vs the source)")
+    console.print(f"deepinfer convert: {summary.source_kind} -> {out} (errors: max / mean abs vs the source)",
+                  markup=False, highlight=False, soft_wrap=True)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("method", "source", "stored as", "n", "size", "max err", "mean err"):
         table.add_column(column, justify="left" if column in ("method", "source", "stored as") else "right",
                          no_wrap=True)
@@ -70,7 +75,8 @@ def _print_summary(console, summary, out: Path) -> None:
     console.print(table)
     worst = summary.worst_requantized()
     if worst:
-        errors = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="largest errors (every tensor's is in manifest.json)")
+        console.print("largest errors (every tensor's is in manifest.json)", markup=False, soft_wrap=True)
+        errors = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for column in ("tensor", "source", "stored as", "max err", "mean err"):
             errors.add_column(column, justify="left" if column in ("tensor", "source", "stored as") else "right",
                               no_wrap=column != "tensor", overflow="fold")
@@ -78,7 +84,7 @@ def _print_summary(console, summary, out: Path) -> None:
             errors.add_row(record.name, record.source_type, record.target_type, _error(record.max_abs_error),
                            _error(record.mean_abs_error))
         console.print(errors)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _size(num_bytes: int) -> str:

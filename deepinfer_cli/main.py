@@ -19,11 +19,24 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wraps to any width and never cuts an option name
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from deepinfer import __version__
+
+        print(f"deepinfer {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
+def root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
     DEBUG["enabled"] = debug
 
 

@@ -1,51 +1,175 @@
-"""Engine options shared by `chat`, `serve` and `bench`: one Annotated alias per flag, one builder.
+"""The engine flags of `chat`, `serve`, `bench concurrency` and `bench jitter`, from one table.
 
-Commands declare `model: ModelOpt = None, ...` and pass their values to `engine_config(...)`,
-so a flag means the same thing everywhere and EngineConfig stays the single source of defaults.
+Every EngineConfig field (core/config.py) has one row in ENGINE_FLAGS: its flag name (the field's
+name with dashes), help, and how its value is typed. `@engine_flags("serve")` adds the rows that
+apply to a command as options whose default is None, and hands the command `engine: dict` holding
+only what the user set; `engine_config(engine)` builds the EngineConfig from that, so EngineConfig
+is the only place defaults live. A field missing from the table fails at import (and in
+tests/test_cli_flags.py), so a new EngineConfig field cannot be forgotten silently.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 
-ModelOpt = Annotated[str | None, typer.Option(
-    "--model", "-m", help="HF directory, .gguf file or deepinfer layered dir (default: SmolLM2-135M-Instruct).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")]
-KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (model dtype) | int8.")]
-MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]
-MaxBatchedTokensOpt = Annotated[int, typer.Option(
-    "--max-num-batched-tokens", help="Per-step token budget: prefill chunks + decode tokens.")]
-MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
-GpuMemUtilOpt = Annotated[float, typer.Option(
-    "--gpu-memory-utilization", help="Fraction of GPU memory deepinfer may use.")]
-ReserveMbOpt = Annotated[int, typer.Option("--reserve-memory-mb", help="MiB left free for other programs.")]
-KvCacheMemoryOpt = Annotated[str | None, typer.Option(
-    "--kv-cache-memory", help="KV pool size exactly, e.g. 2GiB.")]
-MaxVramOpt = Annotated[str | None, typer.Option(
-    "--max-vram", help="What torch reserves (weights, activations, CUDA graphs, KV) stays inside this, "
-                        "e.g. 4GiB; the CUDA context comes on top.")]
-PrefixCachingOpt = Annotated[bool, typer.Option(
-    "--prefix-caching/--no-prefix-caching", help="Share full prompt blocks between requests.")]
-EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Never use CUDA graphs.")]
-AsyncSchedulingOpt = Annotated[bool, typer.Option(
-    "--async-scheduling/--no-async-scheduling",
-    help="Schedule and launch each step while the previous one still runs on the device, hiding the "
-         "host's per-step work (same tokens; outputs come one step later).")]
-AttentionBackendOpt = Annotated[str, typer.Option("--attention-backend", help="auto | torch | native.")]
-DummyWeightsOpt = Annotated[bool, typer.Option("--dummy-weights", help="Random weights (benchmarks).")]
-ShapeOpt = Annotated[str | None, typer.Option("--shape", help="configs/shapes/NAME.json for --dummy-weights.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Engine seed.")]
+from deepinfer.core.config import EngineConfig
+
+ENGINE_COMMANDS = ("chat", "serve", "concurrency", "jitter")
 
 
-def engine_config(**options: Any):
-    """Build an EngineConfig from command options, dropping the ones left unset (None)."""
-    from deepinfer.core.config import EngineConfig
+@dataclass(frozen=True)
+class EngineFlag:
+    help: str
+    kind: type | None = None  # the click value type; None: the field's own (int, float, str, bool)
+    names: tuple[str, ...] = ()  # extra names beside --field-name
+    default_text: str | None = None  # how help shows EngineConfig's default, when str(default) reads badly
+    metavar: str | None = None  # None: typer's <int>, <float>, <str>
+    commands: tuple[str, ...] = ENGINE_COMMANDS  # where the flag applies
 
-    options = {k: v for k, v in options.items() if v is not None}
-    if "prefix_caching" in options:
-        options["enable_prefix_caching"] = options.pop("prefix_caching")
+
+_RANDOM_WEIGHT_COMMANDS = ("serve", "concurrency", "jitter")  # chat answers need real weights
+
+ENGINE_FLAGS: dict[str, EngineFlag] = {
+    "model": EngineFlag(
+        "HF directory, .gguf file, deepinfer layered directory, or Hugging Face id ORG/NAME (a GGUF repo "
+        "takes ORG/NAME:QUANT or ORG/NAME:FILE.gguf).", names=("-m",), default_text="SmolLM2-135M-Instruct",
+        metavar="MODEL"),
+    "revision": EngineFlag("Branch, tag or commit of a Hugging Face id.", default_text="main", metavar="REV"),
+    "dtype": EngineFlag("auto, float32, bfloat16 or float16 (auto: float32 on the CPU, bfloat16 or float16 on "
+                        "a GPU)."),
+    "device": EngineFlag("auto, cpu, cuda or cuda:N."),
+    "seed": EngineFlag("Seed of random weights (--dummy-weights) and of benchmark prompts.",
+                       commands=_RANDOM_WEIGHT_COMMANDS),
+    "block_size": EngineFlag("Tokens per KV-cache block: 8, 16, 32, 64 or 128."),
+    "kv_cache_dtype": EngineFlag("auto (the model dtype), int8, float16, bfloat16 or float32."),
+    "enable_prefix_caching": EngineFlag("Share full prompt blocks between requests.", default_text="on"),
+    "num_gpu_blocks": EngineFlag("Exactly this many KV blocks; overrides every memory budget."),
+    "gpu_memory_utilization": EngineFlag("Fraction of the GPU's memory deepinfer may use."),
+    "reserve_memory_mb": EngineFlag("MiB kept free for other programs."),
+    "kv_cache_memory": EngineFlag("KV pool size exactly, e.g. 2GiB.", kind=str, metavar="SIZE"),
+    "max_vram": EngineFlag("What torch reserves (weights, activations, CUDA graphs, KV) stays inside this, e.g. "
+                           "4GiB; the CUDA context comes on top.", kind=str, metavar="SIZE"),
+    "cpu_kv_cache_memory": EngineFlag("KV pool size on the CPU, e.g. 2GiB.", kind=str, default_text="512MiB",
+                                      metavar="SIZE"),
+    "max_model_len": EngineFlag("Context length cap.", default_text="the model's"),
+    "max_num_seqs": EngineFlag("Most requests running at once."),
+    "max_num_batched_tokens": EngineFlag("Per-step token budget: prefill chunks + decode tokens.",
+                                         commands=("chat", "serve", "concurrency")),  # jitter sweeps it
+    "max_waiting_requests": EngineFlag("Bounded waiting queue; past it new requests are refused (the server "
+                                       "answers HTTP 429)."),
+    "attention_backend": EngineFlag("auto, torch or native (the CUDA kernels)."),
+    "enforce_eager": EngineFlag("Never use CUDA graphs.", default_text="off"),
+    "async_scheduling": EngineFlag("Schedule and launch each step while the previous one runs on the device "
+                                   "(same tokens, one step later).", default_text="on"),
+    "dummy_weights": EngineFlag("Random weights (benchmarks).", default_text="off",
+                                commands=_RANDOM_WEIGHT_COMMANDS),
+    "shape": EngineFlag("configs/shapes/NAME.json (or a config.json path) for --dummy-weights.",
+                        commands=_RANDOM_WEIGHT_COMMANDS, metavar="NAME"),
+    "quantization": EngineFlag("w4a16 or w3a16: round-to-nearest weight quantization at load.",
+                               names=("--quant",)),
+}
+
+
+def check_table(config_class: type = EngineConfig) -> None:
+    """Raise unless ENGINE_FLAGS has exactly one row per field of `config_class`."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    if fields != ENGINE_FLAGS.keys():
+        raise RuntimeError(f"deepinfer_cli/options.py ENGINE_FLAGS is out of step with EngineConfig: missing "
+                           f"{sorted(fields - ENGINE_FLAGS.keys())}, unknown {sorted(ENGINE_FLAGS.keys() - fields)}")
+
+
+check_table()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def engine_fields(command: str) -> list[str]:
+    """The EngineConfig fields that are flags of `command`, in EngineConfig's order."""
+    return [f.name for f in dataclasses.fields(EngineConfig) if command in ENGINE_FLAGS[f.name].commands]
+
+
+def _value_type(field: dataclasses.Field) -> type:
+    flag = ENGINE_FLAGS[field.name]
+    if flag.kind is not None:
+        return flag.kind
+    hint = str(field.type)
+    for kind in (bool, int, float, str):
+        if hint.split("|")[0].strip() == kind.__name__:
+            return kind
+    raise TypeError(f"EngineConfig.{field.name}: cannot make a flag of type {hint}")
+
+
+def _option(field: dataclasses.Field) -> Any:
+    """Annotated[T | None, typer.Option(...)] for one field; the default is None (= EngineConfig's)."""
+    flag = ENGINE_FLAGS[field.name]
+    kind = _value_type(field)
+    name = flag_name(field.name)
+    decls = [f"{name}/--no-{name[2:]}" if kind is bool else name, *flag.names]
+    default = field.default if field.default is not dataclasses.MISSING else None
+    shown = flag.default_text or (None if default is None else str(default))
+    help_text = flag.help + (f"  [default: {shown}]" if shown else "")
+    return Annotated[kind | None, typer.Option(*decls, help=help_text, show_default=False, metavar=flag.metavar)]
+
+
+FIRST_FIELDS = ("model", "revision")  # shown before a command's own options; the other engine flags after them
+
+
+def engine_flags(command: str):
+    """Decorate a Typer command: add the engine flags of `command` to its own parameters (--model and
+    --revision first, the rest after them).
+
+    The command declares `*, engine: dict` last and receives {field: value} for the flags given.
+    """
+    config_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    names = engine_fields(command)
+
+    def decorate(func):
+        signature = inspect.signature(func, eval_str=True)
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in signature.parameters.values()
+               if p.name != "engine"]
+        added = {n: inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                      annotation=_option(config_fields[n])) for n in names}
+        first = [added.pop(n) for n in FIRST_FIELDS if n in added]
+
+        @functools.wraps(func)
+        def command_with_engine_flags(**kwargs):
+            given = {n: kwargs.pop(n, None) for n in names}
+            return func(**kwargs, engine={n: value for n, value in given.items() if value is not None})
+
+        parameters = first + own + list(added.values())
+        command_with_engine_flags.__signature__ = signature.replace(parameters=parameters)
+        command_with_engine_flags.__annotations__ = {p.name: p.annotation for p in parameters}
+        del command_with_engine_flags.__wrapped__  # typer and get_type_hints read this function, not `func`
+        return command_with_engine_flags
+
+    return decorate
+
+
+def resolve_model_flag(engine: dict) -> None:
+    """Replace a Hugging Face id in engine["model"] by its local snapshot path (downloading it once);
+    with no model, make sure the default model is on disk, so its download shows before loading."""
+    from deepinfer.core.weights.hub import resolve_model
+
+    model = engine.get("model")
+    if model is not None:
+        engine["model"] = str(resolve_model(model, engine.get("revision")))
+    elif not engine.get("dummy_weights"):
+        from deepinfer.core.weights.default_model import default_model_path
+
+        default_model_path()
+
+
+def engine_config(engine: dict, **overrides: Any) -> EngineConfig:
+    """The EngineConfig of the flags the user set plus the command's own `overrides`; a Hub id in
+    --model is resolved to its cached snapshot first."""
+    options = {**engine, **overrides}
+    resolve_model_flag(options)
     return EngineConfig(**options)

@@ -170,7 +170,7 @@ def test_shared_prefix_is_served_from_the_prefix_cache(tmp_path, tiny_llama_dir,
     # 40-token prompts behind a 32-token shared prefix, blocks of 16: once the first request has run,
     # every later one (serial, concurrency 1) finds exactly the prefix's 2 full blocks = 32 tokens.
     output = tmp_path / "prefix.json"
-    flag = "--prefix-caching" if prefix_caching else "--no-prefix-caching"
+    flag = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
     _run_cli(["bench", "concurrency", "--model", str(tiny_llama_dir), "--concurrency", "1", "--prompt-len", "40",
               "--shared-prefix-len", "32", "--block-size", "16", "--output-len", "2", "--num-requests", "4", flag,
               "--output", str(output)], monkeypatch)
@@ -228,7 +228,7 @@ def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
     from deepinfer.core.bench import jitter
     from deepinfer.core.config import EngineConfig
 
-    async def measure(config, budget, workload, engine_info, weights):
+    async def measure(config, budget, workload, engine_info, weights, progress):
         if budget > 8:
             raise KeyboardInterrupt  # what `timeout -s INT` delivers
         return _budget(budget, 5.0)
@@ -275,3 +275,71 @@ def test_a_named_commit_wins_over_the_checkout(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
                           cwd=env_info._REPO_ROOT).stdout.strip()
     assert env_info.git_commit().split("-")[0] == (head or "unknown")
+
+
+def test_jitter_takes_the_users_chunk_sizes(tmp_path, tiny_llama_dir, monkeypatch):
+    # `deepinfer bench jitter --chunk-sizes 8,16,32,64` (on a tiny model, short prompts): JSON under ./results/,
+    # the Rich table on stdout, each budget's line on stderr as it finishes. The GPU test below runs it as written.
+    from typer.testing import CliRunner
+
+    from deepinfer.cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "jitter", "--chunk-sizes", "8,16,32,64", "--model", str(tiny_llama_dir), "--long-prompt-len",
+            "16", "--stream-prompt-len", "4", "--insert-after", "2", "--stream-output-len", "10"]
+    monkeypatch.setattr("sys.argv", ["deepinfer", *args])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    (written,) = (tmp_path / "results").glob("bench_jitter_llama*.json")
+    data = json.loads(written.read_text())
+    assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
+    assert data["engine_config"]["max_num_batched_tokens"] == 64
+    assert "deepinfer bench jitter: " in result.stdout and "long TTFT inserted ms" in result.stdout
+    assert [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("budget ")] == [
+        "budget 8", "budget 16", "budget 32", "budget 64"]
+
+
+def test_progress_hears_every_request_and_every_level(tmp_path, tiny_llama_dir):
+    from deepinfer.core.bench.concurrency import ConcurrencyWorkload, run_concurrency_benchmark
+    from deepinfer.core.bench.progress import SweepProgress
+    from deepinfer.core.config import EngineConfig
+
+    class Recorder(SweepProgress):
+        def __init__(self):
+            self.events = []
+
+        def level_started(self, label, num_requests):
+            self.events.append(("start", label, num_requests))
+
+        def advance(self, requests=0, tokens=0):
+            self.events.append(("advance", requests, tokens))
+
+        def level_finished(self, line):
+            self.events.append(("finish", line.split(":")[0]))
+
+    recorder = Recorder()
+    run_concurrency_benchmark(EngineConfig(model=str(tiny_llama_dir), device="cpu"),
+                              ConcurrencyWorkload([1, 2], prompt_len=6, output_len=3, num_requests=4), None, recorder)
+    starts = [e for e in recorder.events if e[0] in ("start", "finish")]
+    assert starts == [("start", "loading", 1), ("start", "warming up", 1), ("start", "c=1", 4),
+                      ("finish", "engine c=1"), ("start", "c=2", 4), ("finish", "engine c=2")]
+    advances = [e for e in recorder.events if e[0] == "advance"]
+    assert sum(e[1] for e in advances) == 8 and sum(e[2] for e in advances) == 8 * 3  # requests, tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_the_users_jitter_command_as_written_on_a_gpu(tmp_path, smollm2_gguf):
+    # Exactly the user's command, default workload (a 2048-token prompt), on the GPU with CUDA graphs.
+    import os
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "deepinfer", "bench", "jitter", "--chunk-sizes", "8,16,32,64"],
+                            check=False, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                            env={**os.environ, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    (written,) = (tmp_path / "results").glob("bench_jitter_*.json")
+    data = json.loads(written.read_text())
+    assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
+    assert all(b["insertion_window_complete"] for b in data["budgets"])
+    assert "deepinfer bench jitter: " in result.stdout

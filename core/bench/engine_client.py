@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.core.bench.latency import RequestTiming
+from deepinfer.core.bench.progress import SweepProgress
 
 
 def bench_sampling_params(output_len: int, structured_outputs=None):
@@ -24,11 +25,12 @@ def bench_sampling_params(output_len: int, structured_outputs=None):
 
 
 async def send_request(engine, prompt: list[int], output_len: int, request_id: str,
-                       on_delivery=None, structured_outputs=None) -> RequestTiming:
+                       on_delivery=None, structured_outputs=None, progress: SweepProgress | None = None) -> RequestTiming:
     """Send one request and record when each piece of its output arrives.
 
     `on_delivery(timing)` runs after every recorded delivery (the jitter test uses it to insert
-    the long prompt once the stream has produced N tokens).
+    the long prompt once the stream has produced N tokens); `progress` hears of every token and
+    of the request's end.
     """
     timing = RequestTiming(request_id, len(prompt), time.perf_counter())
     params = bench_sampling_params(output_len, structured_outputs)
@@ -39,6 +41,8 @@ async def send_request(engine, prompt: list[int], output_len: int, request_id: s
             received = time.perf_counter()
             completion = out.outputs[0]
             timing.record(received, len(completion.delta_token_ids))
+            if progress is not None:
+                progress.advance(tokens=len(completion.delta_token_ids))
             timing.num_cached_tokens = out.num_cached_tokens
             if out.error is not None or completion.finish_reason in ("error", "abort"):
                 timing.error = out.error or f"finished with {completion.finish_reason}"
@@ -50,6 +54,8 @@ async def send_request(engine, prompt: list[int], output_len: int, request_id: s
             stream.abort()
     if timing.error is None and timing.output_len != output_len:
         timing.error = f"produced {timing.output_len} tokens, expected {output_len}"
+    if progress is not None:
+        progress.advance(requests=1)
     return timing
 
 

@@ -24,6 +24,8 @@ from itertools import pairwise
 
 from deepinfer.core.bench import engine_client
 from deepinfer.core.bench.latency import RequestTiming, percentiles
+from deepinfer.core.bench.progress import SweepProgress
+from deepinfer.core.bench.report import jitter_budget_line
 from deepinfer.core.bench.workload import make_prompts
 from deepinfer.core.errors import InvalidRequestError
 
@@ -87,17 +89,17 @@ def steps_in_window(steps: list, start_s: float, end_s: float) -> list:
 
 
 async def run_insertion(engine, stream_prompt: list[int], long_prompt: list[int], workload: JitterWorkload,
-                        label: str) -> dict:
+                        label: str, progress: SweepProgress | None = None) -> dict:
     """The stream, with the long prompt sent right after the stream's `insert_after`-th token arrives."""
     long_task: list[asyncio.Task] = []
 
     def insert_when_due(timing: RequestTiming) -> None:
         if not long_task and timing.output_len >= workload.insert_after:
             long_task.append(asyncio.create_task(engine_client.send_request(
-                engine, long_prompt, workload.long_output_len, f"{label}-long")))
+                engine, long_prompt, workload.long_output_len, f"{label}-long", progress=progress)))
 
     stream = await engine_client.send_request(engine, stream_prompt, workload.stream_output_len,
-                                              f"{label}-stream", on_delivery=insert_when_due)
+                                              f"{label}-stream", on_delivery=insert_when_due, progress=progress)
     if not long_task:
         raise RuntimeError(f"{label}: the stream ended before producing {workload.insert_after} tokens")
     long = await long_task[0]
@@ -125,10 +127,14 @@ def _mean_std_ms(values: list[float]) -> dict:
     return {"mean": mean, "std": std}
 
 
+REQUESTS_PER_REPEAT = 4  # baseline stream, long prompt alone, then the stream and the inserted long prompt
+
+
 async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_info: dict,
-                          weights: dict) -> dict:
+                          weights: dict, progress: SweepProgress) -> dict:
     # The weights load once per sweep (kept in `weights`); each budget gets a fresh engine (KV pool,
     # CUDA graphs) over them.
+    progress.level_started(f"budget {budget}: starting", 1)
     engine = await engine_client.start_engine(replace(config, max_num_batched_tokens=budget),
                                               weights.get("loaded_model"))
     weights.setdefault("loaded_model", engine_client.loaded_model_of(engine))
@@ -144,6 +150,7 @@ async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_
         # past the CUDA graphs' attention limit, run eagerly) meet shapes the first chunk does not, and their
         # first-use costs belonged to the first measured long prompt ("alone") otherwise.
         await engine_client.warm_up(engine, vocab_size, workload.long_prompt_len)
+        progress.level_started(f"budget {budget}", REQUESTS_PER_REPEAT * workload.repeats)
         for repeat in range(workload.repeats):
             seed = [workload.seed, budget, repeat]
             stream_prompt = make_prompts(1, workload.stream_prompt_len, vocab_size, seed=[*seed, 0])[0]
@@ -154,11 +161,11 @@ async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_
             baseline_prompt = make_prompts(1, workload.stream_prompt_len, vocab_size, seed=[*seed, 3])[0]
 
             baseline = await engine_client.send_request(engine, baseline_prompt, workload.stream_output_len,
-                                                        f"{label}-baseline")
+                                                        f"{label}-baseline", progress=progress)
             alone = await engine_client.send_request(engine, alone_prompt, workload.long_output_len,
-                                                     f"{label}-alone")
+                                                     f"{label}-alone", progress=progress)
             recorder.start()
-            run = await run_insertion(engine, stream_prompt, long_prompt, workload, label)
+            run = await run_insertion(engine, stream_prompt, long_prompt, workload, label, progress)
             steps = recorder.stop()
             for timing in (baseline, alone):
                 if not timing.ok:
@@ -189,6 +196,7 @@ async def _measure_budget(config, budget: int, workload: JitterWorkload, engine_
     if not result["insertion_window_complete"]:
         logger.warning("budget %d: the stream ended before the long prefill finished; raise --stream-output-len",
                        budget)
+    progress.level_finished(jitter_budget_line(result))
     return result
 
 
@@ -210,15 +218,16 @@ def choose_budget(results: list[dict], itl_slo_ms: float) -> dict:
             "insertion_window_itl_max_ms": best["insertion_window_itl_ms"]["max"], "note": None}
 
 
-async def _sweep(config, workload: JitterWorkload, engine_info: dict, results: list[dict]) -> None:
+async def _sweep(config, workload: JitterWorkload, engine_info: dict, results: list[dict],
+                 progress: SweepProgress) -> None:
     weights: dict = {}
     for budget in workload.token_budgets:
-        results.append(await _measure_budget(config, budget, workload, engine_info, weights))
-        logger.info("budget %d: window ITL max %.1f ms", budget, results[-1]["insertion_window_itl_ms"]["max"] or 0)
+        results.append(await _measure_budget(config, budget, workload, engine_info, weights, progress))
 
 
-def run_jitter_benchmark(config, workload: JitterWorkload) -> dict:
+def run_jitter_benchmark(config, workload: JitterWorkload, progress: SweepProgress | None = None) -> dict:
     """The whole sweep, one fresh engine per token budget; the JSON payload without env info.
+    `progress` hears of every request and of every finished budget.
 
     Interrupted (Ctrl-C, `timeout -s INT`), it returns the budgets finished so far, marked "interrupted".
     """
@@ -226,7 +235,7 @@ def run_jitter_benchmark(config, workload: JitterWorkload) -> dict:
     results: list[dict] = []
     interrupted = False
     try:
-        asyncio.run(_sweep(config, workload, engine_info, results))
+        asyncio.run(_sweep(config, workload, engine_info, results, progress or SweepProgress()))
     except KeyboardInterrupt:
         interrupted = True
         logger.warning("interrupted: keeping the %d token budget(s) finished so far", len(results))

@@ -143,3 +143,23 @@ def jitter_tables(payload: dict) -> list[Table]:
             f"token budget {slo['chosen_token_budget']}, long-prompt TTFT {slo['long_ttft_inserted_ms']:.1f} ms"
             if slo["chosen_token_budget"] is not None else slo["note"]))
     return [table]
+
+
+def concurrency_level_line(level: dict, who: str = "engine") -> str:
+    """One finished level in a line, printed while the sweep goes on (the tables come at the end)."""
+    stats = level["mean_std"]
+
+    def p50(name: str, digits: int) -> str:
+        value = stats.get(f"{name}.p50", {}).get("mean")
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    return (f"{who} c={level['concurrency']}: {format_mean_std(stats.get('output_tokens_per_s'))} out tok/s, "
+            f"TTFT p50 {p50('ttft_ms', 1)} ms, TPOT p50 {p50('tpot_ms', 2)} ms, ITL p50 {p50('itl_ms', 2)} ms")
+
+
+def jitter_budget_line(result: dict) -> str:
+    """One finished token budget in a line, printed while the sweep goes on."""
+    cut = "" if result["insertion_window_complete"] else " (window cut short)"
+    return (f"budget {result['token_budget']}: insertion ITL ms p50/p95/max {_pct(result['insertion_window_itl_ms'])}"
+            f"{cut} (baseline {_pct(result['baseline_itl_ms'])}), long TTFT inserted "
+            f"{format_mean_std(result['long_ttft_inserted_ms'])} ms, alone {format_mean_std(result['long_ttft_alone_ms'])} ms")

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
 from deepinfer.core.weights import hf_safetensors, layered
 from deepinfer.core.weights.default_model import default_model_path
 from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
+from deepinfer.core.weights.hub import parse_hub_id, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +84,28 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
 
 def read_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
     """The model as its source holds it: HF names, projections separate, packed ones only where the
-    source stores them packed (layered checkpoints)."""
+    source stores them packed (layered checkpoints). A Hugging Face id (`ORG/NAME`) that is no local path is
+    resolved into the HF cache first (core/weights/hub.py), and the model is then named by it."""
+    hub_name = None
+    if config.model and not Path(config.model).expanduser().exists() and parse_hub_id(config.model):
+        hub_name = config.model.split(":")[0]
+        config = dataclasses.replace(config, model=str(resolve_model(config.model, config.revision)))
     if config.dummy_weights:
-        return _read_dummy(config, device, dtype)
-    path = Path(config.model).expanduser() if config.model else default_model_path()
-    kind = detect_source(path)
-    if kind == "layered":
-        return _read_layered(path, config, device, dtype)
-    if kind == "gguf":
-        return _read_gguf(_gguf_file(path), config, device, dtype)
-    return _read_hf(path, config, device, dtype)
+        loaded = _read_dummy(config, device, dtype)
+    else:
+        path = Path(config.model).expanduser() if config.model else default_model_path()
+        if path.is_symlink() and path.is_file():
+            # a model file the user names through a link of their own is the file it points to (links inside a
+            # model directory must stay inside it: core/weights/file_checks.py)
+            path = path.resolve()
+        kind = detect_source(path)
+        if kind == "layered":
+            loaded = _read_layered(path, config, device, dtype)
+        elif kind == "gguf":
+            loaded = _read_gguf(_gguf_file(path), config, device, dtype)
+        else:
+            loaded = _read_hf(path, config, device, dtype)
+    return loaded if hub_name is None else dataclasses.replace(loaded, name=hub_name)
 
 
 def detect_source(path: Path) -> str:

