@@ -141,6 +141,18 @@ def test_a_lone_surrogate_prompt_is_an_invalid_request(loaded):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
+def test_token_ids_past_the_vocabulary_are_refused_when_the_request_is_made(loaded, field):
+    engine = make_engine(loaded)
+    vocab_size = engine.spec.vocab_size
+    value = {vocab_size: 1.0} if field == "logit_bias" else [vocab_size]
+    with pytest.raises(InvalidRequestError, match=f"{field} token id {vocab_size} is outside the vocabulary"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, **{field: value}))
+    ok = {vocab_size - 1: 1.0} if field == "logit_bias" else [vocab_size - 1]
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, **{field: ok}))
+    assert engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_request_whose_sampling_fails_fails_alone(loaded, monkeypatch, async_scheduling):
     """One request's row carries logprobs=True (what SamplingParams now refuses, forced past it): the

@@ -140,6 +140,11 @@ class LLMEngine:
                                       f"{self.config.max_waiting_requests}; they could never be queued")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
+        vocab_size = self.spec.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab_size), None)  # on a GPU an index past the logits is a fault
+            if bad is not None:
+                raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {vocab_size})")
         compiled_grammar = None
         if params.structured_outputs is not None:  # a cache hit when the server compiled it already
             compiled_grammar = self.grammars.compile(params.structured_outputs)
