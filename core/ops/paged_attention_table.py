@@ -61,12 +61,11 @@ class DecodeRow(NamedTuple):
 DECODE_TABLE = (
     DecodeRow("clustered", lambda s: (short_bound(s) and s.clusters and ctas(s) < COMBINED_MIN_CTAS
                                       and ctas(s) * kernels.CLUSTER_CTAS <= s.multiprocessors),
-              "few sequences under short bounds whose clusters all fit the SMs at once: 1540 us a step against 1537 "
-              "split at one stream, 1773 against 1792 at 8 (results/experiments_session7_nvidia_h200_20261130/"
-              "index.json, 'clustered')"),
+              "few sequences under short bounds whose clusters all fit the SMs at once: even with split at one "
+              "stream, faster at 8 (results/decode_step_experiments_qwen2.5-3b_nvidia_h200.json, 'clustered')"),
     DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
-              "many sequences under short bounds: 3263 us a step against 3302 split at 32 streams, but 1785 against "
-              "1684 at one (results/experiments_fused_norm_nvidia_h200_20261129/index.json, run1)"),
+              "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
+              "(results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
     DecodeRow("split", lambda s: True,
               "long bounds, and few sequences without clusters: the context spread over the GPU "
               "(results/bench_gemv_w4a16-w3a16-attention_nvidia_h200.json)"),
