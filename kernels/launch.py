@@ -46,8 +46,8 @@ def f32(value: float) -> np.float32:
 
 def _torch_stream(device_index: int):
     """CuPy's view of torch's current stream on the device, made once per (device, stream handle).
-    The handle comes from torch's C accessor: building a torch.cuda.Stream object per launch was
-    a third of a launch's host time in an eager step's profile."""
+    The handle comes from torch's C accessor: building a torch.cuda.Stream object per launch would cost
+    more host time than the rest of the launch."""
     import cupy
 
     handle = torch._C._cuda_getCurrentRawStream(device_index)

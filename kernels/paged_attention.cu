@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
 // Combine the splits of each (sequence, head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 // grid (num_heads, num_seqs), block 128 threads: first a split per thread (the max M, each split's weight
 // e^(m_s - M) into shared memory, the total), then a dimension per thread, summing the splits in order with
-// independent loads (a loop over splits with one L2 round trip per step cost ~0.15 us a split). With up to
+// independent loads (a loop with one dependent L2 round trip per split would pay that latency once a split). With up to
 // REDUCE_HELD_SPLITS splits and head_dim <= 128 (one dimension a thread) a thread's partials are all loaded
 // right after the PDL wait, with the stats, so the kernel waits on L2 once instead of once for the stats and
 // again per batch of partials (a one-stream decode step at a 1024-token bound has 32 splits).

@@ -325,8 +325,8 @@ __device__ __forceinline__ bool reduce_cluster_splits(float (&acc)[TT][4], float
 // the whole K, so a CTA streams its rows front to back and no split-K pass over global memory is
 // needed; the warps' partial sums meet in shared memory. Weight words are software-pipelined: a
 // warp loads the next two segments into one register set while it multiplies the two in the other.
-// (Staging the rows' scales in shared memory instead of loading them in the loop measured no faster
-// on an H200: these kernels are bound by the dequantization arithmetic, not by their loads.)
+// The rows' scales are loaded in the loop, not staged in shared memory: these kernels are bound by the
+// dequantization arithmetic, not by their loads (docs/KERNELS.md).
 template <int DT, int BITS, int TT, int SCALE_F32>
 __global__ void __launch_bounds__(256) quant_mma_ksplit_kernel(
     const u16* __restrict__ x,          // [M, K]
@@ -665,10 +665,10 @@ __global__ void __launch_bounds__(128) quant_stream_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core GEMV for 1..32 tokens, W4 only: the instruction-lean successor of ksplit. Nsight Compute on
-// an H200 (docs/KERNELS.md) showed the earlier GEMVs issue 11-14 instructions per weight byte (64-bit
-// index math, an integer division per chunk, bounds branches, fp32 dot products in bf16): they are bound by
-// instruction issue, not by DRAM. Here a thread spends ~2-3 instructions per weight pair:
+// Tensor-core GEMV for 1..32 tokens, W4 only: ksplit's fragment layout with fewer instructions per weight
+// byte. The GEMVs above are bound by instruction issue, not by DRAM (64-bit index math, an integer division
+// per chunk, bounds branches, fp32 dot products in bf16; docs/KERNELS.md). Here a thread spends ~2-3
+// instructions per weight pair:
 //   - shapes are whole: N % 16 == 0 and K % 128 == 0 (the launcher checks), so no bounds tests on weights;
 //   - per-row base pointers are computed once; a chunk's group is chunk >> group_shift (the launcher
 //     passes log2(G / 32), or 31 for per-channel scales);

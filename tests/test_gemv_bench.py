@@ -3,7 +3,7 @@ attention rows (the sweep itself needs a GPU)."""
 
 from __future__ import annotations
 
-from deepinfer.core.bench.gemv_bench import gemv_tables, quant_points
+from deepinfer.core.bench.gemv_bench import bandwidth_checks, gemv_tables, quant_points
 
 
 def test_bench_times_every_kernel_that_serves_a_token_count():
@@ -23,8 +23,8 @@ def test_bench_gemv_attention_rows_name_their_path():
     row = {"batch": 64, "context": 1024, "heads": 16, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16",
            "kv": "same", "pipelined": True, "splits": 1, "us_mean": 10.0, "us_std": 0.1, "gbps": 3000.0,
            "fraction_of_copy": 0.7, "torch_us_mean": None, "speedup_vs_torch": None}
-    targets = {"w4_batch1_bandwidth": [], "w4_batch16_cost": [], "decode_attention_bandwidth": []}
-    payload = {"copy_bandwidth": {"gbps_mean": 4252.0, "gbps_std": 8.0}, "quant_matmul": [], "targets": targets,
+    checks = {"w4_batch1_bandwidth": [], "w4_batch16_cost": [], "decode_attention_bandwidth": []}
+    payload = {"copy_bandwidth": {"gbps_mean": 4252.0, "gbps_std": 8.0}, "quant_matmul": [], "bandwidth_checks": checks,
                "paged_attention": [row | {"path": "combined"}, row | {"batch": 1, "path": "split", "splits": 32},
                                    row | {"batch": 2, "splits": 16}, row | {"batch": 4, "path": "clustered"}]}
     console = Console(record=True, width=200)
@@ -33,3 +33,25 @@ def test_bench_gemv_attention_rows_name_their_path():
     lines = [line for line in console.export_text().splitlines() if "16/2x128" in line]
     assert len(lines) == 4
     assert "combined" in lines[0] and "split 32" in lines[1] and "split 16" in lines[2] and "clustered" in lines[3]
+
+
+def test_bandwidth_checks_hold_each_dispatched_point_to_its_bar():
+    """Only dispatched ("auto") W4 points count: one token on shapes of at least 4096x4096 against 70% of copy
+    bandwidth, 16 tokens against 1.5x one token's time; attention at 16 sequences and 4k+ contexts against 60%."""
+    def point(k, n, tokens, us, fraction, auto=True, bits=4):
+        return {"auto": auto, "bits": bits, "in_features": k, "out_features": n, "tokens": tokens, "us_mean": us,
+                "fraction_of_copy": fraction}
+
+    quant = [point(4096, 4096, 1, 10.0, 0.72), point(4096, 4096, 16, 16.0, 0.5),
+             point(2048, 2048, 1, 4.0, 0.15), point(2048, 2048, 16, 5.0, 0.4),
+             point(4096, 4096, 1, 20.0, 0.3, auto=False), point(4096, 4096, 1, 9.0, 0.6, bits=3)]
+    attention = [{"batch": b, "context": c, "kv": "same", "heads": 32, "kv_heads": 8, "head_dim": 128,
+                  "fraction_of_copy": f, "default_variant": d}
+                 for b, c, f, d in ((16, 4096, 0.79, True), (16, 16384, 0.55, True), (16, 2048, 0.1, True),
+                                    (4, 4096, 0.2, True), (16, 4096, 0.1, False))]
+    checks = bandwidth_checks(quant, attention)
+    assert checks["w4_batch1_bandwidth"] == [{"shape": "4096x4096", "fraction_of_copy": 0.72, "passes": True}]
+    assert checks["w4_batch16_cost"] == [{"shape": "4096x4096", "batch16_over_batch1": 1.6, "passes": False},
+                                         {"shape": "2048x2048", "batch16_over_batch1": 1.25, "passes": True}]
+    assert [(row["context"], row["passes"]) for row in checks["decode_attention_bandwidth"]] == [(4096, True),
+                                                                                                 (16384, False)]

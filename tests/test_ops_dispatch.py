@@ -275,8 +275,8 @@ def test_an_explicit_tc_kernel_refuses_weights_it_cannot_take():
 def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shape():
     from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
 
-    # (tokens, in, out) -> path, as bench gemv, the W4 GEMM sweep and the decode-step profile measured it on an
-    # H200 (Qwen2.5-3B's merged shapes, W4 G128)
+    # (tokens, in, out) -> path, as docs/KERNELS.md's product table gives it with its results files (Qwen2.5-3B's
+    # merged shapes, W4 G128)
     expected = {(1, 2048, 2560): "tc", (1, 2048, 22016): "tcs", (1, 11008, 2048): "tc", (2, 2048, 2560): "tc",
                 (4, 2048, 22016): "tcs", (8, 2048, 2048): "tc", (9, 2048, 2048): "ksplit",
                 (16, 2048, 22016): "tcs", (16, 11008, 2048): "tc", (24, 2048, 2560): "ksplit",

@@ -1,11 +1,12 @@
 """Steps at padded sizes: static input buffers, replayed CUDA graphs, for decodes and mixed steps.
 
-Every token of a step runs as its own query: a prefill chunk's token at position p attends to
-positions 0..p of its request exactly as a decode token does, so one formulation (the paged decode
-attention, which reads each token's context through its request's block table) serves decodes,
-prefill chunks and any mix of them, and the whole step has static shapes once padded. That is what
-lets mixed and prefill steps replay a CUDA graph as decodes do, instead of paying a host-side launch
-of every op (an eager 36-layer step costs ~50 ms of host time for ~9 ms of GPU work).
+A token can run as a query of its own: a prefill chunk's token at position p attends to positions
+0..p of its request exactly as a decode token does, so one formulation (the paged decode attention,
+which reads each token's context through its request's block table) serves decodes, prefill chunks
+and any mix of them, and the whole step has static shapes once padded; large buckets attend prefill
+chunks in tiles instead (below), with static shapes too. That is what lets mixed and prefill steps
+replay a CUDA graph as decodes do, instead of paying a host-side launch of every op (for a model of
+many layers, more host time than the step's GPU work).
 
 A step of T tokens from R requests runs as the smallest token bucket >= T (1, 2, 4, 8, 16, 24, ...
 max_num_seqs, then 2x up to MAX_GRAPH_TOKENS) and the smallest context bound >= its longest context

@@ -18,8 +18,8 @@ context itself sits outside `max_vram`: torch cannot measure it per process.
 
 Under `max_vram` the pool also gives up the holes left between the weights in torch's segments (what
 torch still reserves beyond its allocations once its cache is emptied: freed parts of merged
-projections and load-time temporaries that core/models/compaction.py did not give back). Counting
-allocations only, the reservation of the Qwen2.5-3B body in a 4 GiB budget reached 4.38 GiB.
+projections and load-time temporaries that core/models/compaction.py did not give back): a budget that
+counted allocations only would let the reservation pass `max_vram` by them (docs/RESULTS.md).
 
 CUDA graphs are captured after the pool is allocated (they bind its addresses), so their memory is
 measured before, on a scratch cache: the static input/output buffers, and the largest graph

@@ -3,8 +3,8 @@
 Merging q/k/v and gate/up (core/models/merged_projections.py) allocates each merged product beside
 its parts and then frees the parts, and load-time temporaries are freed the same way. torch's
 caching allocator cannot give those holes back to the device while a weight still sits in the
-same segment, so they stay reserved (363 MiB for the Qwen2.5-3B body in W4A16) and, under
-`max_vram`, come out of the KV pool (core/engine/memory.py). A round trip through host memory
+same segment, so they stay reserved and, under `max_vram`, come out of the KV pool
+(core/engine/memory.py; docs/RESULTS.md, "Inside a 4 GiB budget", gives their size for a 3B model). A round trip through host memory
 after loading lays every weight out again in fresh segments, before any step has run.
 """
 
