@@ -106,6 +106,18 @@ def single_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """core/ops' dispatch with no cached decisions or logged paths, and DEEPINFER_FORCE_REFERENCE unset, around
+    the test (modules that count what dispatch logs or decides use it: `pytest.mark.usefixtures`)."""
+    from deepinfer.core.ops import dispatch
+
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
+    dispatch.reset_log()
+    yield
+    dispatch.reset_log()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()

@@ -25,13 +25,7 @@ from deepinfer.core.quant.quant_linear import QuantLinear
 from deepinfer.core.quant.rtn import quantize_rtn
 from deepinfer.core.tokenizer import ByteTokenizer
 
-
-@pytest.fixture(autouse=True)
-def fresh_dispatch(monkeypatch):
-    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
-    dispatch.reset_log()
-    yield
-    dispatch.reset_log()
+pytestmark = pytest.mark.usefixtures("fresh_dispatch")
 
 
 def test_get_kernel_compiles_once_then_skips_hashing(monkeypatch):

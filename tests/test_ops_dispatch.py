@@ -25,13 +25,7 @@ from deepinfer.core.ops.quant_matmul import quant_matmul, quant_matmul_reference
 from deepinfer.core.ops.rotary import rotary_and_cache_write, write_kv_cache
 from deepinfer.core.quant.rtn import quantize_rtn
 
-
-@pytest.fixture(autouse=True)
-def fresh_log(monkeypatch):
-    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
-    dispatch.reset_log()
-    yield
-    dispatch.reset_log()
+pytestmark = pytest.mark.usefixtures("fresh_dispatch")
 
 
 def _messages(caplog) -> list[str]:
