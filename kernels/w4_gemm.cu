@@ -2,13 +2,15 @@
 // reading the packed weight of core/quant/packed.py as it is stored (qweight int32 [N, K/8], code j of word w is
 // k = 8w + j at bits 4j), so one copy of the weight serves this kernel and the few-token kernels alike.
 //
-// Both kernels compute Y^T = W . X^T: the weight is the A operand (16 output features a warp fragment), the tokens
-// are the N operand, so a batch pads to a multiple of 8 (mma.sync) or of the wgmma width, not of 16 or 64. A CTA
-// owns ROWS output features and TOKENS tokens and walks K in stages of 128 through a cp.async pipeline STAGES deep
-// (a stage's weights, scale pairs and activations land in shared memory together; weights and scales of the first
-// stages are fetched before the PDL wait, since no earlier kernel writes them); a grid z > 1 splits K.
+// One kernel, w4_gemm_kernel<DT, ZMODE, WGMMA, A, B, C, STAGES>, with two tensor-core paths: mma.sync (WGMMA false,
+// SM80+) and wgmma (WGMMA true, SM90a). Both compute Y^T = W . X^T: the weight is the A operand (16 output features a
+// warp fragment), the tokens are the N operand, so a batch pads to a multiple of 8 (mma.sync) or of the wgmma width,
+// not of 16 or 64. A CTA owns ROWS output features and TOKENS tokens and walks K in stages of 128 through a cp.async
+// pipeline STAGES deep (a stage's weights, scale pairs and activations land in shared memory together; weights and
+// scales of the first stages are fetched before the PDL wait, since no earlier kernel writes them); a grid z > 1 splits
+// K.
 //
-// w4_gemm_kernel (SM80+, mma.sync m16n8k16): WARPS warps of RW 16-row tiles each, all TT 8-token tiles. The k
+// mma.sync path (m16n8k16; A, B, C = WARPS, RW, TT): WARPS warps of RW 16-row tiles each, all TT 8-token tiles. The k
 // order inside a stage is a permutation chosen so both operands load with 16-byte accesses and the weights unpack
 // with one LOP3 a pair. Thread (g = lane / 4, t = lane % 4) owns the 32 physical k of its chunk t of each 128 k:
 // one uint4 of each weight row (g and g + 8 of a tile) and one uint4 per 8 k of each token row. Word i of the chunk
@@ -19,12 +21,12 @@
 // (e1, e5) for step 0 and (e2, e6), (e3, e7) for step 1 of the token's 8 values. Every physical k of the stage
 // meets exactly one step, so the sum is unchanged.
 //
-// w4_gemm_wgmma_kernel (SM90a, wgmma.mma_async m64nNk16, A from registers): WG warpgroups of MT 64-row tiles each,
-// all TOKENS tokens as the wgmma N (one instruction up to 64, 64-wide sub-tiles beyond). wgmma reads the
+// wgmma path (wgmma.mma_async m64nNk16, A from registers; A, B, C = WG, MT, NTOK): WG warpgroups of MT 64-row
+// tiles each, all TOKENS tokens as the wgmma N (one instruction up to 64, 64-wide sub-tiles beyond). wgmma reads the
 // activations from shared memory in their natural k order (K-major rows of 128 bytes, 128-byte swizzle), so each
 // thread unpacks the natural A fragment: codes (2t, 2t + 1) and (2t + 8, 2t + 9) of its rows in each k16 step,
 // i.e. byte t of two consecutive weight words. The tensor cores run asynchronously while the warps unpack the next
-// step's weights (two A register sets, one wgmma group in flight).
+// step's weights (three A register sets, two wgmma groups in flight).
 //
 // Dequantization is exact in the pair type for integer zero points: (1024 + q) or (128 + q) from the magic
 // exponent, plus -(magic + z), times the scale, one rounding (fp16: the reference's value bit for bit; bf16: the
@@ -222,7 +224,7 @@ template <int DT, int N> __device__ __forceinline__ void wgmma_rs(float*, const 
 // ---------------------------------------------------------------------------------------------------------------
 // Tile layouts. A stage in shared memory holds, for the CTA's ROWS x TOKENS tile and 128 k: the packed weights
 // (64 bytes a row, W_CHUNKS = 4 chunks of 16 bytes), the activations (256 bytes a token, X_CHUNKS = 16 chunks), and
-// the scale pairs of the MAX_GROUPS groups a stage can touch (group sizes are multiples of 32). Both kernels keep
+// the scale pairs of the MAX_GROUPS groups a stage can touch (group sizes are multiples of 32). Both paths keep
 // the accumulators as FRAG_R x FRAG_T m16n8 fragments: (row frag_row(r) + g (+8), token 8 tt + 2t (+1)).
 
 // mma.sync tiles. Chunk slots keep each quarter warp's reads on distinct banks: activation rows {2j, 2j + 1} x
@@ -238,7 +240,6 @@ struct MmaTile {
   static constexpr int W_OFFSET = TOKENS * GEMM_BK * 2;
   static constexpr int S_OFFSET = W_OFFSET + ROWS * GEMM_BK / 2;
   static constexpr int STAGE_BYTES = S_OFFSET + TILES * MAX_GROUPS * 64;
-  static constexpr int ALIGN = 16;
   static constexpr int X_ROW_BYTES = GEMM_BK * 2;  // between consecutive token rows
   static constexpr int FRAG_R = RW, FRAG_T = TT;
   static constexpr int OUT_STRIDE = ROWS + 8;  // u16 per token row of the output staging (bank spread)
@@ -263,7 +264,6 @@ struct WgmmaTile {
   static constexpr int W_OFFSET = 2 * X_BLOCK;
   static constexpr int S_OFFSET = W_OFFSET + ROWS * GEMM_BK / 2;
   static constexpr int STAGE_BYTES = (S_OFFSET + TILES * MAX_GROUPS * 64 + 1023) / 1024 * 1024;
-  static constexpr int ALIGN = 1024;
   static constexpr int X_ROW_BYTES = 128;
   static constexpr int FRAG_R = MT, FRAG_T = NTOK / 8;
   static constexpr int OUT_STRIDE = ROWS + 8;
@@ -601,7 +601,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[L::FRAG_R][L::FRAG
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The kernels: the same pipeline and epilogue around their stage's tensor-core work.
+// The body of both paths: the same pipeline and epilogue around the stage's tensor-core work.
 template <int DT, int ZMODE, class L, int STAGES, bool WGMMA>
 __device__ __forceinline__ void gemm_body(const u16* __restrict__ x, const u32* __restrict__ qweight,
                                           const uint2* __restrict__ sz, const u16* __restrict__ bias,
@@ -660,27 +660,16 @@ __device__ __forceinline__ void gemm_body(const u16* __restrict__ x, const u32* 
   store_tile<DT, L>(acc, smem, bias, out, row0, tok0, M, N);
 }
 
-template <int DT, int ZMODE, int WARPS, int RW, int TT, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32) w4_gemm_kernel(
-    const u16* __restrict__ x,        // [M, K] activations, DT
-    const u32* __restrict__ qweight,  // [N, K / 8] packed codes
-    const uint2* __restrict__ sz,     // [ceil(N / 16), num_groups, 8] (scale pair, zero pair), DT
-    const u16* __restrict__ bias,     // [N] DT, or null
-    u16* __restrict__ out,            // [M, N] DT
-    float* __restrict__ partials,     // split-K sums: [tiles, splits, REGS, THREADS] fp32
-    u32* __restrict__ counters,       // [tiles], zero between launches
-    int M, int N, int K, int group_size, int group_shift, int slot_shift, int num_groups) {
-  using L = MmaTile<WARPS, RW, TT>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int last_flag;
-  launch_dependents();
-  float acc[L::FRAG_R][L::FRAG_T][4];
-  gemm_body<DT, ZMODE, L, STAGES, false>(x, qweight, sz, bias, out, partials, counters, M, N, K, group_size,
-                                         group_shift, slot_shift, num_groups, smem, &last_flag, acc);
-}
+// The one kernel of both families: WGMMA picks the layout and tensor-core path, A/B/C its shape (mma.sync: warps,
+// 16-row tiles a warp, 8-token tiles; wgmma: warpgroups, 64-row tiles a warpgroup, tokens).
+// (NVRTC has no <type_traits>, so the pick is spelled out.)
+template <bool WGMMA, int A, int B, int C> struct PickLayout { using type = MmaTile<A, B, C>; };
+template <int A, int B, int C> struct PickLayout<true, A, B, C> { using type = WgmmaTile<A, B, C>; };
+template <bool WGMMA, int A, int B, int C>
+using GemmLayout = typename PickLayout<WGMMA, A, B, C>::type;
 
-template <int DT, int ZMODE, int WG, int MT, int NTOK, int STAGES>
-__global__ void __launch_bounds__(WG * 128) w4_gemm_wgmma_kernel(
+template <int DT, int ZMODE, bool WGMMA, int A, int B, int C, int STAGES>
+__global__ void __launch_bounds__(GemmLayout<WGMMA, A, B, C>::THREADS) w4_gemm_kernel(
     const u16* __restrict__ x,        // [M, K] activations, DT
     const u32* __restrict__ qweight,  // [N, K / 8] packed codes
     const uint2* __restrict__ sz,     // [ceil(N / 16), num_groups, 8] (scale pair, zero pair), DT
@@ -689,13 +678,19 @@ __global__ void __launch_bounds__(WG * 128) w4_gemm_wgmma_kernel(
     float* __restrict__ partials,     // split-K sums: [tiles, splits, REGS, THREADS] fp32
     u32* __restrict__ counters,       // [tiles], zero between launches
     int M, int N, int K, int group_size, int group_shift, int slot_shift, int num_groups) {
-  using L = WgmmaTile<WG, MT, NTOK>;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  using L = GemmLayout<WGMMA, A, B, C>;
   __shared__ int last_flag;
   launch_dependents();
-  // the swizzled activation blocks must start on 1024-byte boundaries (the launcher asks for 1 KiB more)
-  unsigned char* smem = smem_raw + ((1024 - ((u32)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
+  unsigned char* smem;
+  if constexpr (WGMMA) {
+    // the swizzled activation blocks must start on 1024-byte boundaries (the launcher asks for 1 KiB more)
+    extern __shared__ __align__(1024) unsigned char smem_swizzled[];
+    smem = smem_swizzled + ((1024 - ((u32)__cvta_generic_to_shared(smem_swizzled) & 1023)) & 1023);
+  } else {
+    extern __shared__ __align__(16) unsigned char smem_plain[];
+    smem = smem_plain;
+  }
   float acc[L::FRAG_R][L::FRAG_T][4];
-  gemm_body<DT, ZMODE, L, STAGES, true>(x, qweight, sz, bias, out, partials, counters, M, N, K, group_size,
-                                        group_shift, slot_shift, num_groups, smem, &last_flag, acc);
+  gemm_body<DT, ZMODE, L, STAGES, WGMMA>(x, qweight, sz, bias, out, partials, counters, M, N, K, group_size,
+                                         group_shift, slot_shift, num_groups, smem, &last_flag, acc);
 }

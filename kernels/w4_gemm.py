@@ -33,7 +33,7 @@ MAX_TOKENS = 256  # the largest batch the dispatch sends here (more tokens only 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """An mma.sync launch shape (w4_gemm_kernel, SM80+)."""
+    """An mma.sync launch shape (w4_gemm_kernel<..., false, ...>, SM80+)."""
 
     warps: int  # warps per CTA
     rw: int  # 16-row weight tiles per warp
@@ -56,13 +56,18 @@ class TileConfig:
     def shared_bytes(self) -> int:
         return self.stages * (self.tokens * BK * 2 + self.rows * BK // 2 + self.rows // 16 * _MAX_GROUPS * 64)
 
+    @property
+    def label(self) -> str:
+        """How sweeps and docs name the shape: mma<warps,rw,tt,stages>."""
+        return f"mma<{self.warps},{self.rw},{self.tt},{self.stages}>"
+
     def name(self, dt: int, zmode: int) -> str:
-        return f"w4_gemm_kernel<{dt},{zmode},{self.warps},{self.rw},{self.tt},{self.stages}>"
+        return f"w4_gemm_kernel<{dt},{zmode},false,{self.warps},{self.rw},{self.tt},{self.stages}>"
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """A wgmma launch shape (w4_gemm_wgmma_kernel, SM90a)."""
+    """A wgmma launch shape (w4_gemm_kernel<..., true, ...>, SM90a)."""
 
     wg: int  # warpgroups per CTA
     mt: int  # 64-row tiles per warpgroup
@@ -86,8 +91,13 @@ class WgmmaConfig:
         stage = self.ntok * BK * 2 + self.rows * BK // 2 + self.rows // 16 * _MAX_GROUPS * 64
         return self.stages * (-(-stage // 1024) * 1024) + 1024  # + 1 KiB to align the swizzled blocks
 
+    @property
+    def label(self) -> str:
+        """How sweeps and docs name the shape: wgmma<wg,mt,ntok,stages>."""
+        return f"wgmma<{self.wg},{self.mt},{self.ntok},{self.stages}>"
+
     def name(self, dt: int, zmode: int) -> str:
-        return f"w4_gemm_wgmma_kernel<{dt},{zmode},{self.wg},{self.mt},{self.ntok},{self.stages}>"
+        return f"w4_gemm_kernel<{dt},{zmode},true,{self.wg},{self.mt},{self.ntok},{self.stages}>"
 
 
 def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int) -> str | None:

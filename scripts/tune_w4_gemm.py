@@ -70,7 +70,7 @@ def sweep_point(weights, dense, x, outs, group_size, device_index) -> dict:
         ctas = -(-out_features // shape.rows) * -(-num_tokens // shape.tokens)
         for per_sm in (0, 2, 4):
             splits = 1 if per_sm == 0 else max(1, min(round(per_sm * sms / ctas), num_kb // 2))
-            key = f"{shape.name(1, 0).split('<')[0]}<{shape.name(1, 0).split('<')[1][4:]}/splits={splits}"
+            key = f"{shape.label}/splits={splits}"
             if key in point["gemm_us"]:
                 continue
 
@@ -83,7 +83,7 @@ def sweep_point(weights, dense, x, outs, group_size, device_index) -> dict:
     best = min(point["gemm_us"], key=point["gemm_us"].get)
     point["best"], point["best_us"] = best, point["gemm_us"][best]
     planned, planned_splits = w4_gemm.plan(num_tokens, out_features, in_features, device_index)
-    point["plan"] = f"{planned} splits={planned_splits}"
+    point["plan"] = f"{planned.label}/splits={planned_splits}"
     return point
 
 
