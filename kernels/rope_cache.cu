@@ -9,6 +9,19 @@
 // pairs (i, i + D/2) of a head.
 #include "common.cuh"
 
+// This lane's elements i = lane + 32 p and i + half_dim of a head (vals: up to 4 pairs) into dst [D], in DT.
+template <int DT>
+__device__ __forceinline__ void store_pairs(u16* dst, const float* vals, int lane, int half_dim) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int i = lane + 32 * p;
+    if (i < half_dim) {
+      dst[i] = Num<DT>::from_float(vals[2 * p]);
+      dst[i + half_dim] = Num<DT>::from_float(vals[2 * p + 1]);
+    }
+  }
+}
+
 template <int DT, int KV_INT8>
 __device__ __forceinline__ void store_head(void* cache, u16* scales, i64 row, i64 scale_index, const float* vals,
                                            int lane, int half_dim) {
@@ -33,15 +46,7 @@ __device__ __forceinline__ void store_head(void* cache, u16* scales, i64 row, i6
     }
     if (lane == 0) scales[scale_index] = scale_bits;
   } else {
-    u16* dst = reinterpret_cast<u16*>(cache) + row;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int i = lane + 32 * p;
-      if (i < half_dim) {
-        dst[i] = Num<DT>::from_float(vals[2 * p]);
-        dst[i + half_dim] = Num<DT>::from_float(vals[2 * p + 1]);
-      }
-    }
+    store_pairs<DT>(reinterpret_cast<u16*>(cache) + row, vals, lane, half_dim);
   }
 }
 
@@ -95,14 +100,7 @@ __global__ void __launch_bounds__(128) rope_cache_kernel(
     }
     if (HAS_ROPE && (is_q || is_k)) {
       u16* dst = is_q ? query_out + (tok * num_heads + head) * head_dim : key_out + (tok * num_kv_heads + kv_head) * head_dim;
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const int i = lane + 32 * p;
-        if (i < half_dim) {
-          dst[i] = Num<DT>::from_float(vals[2 * p]);
-          dst[i + half_dim] = Num<DT>::from_float(vals[2 * p + 1]);
-        }
-      }
+      store_pairs<DT>(dst, vals, lane, half_dim);
     }
     if (is_q || slot < 0) continue;
     const i64 slot_row = (blk * num_kv_heads + kv_head) * block_size + off;
