@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import threading
 import time
 
@@ -20,6 +21,27 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.app import create_app
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.run import uvicorn_config
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a `deepinfer serve` subprocess)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(process: subprocess.Popen, base_url: str, timeout_s: float = 120.0) -> None:
+    """Poll /health until the server in `process` answers 200; fail with its output if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        try:
+            if httpx.get(base_url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{base_url} did not become healthy in {timeout_s:.0f} s")
 
 
 class ServerThread:

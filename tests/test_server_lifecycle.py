@@ -16,16 +16,10 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ServerThread
+from server_helpers import ServerThread, free_port, wait_until_healthy
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.config import ServerConfig
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_command(model: str, port: int, *extra: str) -> list[str]:
@@ -113,15 +107,7 @@ def test_sigterm_drains_the_stream_and_exits_0_without_a_traceback(tiny_llama_di
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert process.poll() is None, process.communicate()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(process, base)
 
         async def scenario():
             first_chunk = asyncio.Event()

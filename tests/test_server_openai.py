@@ -10,16 +10,14 @@ from __future__ import annotations
 import math
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-from server_helpers import ServerThread
+from server_helpers import ServerThread, free_port, wait_until_healthy
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.config import ServerConfig
@@ -262,12 +260,6 @@ def test_smollm2_answers_paris(smol):
     assert reply.choices[0].finish_reason == "stop"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_deepinfer_serve_command(tiny_models):
     """The CLI end to end: binds loopback, loads in the background, needs the key, stops on SIGINT."""
     port = free_port()
@@ -277,15 +269,7 @@ def test_deepinfer_serve_command(tiny_models):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert process.poll() is None, process.communicate()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(process, base)
         client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
         reply = client.chat.completions.create(model="cli-model", messages=QUESTION, max_tokens=3)
         assert reply.model == "cli-model" and reply.usage.completion_tokens <= 3

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from w4_cases import random_w4_weight
 
-from deepinfer.core.quant.packing import dequantize, pack_weight
+from deepinfer.core.quant.packing import dequantize
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -28,25 +29,15 @@ def _cupy_or_skip():
     return w4_gemm
 
 
-def _case(out_features, in_features, group_size, zero_mode, integer_zeros, dtype, seed):
-    generator = torch.Generator().manual_seed(seed)
-    groups = in_features // group_size
-    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
-    scales = (torch.rand(out_features, groups, generator=generator) * 0.02 + 0.005).half()
-    if zero_mode == "zero":
-        zeros = torch.randint(0, 16, (out_features, groups), generator=generator).half()
-        zeros = zeros if integer_zeros else zeros + 0.25
-    else:
-        zeros = (-torch.rand(out_features, groups, generator=generator) * 0.1).half()
-    packed = pack_weight(codes, scales, zeros, 4, zero_mode)
+def _case(out_features, in_features, group_size, zero_mode, integer_zeros, seed):
+    packed = random_w4_weight(out_features, in_features, group_size, zero_mode, integer_zeros, seed)
     device = torch.device("cuda")
     return (packed.qweight.to(device), packed.scales.to(device), packed.zeros.to(device), packed)
 
 
 def _check(w4_gemm, num_tokens, out_features, in_features, group_size, dtype, zero_mode="zero", integer_zeros=True,
            bias=False, act_order=False, config=None, splits=None, seed=0):
-    qweight, scales, zeros, packed = _case(out_features, in_features, group_size, zero_mode, integer_zeros, dtype,
-                                           seed)
+    qweight, scales, zeros, packed = _case(out_features, in_features, group_size, zero_mode, integer_zeros, seed)
     device = qweight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(num_tokens, in_features, device=device, dtype=dtype, generator=generator)
@@ -112,7 +103,7 @@ def test_every_tile_config_with_and_without_split_k():
 
 def test_split_k_sums_are_the_same_bits_every_run():
     w4_gemm = _cupy_or_skip()
-    qweight, scales, zeros, _ = _case(2048, 11008, 128, "zero", True, torch.bfloat16, seed=7)
+    qweight, scales, zeros, _ = _case(2048, 11008, 128, "zero", True, seed=7)
     sz, zmode = w4_gemm.gemm_scales(scales, zeros, "zero", torch.bfloat16)
     x = torch.randn(128, 11008, device="cuda", dtype=torch.bfloat16)
     first = w4_gemm.w4_gemm(x, qweight, sz, zmode, 128, splits=8)
@@ -122,7 +113,7 @@ def test_split_k_sums_are_the_same_bits_every_run():
 
 def test_runs_inside_a_cuda_graph():
     w4_gemm = _cupy_or_skip()
-    qweight, scales, zeros, _ = _case(2048, 2048, 128, "zero", True, torch.bfloat16, seed=8)
+    qweight, scales, zeros, _ = _case(2048, 2048, 128, "zero", True, seed=8)
     sz, zmode = w4_gemm.gemm_scales(scales, zeros, "zero", torch.bfloat16)
     x = torch.randn(100, 2048, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(100, 2048, device="cuda", dtype=torch.bfloat16)

@@ -10,31 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from w4_cases import random_w4_weight
 
-from deepinfer.core.quant.packed import PackedWeight
-from deepinfer.core.quant.packing import dequantize, pack_weight
+from deepinfer.core.quant.packing import dequantize
 from deepinfer.kernels import w4_gemm
-
-
-def _packed(out_features: int, in_features: int, group_size: int, zero_mode: str, integer_zeros: bool,
-            seed: int = 0) -> PackedWeight:
-    generator = torch.Generator().manual_seed(seed)
-    groups = in_features // group_size
-    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
-    scales = (torch.rand(out_features, groups, generator=generator) * 0.02 + 0.005).half()
-    if zero_mode == "zero":
-        zeros = torch.randint(0, 16, (out_features, groups), generator=generator).half()
-        if not integer_zeros:
-            zeros = zeros + 0.25
-    else:
-        zeros = (-torch.rand(out_features, groups, generator=generator) * 0.1).half()
-    return pack_weight(codes, scales, zeros, 4, zero_mode)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 96])
 @pytest.mark.parametrize("out_features", [48, 40, 8])  # whole tiles, a partial last tile, less than one tile
 def test_fp16_integer_zeros_equal_the_reference_bit_for_bit(group_size, out_features):
-    packed = _packed(out_features, 384, group_size, "zero", True)
+    packed = random_w4_weight(out_features, 384, group_size, "zero", True)
     sz, zmode = w4_gemm.gemm_scales(packed.scales, packed.zeros, packed.zero_mode, torch.float16)
     assert zmode == 0
     assert sz.shape == (-(-out_features // 16), 384 // group_size, 8, 2) and sz.dtype == torch.int32
@@ -46,7 +31,7 @@ def test_fp16_integer_zeros_equal_the_reference_bit_for_bit(group_size, out_feat
     ("zero", True, 0), ("min", True, 1), ("zero", False, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_mode_matches_the_reference_within_the_dtype(zero_mode, integer_zeros, expected_zmode, dtype):
-    packed = _packed(40, 256, 32, zero_mode, integer_zeros, seed=1)
+    packed = random_w4_weight(40, 256, 32, zero_mode, integer_zeros, seed=1)
     sz, zmode = w4_gemm.gemm_scales(packed.scales, packed.zeros, packed.zero_mode, dtype)
     assert zmode == expected_zmode
     weight = w4_gemm.dequantize_like_kernel(packed.qweight, sz, zmode, 32, 40, dtype).float()
@@ -57,7 +42,7 @@ def test_every_mode_matches_the_reference_within_the_dtype(zero_mode, integer_ze
 
 
 def test_pairs_hold_rows_g_and_g_plus_8_of_each_tile_and_group():
-    packed = _packed(32, 128, 64, "zero", True, seed=2)
+    packed = random_w4_weight(32, 128, 64, "zero", True, seed=2)
     sz, _ = w4_gemm.gemm_scales(packed.scales, packed.zeros, "zero", torch.float16)
     scales = packed.scales.view(torch.int16).to(torch.int64) & 0xFFFF  # [N, G] fp16 bits
     zero_terms = (-(packed.zeros.float() + 1024)).half().view(torch.int16).to(torch.int64) & 0xFFFF
@@ -71,7 +56,7 @@ def test_pairs_hold_rows_g_and_g_plus_8_of_each_tile_and_group():
 
 
 def test_padding_rows_of_the_last_tile_contribute_nothing():
-    packed = _packed(20, 128, 128, "zero", True, seed=3)
+    packed = random_w4_weight(20, 128, 128, "zero", True, seed=3)
     sz, _ = w4_gemm.gemm_scales(packed.scales, packed.zeros, "zero", torch.bfloat16)
     assert sz.shape[0] == 2
     # rows 20..31 of tile 1 have scale 0: whatever codes the kernel reads there, their weights are 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from deepinfer.core.bench import engine_client, hf_peer
@@ -84,8 +85,14 @@ def _level_summary(runs: list[dict]) -> dict:
     return {"repeats": runs, "mean_std": mean_std(runs)}
 
 
-def _level_label(who: str, concurrency: int, repeat: int, repeats: int) -> str:
-    return f"{who}c={concurrency}" + (f" {repeat + 1}/{repeats}" if repeats > 1 else "")
+def _level_runs(workload: ConcurrencyWorkload, concurrency: int, vocab_size: int, progress: SweepProgress,
+                who: str) -> Iterator[tuple[int, list]]:
+    """(repeat, prompts) for each repeat of one level, each announced on the progress display."""
+    for repeat in range(workload.repeats):
+        prompts = workload.prompts(concurrency, repeat, vocab_size)
+        label = f"{who}c={concurrency}" + (f" {repeat + 1}/{workload.repeats}" if workload.repeats > 1 else "")
+        progress.level_started(label, len(prompts))
+        yield repeat, prompts
 
 
 async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, levels: list[dict],
@@ -105,9 +112,7 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
                                     structured_outputs=workload.structured_outputs)
         for concurrency in workload.concurrency_levels:
             runs = []
-            for repeat in range(workload.repeats):
-                prompts = workload.prompts(concurrency, repeat, vocab_size)
-                progress.level_started(_level_label("", concurrency, repeat, workload.repeats), len(prompts))
+            for repeat, prompts in _level_runs(workload, concurrency, vocab_size, progress, ""):
                 engine_client.reset_peak_memory(device)
                 recorder.start()
                 timings, wall_s = await run_engine_level(engine, prompts, workload.output_len, concurrency,
@@ -148,9 +153,7 @@ def _peer_sweep(peer_source: dict, workload: ConcurrencyWorkload, info: dict, le
         hf_peer.warm_up_peer(model, workload.prompts(1, 0, vocab_size)[0], device)
         for concurrency in workload.concurrency_levels:
             runs = []
-            for repeat in range(workload.repeats):
-                prompts = workload.prompts(concurrency, repeat, vocab_size)
-                progress.level_started(_level_label("HF ", concurrency, repeat, workload.repeats), len(prompts))
+            for repeat, prompts in _level_runs(workload, concurrency, vocab_size, progress, "HF "):
                 engine_client.reset_peak_memory(memory_device)
                 timings, wall_s = hf_peer.run_peer_level(model, prompts, workload.output_len, concurrency, device,
                                                          f"hf-c{concurrency}-r{repeat}")

@@ -37,7 +37,7 @@ from deepinfer.core.server.middleware import (
     HeadAsGetMiddleware,
 )
 from deepinfer.core.server.openapi import install_openapi
-from deepinfer.core.server.preprocess import ClientGone, Preprocessor, read_json_bytes
+from deepinfer.core.server.preprocess import Preprocessor, read_json_bytes
 from deepinfer.core.server.serving import ServingEngine, chars_per_token_bound
 from deepinfer.core.server.serving_chat import create_chat_completion, prepare_chat
 from deepinfer.core.server.serving_completions import create_completion, prepare_completion
@@ -215,34 +215,22 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw_request: Request):
-        try:
-            serving, (request, prompt) = await prepared(raw_request, prepare_chat)
-        except ClientGone:
-            return Response(status_code=499)
+        serving, (request, prompt) = await prepared(raw_request, prepare_chat)
         return await create_chat_completion(serving, request, prompt, raw_request)
 
     @app.post("/v1/completions")
     async def completions(raw_request: Request):
-        try:
-            serving, (request, prompts) = await prepared(raw_request, prepare_completion)
-        except ClientGone:
-            return Response(status_code=499)
+        serving, (request, prompts) = await prepared(raw_request, prepare_completion)
         return await create_completion(serving, request, prompts, raw_request)
 
     @app.post("/tokenize")
     async def tokenize_route(raw_request: Request):
-        try:
-            _, answer = await prepared(raw_request, tokenize)
-        except ClientGone:
-            return Response(status_code=499)
+        _, answer = await prepared(raw_request, tokenize)
         return JSONResponse(answer)
 
     @app.post("/detokenize")
     async def detokenize_route(raw_request: Request):
-        try:
-            _, answer = await prepared(raw_request, detokenize)
-        except ClientGone:
-            return Response(status_code=499)
+        _, answer = await prepared(raw_request, detokenize)
         return JSONResponse(answer)
 
     install_openapi(app)

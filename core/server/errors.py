@@ -12,7 +12,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 
@@ -94,7 +94,15 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(unique[:5]) or "invalid request body", first_param
 
 
+class ClientGone(Exception):
+    """The client hung up before its request body arrived; nothing can be answered."""
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": counted, never sent
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status == 429 else None

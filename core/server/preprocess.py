@@ -20,15 +20,11 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from deepinfer.core.server.errors import APIError, InvalidParameter, validation_message
+from deepinfer.core.server.errors import APIError, ClientGone, InvalidParameter, validation_message
 from deepinfer.core.server.unsupported import reject_unsupported
 
 Model = TypeVar("Model", bound=BaseModel)
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client hung up before its request body arrived; nothing can be answered."""
 
 
 class Preprocessor:

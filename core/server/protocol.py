@@ -289,30 +289,31 @@ def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, An
                            param="response_format")
 
 
-class TokenizeCompletionRequest(BaseModel):
-    """vLLM's /tokenize body for a text prompt."""
+class _UtilityRequest(BaseModel):
+    """The bodies of vLLM's /tokenize and /detokenize: strict, with an optional model name."""
 
     model_config = _STRICT
     model: str | None = None
+
+
+class TokenizeCompletionRequest(_UtilityRequest):
+    """vLLM's /tokenize body for a text prompt."""
+
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(_UtilityRequest):
     """vLLM's /tokenize body for chat messages (rendered with the model's template, then tokenized)."""
 
-    model_config = _STRICT
-    model: str | None = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
-    model: str | None = None
+class DetokenizeRequest(_UtilityRequest):
     tokens: list[Int]
 
 

@@ -20,10 +20,8 @@ from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import pack_weight, unpack_codes
 from deepinfer.core.weights.convert.safetensors_dir import (
-    SafetensorsDir,
     SafetensorsDirSource,
     keep_tensors,
-    read_quant_config,
     record_packed,
     split_layer,
 )
@@ -81,9 +79,7 @@ class AWQSource(SafetensorsDirSource):
     kind = "awq"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
-        options.reject_for(self.kind)
-        self.files = SafetensorsDir(path)
-        quant_config = read_quant_config(self.files, "awq", "quant_config.json")
+        quant_config = self._open_quantized(path, options, "quant_config.json")
         bits = int(quant_config.get("bits", quant_config.get("w_bit", 0)))
         self.group_size = int(quant_config.get("group_size", quant_config.get("q_group_size", 128)))
         version = str(quant_config.get("version", "gemm")).lower()

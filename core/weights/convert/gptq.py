@@ -22,10 +22,8 @@ from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import pack_weight, unpack_codes
 from deepinfer.core.weights.convert.safetensors_dir import (
-    SafetensorsDir,
     SafetensorsDirSource,
     keep_tensors,
-    read_quant_config,
     record_packed,
     split_layer,
 )
@@ -103,9 +101,7 @@ class GPTQSource(SafetensorsDirSource):
     kind = "gptq"
 
     def __init__(self, path: Path, options: ConvertOptions) -> None:
-        options.reject_for(self.kind)
-        self.files = SafetensorsDir(path)
-        quant_config = read_quant_config(self.files, "gptq", "quantize_config.json")
+        quant_config = self._open_quantized(path, options, "quantize_config.json")
         self.bits = int(quant_config.get("bits", 0))
         self.group_size = int(quant_config.get("group_size", -1))
         checkpoint_format = str(quant_config.get("checkpoint_format", "gptq")).lower()

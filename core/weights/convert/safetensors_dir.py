@@ -20,7 +20,13 @@ from safetensors import SafetensorError, safe_open
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.quant.packed import PackedWeight
-from deepinfer.core.weights.convert.source import LINEAR_NAMES, ConversionSource, packed_nbytes, target_type
+from deepinfer.core.weights.convert.source import (
+    LINEAR_NAMES,
+    ConversionSource,
+    ConvertOptions,
+    packed_nbytes,
+    target_type,
+)
 from deepinfer.core.weights.convert.summary import EXACT, KEPT, ConversionSummary, TensorRecord
 from deepinfer.core.weights.file_checks import (
     MAX_TOKENIZER_FILE_BYTES,
@@ -189,6 +195,13 @@ class SafetensorsDirSource(ConversionSource):
 
     files: SafetensorsDir
     _scheme: dict[str, Any]
+
+    def _open_quantized(self, path: Path, options: ConvertOptions, legacy_file: str) -> dict[str, Any]:
+        """Open a quantizer's export (GPTQ, AWQ) after refusing the options of other source kinds; its
+        quantization config (config.json's, or `legacy_file` beside it)."""
+        options.reject_for(self.kind)
+        self.files = SafetensorsDir(path)
+        return read_quant_config(self.files, self.kind, legacy_file)
 
     @property
     def config(self) -> dict[str, Any]:
