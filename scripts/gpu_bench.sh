@@ -16,6 +16,12 @@
 #   scheduling          concurrency 1 and 32 with async scheduling, then with --no-async-scheduling
 #   gemv                `deepinfer bench gemv` on Qwen2.5-3B's merged W4 products in bf16, and decode
 #                       attention, each kernel alone
+#   serving-w4a16       the serving sweep: prompt 128 / output 128, concurrency 1,8,32,64,128 with
+#                       --max-num-seqs 128, in W4A16
+#   serving-bf16        the same sweep on the same shape in bf16 (the W4A16 sweep's peer)
+#   serving-int8-kv     the W4A16 serving sweep with --kv-cache-dtype int8 (its peer: serving-w4a16)
+#   structured          concurrency 1 and 32, prompt 128 / output 128, each request's output constrained
+#                       to configs/json_schemas/order.json (its peer: serving-w4a16's same levels)
 # A section that fails or runs out of time is reported and the next one still runs; the script
 # exits non-zero if any failed. The JSON names the commit: on a copy of the tree without .git, set
 # DEEPINFER_GIT_COMMIT (scripts/gpu_final.sh says how).
@@ -26,6 +32,8 @@ mkdir -p "$OUT_DIR"
 DEEPINFER=(python3 -m deepinfer)
 MODEL=(--dummy-weights --shape qwen2.5-3b --quantization w4a16 --max-model-len 4096)
 SUBJECT=qwen2.5-3b-w4a16
+MODEL_BF16=(--dummy-weights --shape qwen2.5-3b --max-model-len 4096)
+SERVING=(--concurrency 1,8,32,64,128 --max-num-seqs 128 --prompt-len 128 --output-len 128)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/^_//; s/_$//')
 GPU=${GPU:-gpu}
 LOG="$OUT_DIR/gpu_bench.log"
@@ -72,6 +80,19 @@ section() {
         run gemv 150 "${DEEPINFER[@]}" bench gemv --bits 4 --dtype bfloat16 --batches 1,4,8,16,32 \
             --shapes 2048x2560,2048x2048,2048x22016,11008x2048 --repeats 3 \
             --output "$OUT_DIR/bench_gemv_${SUBJECT}-bf16_${GPU}.json" ;;
+    serving-w4a16)
+        run serving-w4a16 150 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" "${SERVING[@]}" \
+            --output "$OUT_DIR/bench_serving_${SUBJECT}_${GPU}.json" ;;
+    serving-bf16)
+        run serving-bf16 150 "${DEEPINFER[@]}" bench concurrency "${MODEL_BF16[@]}" "${SERVING[@]}" \
+            --output "$OUT_DIR/bench_serving_qwen2.5-3b-bf16_${GPU}.json" ;;
+    serving-int8-kv)
+        run serving-int8-kv 150 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" "${SERVING[@]}" \
+            --kv-cache-dtype int8 --output "$OUT_DIR/bench_serving_${SUBJECT}-int8-kv_${GPU}.json" ;;
+    structured)
+        run structured 120 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" --concurrency 1,32 \
+            --prompt-len 128 --output-len 128 --json-schema configs/json_schemas/order.json \
+            --output "$OUT_DIR/bench_structured_${SUBJECT}_${GPU}.json" ;;
     *)
         echo "unknown section: $1" | tee -a "$LOG"
         FAILED+=("$1 (unknown)") ;;
