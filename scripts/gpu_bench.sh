@@ -14,8 +14,9 @@
 #   concurrency-no-pdl  the concurrency sweep with DEEPINFER_PDL=0 (serialized launches, no HF peer)
 # Named on the command line, it also runs (each about a minute):
 #   scheduling          concurrency 1 and 32 with async scheduling, then with --no-async-scheduling
-#   gemv                `deepinfer bench gemv` on Qwen2.5-3B's merged W4 products in bf16, and decode
-#                       attention, each kernel alone
+#   gemv                `deepinfer bench gemv` on Qwen2.5-3B's and 7B's merged W4 products in bf16 at 1-256
+#                       tokens (every kernel, the W4 GEMM, cuBLAS on the dense weight, the floor), and
+#                       decode attention, each kernel alone
 #   serving-w4a16       the serving sweep: prompt 128 / output 128, concurrency 1,8,32,64,128 with
 #                       --max-num-seqs 128, in W4A16
 #   serving-bf16        the same sweep on the same shape in bf16 (the W4A16 sweep's peer)
@@ -77,9 +78,9 @@ section() {
             --concurrency 1,32 --prompt-len 256 --output-len 64 \
             --output "$OUT_DIR/bench_concurrency_${SUBJECT}-sync_${GPU}.json" ;;
     gemv)
-        run gemv 150 "${DEEPINFER[@]}" bench gemv --bits 4 --dtype bfloat16 --batches 1,4,8,16,32 \
-            --shapes 2048x2560,2048x2048,2048x22016,11008x2048 --repeats 3 \
-            --output "$OUT_DIR/bench_gemv_${SUBJECT}-bf16_${GPU}.json" ;;
+        run gemv 240 "${DEEPINFER[@]}" bench gemv --bits 4 --dtype bfloat16 --batches 1,4,8,16,32,64,128,256 \
+            --shapes 2048x2560,2048x2048,2048x22016,11008x2048,3584x4608,3584x3584,3584x37888,18944x3584 \
+            --repeats 3 --output "$OUT_DIR/bench_gemv_qwen2.5-w4a16-bf16_${GPU}.json" ;;
     serving-w4a16)
         run serving-w4a16 150 "${DEEPINFER[@]}" bench concurrency "${MODEL[@]}" "${SERVING[@]}" \
             --output "$OUT_DIR/bench_serving_${SUBJECT}_${GPU}.json" ;;

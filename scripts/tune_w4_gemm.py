@@ -19,7 +19,7 @@ import sys
 import torch
 
 from deepinfer.core.bench.env_info import env_info
-from deepinfer.core.bench.gemv_bench import _events_ms, copy_bandwidth, time_graph
+from deepinfer.core.bench.gemv_bench import copy_bandwidth, matmul_tflops, product_floor_us, time_graph
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.kernels import w4_gemm
@@ -87,14 +87,6 @@ def sweep_point(weights, dense, x, outs, group_size, device_index) -> dict:
     return point
 
 
-def matmul_tflops(device) -> float:
-    """cuBLAS bf16 rate on an 8192^3 product of random data, the floor's math ceiling."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    return 2 * 8192**3 / (_events_ms(lambda: a @ a, 10) / 10 * 1e-3) / 1e12
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="16,32,64,128,256")
@@ -116,8 +108,7 @@ def main() -> None:
             for num_tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(num_tokens, in_features, device=device, dtype=torch.bfloat16)
                 outs = [torch.empty(num_tokens, out_features, device=device, dtype=torch.bfloat16) for _ in range(2)]
-                floor_us = max(packed_bytes / (bandwidth * 1e9),
-                               2 * num_tokens * out_features * in_features / (tflops * 1e12)) * 1e6
+                floor_us = product_floor_us(num_tokens, in_features, out_features, packed_bytes, bandwidth, tflops)
                 point = sweep_point(weights, dense, x, outs, args.group_size, index)
                 rows.append({"model": model, "in_features": in_features, "out_features": out_features,
                              "tokens": num_tokens, "floor_us": floor_us,

@@ -3,16 +3,50 @@ attention rows (the sweep itself needs a GPU)."""
 
 from __future__ import annotations
 
-from deepinfer.core.bench.gemv_bench import bandwidth_checks, gemv_tables, quant_points
+from deepinfer.core.bench.gemv_bench import bandwidth_checks, gemv_tables, product_floor_us, quant_points
 
 
 def test_bench_times_every_kernel_that_serves_a_token_count():
     assert quant_points(1) == ["tc", "tcs", "gemv", "stream", "ksplit", "staged"]
     assert quant_points(4, tc_takes=False) == ["gemv", "stream", "ksplit", "staged"]
-    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "dense"]  # dense from 16 tokens
-    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "dense"]
-    assert quant_points(33) == ["staged", "dense"]  # tc and ksplit: up to 32 tokens
-    assert quant_points(65) == ["dense"]
+    # from 16 tokens: the W4 GEMM, the dense path and cuBLAS on the dense weight
+    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "w4_gemm", "dense", "cublas"]
+    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "w4_gemm", "dense", "cublas"]
+    assert quant_points(33) == ["staged", "w4_gemm", "dense", "cublas"]  # tc and ksplit: up to 32 tokens
+    assert quant_points(65) == ["w4_gemm", "dense", "cublas"]
+    assert quant_points(64, bits=3) == ["staged", "dense", "cublas"]  # the GEMM reads 4-bit codes
+    assert quant_points(257) == ["dense", "cublas"]
+
+
+def test_a_products_floor_is_its_weight_stream_or_its_math_whichever_is_longer():
+    # 2048 x 22016 W4 G128: 22.5 MB packed + 1.4 MB of scales and zeros
+    weight_bytes = 22016 * 2048 // 2 + 2 * 22016 * 16 * 2
+    # 16 tokens: 23.95 MB at 4000 GB/s = 5.988 us against 1.44 GFLOP at 800 TFLOP/s = 1.80 us
+    assert abs(product_floor_us(16, 2048, 22016, weight_bytes, 4000.0, 800.0) - 5.988352) < 1e-6
+    # 256 tokens: the math (28.9 us) is longer
+    assert abs(product_floor_us(256, 2048, 22016, weight_bytes, 4000.0, 800.0) - 2 * 256 * 2048 * 22016 / 800e6) < 1e-9
+
+
+def test_bench_gemv_rows_show_the_kernel_its_launch_and_the_share_of_the_floor():
+    from rich.console import Console
+
+    base = {"in_features": 2048, "out_features": 22016, "bits": 4, "tokens": 64, "dtype": "bfloat16", "us_std": 0.1,
+            "gbps": 1000.0, "fraction_of_copy": 0.25, "floor_us": 7.1}
+    rows = [base | {"kernel": "w4_gemm", "tile": "wgmma<2,1,64,4>/splits=2", "auto": True, "us_mean": 28.4,
+                    "fraction_of_floor": 0.25},
+            base | {"kernel": "cublas", "tile": "-", "auto": False, "us_mean": 27.0, "fraction_of_floor": 0.263},
+            base | {"kernel": "dense", "tile": 0, "auto": False, "us_mean": 61.7, "fraction_of_floor": None}]
+    checks = {"w4_batch1_bandwidth": [], "w4_batch16_cost": [], "decode_attention_bandwidth": []}
+    payload = {"copy_bandwidth": {"gbps_mean": 4252.0, "gbps_std": 8.0}, "matmul_tflops": 800.0, "quant_matmul": rows,
+               "bandwidth_checks": checks, "paged_attention": []}
+    console = Console(record=True, width=200)
+    for table in gemv_tables(payload):
+        console.print(table)
+    text = console.export_text()
+    assert "bfloat16 activations" in text and "cuBLAS 800 TFLOP/s" in text
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if "2048x22016" in line]
+    assert [(row[3], row[-1]) for row in cells] == [("w4_gemm/wgmma<2,1,64,4>/splits=2", "25"),
+                                                    ("cublas (peer)", "26"), ("dense (alt)", "-")]
 
 
 def test_bench_gemv_attention_rows_name_their_path():

@@ -274,15 +274,18 @@ def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shap
     expected = {(1, 2048, 2560): "tc", (1, 2048, 22016): "tcs", (1, 11008, 2048): "tc", (2, 2048, 2560): "tc",
                 (4, 2048, 22016): "tcs", (8, 2048, 2048): "tc", (9, 2048, 2048): "ksplit",
                 (16, 2048, 22016): "tcs", (16, 11008, 2048): "tc", (24, 2048, 2560): "ksplit",
-                (32, 11008, 2048): "tc", (32, 2048, 22016): "tcs", (48, 2048, 22016): "staged",
-                (33, 2048, 2560): "dense", (48, 11008, 2048): "dense", (65, 2048, 22016): "w4_gemm",
+                (17, 2048, 22016): "w4_gemm", (17, 11008, 2048): "w4_gemm", (17, 2048, 2560): "ksplit",
+                (32, 11008, 2048): "w4_gemm", (32, 2048, 22016): "w4_gemm", (32, 2048, 2048): "ksplit",
+                (33, 2048, 2560): "w4_gemm", (48, 11008, 2048): "w4_gemm", (48, 2048, 22016): "w4_gemm",
+                (64, 2048, 2048): "w4_gemm", (65, 2048, 2048): "dense", (65, 2048, 22016): "w4_gemm",
                 (128, 11008, 2048): "w4_gemm", (129, 2048, 22016): "dense", (100, 2048, 2560): "dense",
                 (2048, 2048, 2048): "dense"}
     for (tokens, k, n), path in expected.items():
         assert product_row(ProductShape(tokens, k, n, 4, 128)).kernel == path, (tokens, k, n)
     # weights the tc kernel does not take keep the CUDA-core and mma kernels
     untaken = {(1, 2048, 2560, 3, 128): "gemv", (1, 11008, 2048, 3, 128): "stream", (8, 2048, 2048, 3, 128): "ksplit",
-               (1, 11008, 1000, 4, 128): "stream", (4, 2016, 2048, 4, 32): "ksplit", (24, 11008, 2048, 4, 96): "ksplit",
+               (1, 11008, 1000, 4, 128): "stream", (4, 2016, 2048, 4, 32): "ksplit", (24, 2048, 2048, 4, 96): "ksplit",
+               (24, 11008, 2048, 4, 96): "w4_gemm",
                (24, 2048, 11008, 3, 128): "staged", (64, 2048, 11008, 3, 128): "staged",
                (100, 2048, 11008, 3, 128): "dense"}
     for (tokens, k, n, bits, group), path in untaken.items():
@@ -442,15 +445,16 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
 
 def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
     """Where the gate/up product takes the activation into its epilogue: a W4 weight tcs takes (whole 16-row tiles
-    in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-32)."""
+    in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-16; from
+    17 the W4 GEMM serves the product and the activation runs apart)."""
     from deepinfer.core.ops.quant_matmul_table import GATE_UP_ACT, ProductShape, epilogue_serves, product_row
     from deepinfer.kernels import quant_matmul as kq
 
     qwen_3b = 2 * 11008  # Qwen2.5-3B's merged gate/up outputs, K = 2048
     assert kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "silu") is None
     assert kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "gelu_tanh") is None
-    assert [epilogue_serves(GATE_UP_ACT, ProductShape(m, 2048, 22016, 4, 128)) for m in (0, 1, 8, 9, 32, 33)] == [
-        False, True, True, True, True, False]
+    assert [epilogue_serves(GATE_UP_ACT, ProductShape(m, 2048, 22016, 4, 128)) for m in (0, 1, 8, 9, 16, 17, 33)] == [
+        False, True, True, True, True, False, False]
     assert "activation 'gelu'" in kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "gelu")
     assert "3-bit" in kq.gate_up_act_unsupported_reason(3, 128, 2048, qwen_3b, "silu")
     assert "two halves" in kq.gate_up_act_unsupported_reason(4, 128, 2048, 1040, "silu")  # halves of 520 rows

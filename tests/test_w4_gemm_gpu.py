@@ -63,8 +63,8 @@ def _configs(w4_gemm):
     if not w4_gemm.wgmma_available(torch.cuda.current_device()):
         return mma
     return mma + [w4_gemm.WgmmaConfig(2, 1, n, 4) for n in (16, 32, 64)] + [
-        w4_gemm.WgmmaConfig(2, 1, 128, 3), w4_gemm.WgmmaConfig(2, 1, 256, 2), w4_gemm.WgmmaConfig(1, 1, 64, 4),
-        w4_gemm.WgmmaConfig(1, 2, 64, 4)]
+        w4_gemm.WgmmaConfig(2, 1, 128, 3), w4_gemm.WgmmaConfig(2, 1, 256, 2), w4_gemm.WgmmaConfig(1, 1, 16, 4),
+        w4_gemm.WgmmaConfig(1, 1, 32, 4), w4_gemm.WgmmaConfig(1, 1, 64, 4), w4_gemm.WgmmaConfig(1, 2, 64, 4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -81,6 +81,8 @@ def test_planned_launch_every_group_size_and_zero_mode(dtype, group_size, zero_m
     (100, 2056, 2112, 64, True, False),
     (256, 4608, 3584, 128, False, True),   # act-order
     (16, 2048, 11008, 128, False, False),  # long K: split-K
+    (24, 2000, 11008, 128, False, True),   # planned 64-row CTAs (a narrow output at <= 32 tokens), act-order
+    (17, 22016, 2048, 64, True, False),    # a wide product just past the packed kernels' 16 tokens
     (3, 576, 576, 576, False, False),      # per-channel, K off the stage
     (64, 22016, 2048, 128, True, False),
     (200, 136, 96, 32, False, False),      # one stage, a partial tile

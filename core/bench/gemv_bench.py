@@ -4,6 +4,10 @@ Both are memory-bound at decode, so each is timed against the bytes it must move
 device-to-device copy bandwidth measured in the same run (bytes read + written):
 - quant matmul: packed weights + scales + zeros + activations in + outputs;
 - paged decode attention: the K/V rows (and int8 scales) of every context token + queries + outputs.
+From 16 tokens a product also has a floor, max(its packed-weight bytes over the copy bandwidth, its
+FLOPs over the cuBLAS rate on an 8192^3 product in the activation dtype, measured in the same run),
+and two more points: the W4 GEMM (kernels/w4_gemm.py, its planned launch) and cuBLAS on the dense
+weight (what the same model unquantized runs).
 Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
 the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
 `repeats` such timings give mean ± std per call.
@@ -27,10 +31,14 @@ ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
 ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
 # (kernel, most tokens it is timed at): the tc and tcs kernels (W4 weights they take) up to 32, the CUDA-core
-# kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the dense path always
+# kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the W4 GEMM up to its largest
+# batch, the dense path and cuBLAS on the dense weight always
 KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("ksplit", 32), ("staged", 64),
-                     ("dense", 1 << 30))
-DENSE_FROM_TOKENS = 16  # "dense": kernels/dequantize.cu into an fp16 [N, K] copy, then cuBLAS (the path of many tokens)
+                     ("w4_gemm", 256), ("dense", 1 << 30), ("cublas", 1 << 30))
+# "dense": kernels/dequantize.cu into an [N, K] copy, then cuBLAS (the path of many tokens); "w4_gemm": the
+# tensor-core GEMM on the packed weight (4-bit only); "cublas": cuBLAS on a dense weight made once, not a W4 path
+MANY_TOKEN_KERNELS = ("w4_gemm", "dense", "cublas")
+MANY_TOKENS_FROM = 16
 
 
 def _events_ms(fn: Callable[[], None], count: int) -> float:
@@ -51,6 +59,14 @@ def copy_bandwidth(device, nbytes: int = 2**30, repeats: int = 5) -> dict:
         dst.copy_(src)
     samples = [2 * nbytes * 10 / (_events_ms(lambda: dst.copy_(src), 10) * 1e-3) / 1e9 for _ in range(repeats)]
     return {"bytes": nbytes, "gbps_mean": statistics.mean(samples), "gbps_std": statistics.stdev(samples)}
+
+
+def matmul_tflops(device, dtype: torch.dtype = torch.bfloat16, size: int = 8192) -> float:
+    """cuBLAS's rate on a size^3 product of random data in `dtype`: the math ceiling of the products' floor."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ a
+    return 2 * size**3 / (_events_ms(lambda: a @ a, 10) / 10 * 1e-3) / 1e12
 
 
 def time_graph(launch_all: Callable[[], None], calls: int, repeats: int, device) -> tuple[float, float]:
@@ -84,21 +100,29 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
     }
 
 
-def quant_points(num_tokens: int, tc_takes: bool = True) -> list[str]:
+def quant_points(num_tokens: int, tc_takes: bool = True, bits: int = 4) -> list[str]:
     """The kernels timed at one token count: every kernel of KERNEL_MAX_TOKENS that serves it (tc and tcs where
-    `tc_takes`, the dense path from DENSE_FROM_TOKENS)."""
+    `tc_takes`, the W4 GEMM for 4-bit weights, the many-token kernels from MANY_TOKENS_FROM)."""
     return [kernel for kernel, most in KERNEL_MAX_TOKENS
-            if num_tokens <= most and not (kernel == "dense" and num_tokens < DENSE_FROM_TOKENS)
-            and not (kernel in ("tc", "tcs") and not tc_takes)]
+            if num_tokens <= most and not (kernel in MANY_TOKEN_KERNELS and num_tokens < MANY_TOKENS_FROM)
+            and not (kernel in ("tc", "tcs") and not tc_takes) and not (kernel == "w4_gemm" and bits != 4)]
+
+
+def product_floor_us(num_tokens: int, in_features: int, out_features: int, weight_bytes: int, copy_gbps: float,
+                     tflops: float) -> float:
+    """max(packed-weight bytes over the copy bandwidth, the product's FLOPs over the matmul rate), microseconds."""
+    return max(weight_bytes / (copy_gbps * 1e9), 2 * num_tokens * in_features * out_features / (tflops * 1e12)) * 1e6
 
 
 def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
-                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5) -> list[dict]:
+                       group_size: int = 128, dtype: torch.dtype = torch.float16, repeats: int = 5,
+                       tflops: float | None = None) -> list[dict]:
     """Every kernel that suits each token count (KERNEL_MAX_TOKENS), each point marked `auto` where it is the
-    kernel dispatch's table picks (core/ops/quant_matmul_table.py); a point whose launch fails is recorded with
-    its error instead of a time."""
+    kernel dispatch's table picks (core/ops/quant_matmul_table.py), and from MANY_TOKENS_FROM tokens its share
+    of the product's floor (`tflops`: the matmul rate); a point whose launch fails is recorded with its error
+    instead of a time."""
     from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
-    from deepinfer.kernels.quant_matmul import default_tile, quant_matmul, tc_reason
+    from deepinfer.kernels.quant_matmul import tc_reason
 
     records = []
     for in_features, out_features in shapes:
@@ -106,50 +130,111 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
             weight_bytes = out_features * in_features * bits // 8 + 2 * out_features * (in_features // group_size) * 2
             copies = max(1, min(128, -(-ROTATE_BYTES // weight_bytes)))
             weights = [_random_weight(in_features, out_features, bits, group_size, device) for _ in range(copies)]
+            operands = _ProductOperands(weights, bits, group_size, dtype)
             for num_tokens in batches:
                 x = torch.randn(num_tokens, in_features, dtype=dtype, device=device)
                 outs = [torch.empty(num_tokens, out_features, dtype=dtype, device=device) for _ in range(copies)]
                 tc_takes = tc_reason(bits, in_features, out_features, group_size) is None
                 chosen = product_row(ProductShape(num_tokens, in_features, out_features, bits, group_size)).kernel
-                for kernel in quant_points(num_tokens, tc_takes):
-                    launch_all = _quant_launches(quant_matmul, weights, x, outs, bits, group_size, kernel)
+                floor_us = None
+                if tflops is not None and num_tokens >= MANY_TOKENS_FROM:
+                    floor_us = product_floor_us(num_tokens, in_features, out_features, weight_bytes, copy_gbps, tflops)
+                for kernel in quant_points(num_tokens, tc_takes, bits):
                     point = {"in_features": in_features, "out_features": out_features, "bits": bits,
                              "tokens": num_tokens, "kernel": kernel, "dtype": str(dtype).removeprefix("torch.")}
                     try:
-                        mean_us, std_us = time_graph(launch_all, copies, repeats, device)
+                        launch_all, launches = operands.launches(kernel, x, outs)
+                        mean_us, std_us = time_graph(launch_all, launches, repeats, device)
                     except Exception as err:  # noqa: BLE001 - one broken kernel must not end the sweep
                         records.append(point | {"error": f"{type(err).__name__}: {err}"})
                         torch.cuda.synchronize(device)
                         continue
                     moved = weight_bytes + x.nbytes + outs[0].nbytes
                     records.append(point | {
-                        "group_size": group_size,
-                        "tile": 0 if kernel == "dense" else default_tile(kernel, num_tokens),
+                        "group_size": group_size, "tile": operands.tile(kernel, num_tokens, in_features, out_features,
+                                                                        device.index),
                         "auto": kernel == chosen,
-                        "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": copies,
+                        "us_mean": mean_us, "us_std": std_us, "bytes": moved, "weight_copies": launches,
                         "gbps": moved / (mean_us * 1e-6) / 1e9,
                         "fraction_of_copy": moved / (mean_us * 1e-6) / 1e9 / copy_gbps,
+                        "floor_us": floor_us, "fraction_of_floor": None if floor_us is None else floor_us / mean_us,
                     })
+            del weights, operands
+            torch.cuda.empty_cache()
     return records
 
 
-def _quant_launches(quant_matmul, weights: list[dict], x: torch.Tensor, outs: list[torch.Tensor], bits: int,
-                    group_size: int, kernel: str) -> Callable[[], None]:
-    if kernel == "dense":
+class _ProductOperands:
+    """One shape's rotating weight copies and what each kernel needs of them beyond the packed words: the W4
+    GEMM's scale pairs and cuBLAS's dense weights, each made once, on first use."""
+
+    def __init__(self, weights: list[dict], bits: int, group_size: int, dtype: torch.dtype):
+        self.weights, self.bits, self.group_size, self.dtype = weights, bits, group_size, dtype
+        self._scale_pairs: list[tuple[torch.Tensor, int]] | None = None
+        self._dense: list[torch.Tensor] | None = None
+
+    def _dequantized(self, weight: dict) -> torch.Tensor:
         from deepinfer.kernels.dequantize import dequantize
+
+        return dequantize(weight["qweight"], weight["scales"], weight["zeros"], self.bits, self.group_size, "zero",
+                          self.dtype)  # [N, K]
+
+    def scale_pairs(self) -> list[tuple[torch.Tensor, int]]:
+        from deepinfer.kernels import w4_gemm
+
+        if self._scale_pairs is None:
+            self._scale_pairs = [w4_gemm.gemm_scales(w["scales"], w["zeros"], "zero", self.dtype) for w in self.weights]
+        return self._scale_pairs
+
+    def dense(self) -> list[torch.Tensor]:
+        """Enough dense copies [N, K] to leave the L2 (each twice or four times the packed weight's bytes)."""
+        if self._dense is None:
+            size = self.weights[0]["qweight"].shape[0] * self.weights[0]["qweight"].shape[1] * 32 // self.bits * 2
+            count = max(1, min(len(self.weights), -(-ROTATE_BYTES // size)))
+            self._dense = [self._dequantized(w) for w in self.weights[:count]]
+        return self._dense
+
+    def tile(self, kernel: str, num_tokens: int, in_features: int, out_features: int, device_index: int) -> str:
+        """The launch a point timed: the packed kernels' tile, the GEMM's planned shape and K splits."""
+        from deepinfer.kernels import w4_gemm
+        from deepinfer.kernels.quant_matmul import default_tile
+
+        if kernel == "w4_gemm":
+            config, splits = w4_gemm.plan(num_tokens, out_features, in_features, device_index)
+            return f"{config.label}/splits={splits}"
+        return "-" if kernel in ("dense", "cublas") else str(default_tile(kernel, num_tokens))
+
+    def launches(self, kernel: str, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple[Callable[[], None], int]:
+        """(a function making one launch per weight copy, how many it makes)."""
+        from deepinfer.kernels import w4_gemm
+        from deepinfer.kernels.quant_matmul import quant_matmul
+
+        weights, bits, group_size = self.weights, self.bits, self.group_size
+        if kernel == "cublas":
+            dense = self.dense()
+
+            def launch_all() -> None:
+                for weight, out in zip(dense, outs):
+                    torch.matmul(x, weight.t(), out=out)
+            return launch_all, len(dense)
+        if kernel == "dense":
+            def launch_all() -> None:
+                for weight, out in zip(weights, outs):
+                    torch.matmul(x, self._dequantized(weight).t(), out=out)
+            return launch_all, len(weights)
+        if kernel == "w4_gemm":
+            pairs = self.scale_pairs()
+
+            def launch_all() -> None:
+                for weight, (sz, zmode), out in zip(weights, pairs, outs):
+                    w4_gemm.w4_gemm(x, weight["qweight"], sz, zmode, group_size, out=out)
+            return launch_all, len(weights)
 
         def launch_all() -> None:
             for weight, out in zip(weights, outs):
-                dense = dequantize(weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
-                                   x.dtype)  # [N, K]
-                torch.matmul(x, dense.t(), out=out)
-        return launch_all
-
-    def launch_all() -> None:
-        for weight, out in zip(weights, outs):
-            quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
-                         kernel=kernel, out=out, integer_zeros=True)
-    return launch_all
+                quant_matmul(x, weight["qweight"], weight["scales"], weight["zeros"], bits, group_size, "zero",
+                             kernel=kernel, out=out, integer_zeros=True)
+        return launch_all, len(weights)
 
 
 def _torch_decode(query, k_cache, v_cache, tables, seq_lens, max_seq_len: int, scale: float) -> torch.Tensor:
@@ -258,7 +343,9 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
     from deepinfer.core.ops import paged_attention_table
 
     copy = copy_bandwidth(device)
-    quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, dtype=dtype, repeats=repeats)
+    tflops = matmul_tflops(device, dtype) if any(tokens >= MANY_TOKENS_FROM for tokens in batches) else None
+    quant = bench_quant_matmul(device, copy["gbps_mean"], shapes, batches, bits_list, dtype=dtype, repeats=repeats,
+                               tflops=tflops)
     attention_records = []
     if attention:
         attention_records = bench_paged_attention(device, copy["gbps_mean"], repeats=repeats)
@@ -269,7 +356,7 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16, 64), contexts=(4096, 16384),
                                                    repeats=repeats, pipelined=not paged_attention_table.PIPELINED,
                                                    torch_baseline_max_bytes=0)
-    return {"copy_bandwidth": copy, "quant_matmul": quant, "paged_attention": attention_records,
+    return {"copy_bandwidth": copy, "matmul_tflops": tflops, "quant_matmul": quant, "paged_attention": attention_records,
             "bandwidth_checks": bandwidth_checks(quant, attention_records)}
 
 
@@ -285,18 +372,24 @@ def gemv_tables(payload: dict) -> list:
     from rich.table import Table
 
     copy = payload["copy_bandwidth"]
-    quant = Table(title=f"W4A16/W3A16 matmul, fp16 activations, G128 (copy bandwidth "
-                        f"{copy['gbps_mean']:.0f} ± {copy['gbps_std']:.0f} GB/s)")
-    for column in ("in x out", "bits", "tokens", "kernel", "us / call", "GB/s", "% copy BW"):
+    dtype = next((r["dtype"] for r in payload["quant_matmul"]), "float16")
+    rate = payload.get("matmul_tflops")
+    quant = Table(title=f"W4A16/W3A16 matmul, {dtype} activations, G128 (copy bandwidth "
+                        f"{copy['gbps_mean']:.0f} ± {copy['gbps_std']:.0f} GB/s"
+                        + (f", cuBLAS {rate:.0f} TFLOP/s" if rate else "") + ")")
+    for column in ("in x out", "bits", "tokens", "kernel", "us / call", "GB/s", "% copy BW", "% floor"):
         quant.add_column(column, justify="right")
     for r in payload["quant_matmul"]:
         if "error" in r:
             quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), r["kernel"],
-                          "FAILED", "-", r["error"][:60])
+                          "FAILED", "-", r["error"][:60], "-")
             continue
-        kernel = f"{r['kernel']}/{r['tile']}" + ("" if r["auto"] else " (alt)")
+        kernel = r["kernel"] + ("" if r["tile"] in ("-", 0) else f"/{r['tile']}")
+        kernel += "" if r["auto"] else " (peer)" if r["kernel"] == "cublas" else " (alt)"
+        floor = r.get("fraction_of_floor")
         quant.add_row(f"{r['in_features']}x{r['out_features']}", str(r["bits"]), str(r["tokens"]), kernel,
-                      f"{r['us_mean']:.2f} ± {r['us_std']:.2f}", f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}")
+                      f"{r['us_mean']:.2f} ± {r['us_std']:.2f}", f"{r['gbps']:.0f}", f"{100 * r['fraction_of_copy']:.1f}",
+                      "-" if floor is None else f"{100 * floor:.0f}")
     tables = [quant]
     if payload["paged_attention"]:
         attn = Table(title="Paged decode attention (one query token per sequence)")

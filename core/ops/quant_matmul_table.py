@@ -29,7 +29,8 @@ WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where the product is wide
 TC_MAX_TOKENS = 32  # tc and tcs: four 8-token tiles a CTA
 TC_FEW_TOKENS = 8  # tc at any K up to here; beyond it only on long K
 LONG_K = 4096  # in_features from which tc (any token count it serves) and stream (one token) win
-GEMM_TOKENS = (65, 128)  # the W4 GEMM's token range, on elongated products
+GEMM_TOKENS = (17, 128)  # the W4 GEMM's token range on elongated products ...
+GEMM_ANY_SHAPE_TOKENS = (33, 64)  # ... and on every W4 product
 
 
 class ProductShape(NamedTuple):
@@ -98,10 +99,16 @@ def gemm_scale_pairs(packed: PackedWeight, dtype: torch.dtype) -> tuple[torch.Te
     return pairs
 
 
+def gemm_serves(shape: ProductShape) -> bool:
+    return shape.bits == 4 and (GEMM_ANY_SHAPE_TOKENS[0] <= shape.tokens <= GEMM_ANY_SHAPE_TOKENS[1]
+                                or (GEMM_TOKENS[0] <= shape.tokens <= GEMM_TOKENS[1] and elongated(shape)))
+
+
 def gemm_may_serve(packed: PackedWeight) -> bool:
     """Whether the GEMM row serves some token count of this weight (the loader prepares only those)."""
-    shape = ProductShape(GEMM_TOKENS[1], packed.in_features, packed.out_features, packed.bits, packed.group_size)
-    return product_row(shape).kernel == "w4_gemm"
+    return any(product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
+                                        packed.group_size)).kernel == "w4_gemm"
+               for tokens in (*GEMM_TOKENS, *GEMM_ANY_SHAPE_TOKENS))
 
 
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -119,11 +126,13 @@ class ProductRow(NamedTuple):
 
 
 PRODUCT_TABLE = (
-    ProductRow("w4_gemm", lambda s: GEMM_TOKENS[0] <= s.tokens <= GEMM_TOKENS[1] and s.bits == 4 and elongated(s),
-               gemm,
-               "at 128 tokens 1.24-1.49x faster than dequantize + cuBLAS on the MLP products of Qwen2.5-3B and 7B on "
-               "an H200 (64-token tiles, K split to about two CTAs per SM); on the attention products, and at 256 "
-               "tokens on them, it was not faster with this launch shape (results/w4_gemm_sweep_nvidia_h200.json)"),
+    ProductRow("w4_gemm", gemm_serves, gemm,
+               "on an H200, on Qwen2.5-3B's and 7B's MLP products at 17-128 tokens faster than every other kernel "
+               "(at 32 tokens 3B's gate/up 20.7 us against tcs 26.3, its down 13.3 against tc 19.5; at 128 "
+               "1.2-1.6x faster than dequantize + cuBLAS), and at 33-64 on the attention products faster than "
+               "dequantize + cuBLAS but for 3B's o-projection (10.9 against 10.2 us at 64); beyond 128 tokens "
+               "dequantize + cuBLAS is as fast or faster (results/w4_gemm_sweep_nvidia_h200.json, "
+               "results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json)"),
     ProductRow("dense", lambda s: s.tokens > (WIDE_KERNEL_MAX_TOKENS if wide(s) else KERNEL_MAX_TOKENS), dense,
                "dequantize + cuBLAS costs about the same at any token count and beats the packed kernels beyond 32 "
                "tokens, beyond 64 on wide products (results/bench_gemv_dense_w4_nvidia_h200.json)"),
