@@ -132,16 +132,17 @@ def test_tensor_core_w4_kernels_match_the_fp32_product(kernel, tokens, out_featu
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("tokens,path", [(5, "tc"), (40, "dense")])
-def test_the_product_op_gathers_act_order_columns_on_its_table_row(tokens, path, dtype):
+@pytest.mark.parametrize("tokens,in_features,out_features,path", [
+    (5, 1024, 640, "tc"), (40, 1024, 640, "dense"), (40, 2048, 2560, "w4_gemm")])
+def test_the_product_op_gathers_act_order_columns_on_its_table_row(tokens, in_features, out_features, path, dtype):
     """Through core/ops with an act-order (desc_act) weight: the activations are permuted before the kernel, on
-    the row the table picks for the token count (a packed-weight kernel, or dequantize + cuBLAS)."""
+    the row the table picks for the token count (a packed-weight kernel, the W4 GEMM, or dequantize + cuBLAS)."""
     from deepinfer.core.ops.quant_matmul import quant_matmul
     from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
 
-    assert product_row(ProductShape(tokens, 1024, 640, 4, 128)).kernel == path
-    packed = random_packed(640, 1024, 128, 4, "zero", FP16, DEVICE, act_order=True, bias_dtype=dtype)
-    x = torch.randn(tokens, 1024, dtype=dtype, device=DEVICE)
+    assert product_row(ProductShape(tokens, in_features, out_features, 4, 128)).kernel == path
+    packed = random_packed(out_features, in_features, 128, 4, "zero", FP16, DEVICE, act_order=True, bias_dtype=dtype)
+    x = torch.randn(tokens, in_features, dtype=dtype, device=DEVICE)
     with torch.no_grad():
         assert_close(quant_matmul(x, packed), fp32_product(x, packed), BOUND[dtype])
 

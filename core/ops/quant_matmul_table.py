@@ -29,8 +29,11 @@ WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where the product is wide
 TC_MAX_TOKENS = 32  # tc and tcs: four 8-token tiles a CTA
 TC_FEW_TOKENS = 8  # tc at any K up to here; beyond it only on long K
 LONG_K = 4096  # in_features from which tc (any token count it serves) and stream (one token) win
-GEMM_TOKENS = (17, 128)  # the W4 GEMM's token range on elongated products ...
-GEMM_ANY_SHAPE_TOKENS = (33, 64)  # ... and on every W4 product
+GEMM_LARGE_TOKENS = (17, 64)  # the W4 GEMM's token range on products larger than GEMM_LARGE_WEIGHT ...
+GEMM_LARGE_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projection, 2048 x 2048, is not larger)
+GEMM_LONG_K_TOKENS = (9, 16)  # ... from 9 tokens where K is at least GEMM_LONG_K as well ...
+GEMM_LONG_K = 3072
+GEMM_ELONGATED_TOKENS = (65, 128)  # ... and at 65-128 tokens on elongated products
 
 
 class ProductShape(NamedTuple):
@@ -100,15 +103,20 @@ def gemm_scale_pairs(packed: PackedWeight, dtype: torch.dtype) -> tuple[torch.Te
 
 
 def gemm_serves(shape: ProductShape) -> bool:
-    return shape.bits == 4 and (GEMM_ANY_SHAPE_TOKENS[0] <= shape.tokens <= GEMM_ANY_SHAPE_TOKENS[1]
-                                or (GEMM_TOKENS[0] <= shape.tokens <= GEMM_TOKENS[1] and elongated(shape)))
+    if shape.bits != 4:
+        return False
+    large = shape.in_features * shape.out_features > GEMM_LARGE_WEIGHT
+    return ((GEMM_LARGE_TOKENS[0] <= shape.tokens <= GEMM_LARGE_TOKENS[1] and large)
+            or (GEMM_LONG_K_TOKENS[0] <= shape.tokens <= GEMM_LONG_K_TOKENS[1] and large
+                and shape.in_features >= GEMM_LONG_K)
+            or (GEMM_ELONGATED_TOKENS[0] <= shape.tokens <= GEMM_ELONGATED_TOKENS[1] and elongated(shape)))
 
 
 def gemm_may_serve(packed: PackedWeight) -> bool:
     """Whether the GEMM row serves some token count of this weight (the loader prepares only those)."""
     return any(product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                         packed.group_size)).kernel == "w4_gemm"
-               for tokens in (*GEMM_TOKENS, *GEMM_ANY_SHAPE_TOKENS))
+               for bounds in (GEMM_LARGE_TOKENS, GEMM_LONG_K_TOKENS, GEMM_ELONGATED_TOKENS) for tokens in bounds)
 
 
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -127,12 +135,14 @@ class ProductRow(NamedTuple):
 
 PRODUCT_TABLE = (
     ProductRow("w4_gemm", gemm_serves, gemm,
-               "on an H200, on Qwen2.5-3B's and 7B's MLP products at 17-128 tokens faster than every other kernel "
-               "(at 32 tokens 3B's gate/up 20.7 us against tcs 26.3, its down 13.3 against tc 19.5; at 128 "
-               "1.2-1.6x faster than dequantize + cuBLAS), and at 33-64 on the attention products faster than "
-               "dequantize + cuBLAS but for 3B's o-projection (10.9 against 10.2 us at 64); beyond 128 tokens "
-               "dequantize + cuBLAS is as fast or faster (results/w4_gemm_sweep_nvidia_h200.json, "
-               "results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json)"),
+               "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
+               "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
+               "3B's gate/up 20.5 against tcs's 26.4; at 64 tokens 7B's down 34.5 against dequantize + cuBLAS's "
+               "98.6), from 9 tokens on 7B's (9.1 against ksplit's 15.7 for q/k/v at 16) and 3B's down-projection "
+               "(12.5 against tc's 13.0), and at 65-128 tokens on the MLP products (1.3-1.5x faster than "
+               "dequantize + cuBLAS at 128); on 3B's o-projection (2048 x 2048) ksplit or dequantize + cuBLAS were "
+               "faster, on the attention products at 128 tokens and on every product at 256 dequantize + cuBLAS "
+               "(results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json, results/w4_gemm_sweep_nvidia_h200.json)"),
     ProductRow("dense", lambda s: s.tokens > (WIDE_KERNEL_MAX_TOKENS if wide(s) else KERNEL_MAX_TOKENS), dense,
                "dequantize + cuBLAS costs about the same at any token count and beats the packed kernels beyond 32 "
                "tokens, beyond 64 on wide products (results/bench_gemv_dense_w4_nvidia_h200.json)"),
