@@ -64,7 +64,10 @@ def concurrency(document: dict) -> str:
 
 
 def side_by_side(first: dict, second: dict, labels: tuple[str, str]) -> str:
-    """Output tok/s and TPOT p50 per concurrency level of two runs of the same sweep, and their ratio."""
+    """Output tok/s and TPOT p50 per concurrency level of two runs of the same sweep, and their ratio (with a
+    warning line where the two files come from different commits, so the ratio is not one run's)."""
+    commits = (first.get("env", {}).get("git_commit"), second.get("env", {}).get("git_commit"))
+    warning = "" if commits[0] == commits[1] else f"<!-- different commits: {commits[0]} and {commits[1]} -->\n"
     other = {level["concurrency"]: level["mean_std"] for level in second["levels"]}
     rows = []
     for level in first["levels"]:
@@ -76,8 +79,8 @@ def side_by_side(first: dict, second: dict, labels: tuple[str, str]) -> str:
                      cell(a_tps / b_tps if a_tps and b_tps else None, 2, "x"),
                      cell(mean(a, "tpot_ms.p50"), 2), cell(mean(b, "tpot_ms.p50"), 2)])
     one, two = labels
-    return table(["concurrency", f"output tok/s, {one}", f"output tok/s, {two}", "gain",
-                  f"TPOT p50 ms, {one}", f"TPOT p50 ms, {two}"], rows)
+    return warning + table(["concurrency", f"output tok/s, {one}", f"output tok/s, {two}", "gain",
+                            f"TPOT p50 ms, {one}", f"TPOT p50 ms, {two}"], rows)
 
 
 def budget(document: dict) -> str:
@@ -188,7 +191,7 @@ def main() -> None:
     parser.add_argument("--attention", help="bench gemv JSON for decode attention (default: the --gemv file)")
     args = parser.parse_args()
     results, subject, gpu = Path(args.results), args.subject, args.gpu
-    gemv = args.gemv or str(results / f"bench_gemv_{subject}-bf16_{gpu}.json")
+    gemv = args.gemv or str(results / f"bench_gemv_qwen2.5-w4a16-bf16_{gpu}.json")
 
     def load(name: str) -> dict | None:
         path = Path(name) if "/" in name else results / name
@@ -208,6 +211,17 @@ def main() -> None:
     show("Programmatic dependent launch", f"bench_concurrency_{subject}_{gpu}.json",
          lambda on, off: side_by_side(on, off, ("PDL", "`DEEPINFER_PDL=0`")),
          f"bench_concurrency_{subject}-no-pdl_{gpu}.json")
+    show("Serving sweep, W4A16 against bf16", f"bench_serving_{subject}_{gpu}.json",
+         lambda w4, bf16: side_by_side(w4, bf16, ("W4A16", "bf16")), f"bench_serving_qwen2.5-3b-bf16_{gpu}.json")
+    show("Serving sweep, W4A16 against the dispatch without the GEMM below 65 tokens",
+         f"bench_serving_{subject}_{gpu}.json",
+         lambda new, old: side_by_side(new, old, ("W4 GEMM from 9 tokens", "W4 GEMM at 65-128 only")),
+         f"bench_serving_{subject}-without-gemm-below-65_{gpu}.json")
+    show("INT8 KV cache", f"bench_serving_{subject}-int8-kv_{gpu}.json",
+         lambda int8, same: side_by_side(int8, same, ("INT8 KV", "bf16 KV")), f"bench_serving_{subject}_{gpu}.json")
+    show("Structured outputs", f"bench_structured_{subject}_{gpu}.json",
+         lambda constrained, free: side_by_side(constrained, free, ("JSON schema", "unconstrained")),
+         f"bench_serving_{subject}_{gpu}.json")
     show("Inside a 4 GiB budget", f"bench_concurrency_{subject}-4gib_{gpu}.json", budget)
     show("Long-prompt insertion", f"bench_jitter_{subject}_{gpu}.json", jitter)
     show("Async scheduling", f"bench_concurrency_{subject}-async_{gpu}.json",

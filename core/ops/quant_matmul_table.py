@@ -137,11 +137,11 @@ PRODUCT_TABLE = (
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
-               "3B's gate/up 20.5 against tcs's 26.4; at 64 tokens 7B's down 34.5 against dequantize + cuBLAS's "
-               "98.6), from 9 tokens on 7B's (9.1 against ksplit's 15.7 for q/k/v at 16) and 3B's down-projection "
-               "(12.5 against tc's 13.0), and at 65-128 tokens on the MLP products (1.3-1.5x faster than "
-               "dequantize + cuBLAS at 128); on 3B's o-projection (2048 x 2048) ksplit or dequantize + cuBLAS were "
-               "faster, on the attention products at 128 tokens and on every product at 256 dequantize + cuBLAS "
+               "3B's gate/up 20.4 against tcs's 26.4; at 64 tokens 7B's down 34.4 against dequantize + cuBLAS's "
+               "99.6), from 9 tokens on long K (7B's q/k/v 9.1 against ksplit's 15.7 at 16, 3B's down 12.5 against "
+               "tc's 13.1), and at 65-128 tokens on the MLP products (1.2-1.5x faster than dequantize + cuBLAS at "
+               "128); on 3B's o-projection (2048 x 2048) ksplit or dequantize + cuBLAS were faster, on the attention "
+               "products at 128 tokens and on every product at 256 dequantize + cuBLAS "
                "(results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json, results/w4_gemm_sweep_nvidia_h200.json)"),
     ProductRow("dense", lambda s: s.tokens > (WIDE_KERNEL_MAX_TOKENS if wide(s) else KERNEL_MAX_TOKENS), dense,
                "dequantize + cuBLAS costs about the same at any token count and beats the packed kernels beyond 32 "
