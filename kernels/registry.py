@@ -63,7 +63,7 @@ _OPS = (
                     mode=(0, 1), f32=(0, 1), act=(0, 1), splits=("", ",1"))),  # K splits: global memory, a cluster
     KernelOp("w4_gemm", w4_gemm.SOURCE,
              "W4A16 GEMM on tensor cores reading the packed weight: wgmma with the weights unpacked in registers "
-             "(SM90), mma.sync (SM80+); 65-128-token MLP products",
+             "(SM90), mma.sync (SM80+); products of 9-128 tokens (core/ops/quant_matmul_table.py says which)",
              w4_gemm.instantiations()),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
