@@ -115,7 +115,8 @@ def gemv(
     device: Annotated[int, typer.Option("--device", help="CUDA device index.")] = 0,
     output: OutputOpt = None,
 ) -> None:
-    """W4A16/W3A16 kernels and paged decode attention: achieved bandwidth vs device copy bandwidth."""
+    """W4A16/W3A16 kernels and paged decode attention: achieved bandwidth vs device copy bandwidth; from 16
+    tokens also the W4 GEMM, cuBLAS on the dense weight, and each product's share of its floor."""
     from deepinfer.kernels import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()

@@ -28,7 +28,6 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 _MAGIC = {torch.float16: 1024.0, torch.bfloat16: 128.0}
 BK = 128  # k per pipeline stage
 _MAX_GROUPS = BK // 32  # groups a stage can touch (group sizes are multiples of 32)
-MAX_TOKENS = 256  # the largest batch the dispatch sends here (more tokens only add token tiles)
 NARROW_OUT = 4608  # outputs up to which `plan` takes 64-row CTAs at up to 32 tokens
 
 
@@ -188,14 +187,16 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
          ) -> tuple[TileConfig | WgmmaConfig, int]:
     """(launch shape, K splits) of one product: token tiles of 16, 32 or 64; CTAs of 128 rows, or of 64 on
     outputs of at most NARROW_OUT at up to 32 tokens (128-row CTAs leave most SMs idle there); split along K
-    until the SMs hold about two 256-thread CTAs' worth each (never below two pipeline stages per split). On
+    until every SM holds about two CTAs, four of the 64-row ones (never below two pipeline stages per split). On
     the H200 sweep of Qwen2.5-3B's and 7B's products, at the points the dispatch sends here this was within
     10% of the sweep's fastest launch at most, and 1.4x it at worst (3B's o-projection at 64 tokens, 7B's
     down-projection at 128): results/w4_gemm_sweep_nvidia_h200.json, scripts/tune_w4_gemm.py."""
+    ctas_per_sm = 2
     if wgmma_available(device_index):
         ntok = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
         wg = 1 if out_features <= NARROW_OUT and num_tokens <= 32 else 2
         config = WgmmaConfig(wg=wg, mt=1, ntok=ntok, stages=4)
+        ctas_per_sm = 4 if wg == 1 else 2
     else:
         tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4 if num_tokens <= 32 else 8
         config = TileConfig(warps=4, rw=2, tt=tt, stages=4)
@@ -203,7 +204,7 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
             config = TileConfig(warps=4, rw=2, tt=tt, stages=3)
     ctas = -(-out_features // config.rows) * -(-num_tokens // config.tokens)
     num_kb = -(-in_features // BK)
-    splits = max(1, min(round(2 * _num_sms(device_index) * 256 / config.threads / ctas), num_kb // 2))
+    splits = max(1, min(round(ctas_per_sm * _num_sms(device_index) / ctas), num_kb // 2))
     return config, splits
 
 

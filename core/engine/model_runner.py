@@ -73,7 +73,8 @@ class ModelRunner:
             return InflightStep(scheduler_output, [], None)
         rows = [sampling_row(chunk.request) for chunk in sampling_chunks]
         # After the forward is enqueued: the host fills the masks while the device runs it.
-        grammar_mask = step_grammar_mask(sampling_chunks, previous, logits.shape[1], self.device)
+        grammar_mask = step_grammar_mask(sampling_chunks, previous.token_of if previous is not None else None,
+                                         logits.shape[1], self.device)
         return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows, grammar_mask))
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,

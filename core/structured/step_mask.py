@@ -24,7 +24,8 @@ import torch
 from deepinfer.core.engine.transfers import to_device
 
 if TYPE_CHECKING:
-    from deepinfer.core.engine.inflight import InflightStep
+    from collections.abc import Callable
+
     from deepinfer.core.engine.scheduler_output import ScheduledChunk
 
 _executor = None
@@ -48,15 +49,17 @@ def _mask_executor():
         return _executor
 
 
-def step_grammar_mask(sampling_chunks: list[ScheduledChunk], previous: InflightStep | None, vocab_size: int,
-                      device: torch.device) -> GrammarMask | None:
-    """The mask of the step's constrained rows (row i is sampling_chunks[i]); None when it has none."""
+def step_grammar_mask(sampling_chunks: list[ScheduledChunk], pending_token: Callable[[str], int | None] | None,
+                      vocab_size: int, device: torch.device) -> GrammarMask | None:
+    """The mask of the step's constrained rows (row i is sampling_chunks[i]); None when it has none.
+    `pending_token(request_id)`: a request's token from the step still in flight, if it has one (the previous
+    InflightStep's token_of), which its grammar must accept before this step's mask."""
     constrained = [(row, chunk.request) for row, chunk in enumerate(sampling_chunks)
                    if chunk.request.grammar is not None]
     if not constrained:
         return None
     for _, request in constrained:
-        pending = previous.token_of(request.request_id) if previous is not None else None
+        pending = pending_token(request.request_id) if pending_token is not None else None
         request.grammar.catch_up(request.output_token_ids, pending)
     num_words = (vocab_size + 31) // 32
     # Pinned, from the caching host allocator: the block is not reused before the copy has read it.
