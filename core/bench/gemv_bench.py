@@ -187,7 +187,7 @@ class _ProductOperands:
         return self._scale_pairs
 
     def dense(self) -> list[torch.Tensor]:
-        """Enough dense copies [N, K] to leave the L2 (each twice or four times the packed weight's bytes)."""
+        """Enough dense copies [N, K] to leave the L2 (fewer than the packed copies: each is 4x a W4 weight)."""
         if self._dense is None:
             size = self.weights[0]["qweight"].shape[0] * self.weights[0]["qweight"].shape[1] * 32 // self.bits * 2
             count = max(1, min(len(self.weights), -(-ROTATE_BYTES // size)))
