@@ -280,7 +280,7 @@ def serve(
 
         local_model = str(resolve_model(serve_model))  # downloads once; the server then finds it cached
         with LocalServer(local_model, serve_args) as server:
-            targets.insert(0, ServeTarget(server.base_url, model, started_by=_shell(server.command[2:])))
+            targets.insert(0, ServeTarget(server.base_url, model, started_by=server.serve_command))
             payload = run(local_model)
     payload["tokenizer"] = tokenizer or (serve_model if serve_model else payload["targets"][0]["model"])
     _finish_serve(payload, serve_tables(payload, workload.describe()), output)
@@ -331,12 +331,6 @@ def _json_object(text: str, flag: str) -> dict:
     if not isinstance(value, dict):
         fail(f"{flag} must be a JSON object, got {text!r}")
     return value
-
-
-def _shell(args: list[str]) -> str:
-    import shlex
-
-    return shlex.join(["deepinfer", *args])
 
 
 def _redacted_argv() -> list[str]:

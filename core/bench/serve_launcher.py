@@ -105,6 +105,11 @@ class LocalServer:
             time.sleep(0.25)
         raise ServerLaunchError(f"deepinfer serve was not ready in {self.startup_timeout_s:g} s:\n{self.log_tail()}")
 
+    @property
+    def serve_command(self) -> str:
+        """The server's command line as a user would type it."""
+        return shlex.join(["deepinfer", *self.command[3:]])  # after `python -m deepinfer.cli.main`
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
