@@ -234,6 +234,8 @@ def serve(
         fail(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
     if concurrency_levels is not None and request_rates is not None:
         fail("give --concurrency or --request-rate, not both")
+    if max_concurrency is not None and request_rates is None:
+        fail("--max-concurrency caps an open loop (--request-rate); closed-loop levels are their own cap")
     if dataset_path is not None:
         dataset = "sharegpt"
     for flag, value in (("--request-timeout", request_timeout), ("--stall-timeout", stall_timeout)):

@@ -325,3 +325,27 @@ def _word_tokenizer(directory):
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
     return directory
+
+
+def test_an_unreachable_server_is_a_one_line_error_before_anything_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from deepinfer.cli.main import app
+
+    with FakeServer() as server:
+        closed_url = server.base_url  # nothing listens there once the server is gone
+    result = CliRunner().invoke(app, ["bench", "serve", "--base-url", closed_url, "-o", str(tmp_path / "x.json")])
+    assert result.exit_code != 0
+    assert "cannot list the models" in str(result.exception)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_max_concurrency_without_a_rate_is_refused():
+    from typer.testing import CliRunner
+
+    from deepinfer.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "-c", "4",
+                                      "--max-concurrency", "2"])
+    assert result.exit_code == 1
+    assert "--max-concurrency caps an open loop" in result.output
