@@ -343,6 +343,33 @@ def compare_targets(targets: list[dict]) -> list[dict]:
     return rows
 
 
+FD_RESERVE = 64  # descriptors beyond the connections: the tokenizer's files, logs, the results file
+
+
+def fit_open_file_limit(connections: int) -> None:
+    """Raise the soft open-file limit toward the hard one so `connections` sockets fit (1024 is a
+    common default, below what rate inf with 1000 prompts opens at once); a lower hard limit leaves
+    the excess requests to fail as `connect` errors, which the report shows."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            logger.warning("cannot raise the open-file limit to %d; requests beyond it will fail", wanted)
+
+
+def max_in_flight(sweep: ServeSweep) -> int:
+    """The most requests any level has in flight at once."""
+    return max(level.get("concurrency") or min(sweep.max_concurrency or math.inf, sweep.prompts_at(level))
+               for level in sweep.levels())
+
+
 def run_serve_benchmark(targets: list[ServeTarget], settings: RequestSettings, sweep: ServeSweep,
                         maker: PromptMaker, progress: SweepProgress | None = None) -> dict:
     """Every level against every target in turn; the JSON payload without the environment block.
@@ -350,6 +377,7 @@ def run_serve_benchmark(targets: list[ServeTarget], settings: RequestSettings, s
     Interrupted (Ctrl-C, `timeout -s INT`), it returns what finished, marked "interrupted".
     """
     progress = progress or SweepProgress()
+    fit_open_file_limit(max_in_flight(sweep))
     counter = TokenCounter(maker.tokenizer)
     levels = sweep.levels()
     progress.level_started("making prompts", len(levels))
