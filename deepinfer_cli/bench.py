@@ -369,6 +369,9 @@ def _finish_serve(payload: dict, tables: list, output: str | None) -> None:
     console.print(f"wrote {path}")
     if payload.get("interrupted"):
         fail(f"interrupted; what finished before it is in {path}", code=130)
+    failed = [target for target in payload["targets"] if target.get("error")]
+    if failed:
+        fail("; ".join(target["error"] for target in failed) + f" (the others are in {path})")
 
 
 def _progress():

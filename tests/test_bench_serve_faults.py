@@ -349,3 +349,14 @@ def test_max_concurrency_without_a_rate_is_refused():
                                       "--max-concurrency", "2"])
     assert result.exit_code == 1
     assert "--max-concurrency caps an open loop" in result.output
+
+
+def test_a_compared_server_that_fails_its_warm_up_is_skipped_and_the_others_kept():
+    with FakeServer() as server:
+        targets = [ServeTarget(server.base_url, "ok"), ServeTarget(server.base_url, "refuse-503")]
+        sweep = ServeSweep(concurrency_levels=[1], num_prompts=2, warmup_requests=1)
+        payload = run_serve_benchmark(targets, SETTINGS, sweep, _FixedPrompts(2))
+    measured, refused = payload["targets"]
+    assert measured["levels"][0]["num_completed"] == 2 and "error" not in measured
+    assert "HTTP 503" in refused["error"] and refused["levels"] == []
+    assert payload["comparison"] == []

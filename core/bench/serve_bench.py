@@ -374,7 +374,9 @@ def run_serve_benchmark(targets: list[ServeTarget], settings: RequestSettings, s
                         maker: PromptMaker, progress: SweepProgress | None = None) -> dict:
     """Every level against every target in turn; the JSON payload without the environment block.
 
-    Interrupted (Ctrl-C, `timeout -s INT`), it returns what finished, marked "interrupted".
+    A server that cannot be measured (no model list without --model, a failed warm-up) is skipped
+    with its "error" when there are others. Interrupted (Ctrl-C, `timeout -s INT`), it returns what
+    finished, marked "interrupted".
     """
     progress = progress or SweepProgress()
     fit_open_file_limit(max_in_flight(sweep))
@@ -395,8 +397,14 @@ def run_serve_benchmark(targets: list[ServeTarget], settings: RequestSettings, s
             info = {"base_url": target.base_url, "model": target.model, "started_by": target.started_by,
                     "levels": []}
             results.append(info)
-            asyncio.run(_target_sweep(target, settings, sweep, level_prompts, warmup_prompts, info, progress,
-                                      counter, current))
+            try:
+                asyncio.run(_target_sweep(target, settings, sweep, level_prompts, warmup_prompts, info, progress,
+                                          counter, current))
+            except InvalidRequestError as err:  # this server cannot be measured; the others still are
+                if len(targets) == 1:
+                    raise
+                info["error"] = str(err)
+                logger.warning("%s", err)
     except KeyboardInterrupt:
         interrupted = True
         run = current[0]
