@@ -148,6 +148,232 @@ def gemv(
         console.print(table)
     console.print(f"wrote {path}")
 
+@app.command("serve", context_settings={"allow_extra_args": True})
+def serve(
+    ctx: typer.Context,
+    base_url: Annotated[str | None, typer.Option(
+        "--base-url", help="The server to benchmark, e.g. http://127.0.0.1:8000 (or use --serve).")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Model name sent to the server (default: the first entry of its /v1/models).")] = None,
+    compare: Annotated[list[str] | None, typer.Option(
+        "--compare", help="URL[=MODEL] of another server to run the same workload against (repeatable).")] = None,
+    serve_model: Annotated[str | None, typer.Option(
+        "--serve", help="Start `deepinfer serve --model MODEL` on a free local port, benchmark it, stop it.")] = None,
+    serve_args: Annotated[str, typer.Option(
+        "--serve-args", help="Flags for --serve's server, one string (e.g. \"--max-num-seqs 64 --dtype bfloat16\").")
+    ] = "",
+    endpoint: Annotated[str, typer.Option("--endpoint", help="completions | chat.")] = "completions",
+    concurrency_levels: Annotated[str | None, typer.Option(
+        "--concurrency", "-c", help="Comma-separated closed-loop client counts (default 1,8,32,64 without "
+                                    "--request-rate).")] = None,
+    request_rates: Annotated[str | None, typer.Option(
+        "--request-rate", help="Comma-separated open-loop arrival rates in requests/s; inf sends all at once.")
+    ] = None,
+    burstiness: Annotated[float, typer.Option(
+        "--burstiness", help="Gamma shape of the arrival gaps: 1 is Poisson, < 1 bursts, > 1 more even.")] = 1.0,
+    num_prompts: Annotated[int | None, typer.Option(
+        "--num-prompts", "-n", help="Requests per level (default max(4 x concurrency, 16); 100 per rate).")
+    ] = None,
+    max_concurrency: Annotated[int | None, typer.Option(
+        "--max-concurrency", help="Open loop: requests in flight at most (later arrivals wait).")] = None,
+    dataset: Annotated[str, typer.Option("--dataset", help="random | shared-prefix | sharegpt.")] = "random",
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens (random, shared-prefix).")] = 512,
+    output_len: Annotated[int | None, typer.Option(
+        "--output-len", help="Output tokens per request (default 128; sharegpt: each reply's length).")] = None,
+    range_ratio: Annotated[float, typer.Option(
+        "--range-ratio", help="Lengths drawn uniformly within +- this fraction of --input-len/--output-len.")] = 0.0,
+    prefix_len: Annotated[int, typer.Option(
+        "--prefix-len", help="shared-prefix: tokens of the prefix in front of every prompt.")] = 256,
+    num_prefixes: Annotated[int, typer.Option(
+        "--num-prefixes", help="shared-prefix: distinct prefixes, used round robin.")] = 1,
+    dataset_path: Annotated[str | None, typer.Option(
+        "--dataset-path", help="A ShareGPT-format JSON file (implies --dataset sharegpt).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        "--tokenizer", help="Tokenizer (a GGUF file, a directory or a Hub id) that makes the prompts and counts "
+                            "tokens a server does not report (default: --serve's model, else the model name).")
+    ] = None,
+    goodput: Annotated[list[str] | None, typer.Option(
+        "--goodput", help="SLOs in ms: --goodput ttft:500 tpot:20 (ttft, tpot, e2e); a request that meets "
+                          "all is good.")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature sent.")] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option(
+        help="Send ignore_eos so every request runs to its output length.")] = True,
+    extra_body: Annotated[str | None, typer.Option(
+        "--extra-body", help="A JSON object merged into every request body.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="OPENAI_API_KEY", help="Sent as 'Authorization: Bearer KEY' (not recorded).")] = None,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", help="Seconds a request may take in all; then it counts as an error.")] = 600.0,
+    stall_timeout: Annotated[float, typer.Option(
+        "--stall-timeout", help="Seconds without a byte from the server; then the request counts as an error.")
+    ] = 60.0,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed requests per server before the levels.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Prompts and arrival schedule (the same for every server).")
+    ] = 0,
+    output: OutputOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Benchmark OpenAI-compatible HTTP servers: closed-loop concurrency or open-loop request rates,
+    TTFT / TPOT / ITL / E2E, throughput, errors and goodput; several servers side by side."""
+    _setup_logging(verbose)
+    from deepinfer.core.bench.serve_bench import ServeSweep, ServeTarget, resolve_targets, run_serve_benchmark
+    from deepinfer.core.bench.serve_client import ENDPOINTS, RequestSettings
+    from deepinfer.core.bench.serve_launcher import LocalServer
+    from deepinfer.core.bench.serve_report import serve_tables
+    from deepinfer.core.bench.serve_workload import PromptMaker, ServeWorkload
+    from deepinfer.core.errors import DeepInferError
+
+    # `--goodput ttft:500 tpot:20` as vllm bench serve takes it: the pairs after the first arrive as extra args
+    stray = [arg for arg in ctx.args if not (goodput and ":" in arg and not arg.startswith("-"))]
+    if stray:
+        fail(f"unexpected argument {stray[0]!r}")
+    goodput = [*(goodput or []), *ctx.args]
+    if (base_url is None) == (serve_model is None):
+        fail("give either --base-url URL or --serve MODEL")
+    if endpoint not in ENDPOINTS:
+        fail(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
+    if concurrency_levels is not None and request_rates is not None:
+        fail("give --concurrency or --request-rate, not both")
+    if max_concurrency is not None and request_rates is None:
+        fail("--max-concurrency caps an open loop (--request-rate); closed-loop levels are their own cap")
+    if dataset_path is not None:
+        dataset = "sharegpt"
+    for flag, value in (("--request-timeout", request_timeout), ("--stall-timeout", stall_timeout)):
+        if not value > 0:
+            fail(f"{flag} must be > 0, got {value}")
+    try:
+        workload = ServeWorkload(kind=dataset, input_len=input_len,
+                                 output_len=output_len if output_len is not None or dataset == "sharegpt" else 128,
+                                 range_ratio=range_ratio, prefix_len=prefix_len if dataset == "shared-prefix" else 0,
+                                 num_prefixes=num_prefixes, dataset_path=dataset_path, seed=seed)
+        sweep = ServeSweep(
+            concurrency_levels=None if request_rates is not None else _int_list(concurrency_levels or "1,8,32,64",
+                                                                                "--concurrency"),
+            request_rates=None if request_rates is None else _rate_list(request_rates), burstiness=burstiness,
+            num_prompts=num_prompts, max_concurrency=max_concurrency, goodput_slo_ms=_goodput(goodput),
+            warmup_requests=warmup, seed=seed)
+    except DeepInferError as err:
+        fail(str(err))
+    settings = RequestSettings(endpoint=endpoint, temperature=temperature, ignore_eos=ignore_eos,
+                               extra_body=_json_object(extra_body, "--extra-body") if extra_body else {},
+                               request_timeout_s=request_timeout, stall_timeout_s=stall_timeout)
+    targets = [] if base_url is None else [ServeTarget(base_url, model, api_key)]
+    for item in compare or []:
+        url, _, name = item.partition("=")
+        targets.append(ServeTarget(url, name or None, api_key))
+    for target in targets:
+        if not target.base_url.startswith(("http://", "https://")):
+            fail(f"a server URL must start with http:// or https://, got {target.base_url!r}")
+
+    def run(served_tokenizer: str | None) -> dict:
+        resolve_targets(targets)
+        tokenizer_spec = tokenizer or served_tokenizer or targets[0].model
+        try:
+            maker = PromptMaker(workload, _load_tokenizer(tokenizer_spec, given=tokenizer is not None))
+        except DeepInferError as err:
+            fail(str(err))
+        with _progress() as progress:
+            return run_serve_benchmark(targets, settings, sweep, maker, progress)
+
+    if serve_model is None:
+        payload = run(None)
+    else:
+        from deepinfer.core.weights.hub import resolve_model
+
+        local_model = str(resolve_model(serve_model))  # downloads once; the server then finds it cached
+        with LocalServer(local_model, serve_args) as server:
+            targets.insert(0, ServeTarget(server.base_url, model, started_by=server.serve_command))
+            payload = run(local_model)
+    payload["tokenizer"] = tokenizer or (serve_model if serve_model else payload["targets"][0]["model"])
+    _finish_serve(payload, serve_tables(payload, workload.describe()), output)
+
+
+def _load_tokenizer(spec: str, given: bool):
+    from deepinfer.core.bench.serve_workload import load_tokenizer
+    from deepinfer.core.errors import DeepInferError
+
+    try:
+        return load_tokenizer(spec)
+    except DeepInferError as err:
+        if given:
+            fail(f"--tokenizer: {err}")
+        fail(f"no tokenizer for {spec!r} ({err}); pass --tokenizer (a GGUF file, a directory or a Hub id)")
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fail(f"--request-rate takes comma-separated numbers or inf, got {text!r}")
+    if not values:
+        fail("--request-rate is empty")
+    return values
+
+
+def _goodput(items: list[str]) -> dict[str, float]:
+    """['ttft:500 tpot:20', 'e2e:3000'] -> {'ttft': 500.0, 'tpot': 20.0, 'e2e': 3000.0}."""
+    slo: dict[str, float] = {}
+    for pair in " ".join(items).replace(",", " ").split():
+        name, _, value = pair.partition(":")
+        name = "e2e" if name == "e2el" else name
+        try:
+            slo[name] = float(value)
+        except ValueError:
+            fail(f"--goodput takes NAME:MS pairs (ttft, tpot, e2e), got {pair!r}")
+    return slo
+
+
+def _json_object(text: str, flag: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        fail(f"{flag}: not JSON: {err}")
+    if not isinstance(value, dict):
+        fail(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
+def _redacted_argv() -> list[str]:
+    """The command line to record, without the value of --api-key."""
+    import sys
+
+    args, hide = [], False
+    for arg in sys.argv[1:]:
+        if hide:
+            args.append("REDACTED")
+            hide = False
+        elif arg == "--api-key":
+            args.append(arg)
+            hide = True
+        else:
+            args.append("--api-key=REDACTED" if arg.startswith("--api-key=") else arg)
+    return ["deepinfer", *args]
+
+
+def _finish_serve(payload: dict, tables: list, output: str | None) -> None:
+    from rich.console import Console
+
+    from deepinfer.core.bench.env_info import env_info, gpu_slug
+    from deepinfer.core.bench.report import results_path, write_json
+
+    env = env_info(_redacted_argv())
+    subject = (payload["targets"][0].get("model") if payload["targets"] else None) or "server"
+    path = write_json(results_path("serve", subject.rsplit("/", 1)[-1], gpu_slug(env), output), payload, env)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: keep rows whole instead of wrapping at 80 columns
+        console = Console(width=200)
+    for table in tables:
+        console.print(table)
+    console.print(f"wrote {path}")
+    if payload.get("interrupted"):
+        fail(f"interrupted; what finished before it is in {path}", code=130)
+    failed = [target for target in payload["targets"] if target.get("error")]
+    if failed:
+        fail("; ".join(target["error"] for target in failed) + f" (the others are in {path})")
+
+
 def _progress():
     """The sweep's progress bars on stderr, keeping stdout for the tables."""
     from rich.console import Console
