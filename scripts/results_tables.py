@@ -213,10 +213,6 @@ def main() -> None:
          f"bench_concurrency_{subject}-no-pdl_{gpu}.json")
     show("Serving sweep, W4A16 against bf16", f"bench_serving_{subject}_{gpu}.json",
          lambda w4, bf16: side_by_side(w4, bf16, ("W4A16", "bf16")), f"bench_serving_qwen2.5-3b-bf16_{gpu}.json")
-    show("Serving sweep, W4A16 against the dispatch without the GEMM below 65 tokens",
-         f"bench_serving_{subject}_{gpu}.json",
-         lambda new, old: side_by_side(new, old, ("W4 GEMM from 9 tokens", "W4 GEMM at 65-128 only")),
-         f"bench_serving_{subject}-without-gemm-below-65_{gpu}.json")
     show("INT8 KV cache", f"bench_serving_{subject}-int8-kv_{gpu}.json",
          lambda int8, same: side_by_side(int8, same, ("INT8 KV", "bf16 KV")), f"bench_serving_{subject}_{gpu}.json")
     show("Structured outputs", f"bench_structured_{subject}_{gpu}.json",
