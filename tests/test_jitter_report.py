@@ -75,3 +75,20 @@ def test_the_estimate_up_front_is_near_the_steps_the_sweep_runs(tiny_llama_dir):
                          workload, counter)
     assert counter.summary.endswith(f"about {counter.estimate} engine steps")
     assert 0.8 * counter.steps <= counter.estimate <= 1.2 * counter.steps, (counter.estimate, counter.steps)
+
+
+def test_the_sweep_bars_keep_every_number_whole_at_80_columns():
+    import io
+
+    from deepinfer.core.bench.progress import RichSweepProgress
+
+    console = Console(file=io.StringIO(), width=80, color_system=None, record=True)
+    progress = RichSweepProgress(console)
+    progress.sweep_started("bench jitter on the CPU: ...", 1000)
+    progress.level_started("chunk 64: starting", 4)
+    progress.advance(requests=1, tokens=30)
+    progress.engine_steps(10)
+    console.print(progress._progress.make_tasks_table(progress._progress.tasks))
+    sweep, level = console.export_text().splitlines()[-2:]
+    assert sweep.split()[0] == "sweep" and {"10/1000", "steps", "left"} <= set(sweep.split())
+    assert "1/4" in level.split() and "tok/s" in level.split() and len(level.rstrip()) <= 80

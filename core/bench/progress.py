@@ -19,6 +19,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 from rich.text import Text
 
 
@@ -44,10 +45,19 @@ class SweepProgress:
 class _TokensPerSecond(ProgressColumn):
     def render(self, task) -> Text:
         if task.fields.get("unit") != "requests":  # the sweep's bar counts engine steps, not tokens
-            return Text(" " * 14)
+            return Text(" " * 12)
         elapsed = task.elapsed or 0.0
         tokens = task.fields.get("tokens", 0)
-        return Text(f"{tokens / elapsed:8.1f} tok/s" if elapsed > 0 else "       - tok/s")
+        return Text(f"{tokens / elapsed:6.1f} tok/s" if elapsed > 0 else "     - tok/s")
+
+
+class _SweepTimeLeft(TimeRemainingColumn):
+    """The whole sweep's time left, from its engine steps so far; nothing on a level's bar."""
+
+    def render(self, task) -> Text:
+        if task.fields.get("unit") != "steps":
+            return Text("")
+        return Text.assemble("left ", super().render(task))
 
 
 class RichSweepProgress(SweepProgress):
@@ -55,8 +65,11 @@ class RichSweepProgress(SweepProgress):
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self._progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[unit]}"), _TokensPerSecond(), TimeElapsedColumn(),
+        whole = Column(no_wrap=True)  # at 80 columns the bar gives way, never a number
+        self._progress = Progress(TextColumn("{task.description:<18}", table_column=whole), BarColumn(),
+                                  MofNCompleteColumn(table_column=whole),
+                                  TextColumn("{task.fields[unit]}", table_column=whole),
+                                  _TokensPerSecond(table_column=whole), TimeElapsedColumn(table_column=whole),
                                   console=console, transient=True)
         self._task = None
         self._sweep_task = None
@@ -71,7 +84,7 @@ class RichSweepProgress(SweepProgress):
 
     def sweep_started(self, summary: str, total_steps: int) -> None:
         self._progress.console.print(summary, markup=False, highlight=False, soft_wrap=True)
-        self._progress.columns = (*self._progress.columns, TextColumn("left"), TimeRemainingColumn())
+        self._progress.columns = (*self._progress.columns, _SweepTimeLeft(table_column=Column(no_wrap=True)))
         self._sweep_task = self._progress.add_task("sweep", total=total_steps, tokens=0, unit="steps")
 
     def engine_steps(self, steps: int) -> None:
