@@ -66,11 +66,12 @@ def concurrency(
 @app.command("jitter")
 @engine_flags("jitter")
 def jitter(
-    token_budgets: Annotated[str, typer.Option(
-        "--token-budgets", "--chunk-sizes",
-        help="Comma-separated max_num_batched_tokens values: the chunked-prefill chunk sizes swept.")
-    ] = "64,128,256,512,1024,2048",
-    long_prompt_len: Annotated[int, typer.Option("--long-prompt-len", help="Tokens of the inserted prompt.")] = 2048,
+    chunk_sizes: Annotated[str | None, typer.Option(
+        "--chunk-sizes",
+        help="Comma-separated chunked-prefill chunk sizes (the engine's max_num_batched_tokens), one engine "
+             "each (default 64,128,256,512,1024,2048 on a GPU, 16,32,64,128,256 on the CPU).")] = None,
+    long_prompt_len: Annotated[int | None, typer.Option(
+        "--long-prompt-len", help="Tokens of the inserted prompt (default 2048 on a GPU, 256 on the CPU).")] = None,
     long_output_len: Annotated[int, typer.Option("--long-output-len", help="Output tokens of the long prompt.")] = 4,
     stream_prompt_len: Annotated[int, typer.Option("--stream-prompt-len", help="Prompt tokens of the stream.")] = 32,
     stream_output_len: Annotated[int | None, typer.Option(
@@ -78,26 +79,38 @@ def jitter(
     insert_after: Annotated[int, typer.Option(
         "--insert-after", help="Stream tokens received before the long prompt is sent.")] = 16,
     itl_slo_ms: Annotated[float | None, typer.Option(
-        "--itl-slo-ms", help="Pick the largest budget whose worst insertion ITL stays within this.")] = None,
+        "--itl-slo-ms", help="Pick the largest chunk size whose worst insertion ITL stays within this.")] = None,
     repeats: RepeatsOpt = 1,
     output: OutputOpt = None,
     verbose: VerboseOpt = False,
     *,
     engine: dict,
 ) -> None:
-    """Long-prompt insertion: the running stream's ITL against its baseline, per token budget."""
+    """Long-prompt insertion: the running stream's ITL against its baseline, per chunk size."""
     _setup_logging(verbose)
-    from deepinfer.core.bench.jitter import JitterWorkload, run_jitter_benchmark
-    from deepinfer.core.bench.report import jitter_tables
+    from types import SimpleNamespace
 
-    budgets = _int_list(token_budgets, "--token-budgets")
-    config = engine_config(engine, max_num_batched_tokens=max(budgets))
+    from deepinfer.core.bench.engine_client import cuda_device_of
+    from deepinfer.core.bench.jitter import (
+        DEFAULT_CHUNK_SIZES,
+        JitterWorkload,
+        default_long_prompt_len,
+        run_jitter_benchmark,
+    )
+    from deepinfer.core.bench.report import jitter_tables
+    from deepinfer.core.config import EngineConfig
+
+    # Only the device flag decides the defaults; the config is built once, with the sweep's largest chunk.
+    device = cuda_device_of(SimpleNamespace(device=engine.get("device") or EngineConfig.device))
+    sizes = (_int_list(chunk_sizes, "--chunk-sizes") if chunk_sizes is not None
+             else DEFAULT_CHUNK_SIZES["gpu" if device else "cpu"])
+    config = engine_config(engine, max_num_batched_tokens=max(sizes))
     workload = JitterWorkload(
-        token_budgets=budgets, long_prompt_len=long_prompt_len, long_output_len=long_output_len,
-        stream_prompt_len=stream_prompt_len, stream_output_len=stream_output_len, insert_after=insert_after,
-        repeats=repeats, itl_slo_ms=itl_slo_ms, seed=config.seed)
+        chunk_sizes=sizes, long_prompt_len=long_prompt_len or default_long_prompt_len(device is not None),
+        long_output_len=long_output_len, stream_prompt_len=stream_prompt_len, stream_output_len=stream_output_len,
+        insert_after=insert_after, repeats=repeats, itl_slo_ms=itl_slo_ms, seed=config.seed)
     with _progress() as progress:
-        payload = run_jitter_benchmark(config, workload, progress)
+        payload = run_jitter_benchmark(config, workload, progress, device="GPU" if device else "CPU")
     _finish("jitter", config, payload, jitter_tables(payload), output)
 
 

@@ -36,6 +36,8 @@ def chat(
     from deepinfer.core.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    if prompt is not None and not prompt.strip():
+        fail("--prompt is empty: pass the message to answer, or leave --prompt out to chat in a terminal")
     if prompt is None and (sys.stdin is None or not sys.stdin.isatty()):
         # `echo question | deepinfer chat`: one answer, as with --prompt (echo's newline is not part of it)
         prompt = sys.stdin.read().strip() if sys.stdin is not None else ""

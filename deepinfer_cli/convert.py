@@ -42,7 +42,8 @@ def convert(src: SrcArg, out: OutArg, bits: BitsOpt = None, group_size: GroupSiz
     options = ConvertOptions(bits=bits, group_size=group_size, sym=sym, keep_8bit=keep_8bit)
     console = Console(stderr=True)
     columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    # Off a terminal the bar draws nothing but its closing newline, which an error would start with.
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("reading source", total=None)
 
         def report(done: int, total: int, what: str) -> None:

@@ -13,7 +13,18 @@ import typer
 from deepinfer.cli import bench, chat, convert, serve, validate
 from deepinfer.cli.errors import DEBUG
 
+# The help lists the commands in this order: what a user runs first, then serving, then the GPU check.
+COMMAND_ORDER = ("convert", "bench", "chat", "serve", "validate-kernels")
+
+
+class _OrderedGroup(typer.core.TyperGroup):
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: COMMAND_ORDER.index(name) if name in COMMAND_ORDER else len(names))
+
+
 app = typer.Typer(
+    cls=_OrderedGroup,
     name="deepinfer",
     help="deepinfer: an LLM inference engine core and toolkit for one GPU.",
     no_args_is_help=True,
@@ -41,10 +52,10 @@ def root(
 
 
 app.command("convert")(convert.convert)
-app.command("validate-kernels")(validate.validate_kernels)
+app.add_typer(bench.app, name="bench")
 app.command("chat")(chat.chat)
 app.command("serve")(serve.serve)
-app.add_typer(bench.app, name="bench")
+app.command("validate-kernels")(validate.validate_kernels)
 
 
 def main() -> None:

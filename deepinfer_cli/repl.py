@@ -48,6 +48,11 @@ def message_of(text: str) -> str:
     return stripped
 
 
+def banner(model_label: str) -> list[str]:
+    """The REPL's first lines (Rich markup), short enough for an 80-column terminal."""
+    return [f"[bold]deepinfer chat[/bold] · {escape(model_label)}", "/help for commands, Ctrl-D to leave"]
+
+
 def make_session(history_file: Path):
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory, InMemoryHistory
@@ -91,8 +96,8 @@ class ChatRepl:
 
     def run(self) -> None:
         session = make_session(self.history_file)
-        self.console.print(f"[bold]deepinfer chat[/bold] · {escape(self.model_label)} · /help for commands, "
-                           "Ctrl-D to leave")
+        for line in banner(self.model_label):
+            self.console.print(line)
         while True:
             try:
                 text = session.prompt(PROMPT)

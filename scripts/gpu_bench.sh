@@ -9,7 +9,7 @@
 # With no arguments it runs the default set (about 8 minutes on an H200):
 #   concurrency         concurrency 1,4,8,32,64, with the HF transformers peer on the same prompts
 #   concurrency-4gib    the same model inside --max-vram 4GiB (a 4 GiB card's budget), concurrency 1,2,4,8
-#   jitter              a 2048-token prompt inserted into a decoding stream, over eight token budgets
+#   jitter              a 2048-token prompt inserted into a decoding stream, over eight chunk sizes
 #                       (one engine each), with an 8 ms ITL SLO
 #   concurrency-no-pdl  the concurrency sweep with DEEPINFER_PDL=0 (serialized launches, no HF peer)
 # Named on the command line, it also runs (each about a minute):
@@ -63,7 +63,7 @@ section() {
             --output "$OUT_DIR/bench_concurrency_${SUBJECT}-4gib_${GPU}.json" ;;
     jitter)
         run jitter 180 "${DEEPINFER[@]}" bench jitter "${MODEL[@]}" \
-            --token-budgets 16,32,64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 8 \
+            --chunk-sizes 16,32,64,128,256,512,1024,2048 --long-prompt-len 2048 --insert-after 16 --itl-slo-ms 8 \
             --max-num-seqs 4 --kv-cache-memory 4GiB \
             --output "$OUT_DIR/bench_jitter_${SUBJECT}_${GPU}.json" ;;
     concurrency-no-pdl)

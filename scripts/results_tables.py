@@ -110,21 +110,23 @@ def budget(document: dict) -> str:
 
 def jitter(document: dict) -> str:
     rows = []
-    for result in document["budgets"]:
+    # Files written before the sweep's one name for the chunk size say "budgets" and "token_budget".
+    for result in document.get("chunk_sizes", document.get("budgets", [])):
         alone, window = result["baseline_itl_ms"], result["insertion_window_itl_ms"]
         ttft_alone = result["long_ttft_alone_ms"]["mean"]
         ttft_inserted = result["long_ttft_inserted_ms"]["mean"]
         rows.append([
-            str(result["token_budget"]), cell(alone["p50"], 2),
+            str(result.get("chunk_size", result.get("token_budget"))), cell(alone["p50"], 2),
             f"{cell(window['p50'])} / {cell(window['max'])}" + ("" if result["insertion_window_complete"] else " (cut)"),
             cell(window["max"] / alone["p50"] if window["max"] and alone["p50"] else None, 2, "x"),
             f"{cell(ttft_alone, 0)} / {cell(ttft_inserted, 0)}",
             cell(ttft_inserted / ttft_alone if ttft_alone and ttft_inserted else None, 2, "x")])
-    text = table(["token budget", "stream ITL alone p50 ms", "during insertion p50 / max ms", "max / alone p50",
+    text = table(["chunk size", "stream ITL alone p50 ms", "during insertion p50 / max ms", "max / alone p50",
                   "long TTFT alone / inserted ms", "inserted / alone"], rows)
     slo = document.get("slo")
     if slo:
-        text += (f"\n\nITL SLO {slo['itl_slo_ms']:g} ms: token budget {slo['chosen_token_budget']}, worst ITL "
+        chosen = slo.get("chosen_chunk_size", slo.get("chosen_token_budget"))
+        text += (f"\n\nITL SLO {slo['itl_slo_ms']:g} ms: chunk size {chosen}, worst ITL "
                  f"{cell(slo.get('insertion_window_itl_max_ms'), 2)} ms, long-prompt TTFT "
                  f"{cell(slo.get('long_ttft_inserted_ms'), 0)} ms")
     return text
@@ -213,10 +215,6 @@ def main() -> None:
          f"bench_concurrency_{subject}-no-pdl_{gpu}.json")
     show("Serving sweep, W4A16 against bf16", f"bench_serving_{subject}_{gpu}.json",
          lambda w4, bf16: side_by_side(w4, bf16, ("W4A16", "bf16")), f"bench_serving_qwen2.5-3b-bf16_{gpu}.json")
-    show("Serving sweep, W4A16 against the dispatch without the GEMM below 65 tokens",
-         f"bench_serving_{subject}_{gpu}.json",
-         lambda new, old: side_by_side(new, old, ("W4 GEMM from 9 tokens", "W4 GEMM at 65-128 only")),
-         f"bench_serving_{subject}-without-gemm-below-65_{gpu}.json")
     show("INT8 KV cache", f"bench_serving_{subject}-int8-kv_{gpu}.json",
          lambda int8, same: side_by_side(int8, same, ("INT8 KV", "bf16 KV")), f"bench_serving_{subject}_{gpu}.json")
     show("Structured outputs", f"bench_structured_{subject}_{gpu}.json",

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from deepinfer.core.bench.jitter import JitterWorkload, choose_budget, window_itls
+from deepinfer.core.bench.jitter import JitterWorkload, choose_chunk_size, window_itls
 from deepinfer.core.bench.latency import RequestTiming, mean_std, percentiles, summarize_requests
 from deepinfer.core.bench.workload import default_num_requests, make_prompts
 from deepinfer.core.errors import InvalidRequestError
@@ -79,24 +79,24 @@ def test_insertion_window_takes_every_itl_overlapping_the_window():
     assert window_itls(stream, 8.5, 9.0) == []
 
 
-def _budget(token_budget: int, max_itl_ms: float, complete: bool = True) -> dict:
-    return {"token_budget": token_budget, "insertion_window_complete": complete,
-            "insertion_window_itl_ms": {"max": max_itl_ms}, "long_ttft_inserted_ms": {"mean": 1000.0 / token_budget}}
+def _result(chunk_size: int, max_itl_ms: float, complete: bool = True) -> dict:
+    return {"chunk_size": chunk_size, "insertion_window_complete": complete,
+            "insertion_window_itl_ms": {"max": max_itl_ms}, "long_ttft_inserted_ms": {"mean": 1000.0 / chunk_size}}
 
 
-def test_slo_picks_the_largest_budget_within_the_slo():
-    results = [_budget(64, 20.0), _budget(128, 35.0), _budget(256, 80.0), _budget(512, 30.0, complete=False)]
-    chosen = choose_budget(results, itl_slo_ms=40.0)
-    assert chosen["chosen_token_budget"] == 128  # 512 is within the SLO but its window was cut short
+def test_slo_picks_the_largest_chunk_size_within_the_slo():
+    results = [_result(64, 20.0), _result(128, 35.0), _result(256, 80.0), _result(512, 30.0, complete=False)]
+    chosen = choose_chunk_size(results, itl_slo_ms=40.0)
+    assert chosen["chosen_chunk_size"] == 128  # 512 is within the SLO but its window was cut short
     assert chosen["long_ttft_inserted_ms"] == pytest.approx(1000.0 / 128)
-    assert choose_budget(results, itl_slo_ms=10.0)["chosen_token_budget"] is None
+    assert choose_chunk_size(results, itl_slo_ms=10.0)["chosen_chunk_size"] is None
 
 
 def test_jitter_stream_length_defaults_to_outlast_the_insertion():
-    workload = JitterWorkload(token_budgets=[9, 64], long_prompt_len=100, insert_after=4)
+    workload = JitterWorkload(chunk_sizes=[9, 64], long_prompt_len=100, insert_after=4)
     assert workload.stream_output_len == 4 + math.ceil(100 / 8) + 16
-    with pytest.raises(InvalidRequestError, match="token-budgets"):
-        JitterWorkload(token_budgets=[1])
+    with pytest.raises(InvalidRequestError, match="chunk-sizes"):
+        JitterWorkload(chunk_sizes=[1])
 
 
 def _tiny_llama_config() -> dict:
@@ -192,25 +192,25 @@ def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatc
 
     monkeypatch.setattr(engine_client, "warm_up", recording_warm_up)
     output = tmp_path / "jitter.json"
-    _run_cli(["bench", "jitter", "--model", str(tiny_llama_dir), "--token-budgets", "8,32", "--long-prompt-len", "48",
+    _run_cli(["bench", "jitter", "--model", str(tiny_llama_dir), "--chunk-sizes", "8,32", "--long-prompt-len", "48",
               "--stream-prompt-len", "6", "--insert-after", "3", "--itl-slo-ms", "100000", "--output", str(output)], monkeypatch)
     data = json.loads(output.read_text())
     assert data["benchmark"] == "jitter" and "bench jitter" in data["env"]["command"]
     workload = data["workload"]
     assert workload["stream_output_len"] == 3 + math.ceil(48 / 7) + 16
-    assert [b["token_budget"] for b in data["budgets"]] == [8, 32]
-    for result in data["budgets"]:
+    assert [b["chunk_size"] for b in data["chunk_sizes"]] == [8, 32]
+    for result in data["chunk_sizes"]:
         assert result["insertion_window_complete"]
         assert result["insertion_window_num_itls"] >= 1
-        # The engine honours the budget: no step computes more prompt tokens than the budget allows.
-        assert 1 <= result["insertion_window_max_prompt_tokens_per_step"] <= result["token_budget"]
+        # The engine honours the chunk size: no step computes more prompt tokens than it allows.
+        assert 1 <= result["insertion_window_max_prompt_tokens_per_step"] <= result["chunk_size"]
         for key in ("baseline_itl_ms", "insertion_window_itl_ms"):
             assert result[key]["p50"] <= result[key]["p95"] <= result[key]["max"]
         assert result["long_ttft_alone_ms"]["mean"] > 0 and result["long_ttft_inserted_ms"]["mean"] > 0
-    # Budget 8 needs ceil(48 / 7) = 7 prefill steps for the long prompt; budget 32 needs 2.
-    assert data["budgets"][0]["insertion_window_engine_steps"] > data["budgets"][1]["insertion_window_engine_steps"]
-    assert data["slo"]["chosen_token_budget"] == 32  # every budget meets a 100 s SLO: the largest wins
-    # each budget's engine warms up on a whole long prompt, so every chunk shape is seen before "alone" is timed
+    # Chunk size 8 needs ceil(48 / 7) = 7 prefill steps for the long prompt; 32 needs 2.
+    assert data["chunk_sizes"][0]["insertion_window_engine_steps"] > data["chunk_sizes"][1]["insertion_window_engine_steps"]
+    assert data["slo"]["chosen_chunk_size"] == 32  # every chunk size meets a 100 s SLO: the largest wins
+    # each chunk size's engine warms up on a whole long prompt, so every chunk shape is seen before "alone" is timed
     assert warm_up_lengths == [48, 48]
 
 
@@ -224,21 +224,21 @@ def test_insertion_window_steps_include_the_step_that_finished_the_prefill():
     assert [s.num_prompt_tokens for s in steps_in_window(steps, 2.0, 4.0)] == [7, 7, 2]
 
 
-def test_an_interrupted_sweep_keeps_the_budgets_it_finished(monkeypatch):
+def test_an_interrupted_sweep_keeps_the_chunk_sizes_it_finished(monkeypatch):
     from deepinfer.core.bench import jitter
     from deepinfer.core.config import EngineConfig
 
-    async def measure(config, budget, workload, engine_info, weights, progress):
-        if budget > 8:
+    async def measure(config, chunk_size, workload, engine_info, weights, progress):
+        if chunk_size > 8:
             raise KeyboardInterrupt  # what `timeout -s INT` delivers
-        return _budget(budget, 5.0)
+        return _result(chunk_size, 5.0)
 
-    monkeypatch.setattr(jitter, "_measure_budget", measure)
-    payload = jitter.run_jitter_benchmark(EngineConfig(device="cpu"), JitterWorkload(token_budgets=[8, 16, 32],
+    monkeypatch.setattr(jitter, "_measure_chunk_size", measure)
+    payload = jitter.run_jitter_benchmark(EngineConfig(device="cpu"), JitterWorkload(chunk_sizes=[8, 16, 32],
                                                                                      itl_slo_ms=10.0))
     assert payload["interrupted"] is True
-    assert [b["token_budget"] for b in payload["budgets"]] == [8]
-    assert payload["slo"]["chosen_token_budget"] == 8
+    assert [b["chunk_size"] for b in payload["chunk_sizes"]] == [8]
+    assert payload["slo"]["chosen_chunk_size"] == 8
 
 
 def test_quantized_run_records_its_quantized_linears(tmp_path, tiny_llama_dir, monkeypatch):
@@ -279,7 +279,7 @@ def test_a_named_commit_wins_over_the_checkout(monkeypatch):
 
 def test_jitter_takes_the_users_chunk_sizes(tmp_path, tiny_llama_dir, monkeypatch):
     # `deepinfer bench jitter --chunk-sizes 8,16,32,64` (on a tiny model, short prompts): JSON under ./results/,
-    # the Rich table on stdout, each budget's line on stderr as it finishes. The GPU test below runs it as written.
+    # the Rich table on stdout, each chunk size's line on stderr as it finishes. The GPU test below runs it as written.
     from typer.testing import CliRunner
 
     from deepinfer.cli.main import app
@@ -292,11 +292,13 @@ def test_jitter_takes_the_users_chunk_sizes(tmp_path, tiny_llama_dir, monkeypatc
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     (written,) = (tmp_path / "results").glob("bench_jitter_llama*.json")
     data = json.loads(written.read_text())
-    assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
+    assert [b["chunk_size"] for b in data["chunk_sizes"]] == [8, 16, 32, 64]
     assert data["engine_config"]["max_num_batched_tokens"] == 64
-    assert "deepinfer bench jitter: " in result.stdout and "long TTFT inserted ms" in result.stdout
-    assert [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("budget ")] == [
-        "budget 8", "budget 16", "budget 32", "budget 64"]
+    assert "deepinfer bench jitter: " in result.stdout and "long prompt 16 tokens" in result.stdout
+    assert [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("chunk ")] == [
+        "chunk 8", "chunk 16", "chunk 32", "chunk 64"]
+    assert result.stderr.startswith("bench jitter on the CPU: chunk sizes 8, 16, 32, 64, each on a fresh engine; "
+                                    "long prompt 16 tokens, stream 4+10 tokens, repeats 1: about ")
 
 
 def test_progress_hears_every_request_and_every_level(tmp_path, tiny_llama_dir):
@@ -340,6 +342,6 @@ def test_the_users_jitter_command_as_written_on_a_gpu(tmp_path, smollm2_gguf):
     assert result.returncode == 0, result.stderr
     (written,) = (tmp_path / "results").glob("bench_jitter_*.json")
     data = json.loads(written.read_text())
-    assert [b["token_budget"] for b in data["budgets"]] == [8, 16, 32, 64]
-    assert all(b["insertion_window_complete"] for b in data["budgets"])
+    assert [b["chunk_size"] for b in data["chunk_sizes"]] == [8, 16, 32, 64]
+    assert all(b["insertion_window_complete"] for b in data["chunk_sizes"])
     assert "deepinfer bench jitter: " in result.stdout

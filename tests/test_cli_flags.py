@@ -21,7 +21,7 @@ NOT_FLAGS = {
     "chat": {"dummy_weights", "shape", "seed"},  # chat needs real weights; its --seed seeds sampling
     "serve": set(),
     "concurrency": set(),
-    "jitter": {"max_num_batched_tokens"},  # swept by --token-budgets / --chunk-sizes
+    "jitter": {"max_num_batched_tokens"},  # swept by --chunk-sizes
 }
 COMMAND_PATHS = {"chat": ["chat"], "serve": ["serve"], "concurrency": ["bench", "concurrency"],
                  "jitter": ["bench", "jitter"]}

@@ -239,3 +239,16 @@ def test_bad_constraints_are_400s_with_the_engines_message(client, kwargs, messa
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=NAME, messages=ASK_JSON, max_tokens=5, **kwargs)
     assert message in info.value.message
+
+
+@pytest.mark.parametrize("extra_body, param", [
+    ({"structured_outputs": {"regex": "(?<=x)y"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar"),
+    ({"guided_regex": "(?<=x)y"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+])
+def test_a_constraint_the_grammar_engine_refuses_names_its_own_field(client, extra_body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=ASK_JSON, max_tokens=5, extra_body=extra_body)
+    assert info.value.body["param"] == param

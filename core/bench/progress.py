@@ -1,5 +1,6 @@
 """Progress of a benchmark sweep while it runs: one bar per level (requests done, output tok/s), and
-each level's result line as soon as the level finishes.
+each level's result line as soon as the level finishes. A sweep that can estimate its work up front
+(jitter: engine steps) also says so in a line and gets a bar over the whole sweep with the time left.
 
 The sweeps (concurrency.py, jitter.py) report to a SweepProgress; the base class reports nothing,
 so library callers and tests pay nothing. RichSweepProgress draws on the console it is given
@@ -16,12 +17,20 @@ from rich.progress import (
     ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
 )
+from rich.table import Column
 from rich.text import Text
 
 
 class SweepProgress:
     """What a sweep reports; every method does nothing here."""
+
+    def sweep_started(self, summary: str, total_steps: int) -> None:
+        """The whole sweep, in a line, and about how many engine steps it takes."""
+
+    def engine_steps(self, steps: int) -> None:
+        """`steps` more engine steps ran (called from the engine thread)."""
 
     def level_started(self, label: str, num_requests: int) -> None:
         """A level (a concurrency, a token budget) starts; `num_requests` requests are timed in it."""
@@ -35,9 +44,20 @@ class SweepProgress:
 
 class _TokensPerSecond(ProgressColumn):
     def render(self, task) -> Text:
+        if task.fields.get("unit") != "requests":  # the sweep's bar counts engine steps, not tokens
+            return Text(" " * 12)
         elapsed = task.elapsed or 0.0
         tokens = task.fields.get("tokens", 0)
-        return Text(f"{tokens / elapsed:8.1f} tok/s" if elapsed > 0 else "       - tok/s")
+        return Text(f"{tokens / elapsed:6.1f} tok/s" if elapsed > 0 else "     - tok/s")
+
+
+class _SweepTimeLeft(TimeRemainingColumn):
+    """The whole sweep's time left, from its engine steps so far; nothing on a level's bar."""
+
+    def render(self, task) -> Text:
+        if task.fields.get("unit") != "steps":
+            return Text("")
+        return Text.assemble("left ", super().render(task))
 
 
 class RichSweepProgress(SweepProgress):
@@ -45,10 +65,14 @@ class RichSweepProgress(SweepProgress):
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self._progress = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("requests"), _TokensPerSecond(), TimeElapsedColumn(),
+        whole = Column(no_wrap=True)  # at 80 columns the bar gives way, never a number
+        self._progress = Progress(TextColumn("{task.description:<18}", table_column=whole), BarColumn(),
+                                  MofNCompleteColumn(table_column=whole),
+                                  TextColumn("{task.fields[unit]}", table_column=whole),
+                                  _TokensPerSecond(table_column=whole), TimeElapsedColumn(table_column=whole),
                                   console=console, transient=True)
         self._task = None
+        self._sweep_task = None
         self._tokens = 0
 
     def __enter__(self):
@@ -58,10 +82,19 @@ class RichSweepProgress(SweepProgress):
     def __exit__(self, *exc) -> None:
         self._progress.stop()
 
+    def sweep_started(self, summary: str, total_steps: int) -> None:
+        self._progress.console.print(summary, markup=False, highlight=False, soft_wrap=True)
+        self._progress.columns = (*self._progress.columns, _SweepTimeLeft(table_column=Column(no_wrap=True)))
+        self._sweep_task = self._progress.add_task("sweep", total=total_steps, tokens=0, unit="steps")
+
+    def engine_steps(self, steps: int) -> None:
+        if self._sweep_task is not None:
+            self._progress.update(self._sweep_task, advance=steps)
+
     def level_started(self, label: str, num_requests: int) -> None:
         self._remove_task()
         self._tokens = 0
-        self._task = self._progress.add_task(label, total=num_requests, tokens=0)
+        self._task = self._progress.add_task(label, total=num_requests, tokens=0, unit="requests")
 
     def advance(self, requests: int = 0, tokens: int = 0) -> None:
         if self._task is not None:

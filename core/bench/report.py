@@ -111,37 +111,48 @@ def _pct(stats: dict, keys: tuple[str, ...] = ("p50", "p95", "max")) -> str:
     return " / ".join("-" if stats.get(k) is None else f"{stats[k]:.1f}" for k in keys)
 
 
+def _mean(stat: dict | None) -> str:
+    return "-" if not stat or stat.get("mean") is None else f"{stat['mean']:.0f}"
+
+
 def jitter_tables(payload: dict) -> list[Table]:
+    """One table that fits 80 columns: medians, worst cases and TTFTs per chunk size (every percentile,
+    window size and per-step chunk is in the JSON)."""
+    from rich import box
+
     workload = payload["workload"]
     slo = payload.get("slo")
-    title = (f"deepinfer bench jitter: {payload.get('model_name')}  stream {workload['stream_prompt_len']}+"
-             f"{workload['stream_output_len']} tokens, long prompt {workload['long_prompt_len']} after "
-             f"{workload['insert_after']} stream tokens, repeats {workload['repeats']}")
-    table = Table(title=title, title_justify="left")
-    columns = ["token budget", "baseline ITL ms p50/p95/max", "insertion ITL ms p50/p95/max", "window ITLs",
-               "max chunk", "long TTFT alone ms", "long TTFT inserted ms"]
+    title = (f"deepinfer bench jitter: {payload.get('model_name')}, long prompt {workload['long_prompt_len']} tokens "
+             f"sent after {workload['insert_after']} of the stream's {workload['stream_prompt_len']}+"
+             f"{workload['stream_output_len']} tokens, repeats {workload['repeats']}")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left")
+    columns = ["chunk\nsize", "stream ITL\nalone p50", "stream ITL\ninserted p50/max", "max /\nalone",
+               "long TTFT\nalone / inserted"]
     if slo is not None:
-        columns.append(f"max ITL <= {slo['itl_slo_ms']:g} ms")
+        columns.append(f"max ITL\n<= {slo['itl_slo_ms']:g}")
     for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
-    for result in payload["budgets"]:
-        window = result["insertion_window_itl_ms"]
+    for result in payload["chunk_sizes"]:
+        alone, window = result["baseline_itl_ms"], result["insertion_window_itl_ms"]
+        worst = window["max"] / alone["p50"] if window["max"] and alone["p50"] else None
         row = [
-            str(result["token_budget"]), _pct(result["baseline_itl_ms"]), _pct(window),
-            f"{result['insertion_window_num_itls']}{'' if result['insertion_window_complete'] else ' (cut)'}",
-            str(result["insertion_window_max_prompt_tokens_per_step"]),
-            format_mean_std(result["long_ttft_alone_ms"]), format_mean_std(result["long_ttft_inserted_ms"]),
+            str(result["chunk_size"]), _pct(alone, ("p50",)),
+            _pct(window, ("p50", "max")) + ("" if result["insertion_window_complete"] else " cut"), _ratio(worst),
+            f"{_mean(result['long_ttft_alone_ms'])} / {_mean(result['long_ttft_inserted_ms'])}",
         ]
         if slo is not None:
-            chosen = result["token_budget"] == slo["chosen_token_budget"]
             meets = (result["insertion_window_complete"] and window["max"] is not None
                      and window["max"] <= slo["itl_slo_ms"])
-            row.append(("yes" if meets else "no") + (" (chosen)" if chosen else ""))
+            row.append("chosen" if result["chunk_size"] == slo["chosen_chunk_size"] else "yes" if meets else "no")
         table.add_row(*row)
+    caption = ("Milliseconds. The stream's inter-token latency alone and while the long prompt is prefilled "
+               "(\"cut\": the stream ended first); the long prompt's time to first token alone and inserted"
+               + (", means over the repeats (their spread is in the JSON)." if workload["repeats"] > 1 else "."))
     if slo is not None:
-        table.caption = (f"SLO max ITL <= {slo['itl_slo_ms']:g} ms: " + (
-            f"token budget {slo['chosen_token_budget']}, long-prompt TTFT {slo['long_ttft_inserted_ms']:.1f} ms"
-            if slo["chosen_token_budget"] is not None else slo["note"]))
+        caption += f" SLO max ITL <= {slo['itl_slo_ms']:g} ms: " + (
+            f"chunk size {slo['chosen_chunk_size']}, long-prompt TTFT {slo['long_ttft_inserted_ms']:.0f} ms."
+            if slo["chosen_chunk_size"] is not None else slo["note"] + ".")
+    table.caption = caption
     return [table]
 
 
@@ -157,9 +168,9 @@ def concurrency_level_line(level: dict, who: str = "engine") -> str:
             f"TTFT p50 {p50('ttft_ms', 1)} ms, TPOT p50 {p50('tpot_ms', 2)} ms, ITL p50 {p50('itl_ms', 2)} ms")
 
 
-def jitter_budget_line(result: dict) -> str:
-    """One finished token budget in a line, printed while the sweep goes on."""
+def jitter_chunk_line(result: dict) -> str:
+    """One finished chunk size in a line, printed while the sweep goes on."""
     cut = "" if result["insertion_window_complete"] else " (window cut short)"
-    return (f"budget {result['token_budget']}: insertion ITL ms p50/p95/max {_pct(result['insertion_window_itl_ms'])}"
+    return (f"chunk {result['chunk_size']}: insertion ITL ms p50/p95/max {_pct(result['insertion_window_itl_ms'])}"
             f"{cut} (baseline {_pct(result['baseline_itl_ms'])}), long TTFT inserted "
             f"{format_mean_std(result['long_ttft_inserted_ms'])} ms, alone {format_mean_std(result['long_ttft_alone_ms'])} ms")

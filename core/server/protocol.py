@@ -128,8 +128,8 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed when stream is true", param="stream_options")
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The one structured-output constraint the request asks for, or None. Raises InvalidParameter."""
+    def _structured_sources(self) -> dict[str, dict]:
+        """{request field: StructuredOutputsParams fields} for each constraint the request sets."""
         sources = {}
         if self.response_format is not None:
             constraint = _response_format_constraint(self.response_format)
@@ -144,14 +144,30 @@ class _SamplingFields(BaseModel):
             value = getattr(self, field_name)
             if value is not None:
                 sources[field_name] = {kind: value}
+        return sources
+
+    def structured_outputs_param(self) -> str | None:
+        """The field an error about the request's constraint names: `structured_outputs.regex` for
+        vLLM's object with one kind, else the request field (`response_format`, `guided_json`, ...)."""
+        sources = self._structured_sources()
+        if not sources:
+            return None
+        param, fields = next(iter(sources.items()))
+        if param == "structured_outputs" and len(fields) == 1 and isinstance(self.structured_outputs, dict):
+            return f"structured_outputs.{next(iter(fields))}"
+        return param
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request asks for, or None. Raises InvalidParameter."""
+        sources = self._structured_sources()
         if not sources:
             return None
         if len(sources) > 1:
             raise InvalidParameter(f"give one structured output constraint, got {', '.join(sources)}",
                                    param=next(iter(sources)))
-        param, fields = next(iter(sources.items()))
+        param = self.structured_outputs_param()
         try:
-            return StructuredOutputsParams.coerce(fields)
+            return StructuredOutputsParams.coerce(next(iter(sources.values())))
         except (ValueError, TypeError) as err:
             raise InvalidParameter(f"{param}: {err}", param=param) from None
 

@@ -40,7 +40,7 @@ class PreparedChat(NamedTuple):
     prompt: PreparedPrompt
     plan: ToolPlan | None  # the request's tools and tool_choice
     constraint: StructuredOutputsParams | None  # compiled on the event loop's grammar workers before submitting
-    constraint_param: str  # the request field a constraint error names
+    constraint_param: str | None  # the request field a constraint error names
 
 
 def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionRequest, PreparedChat]:
@@ -52,7 +52,7 @@ def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionReq
     prompt = render_chat_prompt(serving.engine.tokenizer, request.messages, request.add_generation_prompt,
                                 serving.tool_parser, plan)
     prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=request.add_special_tokens)
-    constraint, param = request.structured_outputs_params(), "response_format"
+    constraint, param = request.structured_outputs_params(), request.structured_outputs_param()
     if plan is not None and plan.constraint is not None:
         if constraint is not None:
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "

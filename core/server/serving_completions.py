@@ -53,7 +53,7 @@ def prepare_completion(serving: ServingEngine, body: bytes) -> tuple[CompletionR
 
 async def create_completion(serving: ServingEngine, request: CompletionRequest, prompts: list[PreparedPrompt],
                             raw_request: Request):
-    await serving.compile_constraint(prompts[0].params.structured_outputs, "response_format")
+    await serving.compile_constraint(prompts[0].params.structured_outputs, request.structured_outputs_param())
     request_id = new_request_id("cmpl")
     streams = serving.submit(prompts, request_id, request.tenant)
     n = request.n

