@@ -35,6 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepinfer.kernels import w4_fragment_gemm as fragment
 from deepinfer.kernels.compiler import compile_options, source_text
 
 BUDGET = 0.15  # "other" warp-instructions per weight byte of the main loop, for the gated kernels
@@ -57,8 +58,13 @@ class Kernel:
 
 
 KERNELS = (
-    Kernel("w4_gemm mma<4,2,4,4> (17-32 tokens, SM80-89)", "w4_gemm.cu", "w4_gemm_kernel<1,0,false,4,2,4,4>", 4, True),
-    Kernel("w4_gemm wgmma<1,1,32,4> (17-32 tokens, SM90)", "w4_gemm.cu", "w4_gemm_kernel<1,0,true,1,1,32,4>", 1, True,
+    # the few-token kernel over the fragment layout at each launch shape it has, bf16 and fp16, gated at G = 128 (the
+    # products of bench gemv); at G = 64 and 32 the fp32 scaling of each group (4 FFMA a token tile) is reported
+    *(Kernel(f"fragment {c.label} G={g} {'bf16' if dt else 'fp16'}", "w4_fragment_gemm.cu",
+             c.name(dt, c.group_steps(g, 4096)), c.tt, g == 128)
+      for c in fragment.CONFIGS for g in (128, 64, 32) for dt in (1, 0)),
+    Kernel("w4_gemm mma<4,2,4,4> (17-32 tokens, SM80-89)", "w4_gemm.cu", "w4_gemm_kernel<1,0,false,4,2,4,4>", 4, False),
+    Kernel("w4_gemm wgmma<1,1,32,4> (17-32 tokens, SM90)", "w4_gemm.cu", "w4_gemm_kernel<1,0,true,1,1,32,4>", 1, False,
            ("90",)),
     Kernel("tc TT=4 (up to 32 tokens)", "quant_matmul.cu", "quant_tc_gemv_kernel<1,4,0,0>", 4, False),
     Kernel("tcs TT=4 (wide, up to 32 tokens)", "quant_matmul.cu", "quant_tcs_kernel<1,4,0,0>", 4, False),
