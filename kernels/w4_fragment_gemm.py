@@ -28,6 +28,7 @@ import torch
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import i32, launch, ptr
 from deepinfer.kernels.quant_matmul import _COUNTER_SLOTS, _num_sms, _split_counters, _split_workspace
+from deepinfer.kernels.w4_gemm import _allow_shared_memory
 
 SOURCE = "w4_fragment_gemm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
@@ -251,10 +252,7 @@ def _kernel(config: FragmentConfig, dt: int, gs: int, device_index: int):
     name = config.name(dt, gs)
     fn = get_kernel(SOURCE, name, device_index)
     if (name, device_index) not in _configured:
-        import cupy
-
-        with cupy.cuda.Device(device_index):
-            fn.max_dynamic_shared_size_bytes = config.shared_bytes(gs)
+        _allow_shared_memory(fn, config.shared_bytes(gs), device_index)
         _configured.add((name, device_index))
     return fn
 

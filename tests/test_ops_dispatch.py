@@ -405,12 +405,23 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for wgmma in (False, True):
         monkeypatch.setattr(kw, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
         kw.w4_gemm(torch.randn(100, 512, dtype=half), packed.qweight, sz, zmode, 128, bias=torch.randn(256, dtype=half))
+    from deepinfer.kernels import w4_fragment_gemm as kf
+
+    monkeypatch.setattr(kf, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kf, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
+                        launches.append((kernel, args)))
+    monkeypatch.setattr(kf, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kf, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setattr(kf, "_split_workspace", lambda device, numel: torch.zeros(1))
+    monkeypatch.setattr(kf, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
+    fragment_weight = kf.fragment_layout(packed.qweight, packed.scales, packed.zeros, 128, 256, 512, half)
+    kf.w4_fragment_gemm(torch.randn(5, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
                      "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
-                     "w4_gemm_kernel"}
+                     "w4_gemm_kernel", "w4_fragment_gemm_kernel"}
     from deepinfer.kernels.compiler import SOURCE_DIR, source_text
 
     in_sources = {name for path in SOURCE_DIR.glob("*.cu") for name in
