@@ -217,25 +217,24 @@ def dequantize_fragments(weight: FragmentWeight, dtype: torch.dtype) -> torch.Te
     return out[:n_idx, :k_idx].to(torch.float32)
 
 
-# The launch shapes: 4 warps side by side along N, each with 4 atoms (256 k) of 2 row tiles (128-row CTAs) or of
-# one (64-row CTAs, for outputs of at most NARROW_OUT up to 16 tokens: at 32 tokens the activation copies of a
-# 64-row CTA cost more issue slots than the budget, scripts/sass_budget.py), at 8, 16 or 32 tokens.
-CONFIGS = tuple(FragmentConfig(rt=rt, tt=tt, wn=4, wk=1, apw=4, stages=4)
-                for tt in (1, 2, 4) for rt in ((2, 1) if tt < 4 else (2,)))
-NARROW_OUT = 4608
+# The launch shapes: 4 warps side by side along N, each with 4 atoms (256 k) a stage. Up to 16 tokens one row tile a
+# warp (64-row CTAs, 50-66 KiB of shared memory: 3-4 CTAs an SM); at 32 tokens two (128-row CTAs: a 64-row CTA's
+# activation copies cost more issue slots than the budget, scripts/sass_budget.py), 3 or 2 stages (2 CTAs an SM).
+CONFIGS = (FragmentConfig(rt=1, tt=1, wn=4, wk=1, apw=4, stages=4), FragmentConfig(rt=1, tt=2, wn=4, wk=1, apw=4, stages=4),
+           FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=3), FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=2))
 
 
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int) -> tuple[FragmentConfig, int]:
-    """(launch shape, K splits): the CONFIGS shape of the token count, 64-row CTAs on outputs of at most NARROW_OUT
-    up to 16 tokens;
-    K split until the SMs hold about as many CTAs as their shared memory allows (never below two stages a split)."""
+    """(launch shape, K splits): the first CONFIGS shape of the token count (more tokens: token tiles of 32 along
+    grid.y); K split into as many parts as one wave of CTAs holds (the CTAs an SM's shared memory takes, times the
+    SMs), never below two stages a part. On the H200 sweep a second wave cost up to 1.5x, and fewer parts than a wave
+    holds up to 2x on the long-K products (results/w4_fragment_sweep_nvidia_h200.json)."""
     tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4
-    rt = 1 if out_features <= NARROW_OUT and tt < 4 else 2
-    config = next(c for c in CONFIGS if c.tt == tt and c.rt == rt)
+    config = next(c for c in CONFIGS if c.tt == tt)
     per_sm = max(1, min(4, _SHARED_PER_SM // (config.shared_bytes(0) + 1024)))
     ctas = -(-out_features // config.rows) * -(-num_tokens // config.tokens)
     num_kb = -(-in_features // config.bk)
-    splits = max(1, min(round(per_sm * _num_sms(device_index) / ctas), num_kb // 2))
+    splits = max(1, min(per_sm * _num_sms(device_index) // ctas, num_kb // 2))
     return config, splits
 
 
