@@ -90,3 +90,21 @@ def test_plan_picks_a_launch_shape_it_compiles_and_splits_k_within_its_stages(mo
                 assert config.name(1, config.group_steps(g, k)) in names
             assert 1 <= splits <= max(1, -(-k // config.bk) // 2)
             assert config.shared_bytes(2) <= 227 * 1024
+
+
+def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(monkeypatch):
+    """The fragment row's launcher: a weight prepared without its fragment copy (a memory budget) or one the layout
+    cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernel."""
+    from deepinfer.core.ops import quant_matmul_table as table
+
+    ran = []
+    row = table.ProductRow("next", lambda shape: True, lambda rows, packed: ran.append(packed) or "next", "")
+    monkeypatch.setattr(table, "_row_after_fragment", lambda shape: row)
+    one_form = random_w4_weight(64, 256, 128, "zero", True)
+    assert table.fragment_weight(one_form, torch.bfloat16, lay_out=False) is None
+    assert table.fragment_weight(one_form, torch.bfloat16) is None  # the first decision stays
+    float_zeros = random_w4_weight(64, 256, 128, "min", False)
+    assert table.fragment_takes(one_form) and not table.fragment_takes(float_zeros)
+    for packed in (one_form, float_zeros):
+        assert table.fragment(torch.zeros(12, 256, dtype=torch.bfloat16), packed) == "next"
+    assert ran == [one_form, float_zeros]

@@ -321,9 +321,9 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
 GATE_UP_ACT_CASES = (
     (1, 11008, 2048, 128, "int", False, False, "silu"),  # Qwen2.5-3B at one token: two K-splits
     (8, 11008, 2048, 128, "int", False, True, "silu"),
-    (12, 11008, 2048, 128, "int", False, False, "silu"),  # two token tiles a CTA
-    (16, 11008, 2048, 128, "frac", True, False, "gelu_tanh"),  # the most tokens it serves: one split
-    (2, 14336, 4096, 128, "int", False, False, "silu"),  # Llama-3-8B
+    (12, 2048, 512, 128, "int", False, False, "silu"),  # two token tiles a CTA (from 9 tokens larger products
+    (16, 2048, 512, 128, "frac", True, False, "gelu_tanh"),  # go to the fragment kernel): the most tokens it serves
+    (2, 8192, 2048, 128, "int", False, False, "silu"),  # long wide rows (7B-size MLPs go to the fragment kernel)
     (5, 1504, 512, 64, "min", False, True, "gelu_tanh"),  # I not a multiple of 64: idle warps in the last CTA
     (4, 2048, 512, 512, "int", False, False, "silu"),  # per-channel
 )

@@ -77,10 +77,12 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], packed.out_features)
 
 
-def prepare_products(weights: list[PackedWeight], dtype: torch.dtype) -> int:
+def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments: bool = True) -> int:
     """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (the W4 GEMM's
     scale pairs, the fragment kernel's copy of the weight in its layout), so nothing is allocated for it during a
-    step; returns how many weights got something. Weights the kernels cannot serve on their device are left alone."""
+    step; returns how many weights got something. Weights the kernels cannot serve on their device are left alone.
+    fragments=False keeps one form of each weight (a memory budget: the fragment copy is as large as the packed
+    codes); their products then run on the rows after the fragment kernel's."""
     prepared = 0
     for packed in weights:
         case = ProductCase((packed.qweight.device, packed.qweight.device), dtype,
@@ -92,6 +94,6 @@ def prepare_products(weights: list[PackedWeight], dtype: torch.dtype) -> int:
         if needs_pairs:
             gemm_scale_pairs(packed, dtype)
         if needs_fragments:
-            fragment_weight(packed, dtype)
+            fragment_weight(packed, dtype, lay_out=fragments)
         prepared += needs_pairs or needs_fragments
     return prepared

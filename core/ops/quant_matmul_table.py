@@ -137,15 +137,18 @@ def fragment_takes(packed: PackedWeight) -> bool:
                                             packed.integer_zeros, packed.scales.dtype) is None
 
 
-def fragment_weight(packed: PackedWeight, dtype: torch.dtype) -> kernels_fragment.FragmentWeight | None:
+def fragment_weight(packed: PackedWeight, dtype: torch.dtype,
+                    lay_out: bool = True) -> kernels_fragment.FragmentWeight | None:
     """This weight in the fragment kernel's layout for `dtype` activations, laid out on first use (None: it cannot
-    be)."""
+    be, or lay_out=False said on first use that it keeps one form)."""
     key = id(packed.qweight)
     entry = _fragments.get(key)
     if entry is None or entry[0]() is not packed.qweight:
         entry = _fragments[key] = (weakref.ref(packed.qweight, lambda _, key=key: _fragments.pop(key, None)), {})
     per_dtype = entry[1]
-    if dtype not in per_dtype:
+    if dtype not in per_dtype and not lay_out:
+        per_dtype[dtype] = None
+    elif dtype not in per_dtype:
         try:
             per_dtype[dtype] = kernels_fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros,
                                                                 packed.group_size, packed.out_features,
@@ -184,7 +187,8 @@ def _row_after_fragment(shape: ProductShape) -> ProductRow:
 
 def fragment(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """kernels/w4_fragment_gemm.cu over the weight's fragment layout; a weight the layout cannot hold (float zero
-    points, fp32 scales, zero points beyond the exact range) runs on the row that would serve it otherwise."""
+    points, fp32 scales, zero points beyond the exact range) or that keeps one form (a memory budget:
+    prepare_products) runs on the row that would serve it otherwise."""
     weight = fragment_weight(packed, rows.dtype) if fragment_takes(packed) else None
     if weight is None:
         return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features, packed.bits,
