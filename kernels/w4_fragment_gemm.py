@@ -227,8 +227,8 @@ CONFIGS = (FragmentConfig(rt=1, tt=1, wn=4, wk=1, apw=4, stages=4), FragmentConf
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int) -> tuple[FragmentConfig, int]:
     """(launch shape, K splits): the first CONFIGS shape of the token count (more tokens: token tiles of 32 along
     grid.y); K split into as many parts as one wave of CTAs holds (the CTAs an SM's shared memory takes, times the
-    SMs), never below two stages a part. On the H200 sweep a second wave cost up to 1.5x, and fewer parts than a wave
-    holds up to 2x on the long-K products (results/w4_fragment_sweep_nvidia_h200.json)."""
+    SMs), never below two stages a part. On the H200 sweep of scripts/tune_w4_fragment.py a second wave cost up to
+    1.5x, and fewer parts than a wave holds up to 2x on the long-K products."""
     tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4
     config = next(c for c in CONFIGS if c.tt == tt)
     per_sm = max(1, min(4, _SHARED_PER_SM // (config.shared_bytes(0) + 1024)))

@@ -220,7 +220,7 @@ PRODUCT_TABLE = (
                "48.7 against 58.5, 7B down 23.9 against 28.4), and at 1-8 on 7B's MLP (7B down 13.6 against tc's "
                "20.4, 7B gate/up 22.1 against tcs's 32.5 at one token); it lost to tc at 1-8 tokens elsewhere and "
                "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
-               "(results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json)"),
+               "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
