@@ -22,7 +22,7 @@
 // the last CTA of a tile adds in split order. Weights and scales of the first stages are fetched before the PDL wait.
 //
 // GS: the group size in k16 steps where a group lies inside one warp's APW atoms of a stage (2: G = 32, 4: 64, 8:
-// 128 with APW = 2), so the group sums are scaled at fixed steps; 0: groups span a warp's atoms (G >= 64 APW, or one
+// 128 with APW = 4), so the group sums are scaled at fixed steps; 0: groups span a warp's atoms (G >= 64 APW, or one
 // group a row), scaled when the next stage's atoms start another group and at the end.
 #include "common.cuh"
 
