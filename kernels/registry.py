@@ -15,6 +15,7 @@ from deepinfer.kernels import (
     quant_matmul,
     rms_norm,
     rope_cache,
+    w4_fragment_gemm,
     w4_gemm,
 )
 
@@ -65,6 +66,11 @@ _OPS = (
              "W4A16 GEMM on tensor cores reading the packed weight: wgmma with the weights unpacked in registers "
              "(SM90), mma.sync (SM80+); products of 9-128 tokens (core/ops/quant_matmul_table.py says which)",
              w4_gemm.instantiations()),
+    KernelOp("w4_fragment_gemm", w4_fragment_gemm.SOURCE,
+             "W4A16 product of 1-32 tokens (more through token tiles) over the load-time fragment layout: one 16-byte "
+             "load a lane serves four mma.sync steps, LOP3 magic-number unpacking, exact integer zeros, fp32 group "
+             "scaling, cp.async stages, split-K (SM80+)",
+             w4_fragment_gemm.instantiations()),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
              _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3), mode=(0, 1), f32=(0, 1))),

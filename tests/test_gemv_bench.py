@@ -7,14 +7,15 @@ from deepinfer.core.bench.gemv_bench import bandwidth_checks, gemv_tables, produ
 
 
 def test_bench_times_every_kernel_that_serves_a_token_count():
-    assert quant_points(1) == ["tc", "tcs", "gemv", "stream", "ksplit", "staged"]
-    assert quant_points(4, tc_takes=False) == ["gemv", "stream", "ksplit", "staged"]
+    assert quant_points(1) == ["tc", "tcs", "gemv", "stream", "ksplit", "staged", "fragment"]
+    assert quant_points(4, tc_takes=False) == ["gemv", "stream", "ksplit", "staged", "fragment"]
     # from 16 tokens: the W4 GEMM, the dense path and cuBLAS on the dense weight
-    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "w4_gemm", "dense", "cublas"]
-    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "w4_gemm", "dense", "cublas"]
-    assert quant_points(33) == ["staged", "w4_gemm", "dense", "cublas"]  # tc and ksplit: up to 32 tokens
-    assert quant_points(65) == ["w4_gemm", "dense", "cublas"]
-    assert quant_points(64, bits=3) == ["staged", "dense", "cublas"]  # the GEMM reads 4-bit codes
+    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "fragment", "w4_gemm", "dense", "cublas"]
+    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "fragment", "w4_gemm", "dense", "cublas"]
+    assert quant_points(33) == ["staged", "fragment", "w4_gemm", "dense", "cublas"]  # tc and ksplit: up to 32
+    assert quant_points(65) == ["fragment", "w4_gemm", "dense", "cublas"]
+    assert quant_points(129) == ["w4_gemm", "dense", "cublas"]  # the fragment kernel: up to 128 tokens
+    assert quant_points(64, bits=3) == ["staged", "dense", "cublas"]  # the GEMM and fragment read 4-bit codes
     assert quant_points(257) == ["dense", "cublas"]
 
 

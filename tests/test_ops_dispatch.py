@@ -272,13 +272,14 @@ def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shap
     # (tokens, in, out) -> path, as docs/KERNELS.md's product table gives it with its results files (Qwen2.5-3B's
     # merged shapes, W4 G128)
     expected = {(1, 2048, 2560): "tc", (1, 2048, 22016): "tcs", (1, 11008, 2048): "tc", (2, 2048, 2560): "tc",
-                (4, 2048, 22016): "tcs", (8, 2048, 2048): "tc", (9, 2048, 2048): "ksplit",
-                (16, 2048, 22016): "tcs", (16, 11008, 2048): "w4_gemm", (24, 2048, 2560): "w4_gemm",
-                (17, 2048, 22016): "w4_gemm", (17, 11008, 2048): "w4_gemm", (17, 2048, 2560): "w4_gemm",
-                (32, 11008, 2048): "w4_gemm", (32, 2048, 22016): "w4_gemm", (32, 2048, 2048): "ksplit",
+                (4, 2048, 22016): "tcs", (8, 2048, 2048): "tc", (9, 2048, 2048): "fragment",
+                (16, 2048, 22016): "fragment", (16, 11008, 2048): "fragment", (24, 2048, 2560): "w4_gemm",
+                (17, 2048, 22016): "fragment", (17, 11008, 2048): "w4_gemm", (17, 2048, 2560): "w4_gemm",
+                (32, 11008, 2048): "w4_gemm", (32, 2048, 22016): "fragment", (32, 2048, 2048): "ksplit",
                 (33, 2048, 2560): "w4_gemm", (48, 11008, 2048): "w4_gemm", (48, 2048, 22016): "w4_gemm",
                 (64, 2048, 2048): "dense", (64, 2048, 2560): "w4_gemm", (65, 2048, 2560): "dense",
-                (9, 11008, 2048): "w4_gemm", (9, 2048, 22016): "tcs", (16, 3584, 4608): "w4_gemm",
+                (9, 11008, 2048): "fragment", (9, 2048, 22016): "fragment", (16, 3584, 4608): "fragment",
+                (1, 18944, 3584): "fragment", (8, 3584, 37888): "fragment", (32, 18944, 3584): "fragment",
                 (8, 3584, 4608): "tc", (24, 576, 3072): "staged", (65, 576, 3072): "w4_gemm",
                 (65, 2048, 22016): "w4_gemm",
                 (128, 11008, 2048): "w4_gemm", (129, 2048, 22016): "dense", (100, 2048, 2560): "dense",
@@ -405,12 +406,23 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for wgmma in (False, True):
         monkeypatch.setattr(kw, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
         kw.w4_gemm(torch.randn(100, 512, dtype=half), packed.qweight, sz, zmode, 128, bias=torch.randn(256, dtype=half))
+    from deepinfer.kernels import w4_fragment_gemm as kf
+
+    monkeypatch.setattr(kf, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kf, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
+                        launches.append((kernel, args)))
+    monkeypatch.setattr(kf, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kf, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setattr(kf, "_split_workspace", lambda device, numel: torch.zeros(1))
+    monkeypatch.setattr(kf, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
+    fragment_weight = kf.fragment_layout(packed.qweight, packed.scales, packed.zeros, 128, 256, 512, half)
+    kf.w4_fragment_gemm(torch.randn(5, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
                      "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
-                     "w4_gemm_kernel"}
+                     "w4_gemm_kernel", "w4_fragment_gemm_kernel"}
     from deepinfer.kernels.compiler import SOURCE_DIR, source_text
 
     in_sources = {name for path in SOURCE_DIR.glob("*.cu") for name in
@@ -439,8 +451,8 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     assert "head_dim 72" in kq.qkv_rope_unsupported_reason(4, 128, 2048, odd_heads, 8, 4, 72, bf16, 16, bf16)
     smollm = (9 + 2 * 3) * 64  # K = 576: not whole 128-code segments
     assert "tc kernel" in kq.qkv_rope_unsupported_reason(4, 64, 576, smollm, 9, 3, 64, bf16, 16, bf16)
-    # past one token tile the fused kernel never serves: a large long-K q/k/v product goes to the W4 GEMM there
-    assert product_row(ProductShape(12, 4096, 6144, 4, 128)).kernel == "w4_gemm"
+    # past one token tile the fused kernel never serves: a large long-K q/k/v product goes to the fragment kernel there
+    assert product_row(ProductShape(12, 4096, 6144, 4, 128)).kernel == "fragment"
     assert not epilogue_serves(QKV_ROPE, ProductShape(12, 4096, 6144, 4, 128))
     # a W3 weight: the plain product is not on tc, so the fusion never serves
     assert not epilogue_serves(QKV_ROPE, ProductShape(1, 2048, 2560, 3, 128))
@@ -448,8 +460,8 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
 
 def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
     """Where the gate/up product takes the activation into its epilogue: a W4 weight tcs takes (whole 16-row tiles
-    in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-16 here;
-    from 17 the W4 GEMM serves the product and the activation runs apart)."""
+    in each half), an activation the act_and_mul kernel has, and the token counts dispatch gives tcs (1-8 here;
+    from 9 the fragment kernel serves the product and the activation runs apart)."""
     from deepinfer.core.ops.quant_matmul_table import GATE_UP_ACT, ProductShape, epilogue_serves, product_row
     from deepinfer.kernels import quant_matmul as kq
 
@@ -457,7 +469,7 @@ def test_gate_up_activation_fusion_serves_the_products_tcs_takes_only():
     assert kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "silu") is None
     assert kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "gelu_tanh") is None
     assert [epilogue_serves(GATE_UP_ACT, ProductShape(m, 2048, 22016, 4, 128)) for m in (0, 1, 8, 9, 16, 17, 33)] == [
-        False, True, True, True, True, False, False]
+        False, True, True, False, False, False, False]
     assert "activation 'gelu'" in kq.gate_up_act_unsupported_reason(4, 128, 2048, qwen_3b, "gelu")
     assert "3-bit" in kq.gate_up_act_unsupported_reason(3, 128, 2048, qwen_3b, "silu")
     assert "two halves" in kq.gate_up_act_unsupported_reason(4, 128, 2048, 1040, "silu")  # halves of 520 rows

@@ -156,6 +156,46 @@ def check_quant_matmul_all(device, dtypes=(torch.float16, torch.bfloat16)) -> li
     return results
 
 
+# The few-token kernel over the fragment layout (integer zeros, fp16 scales): (tokens, out_features, in_features,
+# group size, K splits or None for the plan's, bias). N and K off the tiles, every group size, one group a row.
+FRAGMENT_CASES = (
+    (1, 2560, 2048, 128, None, False),
+    (8, 1000, 2048, 32, None, True),
+    (13, 2048, 11008, 128, None, False),
+    (16, 200, 1344, 64, 3, True),
+    (24, 22016, 2048, 128, None, False),
+    (32, 2560, 4160, 4160, 5, True),  # one group a row, K = 16.25 stages
+    (29, 40, 160, 32, None, False),   # a partial row tile, K not a multiple of an atom
+    (100, 3584, 3584, 256, 2, True),  # token tiles along grid.y
+)
+
+
+def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """The fragment kernel on its cases against the fp32 product of the reference dequantizer's weight."""
+    from deepinfer.kernels import w4_fragment_gemm as fragment
+
+    results = []
+    for m, n, k, g, splits, with_bias in FRAGMENT_CASES:
+        for dtype in dtypes:
+            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g}"
+                    + (f" splits={splits}" if splits else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, splits=splits, with_bias=with_bias, dtype=dtype, case=case):
+                packed = random_packed(n, k, g, 4, "zero", torch.float16, device,
+                                       bias_dtype=dtype if with_bias else None)
+                weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                fragment.w4_fragment_gemm(x, weight, packed.bias, splits=splits, out=out)
+                ref = x.float() @ dequantize(packed, torch.float32).T
+                if packed.bias is not None:
+                    ref = ref + packed.bias.float()
+                return compare("w4_fragment_gemm", case, out, ref, REL_TOL[dtype])
+
+            results += guarded("w4_fragment_gemm", case, run)
+    return results
+
+
 # ---- dequantize (the dense path of many-token products) -------------------------------------------
 
 def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
@@ -281,9 +321,9 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
 GATE_UP_ACT_CASES = (
     (1, 11008, 2048, 128, "int", False, False, "silu"),  # Qwen2.5-3B at one token: two K-splits
     (8, 11008, 2048, 128, "int", False, True, "silu"),
-    (12, 11008, 2048, 128, "int", False, False, "silu"),  # two token tiles a CTA
-    (16, 11008, 2048, 128, "frac", True, False, "gelu_tanh"),  # the most tokens it serves: one split
-    (2, 14336, 4096, 128, "int", False, False, "silu"),  # Llama-3-8B
+    (12, 2048, 512, 128, "int", False, False, "silu"),  # two token tiles a CTA (from 9 tokens larger products
+    (16, 2048, 512, 128, "frac", True, False, "gelu_tanh"),  # go to the fragment kernel): the most tokens it serves
+    (2, 8192, 2048, 128, "int", False, False, "silu"),  # long wide rows (7B-size MLPs go to the fragment kernel)
     (5, 1504, 512, 64, "min", False, True, "gelu_tanh"),  # I not a multiple of 64: idle warps in the last CTA
     (4, 2048, 512, 512, "int", False, False, "silu"),  # per-channel
 )

@@ -7,7 +7,8 @@ device-to-device copy bandwidth measured in the same run (bytes read + written):
 From 16 tokens a product also has a floor, max(its packed-weight bytes over the copy bandwidth, its
 FLOPs over the cuBLAS rate on an 8192^3 product in the activation dtype, measured in the same run),
 and two more points: the W4 GEMM (kernels/w4_gemm.py, its planned launch) and cuBLAS on the dense
-weight (what the same model unquantized runs).
+weight (what the same model unquantized runs). Up to 128 tokens the few-token W4 kernel over its fragment
+layout (kernels/w4_fragment_gemm.py, its planned launch; the layout made once per weight copy) is timed too.
 Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
 the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
 `repeats` such timings give mean ± std per call.
@@ -34,7 +35,8 @@ TARGET_REPEAT_SECONDS = 0.02
 # kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the W4 GEMM up to its largest
 # batch, the dense path and cuBLAS on the dense weight always
 KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("ksplit", 32), ("staged", 64),
-                     ("w4_gemm", 256), ("dense", 1 << 30), ("cublas", 1 << 30))
+                     ("fragment", 128), ("w4_gemm", 256), ("dense", 1 << 30), ("cublas", 1 << 30))
+W4_ONLY = ("w4_gemm", "fragment")
 # "dense": kernels/dequantize.cu into an [N, K] copy, then cuBLAS (the path of many tokens); "w4_gemm": the
 # tensor-core GEMM on the packed weight (4-bit only); "cublas": cuBLAS on a dense weight made once, not a W4 path
 MANY_TOKEN_KERNELS = ("w4_gemm", "dense", "cublas")
@@ -105,7 +107,7 @@ def quant_points(num_tokens: int, tc_takes: bool = True, bits: int = 4) -> list[
     `tc_takes`, the W4 GEMM for 4-bit weights, the many-token kernels from MANY_TOKENS_FROM)."""
     return [kernel for kernel, most in KERNEL_MAX_TOKENS
             if num_tokens <= most and not (kernel in MANY_TOKEN_KERNELS and num_tokens < MANY_TOKENS_FROM)
-            and not (kernel in ("tc", "tcs") and not tc_takes) and not (kernel == "w4_gemm" and bits != 4)]
+            and not (kernel in ("tc", "tcs") and not tc_takes) and not (kernel in W4_ONLY and bits != 4)]
 
 
 def product_floor_us(num_tokens: int, in_features: int, out_features: int, weight_bytes: int, copy_gbps: float,
@@ -166,11 +168,12 @@ def bench_quant_matmul(device, copy_gbps: float, shapes=SHAPES, batches=BATCHES,
 
 class _ProductOperands:
     """One shape's rotating weight copies and what each kernel needs of them beyond the packed words: the W4
-    GEMM's scale pairs and cuBLAS's dense weights, each made once, on first use."""
+    GEMM's scale pairs, the fragment layouts and cuBLAS's dense weights, each made once, on first use."""
 
     def __init__(self, weights: list[dict], bits: int, group_size: int, dtype: torch.dtype):
         self.weights, self.bits, self.group_size, self.dtype = weights, bits, group_size, dtype
         self._scale_pairs: list[tuple[torch.Tensor, int]] | None = None
+        self._fragments: list | None = None
         self._dense: list[torch.Tensor] | None = None
 
     def _dequantized(self, weight: dict) -> torch.Tensor:
@@ -186,6 +189,17 @@ class _ProductOperands:
             self._scale_pairs = [w4_gemm.gemm_scales(w["scales"], w["zeros"], "zero", self.dtype) for w in self.weights]
         return self._scale_pairs
 
+    def fragments(self) -> list:
+        from deepinfer.kernels import w4_fragment_gemm
+
+        if self._fragments is None:
+            self._fragments = []
+            for w in self.weights:
+                out_features, words = w["qweight"].shape
+                self._fragments.append(w4_fragment_gemm.fragment_layout(
+                    w["qweight"], w["scales"], w["zeros"], self.group_size, out_features, words * 8, self.dtype))
+        return self._fragments
+
     def dense(self) -> list[torch.Tensor]:
         """Enough dense copies [N, K] to leave the L2 (fewer than the packed copies: each is 4x a W4 weight)."""
         if self._dense is None:
@@ -196,9 +210,12 @@ class _ProductOperands:
 
     def tile(self, kernel: str, num_tokens: int, in_features: int, out_features: int, device_index: int) -> str:
         """The launch a point timed: the packed kernels' tile, the GEMM's planned shape and K splits."""
-        from deepinfer.kernels import w4_gemm
+        from deepinfer.kernels import w4_fragment_gemm, w4_gemm
         from deepinfer.kernels.quant_matmul import default_tile
 
+        if kernel == "fragment":
+            config, splits = w4_fragment_gemm.plan(num_tokens, out_features, in_features, device_index)
+            return f"{config.label}/splits={splits}"
         if kernel == "w4_gemm":
             config, splits = w4_gemm.plan(num_tokens, out_features, in_features, device_index)
             return f"{config.label}/splits={splits}"
@@ -206,10 +223,17 @@ class _ProductOperands:
 
     def launches(self, kernel: str, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple[Callable[[], None], int]:
         """(a function making one launch per weight copy, how many it makes)."""
-        from deepinfer.kernels import w4_gemm
+        from deepinfer.kernels import w4_fragment_gemm, w4_gemm
         from deepinfer.kernels.quant_matmul import quant_matmul
 
         weights, bits, group_size = self.weights, self.bits, self.group_size
+        if kernel == "fragment":
+            fragments = self.fragments()
+
+            def launch_all() -> None:
+                for fragment, out in zip(fragments, outs):
+                    w4_fragment_gemm.w4_fragment_gemm(x, fragment, out=out)
+            return launch_all, len(fragments)
         if kernel == "cublas":
             dense = self.dense()
 

@@ -20,8 +20,9 @@
 3. merge q/k/v and gate/up into one product each (core/models/merged_projections.py).
 4. on a GPU, compact: re-lay the weights in fresh allocator segments when the merge left holes
    between them (core/models/compaction.py).
-5. on a GPU, lay out the W4 GEMM's scale pairs of the projections it serves (core/ops/quant_matmul.py:
-   prepare_products), so they are in place before the engine measures its memory and captures its graphs.
+5. on a GPU, lay out the W4 GEMM's scale pairs and the fragment kernel's copies of the projections they serve
+   (core/ops/quant_matmul.py: prepare_products; no fragment copies under --max-vram), so they are in place before
+   the engine measures its memory and captures its graphs.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     merge_projections(loaded.model)  # q/k/v and gate/up: one product each
     if device.type == "cuda":
         compact_weights(loaded.model, device)
-        prepare_products([m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)], dtype)
+        # under a memory budget each weight keeps one form (no fragment copies: they double the packed codes)
+        prepare_products([m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)], dtype,
+                         fragments=config.max_vram is None)
     return loaded
 
 

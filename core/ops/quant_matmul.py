@@ -16,7 +16,14 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.core.ops import dispatch
-from deepinfer.core.ops.quant_matmul_table import ProductShape, gemm_may_serve, gemm_scale_pairs, product_row
+from deepinfer.core.ops.quant_matmul_table import (
+    ProductShape,
+    fragment_may_serve,
+    fragment_weight,
+    gemm_may_serve,
+    gemm_scale_pairs,
+    product_row,
+)
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.kernels import quant_matmul as kernels
@@ -70,16 +77,23 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], packed.out_features)
 
 
-def prepare_products(weights: list[PackedWeight], dtype: torch.dtype) -> int:
+def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments: bool = True) -> int:
     """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (the W4 GEMM's
-    scale pairs), so nothing is allocated for it during a step; returns how many weights got one. Weights the
-    kernels cannot serve on their device are left alone."""
+    scale pairs, the fragment kernel's copy of the weight in its layout), so nothing is allocated for it during a
+    step; returns how many weights got something. Weights the kernels cannot serve on their device are left alone.
+    fragments=False keeps one form of each weight (a memory budget: the fragment copy is as large as the packed
+    codes); their products then run on the rows after the fragment kernel's."""
     prepared = 0
     for packed in weights:
         case = ProductCase((packed.qweight.device, packed.qweight.device), dtype,
                            kernels.packed_operands(packed.qweight, packed.scales, packed.zeros, packed.bits,
                                                    packed.group_size))
-        if dispatch.kernel_blocker(case.devices) is None and product_reason(case) is None and gemm_may_serve(packed):
+        if dispatch.kernel_blocker(case.devices) is not None or product_reason(case) is not None:
+            continue
+        needs_pairs, needs_fragments = gemm_may_serve(packed), fragment_may_serve(packed)
+        if needs_pairs:
             gemm_scale_pairs(packed, dtype)
-            prepared += 1
+        if needs_fragments:
+            fragment_weight(packed, dtype, lay_out=fragments)
+        prepared += needs_pairs or needs_fragments
     return prepared

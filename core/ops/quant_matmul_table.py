@@ -22,6 +22,7 @@ from deepinfer.core.ops import dispatch
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import dequantize as kernels_dequantize
 from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
 from deepinfer.kernels import w4_gemm as kernels_gemm
 
 KERNEL_MAX_TOKENS = 32  # the packed-weight kernels serve up to this many tokens on any shape
@@ -34,6 +35,11 @@ GEMM_LARGE_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projec
 GEMM_LONG_K_TOKENS = (9, 16)  # ... from 9 tokens where K is at least GEMM_LONG_K as well ...
 GEMM_LONG_K = 3072
 GEMM_ELONGATED_TOKENS = (65, 128)  # ... and at 65-128 tokens on elongated products
+FRAGMENT_TOKENS = (9, 16)  # the fragment kernel's token range on products of at least FRAGMENT_WEIGHT ...
+FRAGMENT_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projection, 2048 x 2048, is one)
+FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated and of FRAGMENT_LARGE_WEIGHT ...
+FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
+FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 
 
 class ProductShape(NamedTuple):
@@ -119,6 +125,78 @@ def gemm_may_serve(packed: PackedWeight) -> bool:
                for bounds in (GEMM_LARGE_TOKENS, GEMM_LONG_K_TOKENS, GEMM_ELONGATED_TOKENS) for tokens in bounds)
 
 
+# The fragment layout of each weight and activation dtype (kernels/w4_fragment_gemm.py fragment_layout), by the id
+# of the weight's codes tensor and dropped when that tensor is; the loader makes them before the engine measures its
+# memory (core/ops/quant_matmul.py: prepare_products). None where the weight's zero points do not fit the layout.
+_fragments: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def fragment_takes(packed: PackedWeight) -> bool:
+    """What the fragment kernel needs of a weight beyond its shape: integer zero points, fp16 scales."""
+    return kernels_fragment.fragment_reason(packed.bits, packed.group_size, packed.in_features, packed.zero_mode,
+                                            packed.integer_zeros, packed.scales.dtype) is None
+
+
+def fragment_weight(packed: PackedWeight, dtype: torch.dtype,
+                    lay_out: bool = True) -> kernels_fragment.FragmentWeight | None:
+    """This weight in the fragment kernel's layout for `dtype` activations, laid out on first use (None: it cannot
+    be, or lay_out=False said on first use that it keeps one form)."""
+    key = id(packed.qweight)
+    entry = _fragments.get(key)
+    if entry is None or entry[0]() is not packed.qweight:
+        entry = _fragments[key] = (weakref.ref(packed.qweight, lambda _, key=key: _fragments.pop(key, None)), {})
+    per_dtype = entry[1]
+    if dtype not in per_dtype and not lay_out:
+        per_dtype[dtype] = None
+    elif dtype not in per_dtype:
+        try:
+            per_dtype[dtype] = kernels_fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros,
+                                                                packed.group_size, packed.out_features,
+                                                                packed.in_features, dtype)
+        except ValueError:  # zero points too large for the magic-number subtraction
+            per_dtype[dtype] = None
+    return per_dtype[dtype]
+
+
+def fragment_serves(shape: ProductShape) -> bool:
+    """W4, group sizes of 128 * 2^i or one group a row (those measured), and the measured token ranges."""
+    if shape.bits != 4 or not (shape.group_size == shape.in_features
+                               or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0)):
+        return False
+    weight = shape.in_features * shape.out_features
+    large = weight >= FRAGMENT_LARGE_WEIGHT
+    return ((FRAGMENT_TOKENS[0] <= shape.tokens <= FRAGMENT_TOKENS[1] and weight >= FRAGMENT_WEIGHT)
+            or (FRAGMENT_WIDE_TOKENS[0] <= shape.tokens <= FRAGMENT_WIDE_TOKENS[1] and weight >= FRAGMENT_WEIGHT
+                and (wide(shape) or (large and elongated(shape))))
+            or (shape.tokens <= FRAGMENT_FEW_TOKENS and large and elongated(shape)
+                and shape.in_features >= GEMM_LONG_K))
+
+
+def fragment_may_serve(packed: PackedWeight) -> bool:
+    """Whether the fragment row serves some token count of this weight (the loader prepares only those)."""
+    return fragment_takes(packed) and any(
+        product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
+                                 packed.group_size)).kernel == "fragment"
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS))
+
+
+@cache
+def _row_after_fragment(shape: ProductShape) -> ProductRow:
+    return next(row for row in PRODUCT_TABLE if row.kernel != "fragment" and row.serves(shape))
+
+
+def fragment(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """kernels/w4_fragment_gemm.cu over the weight's fragment layout; a weight the layout cannot hold (float zero
+    points, fp32 scales, zero points beyond the exact range) or that keeps one form (a memory budget:
+    prepare_products) runs on the row that would serve it otherwise."""
+    weight = fragment_weight(packed, rows.dtype) if fragment_takes(packed) else None
+    if weight is None:
+        return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features, packed.bits,
+                                                packed.group_size)).launch(rows, packed)
+    dispatch.use_kernel("w4_fragment_gemm", None)
+    return kernels_fragment.w4_fragment_gemm(rows, weight, packed.bias)
+
+
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """kernels/w4_gemm.cu: tensor cores reading the packed weight (wgmma on SM90, mma.sync on SM80-89)."""
     dispatch.use_kernel("w4_gemm", None)
@@ -134,6 +212,15 @@ class ProductRow(NamedTuple):
 
 
 PRODUCT_TABLE = (
+    ProductRow("fragment", fragment_serves, fragment,
+               "on an H200 with bf16 activations (W4, G = 128), faster than every other kernel: at 9-16 tokens on "
+               "Qwen2.5-3B's and 7B's products of 2048 x 2048 and more (at 16: 3B gate/up 12.8 us against tcs's 17.2, "
+               "7B gate/up 31.7 against w4_gemm's 54.7, 7B down 16.4 against 30.2, 3B down 10.0 against 12.5), at "
+               "17-32 on the gate/up products and 7B's down (at 32: 3B gate/up 18.6 against w4_gemm's 20.4, 7B gate/up "
+               "48.7 against 58.5, 7B down 23.9 against 28.4), and at 1-8 on 7B's MLP (7B down 13.6 against tc's "
+               "20.4, 7B gate/up 22.1 against tcs's 32.5 at one token); it lost to tc at 1-8 tokens elsewhere and "
+               "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
+               "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "

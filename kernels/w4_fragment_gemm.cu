@@ -1,0 +1,393 @@
+// W4A16 product for few tokens (1-32) over the fragment layout of kernels/w4_fragment_gemm.py: out[m, n] =
+// sum_k x[m, k] * W[n, k] (+ bias[n]), W = (q - z) * s with integer zero points, mma.sync m16n8k16 (SM80+).
+//
+// Layout (made once per weight at load; the disk format is unchanged). The weight is cut into atoms of 16 rows x 64
+// k (512 bytes): frag[row tile][atom][lane][j], one 16-byte word quadruple per lane, word j holding the lane's A
+// fragment of k16 step j, so one 16-byte load serves four mma steps and no thread reads another's bytes. Lane
+// (g = lane / 4, t = lane % 4), word of step j, nibble i = 4e + p (p = 0..3, e = 0..1) holds the code of
+//   row 16 tile + g + 8 (p & 1), k 64 atom + 16 j + 2t + 8 (p >> 1) + e,
+// i.e. register a_p of the m16n8k16 A fragment is the pair of nibbles (p, p + 4). Those come out with one LOP3 each:
+//   bf16: (word >> 4p) & 0x000F000F | 0x43004300 = (128 + q) per half;
+//   fp16: (word >> 8 (p >> 1)) & (p odd ? 0x00F000F0 : 0x000F000F) | 0x64006400 = 1024 + q, or 1024 + 16 q.
+// One add (fp16 odd pairs: one fma with 1/16) of the zero pair -(magic + z) leaves q - z, exact in either type. The
+// group scale is applied in fp32 to each group's sum, so every weight the tensor cores see is (q - z) exactly and
+// the result is sum_g s_g * sum_{k in g} (q - z) x: the reference dequantizer's fp32 weights, summed in fp32.
+// Scale entries sz[row tile][group][g] = (fp16 scale pair (row g, row g + 8), zero pair (row g, row g + 8) in DT).
+//
+// Work split. A CTA has WN x WK warps and owns ROWS = 16 RT WN rows and TOKENS = 8 TT tokens; it walks K in stages
+// of BK = 64 APW WK, each a cp.async group (weights, scale entries and activations of the stage), STAGES deep. Warp
+// (wn, wk) multiplies row tiles wn RT .. wn RT + RT - 1 by atoms wk APW .. wk APW + APW - 1 of every stage: its own
+// weight bytes, the activations shared through shared memory (ldmatrix, 128-byte XOR swizzle). The WK partial sums
+// are added in shared memory in wk order at the end; a grid z > 1 splits the stages over CTAs, whose fp32 partials
+// the last CTA of a tile adds in split order. Weights and scales of the first stages are fetched before the PDL wait.
+//
+// GS: the group size in k16 steps where a group lies inside one warp's APW atoms of a stage (2: G = 32, 4: 64, 8:
+// 128 with APW = 4), so the group sums are scaled at fixed steps; 0: groups span a warp's atoms (G >= 64 APW, or one
+// group a row), scaled when the next stage's atoms start another group and at the end.
+#include "common.cuh"
+
+template <int DT> struct FragDequant;
+
+template <> struct FragDequant<1> {  // bf16: the zero pairs of rows g (lo) and g + 8 (hi)
+  u32 lo, hi;
+  __device__ __forceinline__ explicit FragDequant(u32 zeros)
+      : lo(__byte_perm(zeros, 0, 0x1010)), hi(__byte_perm(zeros, 0, 0x3232)) {}
+  template <u32 MASK>
+  static __device__ __forceinline__ u32 codes(u32 bits) {
+    u32 out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "r"(MASK), "r"(0x43004300u));
+    return out;
+  }
+  // The step's A fragment from its word: a_p = nibbles (p, p + 4) minus the row's (128 + z).
+  __device__ __forceinline__ void unpack(u32 w, u32 (&a)[4]) const {
+    a[0] = Num<1>::fma(codes<0x000F000Fu>(w), 0x3F803F80u, lo);
+    a[1] = Num<1>::fma(codes<0x000F000Fu>(w >> 4), 0x3F803F80u, hi);
+    a[2] = Num<1>::fma(codes<0x000F000Fu>(w >> 8), 0x3F803F80u, lo);
+    a[3] = Num<1>::fma(codes<0x000F000Fu>(w >> 12), 0x3F803F80u, hi);
+  }
+};
+
+template <> struct FragDequant<0> {  // fp16: row g's -(1024 + z) pair, row g + 8's -(64 + z) pair
+  u32 lo, hi;
+  __device__ __forceinline__ explicit FragDequant(u32 zeros)
+      : lo(__byte_perm(zeros, 0, 0x1010)) {
+    u32 h;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(__byte_perm(zeros, 0, 0x3232)), "r"(0x63806380u));  // + 960
+    hi = h;
+  }
+  template <u32 MASK>
+  static __device__ __forceinline__ u32 codes(u32 bits) {
+    u32 out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "r"(MASK), "r"(0x64006400u));
+    return out;
+  }
+  static __device__ __forceinline__ u32 add(u32 a, u32 b) {
+    u32 d;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ void unpack(u32 w, u32 (&a)[4]) const {
+    const u32 w8 = w >> 8;
+    a[0] = add(codes<0x000F000Fu>(w), lo);                               // (1024 + q) - (1024 + z)
+    a[1] = Num<0>::fma(codes<0x00F000F0u>(w), 0x2C002C00u, hi);          // (1024 + 16 q) / 16 - (64 + z)
+    a[2] = add(codes<0x000F000Fu>(w8), lo);
+    a[3] = Num<0>::fma(codes<0x00F000F0u>(w8), 0x2C002C00u, hi);
+  }
+};
+
+__device__ __forceinline__ float fp16_bits_to_float(u32 bits) { return half_bits_to_float((u16)bits); }
+
+// Four 8x8 b16 matrices from shared memory: lane i supplies the address of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row) {
+  const u32 address = (u32)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+template <int RT, int TT, int WN, int WK, int APW, int GS>
+struct FragTile {
+  static constexpr int THREADS = 32 * WN * WK;
+  static constexpr int TILES = RT * WN;  // 16-row tiles a CTA
+  static constexpr int ROWS = 16 * TILES;
+  static constexpr int TOKENS = 8 * TT;
+  static constexpr int ATOMS = APW * WK;  // atoms of each tile a stage
+  static constexpr int BK = 64 * ATOMS;
+  static constexpr int STEPS = 4 * APW;   // k16 steps of a warp a stage
+  static constexpr int MAX_GROUPS = GS > 0 ? BK / (16 * GS) : WK;  // a stage's groups (GS 0: G >= 64 APW)
+  static constexpr int X_ROW = BK * 2;    // bytes of a token's activations a stage
+  static constexpr int W_OFFSET = 0;
+  static constexpr int X_OFFSET = W_OFFSET + TILES * ATOMS * 512;
+  static constexpr int S_OFFSET = X_OFFSET + TOKENS * X_ROW;
+  static constexpr int STAGE_BYTES = S_OFFSET + TILES * MAX_GROUPS * 64;
+  static_assert(GS == 0 || STEPS % GS == 0, "a group inside a warp's atoms divides them");
+  static_assert(THREADS % (BK / 8) == 0 || (BK / 8) % THREADS == 0, "activation copies");
+  // 16-byte chunk c (8 k) of token row r: XOR-swizzled over 8 rows, so ldmatrix's 8 rows hit 8 bank groups
+  static __device__ __forceinline__ int x_offset(int row, int chunk) {
+    return X_OFFSET + row * X_ROW + ((chunk ^ (row & 7)) << 4);
+  }
+};
+
+// The cp.async copies of one stage, with every address that does not change from stage to stage worked out once a
+// thread. Chunk c = tid + i THREADS of each kind: weights (c = (tile, atom, lane), THREADS a multiple of 32 ATOMS,
+// so a thread keeps one atom and steps over tiles), activations (c = (token row, 16-byte chunk)), scale entries
+// (c = (tile, slot, quarter), MAX_GROUPS slots a tile, those past the stage's groups left alone). Activations go
+// by 8-row blocks: a thread keeps row tid % 8 of each block, so its swizzle and its shared-memory offsets are
+// constants apart (chunk tid / 8 + j THREADS / 8 of row 8 i + tid % 8).
+template <class L>
+struct FragCopies {
+  static constexpr int W_TILES_PASS = L::THREADS / (32 * L::ATOMS);
+  static constexpr int W_PASSES = L::TILES / W_TILES_PASS;
+  static constexpr int CHUNKS = L::BK / 8;  // 16-byte chunks of a token row
+  static constexpr int X_CHUNKS_PASS = L::THREADS / 8;
+  static constexpr int X_CHUNK_PASSES = CHUNKS / X_CHUNKS_PASS;
+  static constexpr int X_ROW_PASSES = L::TOKENS / 8;
+  static constexpr int S_COPIES = L::TILES * L::MAX_GROUPS * 4;
+  static constexpr int S_PASSES = (S_COPIES + L::THREADS - 1) / L::THREADS;
+  static_assert(L::THREADS % (32 * L::ATOMS) == 0 && L::TILES % W_TILES_PASS == 0, "weight copy passes");
+  static_assert(CHUNKS % X_CHUNKS_PASS == 0, "activation copy passes");
+
+  const uint4* w_src;  // pass 0's atom at stage 0
+  size_t w_pass;       // uint4 between passes
+  u32 w_valid;         // bit i: pass i's tile is inside N
+  int w_atom;
+  const u16* x_src;   // row tid % 8, chunk tid / 8 at stage 0
+  size_t x_block;      // elements between 8-row blocks
+  u32 x_valid;         // bit i: block i's row is inside M
+  int x_dst;           // shared-memory offset of block 0, chunk pass 0
+  int x_k;             // the thread's k offset in a stage (chunk pass 0)
+  const uint2* s_src[S_PASSES];
+  u32 s_used;          // bit i: pass i copies an entry of the stage's groups
+  int s_slot[S_PASSES];
+  int k_atoms, K, num_groups;
+
+  __device__ __forceinline__ FragCopies(const uint4* __restrict__ frag, const uint2* __restrict__ sz,
+                                        const u16* __restrict__ x, int tile0, int tok0, int n_tiles, int k_atoms_,
+                                        int M, int K_, int num_groups_, int stage_groups)
+      : k_atoms(k_atoms_), K(K_), num_groups(num_groups_) {
+    const int tid = threadIdx.x;
+    w_atom = (tid >> 5) % L::ATOMS;
+    const int w_tile = tid / (32 * L::ATOMS);
+    w_src = frag + ((size_t)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
+    w_pass = (size_t)W_TILES_PASS * k_atoms * 32;
+    w_valid = 0;
+#pragma unroll
+    for (int i = 0; i < W_PASSES; ++i) w_valid |= (u32)(tile0 + w_tile + i * W_TILES_PASS < n_tiles) << i;
+    const int x_row = tid & 7, chunk = tid >> 3;
+    x_k = chunk * 8;
+    x_src = x + (size_t)min(tok0 + x_row, M - 1) * K + x_k;
+    x_block = (size_t)8 * K;
+    x_valid = 0;
+#pragma unroll
+    for (int i = 0; i < X_ROW_PASSES; ++i) x_valid |= (u32)(tok0 + x_row + 8 * i < M) << i;
+    x_dst = L::x_offset(x_row, chunk);
+    s_used = 0;
+#pragma unroll
+    for (int i = 0; i < S_PASSES; ++i) {
+      const int c = tid + i * L::THREADS;
+      const int tile = c / (L::MAX_GROUPS * 4), slot = (c >> 2) % L::MAX_GROUPS;
+      s_slot[i] = slot;
+      s_used |= (u32)(c < S_COPIES && tile0 + tile < n_tiles && slot < stage_groups) << i;
+      s_src[i] = sz + ((size_t)min(tile0 + tile, n_tiles - 1) * num_groups + slot) * 8 + 2 * (c & 3);
+    }
+  }
+
+  // Weights and scale entries of stage kb (no earlier kernel writes them).
+  __device__ __forceinline__ void weights(unsigned char* stage, int kb, int group_shift) const {
+    const bool atom_valid = kb * L::ATOMS + w_atom < k_atoms;
+    const uint4* src = w_src + (size_t)kb * (L::ATOMS * 32);
+#pragma unroll
+    for (int i = 0; i < W_PASSES; ++i)
+      cp_async16(stage + L::W_OFFSET + (threadIdx.x + i * L::THREADS) * 16, src + i * w_pass,
+                 atom_valid && ((w_valid >> i) & 1));
+    const int group0 = (kb * L::BK) >> group_shift;
+#pragma unroll
+    for (int i = 0; i < S_PASSES; ++i)
+      if ((s_used >> i) & 1)
+        cp_async16(stage + L::S_OFFSET + (threadIdx.x + i * L::THREADS) * 16, s_src[i] + (size_t)group0 * 8,
+                   group0 + s_slot[i] < num_groups);
+  }
+
+  // Activations of stage kb (an earlier kernel's output: only after the PDL wait).
+  __device__ __forceinline__ void activations(unsigned char* stage, int kb) const {
+    const u16* src = x_src + (size_t)kb * L::BK;
+#pragma unroll
+    for (int j = 0; j < X_CHUNK_PASSES; ++j) {
+      const bool k_valid = kb * L::BK + x_k + j * X_CHUNKS_PASS * 8 < K;
+      const u16* row_src = src + j * X_CHUNKS_PASS * 8;
+#pragma unroll
+      for (int i = 0; i < X_ROW_PASSES; ++i) {
+        // row 8 i + tid % 8 keeps its swizzle, chunk + j X_CHUNKS_PASS its offset: constant steps
+        cp_async16(stage + x_dst + i * 8 * L::X_ROW + j * X_CHUNKS_PASS * 16, row_src, k_valid && ((x_valid >> i) & 1));
+        row_src += x_block;
+      }
+    }
+  }
+};
+
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES>
+__global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
+    const u16* __restrict__ x,       // [M, K] activations, DT
+    const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
+    const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
+    const u16* __restrict__ bias,    // [N] DT, or null
+    u16* __restrict__ out,           // [M, N] DT
+    float* __restrict__ partials,    // split-K sums: [tiles, splits, TOKENS * ROWS] fp32
+    u32* __restrict__ counters,      // [tiles], zero between launches
+    int M, int N, int K, int group_shift, int num_groups) {
+  using L = FragTile<RT, TT, WN, WK, APW, GS>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int last_flag;
+  launch_dependents();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp % WN, wk = warp / WN, g = lane >> 2, t = lane & 3;
+  const int n_tiles = (N + 15) >> 4, k_atoms = (K + 63) >> 6;
+  const int tile0 = blockIdx.x * L::TILES, tok0 = blockIdx.y * L::TOKENS;
+  const int num_kb = (K + L::BK - 1) / L::BK;
+  const int kb_begin = (int)(((long long)blockIdx.z * num_kb) / gridDim.z);
+  const int kb_end = (int)(((long long)(blockIdx.z + 1) * num_kb) / gridDim.z);
+  const int steps = kb_end - kb_begin;
+  // the scale slot of a k offset inside a stage: its group minus the stage's first group
+  const int slot_shift = group_shift < 30 && (1 << group_shift) < L::BK ? group_shift : 31;
+  const int stage_groups = slot_shift == 31 ? 1 : L::BK >> group_shift;
+
+  const FragCopies<L> copies(frag, sz, x, tile0, tok0, n_tiles, k_atoms, M, K, num_groups, stage_groups);
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < steps) copies.weights(smem + s * L::STAGE_BYTES, kb_begin + s, group_shift);
+  wait_for_prior_grids();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) copies.activations(smem + s * L::STAGE_BYTES, kb_begin + s);
+    cp_async_commit();
+  }
+
+  float acc[RT][TT][4], part[RT][TT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][tt][e] = part[r][tt][e] = 0.0f;
+
+  // ldmatrix rows: lane i reads token 8 tt + i % 8 at k chunk 2 * (16-step pair) + i / 8 of the warp's atoms
+  const int x_row = lane & 7, x_chunk = lane >> 3;
+
+  int read_slot = 0, fill_slot = STAGES - 1;  // the stage read now and the one refilled (step % STAGES, ...)
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage `step` landed for every thread; nobody still reads the one refilled next
+    const int next = step + STAGES - 1;
+    if (next < steps) {
+      unsigned char* refill = smem + fill_slot * L::STAGE_BYTES;
+      copies.weights(refill, kb_begin + next, group_shift);
+      copies.activations(refill, kb_begin + next);
+    }
+    cp_async_commit();
+    fill_slot = fill_slot == STAGES - 1 ? 0 : fill_slot + 1;
+    const unsigned char* stage = smem + read_slot * L::STAGE_BYTES;
+    read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
+    const int k_stage = (kb_begin + step) * L::BK;
+
+    uint4 w[APW][RT];
+#pragma unroll
+    for (int ai = 0; ai < APW; ++ai)
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+        w[ai][r] = *reinterpret_cast<const uint4*>(
+            stage + L::W_OFFSET + (((wn * RT + r) * L::ATOMS + wk * APW + ai) * 32 + lane) * 16);
+
+    uint2 entry[RT];  // the scale entries of the current group
+    u32 b[TT][4];     // B fragments of steps s and s + 1 (s even): b0, b1 of s, then of s + 1
+#pragma unroll
+    for (int s = 0; s < L::STEPS; ++s) {
+      const int ai = s >> 2, j = s & 3;
+      const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of the step inside the stage
+      if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group: its scale entries
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+          entry[r] = *reinterpret_cast<const uint2*>(
+              stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+      }
+      if ((s & 1) == 0) {
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+          ldmatrix_x4(b[tt], stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        u32 a[4];
+        const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
+        FragDequant<DT>(entry[r].y).unpack(word, a);
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+          Num<DT>::mma(part[r][tt], a[0], a[1], a[2], a[3], b[tt][2 * (s & 1)], b[tt][2 * (s & 1) + 1]);
+      }
+      bool flush;
+      if constexpr (GS > 0) {
+        flush = (s + 1) % GS == 0;
+      } else {  // at the stage's last step, where the warp's next atoms lie in another group or this split ends
+        flush = s == L::STEPS - 1 &&
+                (step + 1 == steps || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
+      }
+      if (flush) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
+#pragma unroll
+          for (int tt = 0; tt < TT; ++tt) {  // c0, c1: row g; c2, c3: row g + 8
+            acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
+            acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
+            acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
+            acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory holds the warps' sums below
+
+  // The WK warps' sums of each output, added in wk order: red[wk][token][row].
+  float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = (wn * RT + r) * 16 + g + 8 * (e >> 1), token = tt * 8 + 2 * t + (e & 1);
+        red[(wk * L::TOKENS + token) * L::ROWS + row] = acc[r][tt][e];
+      }
+  __syncthreads();
+  constexpr int OUTS = L::TOKENS * L::ROWS;
+  constexpr int PER_THREAD = (OUTS + L::THREADS - 1) / L::THREADS;
+  float v[PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int idx = tid + i * L::THREADS;
+    float sum = 0.0f;
+    if (idx < OUTS) {
+#pragma unroll
+      for (int w = 0; w < WK; ++w) sum += red[w * OUTS + idx];
+    }
+    v[i] = sum;
+  }
+  const int splits = gridDim.z;
+  if (splits > 1) {
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float* mine = partials + ((size_t)tile * splits + blockIdx.z) * OUTS;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i)
+      if (tid + i * L::THREADS < OUTS) mine[tid + i * L::THREADS] = v[i];
+    __syncthreads();  // every thread's partials are written before thread 0 releases them with the count
+    if (tid == 0) {
+      u32 arrived;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counters + tile) : "memory");
+      last_flag = arrived == (u32)(splits - 1);
+    }
+    __syncthreads();  // and the last CTA's threads read the others' partials after thread 0 acquired them
+    if (!last_flag) return;
+    const float* all = partials + (size_t)tile * splits * OUTS;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) v[i] = 0.0f;
+#pragma unroll 1
+    for (int z = 0; z < splits; ++z)
+#pragma unroll
+      for (int i = 0; i < PER_THREAD; ++i)
+        if (tid + i * L::THREADS < OUTS) v[i] += __ldcg(all + (size_t)z * OUTS + tid + i * L::THREADS);
+    if (tid == 0) counters[tile] = 0;
+  }
+#pragma unroll
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int idx = tid + i * L::THREADS;
+    const int token = idx / L::ROWS, row = idx % L::ROWS;
+    const int m = tok0 + token, n = tile0 * 16 + row;
+    if (idx < OUTS && m < M && n < N) {
+      const float b = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
+      out[(size_t)m * N + n] = Num<DT>::from_float(v[i] + b);
+    }
+  }
+}

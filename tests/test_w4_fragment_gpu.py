@@ -1,0 +1,89 @@
+"""The few-token W4 kernel over the fragment layout (kernels/w4_fragment_gemm.cu) against the torch reference on the
+GPU.
+
+Every case draws fresh random codes, scales, integer zero points and activations, poisons the output with NaN before
+the launch, and compares with x @ W.T in fp32, W the reference dequantizer's fp32 weight (core.quant.packing
+.dequantize): the weights the kernel's tensor cores see are (q - z) exactly and its group scaling is the reference's
+fp32 multiply (tests/test_w4_fragment_layout.py holds the layout to that on the CPU), so a relative error below 5e-3
+leaves only the fp32 summation order and the final rounding. Shapes include N that is not a multiple of 16 or of a
+CTA's rows, K that is not a multiple of a stage or of an atom, every group size the kernel takes and one group a row,
+every launch shape, explicit K splits, bias, act-order activations, fp16 and bf16, 1 to 128 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from w4_cases import random_w4_weight
+
+from deepinfer.core.quant.packing import dequantize
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _kernels():
+    from deepinfer.kernels import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from deepinfer.kernels import w4_fragment_gemm
+
+    return w4_fragment_gemm
+
+
+def _check(fragment, num_tokens, out_features, in_features, group_size, dtype, bias=False, act_order=False,
+           config=None, splits=None, seed=0):
+    packed = random_w4_weight(out_features, in_features, group_size, "zero", True, seed)
+    device = torch.device("cuda")
+    weight = fragment.fragment_layout(packed.qweight.to(device), packed.scales.to(device), packed.zeros.to(device),
+                                      group_size, out_features, in_features, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, in_features, device=device, dtype=dtype, generator=generator)
+    if act_order:  # the layer gathers x[:, input_perm] before the product
+        x = x.index_select(1, torch.randperm(in_features, device=device, generator=generator))
+    b = torch.randn(out_features, device=device, dtype=dtype, generator=generator) if bias else None
+    out = torch.full((num_tokens, out_features), float("nan"), device=device, dtype=dtype)
+    fragment.w4_fragment_gemm(x, weight, bias=b, config=config, splits=splits, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "an output element was not written"
+    reference = x.float() @ dequantize(packed, torch.float32).to(device).T + (b.float() if bias else 0.0)
+    relative = float((out.float() - reference).norm() / reference.norm())
+    assert relative < 5e-3, relative
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("num_tokens", [1, 7, 16, 29])
+def test_every_group_size_and_token_tile(dtype, group_size, num_tokens):
+    _check(_kernels(), num_tokens, 1000, 2048, group_size, dtype, bias=num_tokens % 2 == 1, seed=group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_features,in_features,group_size", [
+    (40, 160, 32),       # a partial row tile, K not a multiple of an atom, one stage
+    (200, 1344, 64),     # N not a multiple of a CTA, K not a multiple of a stage
+    (2560, 2048, 2048),  # one group a row
+    (1000, 4160, 4160),  # one group a row, K = 16.25 stages
+    (22016, 2048, 128),  # Qwen2.5-3B's merged gate/up
+    (2048, 11008, 128),  # its down-projection (long K, many splits)
+])
+def test_shapes_off_the_tiles(dtype, out_features, in_features, group_size):
+    kernels = _kernels()
+    for num_tokens in (3, 32):
+        _check(kernels, num_tokens, out_features, in_features, group_size, dtype, seed=out_features + num_tokens)
+
+
+def test_every_launch_shape_and_k_splits_in_both_dtypes():
+    kernels = _kernels()
+    for config in kernels.CONFIGS:
+        for splits in (1, 3, 8):
+            for dtype in (torch.bfloat16, torch.float16):
+                _check(kernels, config.tokens, 1000, 3072, 128, dtype, bias=True, config=config, splits=splits,
+                       seed=splits)
+
+
+def test_act_order_activations_and_more_tokens_than_a_cta():
+    kernels = _kernels()
+    for num_tokens in (33, 64, 128):
+        _check(kernels, num_tokens, 2560, 2048, 128, torch.bfloat16, act_order=True, seed=num_tokens)

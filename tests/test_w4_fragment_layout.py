@@ -1,0 +1,110 @@
+"""The fragment layout of the few-token W4 kernel (kernels/w4_fragment_gemm.py) against the reference dequantizer.
+
+`dequantize_fragments` reads the layout back the way w4_fragment_gemm.cu does (lane, k16 step, nibble i = 4e + p of
+the word; the kernel's masks, shifts and magic exponents; the zero pair added in the activation dtype; the fp16 scale
+in fp32). Its fp32 weight must equal core.quant.packing.dequantize(packed, float32) bit for bit: the products the
+kernel's tensor cores see are then (q - z) exactly and its group scaling is the reference's fp32 multiply. Shapes
+cover partial row tiles and K that is not a multiple of an atom (64), every group size the kernel takes and one
+group a row. One hand-placed code pins the nibble mapping independently of both functions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from w4_cases import random_w4_weight
+
+from deepinfer.core.quant.packing import dequantize, pack_weight
+from deepinfer.kernels import w4_fragment_gemm as fragment
+
+
+def _layout(packed, dtype):
+    return fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, packed.group_size,
+                                    packed.out_features, packed.in_features, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_features,in_features,group_size", [
+    (48, 256, 128),   # whole tiles and atoms
+    (40, 160, 32),    # a partial last row tile, K not a multiple of 64
+    (24, 192, 64),
+    (16, 224, 224),   # one group a row (per-channel), K = 3.5 atoms
+    (8, 512, 256),    # less than one row tile
+])
+def test_unpacked_fragments_equal_the_reference_dequantizer_bit_for_bit(dtype, out_features, in_features,
+                                                                        group_size):
+    packed = random_w4_weight(out_features, in_features, group_size, "zero", True, seed=out_features + in_features)
+    weight = _layout(packed, dtype)
+    tiles, atoms = -(-out_features // 16), -(-in_features // 64)
+    assert weight.frag.shape == (tiles, atoms, 32, 4) and weight.frag.dtype == torch.int32
+    assert weight.sz.shape == (tiles, in_features // group_size, 8, 2) and weight.sz.dtype == torch.int32
+    unpacked = fragment.dequantize_fragments(weight, dtype)
+    reference = dequantize(packed, torch.float32)
+    assert torch.equal(unpacked.view(torch.int32), reference.view(torch.int32))
+
+
+def test_one_code_lands_in_the_lane_word_and_nibble_the_mma_fragment_needs():
+    """Row 25, k 70 of a 32 x 128 weight: row tile 1 (row 9 of it: g = 1, h = 1), atom 1, step 0, k 6 of the step
+    (t = 3, e = 0, hk = 0): lane 4 g + t = 7, word 0, nibble 4 e + 2 hk + h = 1 (register a1, row g + 8)."""
+    codes = torch.zeros(32, 128, dtype=torch.int64)
+    codes[25, 70] = 11
+    packed = pack_weight(codes, torch.ones(32, 1).half(), torch.zeros(32, 1).half(), 4)
+    frag = fragment.fragment_codes(packed.qweight, 32, 128)
+    expected = torch.zeros_like(frag)
+    expected[1, 1, 7, 0] = 11 << 4
+    assert torch.equal(frag, expected)
+
+
+def test_padding_rows_get_zero_scales_and_codes():
+    packed = random_w4_weight(20, 96, 32, "zero", True, seed=3)
+    weight = _layout(packed, torch.bfloat16)
+    scales = weight.sz[..., 0].to(torch.int64) & 0xFFFFFFFF  # [tiles, G, 8] fp16 pairs (row g, row g + 8)
+    # tile 1 holds rows 16-19 (g < 4, low halves); rows 20-23 (g >= 4) and 24-31 (every high half) are padding
+    assert bool((scales[1, :, :4] & 0xFFFF != 0).all()) and bool((scales[1, :, 4:] & 0xFFFF == 0).all())
+    assert bool((scales[1] >> 16 == 0).all())
+    k_pad = weight.frag[:, 1, :, 2:]  # atom 1 = k 64..127, steps 2-3 = k 96..127: past K
+    assert bool((k_pad == 0).all())
+
+
+def test_weights_the_kernel_does_not_take_say_why():
+    assert fragment.fragment_reason(4, 128, 2048, "zero", True, torch.float16) is None
+    assert fragment.fragment_reason(4, 2048, 2048, "zero", True, torch.float16) is None  # one group a row
+    assert "3-bit" in fragment.fragment_reason(3, 128, 2048, "zero", True, torch.float16)
+    assert "zero points" in fragment.fragment_reason(4, 128, 2048, "min", False, torch.float16)
+    assert "zero points" in fragment.fragment_reason(4, 128, 2048, "zero", False, torch.float16)
+    assert "scales" in fragment.fragment_reason(4, 128, 2048, "zero", True, torch.float32)
+    assert "group size 96" in fragment.fragment_reason(4, 96, 2048, "zero", True, torch.float16)
+    packed = random_w4_weight(16, 64, 32, "zero", True)
+    with pytest.raises(ValueError, match="integer zero points"):
+        fragment.fragment_scales(packed.scales, packed.zeros + 0.5, torch.bfloat16)
+
+
+def test_plan_picks_a_launch_shape_it_compiles_and_splits_k_within_its_stages(monkeypatch):
+    monkeypatch.setattr(fragment, "_num_sms", lambda index: 132)
+    names = set(fragment.instantiations())
+    for tokens in (1, 5, 8, 9, 16, 17, 32):
+        for n, k in ((2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008), (37888, 3584)):
+            config, splits = fragment.plan(tokens, n, k, 0)
+            assert config.tokens >= tokens
+            for g in (32, 64, 128, k):
+                assert config.name(1, config.group_steps(g, k)) in names
+            assert 1 <= splits <= max(1, -(-k // config.bk) // 2)
+            assert config.shared_bytes(2) <= 227 * 1024
+
+
+def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(monkeypatch):
+    """The fragment row's launcher: a weight prepared without its fragment copy (a memory budget) or one the layout
+    cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernel."""
+    from deepinfer.core.ops import quant_matmul_table as table
+
+    ran = []
+    row = table.ProductRow("next", lambda shape: True, lambda rows, packed: ran.append(packed) or "next", "")
+    monkeypatch.setattr(table, "_row_after_fragment", lambda shape: row)
+    one_form = random_w4_weight(64, 256, 128, "zero", True)
+    assert table.fragment_weight(one_form, torch.bfloat16, lay_out=False) is None
+    assert table.fragment_weight(one_form, torch.bfloat16) is None  # the first decision stays
+    float_zeros = random_w4_weight(64, 256, 128, "min", False)
+    assert table.fragment_takes(one_form) and not table.fragment_takes(float_zeros)
+    for packed in (one_form, float_zeros):
+        assert table.fragment(torch.zeros(12, 256, dtype=torch.bfloat16), packed) == "next"
+    assert ran == [one_form, float_zeros]
