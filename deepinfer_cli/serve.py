@@ -37,6 +37,9 @@ ShutdownTimeoutOpt = Annotated[float, typer.Option(
     "--shutdown-timeout", help="Seconds running requests get to finish after SIGTERM/SIGINT; then they are ended.")]
 RequestTimeoutOpt = Annotated[float, typer.Option(
     "--request-timeout", help="Seconds a client has to send a whole request (line, headers, body); then 408.")]
+StreamWriteTimeoutOpt = Annotated[float, typer.Option(
+    "--stream-write-timeout", help="Seconds a client may take nothing of a response (a stalled stream); then the "
+                                   "connection is dropped and its request aborted.")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
@@ -53,6 +56,7 @@ def serve(
     allowed_origins: AllowedOriginsOpt = None,
     shutdown_timeout: ShutdownTimeoutOpt = 30.0,
     request_timeout: RequestTimeoutOpt = 30.0,
+    stream_write_timeout: StreamWriteTimeoutOpt = 60.0,
     max_connections: MaxConnectionsOpt = 2048,
     log_level: LogLevelOpt = "info",
     *,
@@ -75,7 +79,8 @@ def serve(
         server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                                      max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens,
                                      allowed_origins=origins, shutdown_timeout_s=shutdown_timeout,
-                                     request_timeout_s=request_timeout, max_connections=max_connections,
+                                     request_timeout_s=request_timeout,
+                                     stream_write_timeout_s=stream_write_timeout, max_connections=max_connections,
                                      tool_call_parser=tool_call_parser)
     except ValueError as err:
         fail(str(err))
