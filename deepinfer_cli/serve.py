@@ -40,6 +40,9 @@ RequestTimeoutOpt = Annotated[float, typer.Option(
 StreamWriteTimeoutOpt = Annotated[float, typer.Option(
     "--stream-write-timeout", help="Seconds a client may take nothing of a response (a stalled stream); then the "
                                    "connection is dropped and its request aborted.")]
+CpuThreadsOpt = Annotated[int | None, typer.Option(
+    "--cpu-threads", envvar="DEEPINFER_CPU_THREADS", min=1,
+    help="torch threads on the CPU (default: the cores this process may use: its affinity and cgroup quota).")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
@@ -58,6 +61,7 @@ def serve(
     request_timeout: RequestTimeoutOpt = 30.0,
     stream_write_timeout: StreamWriteTimeoutOpt = 60.0,
     max_connections: MaxConnectionsOpt = 2048,
+    cpu_threads: CpuThreadsOpt = None,
     log_level: LogLevelOpt = "info",
     *,
     engine: dict,
@@ -87,8 +91,22 @@ def serve(
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("deepinfer.server").warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    if _runs_on_cpu(config.device):
+        from deepinfer.core.engine.cpu_threads import set_cpu_threads
+
+        logging.getLogger("deepinfer.server").info(set_cpu_threads(cpu_threads))
     try:
         code = run_server(config, server_config, log_level)
     except DeepInferError as err:
         fail(f"cannot serve: {err}")
     raise typer.Exit(code)
+
+
+def _runs_on_cpu(device: str) -> bool:
+    from deepinfer.core.engine.startup import resolve_device
+    from deepinfer.core.errors import DeepInferError
+
+    try:
+        return resolve_device(device).type == "cpu"
+    except DeepInferError:  # a CUDA device that is not there: the engine reports it
+        return False
