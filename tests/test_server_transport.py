@@ -165,6 +165,20 @@ def test_a_request_without_keep_alive_gets_its_whole_answer_past_the_request_tim
 
 # A reader that stops reading ------------------------------------------------------------------------
 
+GENERATED = ("deepinfer:generation_tokens_total", ())
+
+
+def generated_tokens(server: ServerThread) -> float:
+    return server.metrics()[GENERATED]
+
+
+def wait_for(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "hang guard"
+        time.sleep(0.05)
+
+
 def live_outputs() -> list[RequestOutput]:
     gc.collect()
     return [o for o in gc.get_objects() if type(o) is RequestOutput]
@@ -183,11 +197,10 @@ def test_a_stalled_stream_holds_one_pending_output_per_request(server, prompts, 
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.settimeout(120)
         sock.connect(("127.0.0.1", server.port))
+        before = generated_tokens(server)
         sock.sendall(post("/v1/completions", json.dumps(body).encode()))
-        deadline = time.monotonic() + 120
-        while server.state.serving._live == set() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        server.wait_idle(timeout_s=120)  # generated in full, nothing read
+        wait_for(lambda: generated_tokens(server) - before == prompts * n * max_tokens)  # in full, nothing read
+        server.wait_idle(timeout_s=120)
         held = live_outputs()
         final_text = max((len(c.text) for o in held for c in o.outputs), default=0)
         data = read_until_closed_or_done(sock)
@@ -220,7 +233,7 @@ def test_a_stream_not_read_for_the_write_timeout_is_aborted_and_its_sequence_fre
         with caplog.at_level(logging.WARNING, logger="deepinfer.server"):
             sock.sendall(post("/v1/completions", completion_body(max_tokens, stream=True, logprobs=3),
                               headers=(f"Authorization: Bearer {API_KEY}",)))
-            time.sleep(0.5)
+            wait_for(lambda: generated_tokens(keyed) > before[GENERATED])
             health = keyed.wait_idle(timeout_s=60)
         try:
             data = read_until_closed(sock)
@@ -229,7 +242,7 @@ def test_a_stream_not_read_for_the_write_timeout_is_aborted_and_its_sequence_fre
     after = keyed.metrics()
     assert health["blocks"]["num_used"] == 0
     assert after[abort_key] == before[abort_key] + 1
-    generated = after[("deepinfer:generation_tokens_total", ())] - before[("deepinfer:generation_tokens_total", ())]
+    generated = after[GENERATED] - before[GENERATED]
     assert 0 < generated < max_tokens
     assert b"data: [DONE]" not in data
     assert any("has read nothing of its response" in r.getMessage() and "aborting its request" in r.getMessage()

@@ -109,29 +109,28 @@ class StrictConnection(h11.Connection):
 
 class _LingeringTransport:
     """The transport as uvicorn sees it: `close()` lingers (see the module docstring) while the client
-    is still sending its request body; everything else is the real transport's."""
+    is still sending its request body, and a second `close()` (the server shutting down) closes;
+    everything else is the real transport's (`raw`)."""
 
     def __init__(self, transport: asyncio.Transport, protocol: H11Protocol):
-        self._transport = transport
+        self.raw = transport
         self._protocol = protocol
         self.lingering = False
 
     def __getattr__(self, name: str):
-        return getattr(self._transport, name)
+        return getattr(self.raw, name)
 
     def is_closing(self) -> bool:
-        return self.lingering or self._transport.is_closing()
+        return self.lingering or self.raw.is_closing()
 
     def close(self) -> None:
-        if self.lingering or self._transport.is_closing():
-            return
-        if self._protocol.conn.their_state is h11.SEND_BODY and self._transport.can_write_eof():
+        if not self.lingering and self._protocol.conn.their_state is h11.SEND_BODY and self.raw.can_write_eof():
             self.lingering = True
-            self._transport.resume_reading()
-            self._transport.write_eof()  # a FIN after the answer: the client reads it, then closes
+            self.raw.resume_reading()
+            self.raw.write_eof()  # a FIN after the answer: the client reads it, then closes
             self._protocol.linger()
         else:
-            self._transport.close()
+            self.raw.close()
 
 
 def guarded_protocol(request_timeout_s: float, max_connections: int,
@@ -196,7 +195,7 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
             """The transport half-closed with the request body still coming: close it at the request
             deadline (or when the client closes first)."""
             self._disarm()
-            self._deadline = self.loop.call_later(request_timeout_s, self.transport._transport.close)
+            self._deadline = self.loop.call_later(request_timeout_s, self.transport.raw.close)
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -218,7 +217,7 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
             logger.warning("%s has read nothing of its response for %g s: closing the connection%s",
                            f"{self.client[0]}:{self.client[1]}" if self.client else "a client", stream_write_timeout_s,
                            "" if cycle is None or cycle.response_complete else " and aborting its request")
-            self.transport._transport.abort()  # drops the unsent bytes; connection_lost tells the handler
+            self.transport.raw.abort()  # drops the unsent bytes; connection_lost tells the handler
 
         def _arm(self) -> None:
             self._disarm()
