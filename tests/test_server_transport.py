@@ -172,7 +172,7 @@ def generated_tokens(server: ServerThread) -> float:
     return server.metrics()[GENERATED]
 
 
-def wait_for(condition, timeout_s: float = 120.0, state=lambda: None) -> None:
+def wait_for(condition, timeout_s: float = 300.0, state=lambda: None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"hang guard: {state()}"
