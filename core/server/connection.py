@@ -14,10 +14,10 @@ not counted against it. GuardedH11Protocol adds these bounds:
   nothing is just closed. The app's handler, if it was waiting for the body, sees a disconnect.
   The request is in once h11 has its end: "done" on a kept-alive connection, "must close" for
   HTTP/1.0 and `Connection: close`; generating the answer is not limited here.
-- a deadline for writing: a response whose bytes the client has not taken for
-  `stream_write_timeout_s` (the transport stays above its high-water mark, so every send waits)
-  is cut: the connection is dropped, the handler sees a disconnect and a stream is aborted,
-  freeing its sequence.
+- a deadline for writing: a response of which the client takes nothing for
+  `stream_write_timeout_s` (the transport stays above its high-water mark, so every send waits, and
+  its buffer does not shrink) is cut: the connection is dropped, the handler sees a disconnect and a
+  stream is aborted, freeing its sequence. A slow reader that takes some bytes in each period is not.
 - a cap on open connections: the connection beyond `max_connections` gets a 503 and is closed at
   once, so the cap holds file descriptors too, not only requests.
 - a strict request head, checked on the bytes before h11 reads them (h11 is lenient where a proxy
@@ -149,6 +149,7 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
     class GuardedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _write_deadline: asyncio.TimerHandle | None = None
+        _unsent_at_arm = 0  # bytes in the write buffer when the write deadline was armed
         _bytes_since_armed = 0
 
         def __init__(self, *args, **kwargs) -> None:
@@ -200,7 +201,12 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._write_deadline is None:
-                self._write_deadline = self.loop.call_later(stream_write_timeout_s, self._on_write_deadline)
+                self._arm_write_deadline()
+
+        def _arm_write_deadline(self) -> None:
+            # While writing is paused every send waits, so the buffer only shrinks as the client reads.
+            self._unsent_at_arm = self.transport.get_write_buffer_size()
+            self._write_deadline = self.loop.call_later(stream_write_timeout_s, self._on_write_deadline)
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -213,6 +219,9 @@ def guarded_protocol(request_timeout_s: float, max_connections: int,
 
         def _on_write_deadline(self) -> None:
             self._write_deadline = None
+            if self.transport.get_write_buffer_size() < self._unsent_at_arm:
+                self._arm_write_deadline()  # a slow reader, not a stalled one: it took some bytes meanwhile
+                return
             cycle = self.cycle
             logger.warning("%s has read nothing of its response for %g s: closing the connection%s",
                            f"{self.client[0]}:{self.client[1]}" if self.client else "a client", stream_write_timeout_s,
