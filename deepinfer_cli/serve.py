@@ -37,6 +37,12 @@ ShutdownTimeoutOpt = Annotated[float, typer.Option(
     "--shutdown-timeout", help="Seconds running requests get to finish after SIGTERM/SIGINT; then they are ended.")]
 RequestTimeoutOpt = Annotated[float, typer.Option(
     "--request-timeout", help="Seconds a client has to send a whole request (line, headers, body); then 408.")]
+StreamWriteTimeoutOpt = Annotated[float, typer.Option(
+    "--stream-write-timeout", help="Seconds a client may take nothing of a response (a stalled stream); then the "
+                                   "connection is dropped and its request aborted.")]
+CpuThreadsOpt = Annotated[int | None, typer.Option(
+    "--cpu-threads", envvar="DEEPINFER_CPU_THREADS", min=1,
+    help="torch threads on the CPU (default: the cores this process may use: its affinity and cgroup quota).")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
@@ -53,7 +59,9 @@ def serve(
     allowed_origins: AllowedOriginsOpt = None,
     shutdown_timeout: ShutdownTimeoutOpt = 30.0,
     request_timeout: RequestTimeoutOpt = 30.0,
+    stream_write_timeout: StreamWriteTimeoutOpt = 60.0,
     max_connections: MaxConnectionsOpt = 2048,
+    cpu_threads: CpuThreadsOpt = None,
     log_level: LogLevelOpt = "info",
     *,
     engine: dict,
@@ -75,15 +83,30 @@ def serve(
         server_config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                                      max_body_bytes=parse_size(max_body_bytes), max_prompt_tokens=max_prompt_tokens,
                                      allowed_origins=origins, shutdown_timeout_s=shutdown_timeout,
-                                     request_timeout_s=request_timeout, max_connections=max_connections,
+                                     request_timeout_s=request_timeout,
+                                     stream_write_timeout_s=stream_write_timeout, max_connections=max_connections,
                                      tool_call_parser=tool_call_parser)
     except ValueError as err:
         fail(str(err))
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("deepinfer.server").warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    if _runs_on_cpu(config.device):
+        from deepinfer.core.engine.cpu_threads import set_cpu_threads
+
+        logging.getLogger("deepinfer.server").info(set_cpu_threads(cpu_threads))
     try:
         code = run_server(config, server_config, log_level)
     except DeepInferError as err:
         fail(f"cannot serve: {err}")
     raise typer.Exit(code)
+
+
+def _runs_on_cpu(device: str) -> bool:
+    from deepinfer.core.engine.startup import resolve_device
+    from deepinfer.core.errors import DeepInferError
+
+    try:
+        return resolve_device(device).type == "cpu"
+    except DeepInferError:  # a CUDA device that is not there: the engine reports it
+        return False

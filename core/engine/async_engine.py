@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.outputs import RequestOutput
+from deepinfer.core.engine.outputs import PendingOutputs, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -33,12 +33,18 @@ logger = logging.getLogger(__name__)
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator; ends after the output with finished=True."""
+    """The outputs of one request, as an async iterator; ends after the output with finished=True.
+
+    Outputs the reader has not taken yet are merged into one (PendingOutputs): a reader that falls
+    behind gets everything since its last read in its next output, and a stalled one costs memory
+    linear in the tokens generated, not a snapshot per step."""
 
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending = PendingOutputs()
+        self._error: BaseException | None = None  # handed over after the pending output
+        self._arrived = asyncio.Event()
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -47,13 +53,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while not self._pending and self._error is None:
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self._pending:
             self.finished = True
-            raise item
-        if item.finished:
+            raise self._error
+        output = self._pending.take()
+        if output.finished:
             self.finished = True
-        return item
+        return output
 
     def abort(self) -> None:
         """Stop generating; the stream still ends with a finish_reason "abort" output."""
@@ -61,7 +70,11 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._pending.add(item)
+        self._arrived.set()
 
 
 class AsyncEngine:

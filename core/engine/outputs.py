@@ -66,3 +66,51 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+class PendingOutputs:
+    """The outputs of one request that its reader has not taken yet, held as one output.
+
+    A reader that falls behind (a client that stops reading its stream) would otherwise hold every
+    step's snapshot, each with the whole text so far: memory quadratic in the tokens generated.
+    Here a new snapshot replaces the previous one (the cumulative fields and finish state are the
+    newest's) and only the previous one's deltas are kept, per sample, as parts joined on `take`:
+    what is held grows with the tokens not taken, once each.
+    """
+
+    def __init__(self) -> None:
+        self._latest: RequestOutput | None = None
+        self._texts: list[list[str]] = []  # [sample] the older delta texts, in order
+        self._token_ids: list[list[int]] = []
+        self._logprobs: list[list[TokenLogprob] | None] = []
+
+    def __bool__(self) -> bool:
+        return self._latest is not None
+
+    def add(self, output: RequestOutput) -> None:
+        previous = self._latest
+        if previous is not None:
+            if not self._texts:
+                self._texts = [[] for _ in previous.outputs]
+                self._token_ids = [[] for _ in previous.outputs]
+                self._logprobs = [None for _ in previous.outputs]
+            for i, completion in enumerate(previous.outputs):
+                self._texts[i].append(completion.delta_text)
+                self._token_ids[i] += completion.delta_token_ids
+                if completion.delta_logprobs is not None:
+                    if self._logprobs[i] is None:
+                        self._logprobs[i] = []
+                    self._logprobs[i] += completion.delta_logprobs
+        self._latest = output
+
+    def take(self) -> RequestOutput:
+        """The newest output, its deltas being everything since the previous take."""
+        output, self._latest = self._latest, None
+        if self._texts:
+            for i, completion in enumerate(output.outputs):
+                completion.delta_text = "".join(self._texts[i]) + completion.delta_text
+                completion.delta_token_ids = self._token_ids[i] + completion.delta_token_ids
+                if self._logprobs[i] is not None:
+                    completion.delta_logprobs = self._logprobs[i] + (completion.delta_logprobs or [])
+            self._texts, self._token_ids, self._logprobs = [], [], []
+        return output

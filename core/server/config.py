@@ -21,6 +21,9 @@ class ServerConfig:
     # Slow and idle clients: a request's line, headers and body must all arrive within request_timeout_s
     # of the connection opening (or of the previous response on a kept-alive connection).
     request_timeout_s: float = 30.0
+    # A response the client takes nothing of for this long (its socket stays full) is cut: the connection
+    # is dropped and a stream's request aborted, freeing its sequence.
+    stream_write_timeout_s: float = 60.0
     keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this
     max_connections: int = 2048  # open connections beyond this are answered 503 and closed at once
     # SIGTERM/SIGINT: in-flight requests get this long to finish, then are ended (final chunk, [DONE]).
@@ -40,6 +43,8 @@ class ServerConfig:
             (self.tool_call_parser in (None, "hermes", "llama3_json", "mistral"),
              f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}"),
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
+            (self.stream_write_timeout_s > 0,
+             f"stream_write_timeout_s must be > 0, got {self.stream_write_timeout_s}"),
             (self.keep_alive_timeout_s > 0, f"keep_alive_timeout_s must be > 0, got {self.keep_alive_timeout_s}"),
             (self.max_connections >= 1, f"max_connections must be >= 1, got {self.max_connections}"),
             (self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"),

@@ -34,7 +34,8 @@ def bearer_token(authorization: bytes) -> bytes | None:
 
 class ApiKeyMiddleware:
     """With an API key set, every route but /health and /metrics needs `Authorization: Bearer <key>`
-    (the OpenAI routes, /tokenize, /detokenize and the OpenAPI schema)."""
+    (the OpenAI routes, /tokenize, /detokenize and the OpenAPI schema), sent once: two Authorization
+    headers are a 400, whatever they hold."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -44,7 +45,12 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        authorizations = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(authorizations) > 1:  # a proxy in front may have checked the other one
+            await send_error(send, 400, f"the request has {len(authorizations)} Authorization headers; send one",
+                             code="duplicate_authorization")
+            return
+        given = bearer_token(authorizations[0] if authorizations else b"")
         if given is None or not hmac.compare_digest(given, self._expected):
             await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])

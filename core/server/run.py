@@ -86,7 +86,8 @@ def fit_open_files(max_connections: int) -> int:
 def uvicorn_config(app, server_config: ServerConfig, max_connections: int, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's settings for `app`: the guarded HTTP protocol, no websockets, our timeouts."""
     protocol = guarded_protocol(server_config.request_timeout_s, max_connections,
-                                on_refused=app.state.deepinfer.metrics.count_rejection)
+                                on_refused=app.state.deepinfer.metrics.count_rejection,
+                                stream_write_timeout_s=server_config.stream_write_timeout_s)
     return uvicorn.Config(app, http=protocol, ws="none", lifespan="on", log_level=log_level.lower(),
                           timeout_keep_alive=server_config.keep_alive_timeout_s, backlog=BACKLOG,
                           timeout_graceful_shutdown=server_config.shutdown_timeout_s + SHUTDOWN_GRACE_S)

@@ -217,35 +217,28 @@ class ServingEngine:
 
 
 async def outputs_of(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream, as they come, until all have finished."""
+    """(prompt index, output) from every stream, as they come, until all have finished.
+
+    One read per stream is outstanding at a time, and the next starts only once its output was
+    handled: while the consumer waits (a client that stops reading), each stream's new outputs
+    merge inside the stream instead of piling up here."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output))
-            queue.put_nowait((index, None))
-        except DeepInferError as err:
-            queue.put_nowait((index, err))
-
-    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    reads = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
     try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in sorted(done, key=reads.__getitem__):
+                index = reads.pop(read)
+                output = read.result()  # a DeepInferError (the engine refused it or died) ends them all
+                yield index, output
+                if not output.finished:
+                    reads[asyncio.ensure_future(anext(streams[index]))] = index
     finally:
-        for task in pumps:
-            task.cancel()
+        for read in reads:
+            read.cancel()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -42,6 +42,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, options: 
                        progress: ProgressCallback | None = None) -> ConversionSummary:
     """Convert `src` into the new directory `out`; on any error nothing is left at `out`."""
     report = progress or (lambda done, total, what: None)
+    check_output(Path(out))
     with _termination_raises(Path(out)), LayeredWriter(out) as writer:  # refuses an existing `out` first
         source = open_source(src, options or ConvertOptions())
         try:
@@ -71,6 +72,14 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, options: 
         finally:
             source.close()
     return summary
+
+
+def check_output(out: Path) -> None:
+    """Refuse, before any work, an `out` that the final rename would fail on: a symbolic link, even one
+    whose target does not exist (`exists()` follows it and says no); the writer refuses the rest."""
+    if out.is_symlink():
+        raise ConversionError(f"output {out} is a symbolic link (to {os.readlink(out)}); give a new directory "
+                              f"(nothing was written)")
 
 
 @contextmanager
