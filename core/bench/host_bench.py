@@ -19,10 +19,11 @@ Workloads, per number of running sequences N:
 
 Per timed step the engine loop's CPU time (time.thread_time of the thread calling `step()`) and wall
 time are taken. Phases are spans around the components' own methods, put in by this harness only
-(instance attributes, or class attributes restored afterwards): in the timed pass CPU-time spans
-around the front end and the forward only (a CPU clock read costs about a microsecond), in a second
-pass of as many steps perf_counter spans around every phase, per-request and per-token calls (KV
-slot allocation, detokenization) included; the phase table comes from that pass.
+(instance attributes, or class attributes restored afterwards), timed by the thread's CPU clock (wall
+spans on a shared machine would take in the time other processes ran): in the timed pass around
+the front end and the forward only, in a second pass of as many steps around every phase, per-request
+and per-token calls (KV slot allocation, detokenization) included, whose clock reads (about a
+microsecond each) add to what they measure; the phase table comes from that pass.
 
 `core` is the engine core's work: the whole step less the front end (output processing: detokenizing,
 stop strings, snapshots) and the forward. `fit` is a least-squares line of the core's CPU µs per
@@ -172,9 +173,9 @@ def token_pool(tokenizer, vocab_size: int, rng: np.random.Generator, size: int =
 
 
 class PhaseClock:
-    """perf_counter spans around methods, summed per phase; `exclusive` takes nested spans out of their parent."""
+    """Spans on `clock` around methods, summed per phase; a nested span's time is taken out of its parent's."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.thread_time) -> None:
         self.clock = clock
         self.seconds: dict[str, float] = {}
         self._stack: list[list] = []  # [phase, start, time taken by nested spans]
@@ -338,15 +339,15 @@ def _summary(values: list[float]) -> dict:
 
 def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs: int, pool: np.ndarray,
                   rng: np.random.Generator) -> dict:
-    """The timed pass takes the step's CPU time and, by CPU-time spans (a clock read costs about a
-    microsecond, so only per-step calls get one), the front end's and the forward's; the phase pass
-    puts perf_counter spans on every phase."""
+    """The timed pass takes the step's CPU time and, by CPU-time spans, the front end's and the
+    forward's; the phase pass puts CPU-time spans on every phase (a CPU clock read costs about a
+    microsecond, which the per-token spans add to what they measure)."""
     point = _Point(engine, workload, mode, num_seqs, pool, rng)
     try:
         point.warm_up()
         passes = {}
         for name, clock, phases in (("timed", PhaseClock(time.thread_time), ("output", "forward")),
-                                    ("phases", PhaseClock(time.perf_counter), PHASES)):
+                                    ("phases", PhaseClock(time.thread_time), PHASES)):
             instrument(engine, clock, phases)
             samples, per_step = [], []
             try:
@@ -367,10 +368,9 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     forward = statistics.fmean(spans.get("forward", 0.0) for spans in cpu_spans)
     core = cpu_mean - front - forward
     output_tokens = statistics.fmean(s.output_tokens for s in samples)
-    # Medians over the steps: wall-clock spans on a shared machine take in the time other processes ran.
-    phase_wall = statistics.median(s.wall_s for s in phase_samples)
-    phases = {p: statistics.median(spans.get(p, 0.0) for spans in phase_spans) * 1e6 for p in PHASES if p != "other"}
-    phases["other"] = max(0.0, phase_wall * 1e6 - sum(phases.values()))
+    phase_cpu = statistics.fmean(s.cpu_s for s in phase_samples)
+    phases = {p: statistics.fmean(spans.get(p, 0.0) for spans in phase_spans) * 1e6 for p in PHASES if p != "other"}
+    phases["other"] = max(0.0, phase_cpu * 1e6 - sum(phases.values()))
     front_phases = sum(phases[p] for p in FRONT_END_PHASES)
     return {
         "mode": mode,
@@ -388,12 +388,10 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "front_end_cpu_us_per_step": front * 1e6,
         "front_end_cpu_us_per_token": front * 1e6 / output_tokens if output_tokens else None,
         "forward_cpu_us_per_step": forward * 1e6,
-        # The phase pass, medians over its steps (wall-clock spans; those around per-request and per-token
-        # calls add their own cost).
+        # The phase pass: CPU µs per step (its spans around per-request and per-token calls add their cost).
         "phases_us_per_step": phases,
-        "phases_core_us_per_seq": (phase_wall * 1e6 - front_phases - phases["forward"]) / num_seqs,
-        "phases_pass_wall_us_per_step_p50": phase_wall * 1e6,
-        "phases_pass_cpu_us_per_step": statistics.fmean(s.cpu_s for s in phase_samples) * 1e6,
+        "phases_core_us_per_seq": (phase_cpu * 1e6 - front_phases - phases["forward"]) / num_seqs,
+        "phases_pass_cpu_us_per_step": phase_cpu * 1e6,
     }
 
 
@@ -482,7 +480,7 @@ def host_tables(payload: dict) -> list:
     for name in ("mode", "seqs", "tokens/step", "CPU µs/step p50", "CPU µs/step", "wall µs/step", "core µs/step",
                  "core µs/seq", "front µs/token"):
         totals.add_column(name, justify="right", no_wrap=True)
-    phases = Table(title="where a step's time goes, µs per step (phase pass: wall-clock spans, medians over its steps)", title_justify="left")
+    phases = Table(title="where a step's time goes, CPU µs per step (phase pass)", title_justify="left")
     for name in ("mode", "seqs", *PHASES):
         phases.add_column(name, justify="right", no_wrap=True)
     for point in payload["points"]:

@@ -163,10 +163,11 @@ class StaticStepBuffers:
         return max_prefill_tiles(tokens, self.max_rows, self.tile_tokens)
 
     def load(self, chunks: list[ScheduledChunk], tokens: int, bound: int,
-             previous: InflightStep | None = None) -> None:
+             previous: InflightStep | None = None, block_tables: np.ndarray | None = None) -> None:
         """Stage the chunks' tokens as rows 0..T-1 (chunk i is request row i), padding rows T..tokens-1,
-        and copy to the device. Pending input tokens come from `previous`'s sampled tokens. In a tiled bucket
-        the decodes' tokens come first, so the decode kernel's first max_num_seqs rows hold them all."""
+        and copy to the device. Pending input tokens come from `previous`'s sampled tokens; `block_tables`:
+        the step's SchedulerOutput.block_tables (StepStager.stage_chunks). In a tiled bucket the decodes'
+        tokens come first, so the decode kernel's first max_num_seqs rows hold them all."""
         stager = self.stager
         stager.begin()
         bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
@@ -180,13 +181,13 @@ class StaticStepBuffers:
         placed = list(enumerate(chunks))
         if num_tiles:
             placed.sort(key=lambda item: item[1].num_tokens > 1)  # stable: decodes first, in chunk order
-        pending = stager.stage_chunks(placed, tokens, tables)
-        lengths = [chunk.num_tokens for _, chunk in placed]
-        request_rows = [i for i, _ in placed]
-        token = sum(lengths)
+        staged = stager.stage_chunks(placed, tokens, tables, block_tables)
+        lengths = staged.lengths
+        request_rows = np.array([i for i, _ in placed], dtype=np.int64) if num_tiles else np.arange(len(chunks))
+        token = int(staged.ends[-1]) if len(chunks) else 0
         seq_lens[:token] = positions[:token] + 1  # each token attends to its context up to itself
         token_rows[:token] = np.repeat(request_rows, lengths)
-        logit_rows[request_rows] = np.cumsum(lengths) - 1  # chunk i's last token, wherever it was placed
+        logit_rows[request_rows] = staged.ends - 1  # chunk i's last token, wherever it was placed
         ids[token:] = 0  # padding: token 0 at position 0 ...
         positions[token:] = 0
         slots[token:] = self.dummy_block * bs  # ... written to the dummy block's slot 0
@@ -196,8 +197,8 @@ class StaticStepBuffers:
         logit_rows[len(chunks):] = 0
         n32 = 2 * tokens + (rows + 1) * width
         if num_tiles:
-            n32 += self._stage_tiles(h32[n32:], lengths, tokens, rows, num_tiles)
-        stager.send(tokens, rows, n32, pending, previous, int64_out=self.int64, int32_out=self.int32)
+            n32 += self._stage_tiles(h32[n32:], lengths.tolist(), tokens, rows, num_tiles)
+        stager.send(tokens, rows, n32, staged.pending, previous, int64_out=self.int64, int32_out=self.int32)
 
     def _stage_tiles(self, h32: np.ndarray, placed_lengths: list[int], tokens: int, rows: int, num_tiles: int) -> int:
         """Fill a tiled step's decode lengths (h32[:rows]) and tiles (h32[rows:rows + 2 * num_tiles]) after its
@@ -303,12 +304,14 @@ class PaddedStepRunner:
         longest = max(chunk.seq_len for chunk in chunks)
         return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
-    def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,
+            block_tables: np.ndarray | None = None) -> torch.Tensor:
         """-> logits [n, vocab] float32 of the n chunks that sample, row i for the last token of the
         i-th of them. With graphs the rows are a view of the shared output buffer, valid until the
-        next step. `previous`: the step in flight, which samples the chunks' pending input tokens."""
+        next step. `previous`: the step in flight, which samples the chunks' pending input tokens;
+        `block_tables`: the step's SchedulerOutput.block_tables."""
         tokens, bound = self.shape_of(chunks)
-        self.buffers.load(chunks, tokens, bound, previous)
+        self.buffers.load(chunks, tokens, bound, previous, block_tables)
         logits = self.replay(tokens, bound) if self.use_graphs else self.forward(tokens, bound)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if len(sampling) == len(chunks):

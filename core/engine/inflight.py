@@ -28,7 +28,8 @@ class InflightStep:
         self.scheduler_output = scheduler_output
         self.sampling_chunks = sampling_chunks
         self.sampled = sampled  # None when no chunk samples
-        self._rows = {chunk.request_id: row for row, chunk in enumerate(sampling_chunks)}
+        self._request_ids = [chunk.request.request_id for chunk in sampling_chunks]
+        self._rows = dict(zip(self._request_ids, range(len(sampling_chunks))))
 
     def sampled_row(self, request_id: str) -> int:
         """Row of the request's token in `sampled.sampled` (the device tensor)."""
@@ -49,9 +50,8 @@ class InflightStep:
         if self.sampled is None:
             return out
         sampled = self.sampled
-        for chunk, token_id, logprob in zip(self.sampling_chunks, sampled.token_ids, sampled.logprobs):
-            out.sampled_token_ids[chunk.request_id] = token_id
-            if logprob is not None:
-                out.logprobs[chunk.request_id] = logprob
+        out.sampled_token_ids = dict(zip(self._request_ids, sampled.token_ids))
+        out.logprobs = {request_id: logprob for request_id, logprob in zip(self._request_ids, sampled.logprobs)
+                        if logprob is not None}
         return out
 

@@ -27,6 +27,7 @@ any graph, so graphs replay unchanged).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,14 @@ from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.scheduler_output import ScheduledChunk
 from deepinfer.core.kv.kv_manager import cdiv
+
+
+class StagedChunks(NamedTuple):
+    """What `StepStager.stage_chunks` staged, in placed order."""
+
+    pending: list[tuple[int, str]]  # (token row, request id) of each pending input token
+    lengths: np.ndarray  # [R] int64 token rows of each chunk
+    ends: np.ndarray  # [R] int64 cumulative sum of lengths: chunk i's rows end before ends[i]
 
 
 @dataclass
@@ -76,34 +85,56 @@ class StepStager:
         h64 = self.h64
         return h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
 
-    def stage_chunks(self, placed: list[tuple[int, ScheduledChunk]], tokens: int,
-                     tables: np.ndarray) -> list[tuple[int, str]]:
+    def stage_chunks(self, placed: list[tuple[int, ScheduledChunk]], tokens: int, tables: np.ndarray,
+                     block_tables: np.ndarray | None = None) -> StagedChunks:
         """Write the chunks' tokens as consecutive token rows in `placed` order ([(request row, chunk)])
-        and each chunk's block table into `tables[request row]` (a view of the int32 staging, zeroed by
-        the caller). -> [(token row, request id)] of the pending tokens."""
+        and the first cdiv(seq_len, block_size) entries of each chunk's block table into
+        `tables[request row]` (a view of the int32 staging, zeroed by the caller). `block_tables`: the
+        step's SchedulerOutput.block_tables, where each chunk's `table_row` is; None, or a chunk without
+        a row: the chunks' `block_table` lists. Vectorized over the step: per chunk only a few list
+        entries are read in Python."""
         bs = self.block_size
         ids, positions, slots = self.token_rows(tokens)
-        pending: list[tuple[int, str]] = []
-        token = 0
-        for row, chunk in placed:
-            start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
-            used = cdiv(start + n, bs)
-            tables[row, :used] = table[:used]
-            if n == 1:  # a decode: scalar writes beat numpy's per-call overhead
-                ids[token] = 0 if chunk.last_token_pending else chunk.request.all_token_ids[start]
-                positions[token] = start
-                slots[token] = table[start // bs] * bs + start % bs
-            else:
-                span = np.arange(start, start + n)
-                known = chunk.token_ids
-                ids[token:token + len(known)] = known
-                ids[token + len(known):token + n] = 0
-                positions[token:token + n] = span
-                slots[token:token + n] = tables[row, span // bs].astype(np.int64) * bs + span % bs
-            token += n
-            if chunk.last_token_pending:
-                pending.append((token - 1, chunk.request_id))
-        return pending
+        chunks = [chunk for _, chunk in placed]
+        if not chunks:
+            empty = np.zeros(0, dtype=np.int64)
+            return StagedChunks([], empty, empty)
+        lengths = np.array([chunk.num_tokens for chunk in chunks], dtype=np.int64)
+        starts = np.array([chunk.start_pos for chunk in chunks], dtype=np.int64)
+        ends = np.cumsum(lengths)
+        count = int(ends[-1])
+        table_rows = [chunk.table_row for chunk in chunks]
+        if block_tables is None or None in table_rows:  # chunks built by hand
+            source, source_rows = _table_array([chunk.block_table for chunk in chunks]), np.arange(len(chunks))
+        else:
+            source, source_rows = block_tables, np.array(table_rows, dtype=np.int64)
+        width = min(tables.shape[1], source.shape[1])
+        used = (starts + lengths + bs - 1) // bs  # [R] blocks each chunk's context spans
+        gathered = source[source_rows, :width]  # [R, width]
+        gathered[np.arange(width) >= used[:, None]] = 0
+        tables[[row for row, _ in placed], :width] = gathered
+        # Token t of chunk i sits at position start_i + (t - first_i), first_i = ends_i - lengths_i.
+        span = np.arange(count, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+        positions[:count] = span
+        slots[:count] = source[np.repeat(source_rows, lengths), span // bs].astype(np.int64) * bs + span % bs
+        ends_list = ends.tolist()
+        # A decode's one input is a known token or a pending one (staged as 0).
+        decodes = chunks if count == len(chunks) else [chunk for chunk in chunks if chunk.num_tokens == 1]
+        decode_ids = [0 if chunk.last_token_pending else chunk.request.all_token_ids[chunk.start_pos]
+                      for chunk in decodes]
+        if decodes is chunks:
+            ids[:count] = decode_ids
+        else:
+            ids[[end - 1 for chunk, end in zip(chunks, ends_list) if chunk.num_tokens == 1]] = decode_ids
+            for chunk, end in zip(chunks, ends_list):
+                if chunk.num_tokens > 1:
+                    known = chunk.token_ids
+                    first = end - chunk.num_tokens
+                    ids[first:first + len(known)] = known
+                    ids[first + len(known):end] = 0
+        pending = [(end - 1, chunk.request.request_id) for chunk, end in zip(chunks, ends_list)
+                   if chunk.last_token_pending]
+        return StagedChunks(pending, lengths, ends)
 
     def send(self, tokens: int, rows: int, num_int32: int, pending: list[tuple[int, str]],
              previous: InflightStep | None, int64_out: torch.Tensor | None = None,
@@ -132,30 +163,32 @@ class StepStager:
 
     # The per-request layout. ----------------------------------------------------------------------------
 
-    def stage_requests(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None) -> StepInputs:
+    def stage_requests(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,
+                       block_tables: np.ndarray | None = None) -> StepInputs:
         """A step's inputs in the per-request layout, chunks in the order given (decodes, those of one
-        token, must come first). int32 staging: query_start_loc [B + 1], seq_lens [B], block tables [B, W]."""
+        token, must come first). int32 staging: query_start_loc [B + 1], seq_lens [B], block tables [B, W].
+        `block_tables`: the step's SchedulerOutput.block_tables (see `stage_chunks`)."""
         bs = self.block_size
         self.begin()
         num_requests = len(chunks)
         query_lens = [chunk.num_tokens for chunk in chunks]
-        seq_lens = [chunk.seq_len for chunk in chunks]
+        seq_lens = [chunk.start_pos + chunk.num_tokens for chunk in chunks]
         tokens = sum(query_lens)
-        width = max(cdiv(seq_len, bs) for seq_len in seq_lens)
+        width = cdiv(max(seq_lens), bs)
         h32 = self.h32
         tables_at = 2 * num_requests + 1
         num_int32 = tables_at + num_requests * width
         tables = h32[tables_at:num_int32].reshape(num_requests, width)
         tables[:] = 0
-        pending = self.stage_chunks(list(enumerate(chunks)), tokens, tables)
-        ends = np.cumsum(query_lens)
+        staged = self.stage_chunks(list(enumerate(chunks)), tokens, tables, block_tables)
         h32[0] = 0
-        h32[1:num_requests + 1] = ends
+        h32[1:num_requests + 1] = staged.ends
         h32[num_requests + 1:tables_at] = seq_lens
+        samples = [chunk.sample for chunk in chunks]
         sampling_chunks = [chunk for chunk in chunks if chunk.sample]
         rows = len(sampling_chunks)
-        self.h64[3 * tokens:3 * tokens + rows] = [end - 1 for end, chunk in zip(ends, chunks) if chunk.sample]
-        int64, int32 = self.send(tokens, rows, num_int32, pending, previous)
+        self.h64[3 * tokens:3 * tokens + rows] = staged.ends[np.array(samples, dtype=bool)] - 1
+        int64, int32 = self.send(tokens, rows, num_int32, staged.pending, previous)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_requests)
         metadata = AttentionMetadata(
             slot_mapping=int64[2 * tokens:3 * tokens],
@@ -186,10 +219,17 @@ def _stage_fill(staging: np.ndarray, pending: list[tuple[int, str]], previous: I
     if previous is None:
         raise RuntimeError(f"request {pending[0][1]!r} has a pending token but no step is in flight")
     k = len(pending)
-    for i, (input_row, request_id) in enumerate(pending):
-        staging[i] = input_row
-        staging[k + i] = previous.sampled_row(request_id)
+    staging[:k] = [input_row for input_row, _ in pending]
+    staging[k:2 * k] = [previous.sampled_row(request_id) for _, request_id in pending]
     return 2 * k
+
+
+def _table_array(block_tables: list[list[int]]) -> np.ndarray:
+    """[R, longest] int32: the tables as rows, zero past each one's end."""
+    array = np.zeros((len(block_tables), max(1, max(len(table) for table in block_tables))), dtype=np.int32)
+    for row, table in enumerate(block_tables):
+        array[row, :len(table)] = table
+    return array
 
 
 def fill_pending_tokens(input_ids: torch.Tensor, index: torch.Tensor, previous: InflightStep) -> None:
