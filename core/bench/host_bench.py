@@ -430,6 +430,18 @@ def run_host_benchmark(base_config: EngineConfig, workload: HostWorkload, forwar
     if forward not in FORWARDS:
         raise InvalidRequestError(f"--forward takes {', '.join(FORWARDS)}, got {forward!r}")
     config = host_engine_config(workload, base_config, forward)
+    threads = torch.get_num_threads()
+    if forward == "stand-in":
+        # The stand-in's few torch ops (staging copies) are device copies on a GPU; on a shared CPU, torch's
+        # intra-op threads would spin for them (milliseconds a copy) and measure the machine, not the engine.
+        torch.set_num_threads(1)
+    try:
+        return _run(config, workload, forward, on_point, tokenizer)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: EngineConfig, workload: HostWorkload, forward: str, on_point, tokenizer) -> dict:
     engine = stand_in_engine(config, tokenizer) if forward == "stand-in" else LLMEngine(config)
     rng = np.random.default_rng(workload.seed)
     pool = token_pool(engine.tokenizer, engine.spec.vocab_size, rng)

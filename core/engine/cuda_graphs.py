@@ -198,7 +198,7 @@ class StaticStepBuffers:
         n32 = 2 * tokens + (rows + 1) * width
         if num_tiles:
             n32 += self._stage_tiles(h32[n32:], lengths.tolist(), tokens, rows, num_tiles)
-        stager.send(tokens, rows, n32, staged.pending, previous, int64_out=self.int64, int32_out=self.int32)
+        stager.send(tokens, rows, n32, staged, previous, int64_out=self.int64, int32_out=self.int32)
 
     def _stage_tiles(self, h32: np.ndarray, placed_lengths: list[int], tokens: int, rows: int, num_tiles: int) -> int:
         """Fill a tiled step's decode lengths (h32[:rows]) and tiles (h32[rows:rows + 2 * num_tiles]) after its

@@ -39,6 +39,15 @@ class InflightStep:
                                f"did not sample it")
         return row
 
+    def sampled_rows(self, request_ids: list[str]) -> list[int]:
+        """`sampled_row` of each request."""
+        rows = self._rows
+        try:
+            return [rows[request_id] for request_id in request_ids]
+        except KeyError:
+            missing = next(request_id for request_id in request_ids if request_id not in rows)
+            return [self.sampled_row(missing)]  # raises
+
     def token_of(self, request_id: str) -> int | None:
         """The token this step sampled for the request (waits for the host copy); None if it sampled none."""
         row = self._rows.get(request_id)

@@ -94,6 +94,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
         kv, max_model_len, chunks = self.kv, self.max_model_len, out.chunks
+        block_size = kv.block_size
 
         index, num_finishing = 0, 0
         running = self.running
@@ -110,16 +111,22 @@ class Scheduler:
             start = request.num_computed_tokens + inflight
             missing = num_tokens + pending - start
             num_new = min(budget, missing)
-            # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
-            while not kv.allocate_slots(request, inflight + num_new):
-                victim = running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.PREEMPTED:
-                break  # it was the newest, so nothing after it is left to schedule
-            chunks.append(self._chunk(request, start, num_new, num_new == missing, num_tokens))
+            table, row = kv.table_and_row(request.request_id)
+            if start + num_new > len(table) * block_size:  # by counts: most decode steps need no new block
+                # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
+                while not kv.allocate_slots(request, inflight + num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status is RequestStatus.PREEMPTED:
+                    break  # it was the newest, so nothing after it is left to schedule
+            sample = num_new == missing
+            chunks.append(ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens, row))
+            request.num_inflight_tokens = inflight + num_new
+            if sample:
+                request.num_pending_tokens = pending + 1
             budget -= num_new
             index += 1
 
@@ -183,10 +190,10 @@ class Scheduler:
         return True
 
     def _chunk(self, request: Request, start: int, num_new: int, sample: bool, num_tokens: int) -> ScheduledChunk:
-        """The chunk of `num_new` tokens from position `start`; `sample`: it reaches the last token."""
-        request_id = request.request_id
-        chunk = ScheduledChunk(request, start, num_new, self.kv.block_table(request_id), sample,
-                               start + num_new > num_tokens, self.kv.table_row(request_id))
+        """The chunk of `num_new` tokens from position `start` (the running loop above does the same
+        inline); `sample`: it reaches the last token."""
+        table, row = self.kv.table_and_row(request.request_id)
+        chunk = ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens, row)
         request.num_inflight_tokens += num_new
         if sample:
             request.num_pending_tokens += 1

@@ -43,7 +43,8 @@ from deepinfer.core.kv.kv_manager import cdiv
 class StagedChunks(NamedTuple):
     """What `StepStager.stage_chunks` staged, in placed order."""
 
-    pending: list[tuple[int, str]]  # (token row, request id) of each pending input token
+    pending_rows: list[int]  # the token row of each pending input token
+    pending_ids: list[str]  # the request of each
     lengths: np.ndarray  # [R] int64 token rows of each chunk
     ends: np.ndarray  # [R] int64 cumulative sum of lengths: chunk i's rows end before ends[i]
 
@@ -90,39 +91,50 @@ class StepStager:
         """Write the chunks' tokens as consecutive token rows in `placed` order ([(request row, chunk)])
         and the first cdiv(seq_len, block_size) entries of each chunk's block table into
         `tables[request row]` (a view of the int32 staging, zeroed by the caller). `block_tables`: the
-        step's SchedulerOutput.block_tables, where each chunk's `table_row` is; None, or a chunk without
-        a row: the chunks' `block_table` lists. Vectorized over the step: per chunk only a few list
-        entries are read in Python."""
+        step's SchedulerOutput.block_tables, where each chunk's `table_row` is (a scheduled chunk's table
+        ends at its context, and the array is zero past it); None, or a chunk without a row: the chunks'
+        `block_table` lists. Vectorized over the step: per chunk only a few list entries are read in Python."""
         bs = self.block_size
         ids, positions, slots = self.token_rows(tokens)
         chunks = [chunk for _, chunk in placed]
         if not chunks:
             empty = np.zeros(0, dtype=np.int64)
-            return StagedChunks([], empty, empty)
-        lengths = np.array([chunk.num_tokens for chunk in chunks], dtype=np.int64)
+            return StagedChunks([], [], empty, empty)
+        length_list = [chunk.num_tokens for chunk in chunks]
+        count = sum(length_list)
+        decode_only = count == len(chunks)
         starts = np.array([chunk.start_pos for chunk in chunks], dtype=np.int64)
-        ends = np.cumsum(lengths)
-        count = int(ends[-1])
         table_rows = [chunk.table_row for chunk in chunks]
-        if block_tables is None or None in table_rows:  # chunks built by hand
+        if block_tables is None or None in table_rows:  # chunks built by hand: their tables may run on
             source, source_rows = _table_array([chunk.block_table for chunk in chunks]), np.arange(len(chunks))
+            used = (starts + np.array(length_list) + bs - 1) // bs  # [R] blocks each chunk's context spans
+            source[np.arange(source.shape[1]) >= used[:, None]] = 0
         else:
             source, source_rows = block_tables, np.array(table_rows, dtype=np.int64)
         width = min(tables.shape[1], source.shape[1])
-        used = (starts + lengths + bs - 1) // bs  # [R] blocks each chunk's context spans
-        gathered = source[source_rows, :width]  # [R, width]
-        gathered[np.arange(width) >= used[:, None]] = 0
-        tables[[row for row, _ in placed], :width] = gathered
-        # Token t of chunk i sits at position start_i + (t - first_i), first_i = ends_i - lengths_i.
-        span = np.arange(count, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+        request_rows = [row for row, _ in placed]
+        if request_rows == list(range(len(request_rows))):  # placed in order: a slice, no index array
+            tables[:len(request_rows), :width] = source[source_rows, :width]
+        else:
+            tables[request_rows, :width] = source[source_rows, :width]
+        if decode_only:  # one token each, at its start position
+            lengths = np.ones(count, dtype=np.int64)
+            ends = np.arange(1, count + 1, dtype=np.int64)
+            span, token_rows = starts, source_rows
+        else:
+            lengths = np.array(length_list, dtype=np.int64)
+            ends = np.cumsum(lengths)
+            # Token t of chunk i sits at position start_i + (t - first_i), first_i = ends_i - lengths_i.
+            span = np.arange(count, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+            token_rows = np.repeat(source_rows, lengths)
         positions[:count] = span
-        slots[:count] = source[np.repeat(source_rows, lengths), span // bs].astype(np.int64) * bs + span % bs
+        slots[:count] = source[token_rows, span // bs].astype(np.int64) * bs + span % bs
         ends_list = ends.tolist()
         # A decode's one input is a known token or a pending one (staged as 0).
-        decodes = chunks if count == len(chunks) else [chunk for chunk in chunks if chunk.num_tokens == 1]
+        decodes = chunks if decode_only else [chunk for chunk in chunks if chunk.num_tokens == 1]
         decode_ids = [0 if chunk.last_token_pending else chunk.request.all_token_ids[chunk.start_pos]
                       for chunk in decodes]
-        if decodes is chunks:
+        if decode_only:
             ids[:count] = decode_ids
         else:
             ids[[end - 1 for chunk, end in zip(chunks, ends_list) if chunk.num_tokens == 1]] = decode_ids
@@ -132,11 +144,11 @@ class StepStager:
                     first = end - chunk.num_tokens
                     ids[first:first + len(known)] = known
                     ids[first + len(known):end] = 0
-        pending = [(end - 1, chunk.request.request_id) for chunk, end in zip(chunks, ends_list)
-                   if chunk.last_token_pending]
-        return StagedChunks(pending, lengths, ends)
+        pending = [i for i, chunk in enumerate(chunks) if chunk.last_token_pending]
+        return StagedChunks([ends_list[i] - 1 for i in pending], [chunks[i].request.request_id for i in pending],
+                            lengths, ends)
 
-    def send(self, tokens: int, rows: int, num_int32: int, pending: list[tuple[int, str]],
+    def send(self, tokens: int, rows: int, num_int32: int, staged: StagedChunks,
              previous: InflightStep | None, int64_out: torch.Tensor | None = None,
              int32_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the pending tokens' fill, copy the int64 staging of `tokens` token rows and `rows` logit
@@ -144,7 +156,7 @@ class StepStager:
         padded runner's static buffers, or fresh tensors), then fill the pending tokens there.
         -> (int64, int32) device tensors holding the staged values at their staging offsets."""
         num_int64 = 3 * tokens + rows
-        num_fill = _stage_fill(self.h64[num_int64:], pending, previous)
+        num_fill = _stage_fill(self.h64[num_int64:], staged, previous)
         int64_out = self._copy(self.host_int64[:num_int64 + num_fill], int64_out)
         int32_out = self._copy(self.host_int32[:num_int32], int32_out)
         if num_fill:
@@ -188,7 +200,7 @@ class StepStager:
         sampling_chunks = [chunk for chunk in chunks if chunk.sample]
         rows = len(sampling_chunks)
         self.h64[3 * tokens:3 * tokens + rows] = staged.ends[np.array(samples, dtype=bool)] - 1
-        int64, int32 = self.send(tokens, rows, num_int32, staged.pending, previous)
+        int64, int32 = self.send(tokens, rows, num_int32, staged, previous)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_requests)
         metadata = AttentionMetadata(
             slot_mapping=int64[2 * tokens:3 * tokens],
@@ -211,16 +223,16 @@ def request_stager(max_tokens: int, max_requests: int, max_blocks: int, block_si
     return StepStager(max_tokens, max_requests, 2 * max_requests + 1 + max_requests * max_blocks, block_size, device)
 
 
-def _stage_fill(staging: np.ndarray, pending: list[tuple[int, str]], previous: InflightStep | None) -> int:
+def _stage_fill(staging: np.ndarray, staged: StagedChunks, previous: InflightStep | None) -> int:
     """Write the fill of the pending tokens into `staging`: k input rows, then the k rows of
     `previous`'s sampled tokens they take. -> the number of values written, 2k."""
-    if not pending:
+    if not staged.pending_rows:
         return 0
     if previous is None:
-        raise RuntimeError(f"request {pending[0][1]!r} has a pending token but no step is in flight")
-    k = len(pending)
-    staging[:k] = [input_row for input_row, _ in pending]
-    staging[k:2 * k] = [previous.sampled_row(request_id) for _, request_id in pending]
+        raise RuntimeError(f"request {staged.pending_ids[0]!r} has a pending token but no step is in flight")
+    k = len(staged.pending_rows)
+    staging[:k] = staged.pending_rows
+    staging[k:2 * k] = previous.sampled_rows(staged.pending_ids)
     return 2 * k
 
 

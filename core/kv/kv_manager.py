@@ -85,9 +85,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables.get(request_id, [])
 
-    def table_row(self, request_id: str) -> int:
-        """The row of `tables.array` that holds the request's block table (it must hold blocks)."""
-        return self._rows[request_id]
+    def table_and_row(self, request_id: str) -> tuple[list[int], int]:
+        """The request's block table and the row of `tables.array` that holds it (it must have been
+        allocated slots)."""
+        return self._block_tables[request_id], self._rows[request_id]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
