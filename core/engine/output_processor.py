@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.request import FINISHED_STATUSES, Request, RequestStatus
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import FinishedRequestStats, IterationStats
 
@@ -95,11 +95,15 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
+        # sample's request id -> (its group, its live completion, its detokenizer): one lookup per token
+        self._samples: dict[str, tuple[RequestGroup, CompletionOutput, IncrementalDetokenizer]] = {}
 
     def add(self, group: RequestGroup) -> None:
         group.detokenizers = [IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params,
                                                      set(sample.eos_token_ids)) for sample in group.samples]
         self.groups[group.request_id] = group
+        for sample, completion, detokenizer in zip(group.samples, group.completions, group.detokenizers):
+            self._samples[sample.request_id] = (group, completion, detokenizer)
 
     def append_tokens(
         self, sampled: list[Request], stats: IterationStats
@@ -108,9 +112,9 @@ class OutputProcessor:
         and (requests whose detokenization failed, with the error); the engine finishes both."""
         now = time.monotonic()
         stopped, failed = [], []
+        samples, inter_token_latencies = self._samples, stats.inter_token_latencies_s
         for request in sampled:
-            group = self.groups[request.parent_id]
-            completion = group.completions[request.sample_index]
+            group, completion, detokenizer = samples[request.request_id]
             token_id = request.output_token_ids[-1]
             completion.token_ids.append(token_id)
             completion.delta_token_ids.append(token_id)
@@ -126,16 +130,17 @@ class OutputProcessor:
                     stats.request_prompt_tokens += len(group.prompt_token_ids)
                     stats.request_cached_tokens += request.num_cached_tokens
             else:
-                stats.inter_token_latencies_s.append(now - metrics.last_token_time)
+                inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
             try:
-                step = group.detokenizers[request.sample_index].append(token_id)
+                step = detokenizer.append(token_id)
             except Exception as err:  # one request's decoding error fails that request only
                 logger.exception("detokenizing request %s failed", request.request_id)
                 failed.append((request, f"detokenization failed: {type(err).__name__}: {err}"))
                 continue
-            completion.delta_text += step.delta_text
-            completion.text += step.delta_text
+            if step.delta_text:
+                completion.delta_text += step.delta_text
+                completion.text += step.delta_text
             if step.finished and isinstance(step.stop_reason, str):
                 if not request.is_finished:
                     stopped.append((request, step.stop_reason))
@@ -146,19 +151,25 @@ class OutputProcessor:
     def make_outputs(self, requests: list[Request], stats: IterationStats) -> list[RequestOutput]:
         """A snapshot for each group that one of `requests` belongs to; finished groups are dropped."""
         outputs = []
-        for parent_id in dict.fromkeys(request.parent_id for request in requests):
-            group = self.groups.get(parent_id)
+        groups = self.groups
+        for parent_id in dict.fromkeys([request.parent_id for request in requests]):
+            group = groups.get(parent_id)
             if group is None:
                 continue
+            finished = True
             for sample, completion in zip(group.samples, group.completions):
-                completion.finish_reason = sample.finish_reason
+                if sample.status in FINISHED_STATUSES:
+                    completion.finish_reason = sample.status.value
+                else:
+                    completion.finish_reason, finished = None, False
                 completion.stop_reason = sample.stop_reason
-            finished = group.finished
             outputs.append(self._snapshot(group, finished))
             for completion in group.completions:  # the snapshot took the delta lists
                 completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
             if finished:
-                del self.groups[parent_id]
+                del groups[parent_id]
+                for sample in group.samples:
+                    self._samples.pop(sample.request_id, None)
                 stats.finished_requests.append(_finished_stats(group))
         return outputs
 
