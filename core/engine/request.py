@@ -35,6 +35,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # Members are singletons: identity hashing keeps set lookups (several per token) out of Python code.
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in FINISHED_STATUSES
