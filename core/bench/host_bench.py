@@ -26,8 +26,9 @@ and per-token calls (KV slot allocation, detokenization) included, whose clock r
 microsecond each) add to what they measure; the phase table comes from that pass.
 
 `core` is the engine core's work: the whole step less the front end (output processing: detokenizing,
-stop strings, snapshots) and the forward. `fit` is a least-squares line of the core's CPU µs per
-step over N: its slope is the cost per running sequence, its intercept the fixed cost per step.
+stop strings, snapshots) and the forward, the median over the timed steps (as are the front end's and
+the forward's figures). `fit` is a least-squares line of the core's CPU µs per step over N: its slope
+is the cost per running sequence, its intercept the fixed cost per step.
 """
 
 from __future__ import annotations
@@ -364,9 +365,12 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     phase_samples, phase_spans = passes["phases"]
     steps = len(samples)
     cpu_mean = statistics.fmean(s.cpu_s for s in samples)
-    front = statistics.fmean(spans.get("output", 0.0) for spans in cpu_spans)
-    forward = statistics.fmean(spans.get("forward", 0.0) for spans in cpu_spans)
-    core = cpu_mean - front - forward
+    # Medians over the steps: on a shared machine a step now and then takes far longer (other processes'
+    # cache traffic, the collector), which a mean would spread over every figure.
+    front = statistics.median(spans.get("output", 0.0) for spans in cpu_spans)
+    forward = statistics.median(spans.get("forward", 0.0) for spans in cpu_spans)
+    core = statistics.median(s.cpu_s - spans.get("output", 0.0) - spans.get("forward", 0.0)
+                             for s, spans in zip(samples, cpu_spans))
     output_tokens = statistics.fmean(s.output_tokens for s in samples)
     phase_cpu = statistics.fmean(s.cpu_s for s in phase_samples)
     phases = {p: statistics.fmean(spans.get(p, 0.0) for spans in phase_spans) * 1e6 for p in PHASES if p != "other"}
@@ -382,6 +386,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "cpu_us_per_step": _summary([s.cpu_s for s in samples]),
         "wall_us_per_step": _summary([s.wall_s for s in samples]),
         "cpu_us_per_step_mean": cpu_mean * 1e6,
+        # Medians over the timed steps: the core (the step less front end and forward), front end, forward.
         "cpu_us_per_seq": cpu_mean * 1e6 / num_seqs,
         "core_cpu_us_per_step": core * 1e6,
         "core_cpu_us_per_seq": core * 1e6 / num_seqs,
