@@ -27,6 +27,8 @@ any graph, so graphs replay unchanged).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +40,11 @@ from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.scheduler_output import ScheduledChunk
 from deepinfer.core.kv.kv_manager import cdiv
+
+# Per-chunk fields read in C (map) rather than in a Python loop: these run once per chunk every step.
+_first, _second = itemgetter(0), itemgetter(1)
+_num_tokens, _start_pos, _table_row = attrgetter("num_tokens"), attrgetter("start_pos"), attrgetter("table_row")
+_last_token_pending = attrgetter("last_token_pending")
 
 
 class StagedChunks(NamedTuple):
@@ -96,15 +103,15 @@ class StepStager:
         `block_table` lists. Vectorized over the step: per chunk only a few list entries are read in Python."""
         bs = self.block_size
         ids, positions, slots = self.token_rows(tokens)
-        chunks = [chunk for _, chunk in placed]
+        chunks = list(map(_second, placed))
         if not chunks:
             empty = np.zeros(0, dtype=np.int64)
             return StagedChunks([], [], empty, empty)
-        length_list = [chunk.num_tokens for chunk in chunks]
+        length_list = list(map(_num_tokens, chunks))
         count = sum(length_list)
         decode_only = count == len(chunks)
-        starts = np.array([chunk.start_pos for chunk in chunks], dtype=np.int64)
-        table_rows = [chunk.table_row for chunk in chunks]
+        starts = np.array(list(map(_start_pos, chunks)), dtype=np.int64)
+        table_rows = list(map(_table_row, chunks))
         if block_tables is None or None in table_rows:  # chunks built by hand: their tables may run on
             source, source_rows = _table_array([chunk.block_table for chunk in chunks]), np.arange(len(chunks))
             used = (starts + np.array(length_list) + bs - 1) // bs  # [R] blocks each chunk's context spans
@@ -112,7 +119,7 @@ class StepStager:
         else:
             source, source_rows = block_tables, np.array(table_rows, dtype=np.int64)
         width = min(tables.shape[1], source.shape[1])
-        request_rows = [row for row, _ in placed]
+        request_rows = list(map(_first, placed))
         if request_rows == list(range(len(request_rows))):  # placed in order: a slice, no index array
             tables[:len(request_rows), :width] = source[source_rows, :width]
         else:
@@ -144,7 +151,7 @@ class StepStager:
                     first = end - chunk.num_tokens
                     ids[first:first + len(known)] = known
                     ids[first + len(known):end] = 0
-        pending = [i for i, chunk in enumerate(chunks) if chunk.last_token_pending]
+        pending = list(compress(range(len(chunks)), map(_last_token_pending, chunks)))
         return StagedChunks([ends_list[i] - 1 for i in pending], [chunks[i].request.request_id for i in pending],
                             lengths, ends)
 
