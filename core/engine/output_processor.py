@@ -58,16 +58,10 @@ class CompletionSnapshot(CompletionOutput):
     logprobs = _PrefixOnRead()
 
     def __init__(self, live: CompletionOutput) -> None:  # every field except the two lazy ones
-        self.index = live.index
-        self.text = live.text
-        self.finish_reason = live.finish_reason
-        self.stop_reason = live.stop_reason
-        self.delta_text = live.delta_text
-        self.delta_token_ids = live.delta_token_ids
-        self.delta_logprobs = live.delta_logprobs
-        self._live_token_ids = live.token_ids
-        self._live_logprobs = live.logprobs
-        self._num_tokens = len(live.token_ids)
+        self.__dict__.update(
+            index=live.index, text=live.text, finish_reason=live.finish_reason, stop_reason=live.stop_reason,
+            delta_text=live.delta_text, delta_token_ids=live.delta_token_ids, delta_logprobs=live.delta_logprobs,
+            _live_token_ids=live.token_ids, _live_logprobs=live.logprobs, _num_tokens=len(live.token_ids))
 
 
 @dataclass
@@ -156,40 +150,51 @@ class OutputProcessor:
             group = groups.get(parent_id)
             if group is None:
                 continue
-            finished = True
-            for sample, completion in zip(group.samples, group.completions):
-                if sample.status in FINISHED_STATUSES:
-                    completion.finish_reason = sample.status.value
-                else:
-                    completion.finish_reason, finished = None, False
+            samples, completions = group.samples, group.completions
+            if len(samples) == 1:  # most requests: the group's one sample, without the loops
+                sample, completion = samples[0], completions[0]
+                finished = sample.status in FINISHED_STATUSES
+                completion.finish_reason = sample.status.value if finished else None
                 completion.stop_reason = sample.stop_reason
-            outputs.append(self._snapshot(group, finished))
-            for completion in group.completions:  # the snapshot took the delta lists
+                metrics = sample.metrics
+                outputs.append(RequestOutput(
+                    group.request_id, group.prompt, group.prompt_token_ids, [CompletionSnapshot(completion)],
+                    finished, sample.num_cached_tokens,
+                    RequestMetrics(metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
+                                   metrics.last_token_time, metrics.finished_time if finished else None),
+                    sample.error))
+                # The snapshot took the delta lists.
                 completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
+            else:
+                finished = True
+                for sample, completion in zip(samples, completions):
+                    if sample.status in FINISHED_STATUSES:
+                        completion.finish_reason = sample.status.value
+                    else:
+                        completion.finish_reason, finished = None, False
+                    completion.stop_reason = sample.stop_reason
+                outputs.append(self._snapshot(group, finished))
+                for completion in completions:  # the snapshot took the delta lists
+                    completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
             if finished:
                 del groups[parent_id]
-                for sample in group.samples:
+                for sample in samples:
                     self._samples.pop(sample.request_id, None)
                 stats.finished_requests.append(_finished_stats(group))
         return outputs
 
     def _snapshot(self, group: RequestGroup, finished: bool) -> RequestOutput:
+        """The snapshot of a group of several samples."""
         samples = group.samples
-        if len(samples) == 1:
-            sample = samples[0]
-            num_cached_tokens, error = sample.num_cached_tokens, sample.error
-        else:
-            num_cached_tokens = max(s.num_cached_tokens for s in samples)
-            error = next((s.error for s in samples if s.error), None)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=[CompletionSnapshot(c) for c in group.completions],
             finished=finished,
-            num_cached_tokens=num_cached_tokens,
+            num_cached_tokens=max(s.num_cached_tokens for s in samples),
             metrics=_group_metrics(samples),
-            error=error,
+            error=next((s.error for s in samples if s.error), None),
         )
 
 
