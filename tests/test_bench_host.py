@@ -109,3 +109,13 @@ def test_host_command_writes_json_and_tables_with_a_baseline(tmp_path, monkeypat
     assert "core µs/seq" in result.output and "baseline" in result.output
     bad = CliRunner().invoke(app, ["bench", "host", "--tokenizer", "bpe"])
     assert bad.exit_code == 1 and "--tokenizer" in bad.output
+
+
+def test_the_same_measurement_runs_inside_the_real_engine(tiny_llama_dir):
+    """--forward model: a real model and sampler (a tiny Llama on the CPU here; the H200 run uses this path)."""
+    config = EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=32, block_size=8, num_gpu_blocks=128)
+    payload = run_host_benchmark(config, small_workload(long_prompt_len=40), forward="model")
+    assert payload["forward"] == "model" and payload["decode_mode"] == "eager"
+    for point in payload["points"]:
+        assert point["steps"] == 3 and point["decode_tokens_per_step"] >= point["num_seqs"]
+        assert point["phases_us_per_step"]["forward"] > 0 and point["phases_us_per_step"]["sampling"] > 0
