@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from operator import add, attrgetter
 
 import numpy as np
 import torch
@@ -64,6 +65,8 @@ logger = logging.getLogger(__name__)
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
 MAX_GRAPH_TOKENS = 2048
+# Per-chunk fields read in C (map): these run over every chunk of every step.
+_num_tokens, _start_pos = attrgetter("num_tokens"), attrgetter("start_pos")
 
 
 def decode_bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -100,6 +103,8 @@ def attention_work(chunks: list[ScheduledChunk], tile_tokens: int | None = None)
     """Sum over the step's queries of the context each walks. Without tiles every token is a query: chunk
     positions s..s+n-1 see s+1..s+n. With `tile_tokens` (T) a chunk of n > 1 tokens is a query per tile, which
     walks its last token's context: m = ceil(n / T) tiles see s + T, s + 2T, ..., s + (m - 1)T and s + n."""
+    if sum(map(_num_tokens, chunks)) == len(chunks):  # decodes only: each sees its start + 1 positions
+        return sum(map(_start_pos, chunks)) + len(chunks)
     work = 0
     for chunk in chunks:
         start, n = chunk.start_pos, chunk.num_tokens
@@ -292,7 +297,7 @@ class PaddedStepRunner:
     def serves(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step fits a bucket and its attention (per token, or per tile in a tiled bucket) stays
         cheap enough."""
-        num_tokens = sum(chunk.num_tokens for chunk in chunks)
+        num_tokens = sum(map(_num_tokens, chunks))
         if not (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows):
             return False
         tiled = self.buffers.num_tiles(smallest_fit(self.bucket_sizes, num_tokens)) > 0
@@ -300,8 +305,8 @@ class PaddedStepRunner:
 
     def shape_of(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
         """(token bucket, bound) a step of these chunks runs at."""
-        num_tokens = sum(chunk.num_tokens for chunk in chunks)
-        longest = max(chunk.seq_len for chunk in chunks)
+        num_tokens = sum(map(_num_tokens, chunks))
+        longest = max(map(add, map(_start_pos, chunks), map(_num_tokens, chunks)))  # the longest seq_len
         return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
     def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,

@@ -11,12 +11,16 @@ The transfers involved never make the host wait for the device (core/engine/tran
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from deepinfer.core.engine.sampler import SamplerOutput
+
+
+_request_id = attrgetter("request.request_id")
 
 
 class InflightStep:
@@ -28,7 +32,7 @@ class InflightStep:
         self.scheduler_output = scheduler_output
         self.sampling_chunks = sampling_chunks
         self.sampled = sampled  # None when no chunk samples
-        self._request_ids = [chunk.request.request_id for chunk in sampling_chunks]
+        self._request_ids = list(map(_request_id, sampling_chunks))
         self._rows = dict(zip(self._request_ids, range(len(sampling_chunks))))
 
     def sampled_row(self, request_id: str) -> int:
