@@ -113,6 +113,8 @@ def host(
         "--forward", help="stand-in: a forward and sampler that cost nothing, on the CPU; model: the real "
                           "model and sampler on --device (a GPU).")] = "stand-in",
     steps: Annotated[int, typer.Option("--steps", help="Timed steps per point (and as many for the phases).")] = 64,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", help="Timed passes per point; the least disturbed (cheapest core) is kept.")] = 3,
     warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Untimed steps once every stream decodes.")] = 8,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens of each stream.")] = 128,
     long_prompt_len: Annotated[int, typer.Option(
@@ -140,7 +142,7 @@ def host(
         fail(f"--tokenizer takes default or byte, got {tokenizer!r}")
     config = engine_config(engine) if forward == "model" else _stand_in_config(engine)
     workload = HostWorkload(num_seqs=_int_list(num_seqs, "--num-seqs"),
-                            modes=[m.strip() for m in modes.split(",") if m.strip()], steps=steps,
+                            modes=[m.strip() for m in modes.split(",") if m.strip()], steps=steps, repeats=repeats,
                             warmup_steps=warmup_steps, prompt_len=prompt_len, long_prompt_len=long_prompt_len,
                             seed=config.seed)
     console = Console(stderr=True)

@@ -27,7 +27,7 @@ microsecond each) add to what they measure; the phase table comes from that pass
 
 `core` is the engine core's work: the whole step less the front end (output processing: detokenizing,
 stop strings, snapshots) and the forward, the median over the timed steps (as are the front end's and
-the forward's figures). `fit` is a least-squares line of the core's CPU µs per step over N: its slope
+the forward's figures), from the cheapest of `repeats` timed passes. `fit` is a least-squares line of the core's CPU µs per step over N: its slope
 is the cost per running sequence, its intercept the fixed cost per step.
 """
 
@@ -70,7 +70,8 @@ _STOP_CHAR = "\x07"
 class HostWorkload:
     num_seqs: list[int] = field(default_factory=lambda: [1, 32, 64, 128, 256, 512])
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    steps: int = 64  # timed steps per point (and as many again for the phase pass)
+    steps: int = 64  # timed steps per point, per repeat (and as many again for the phase pass)
+    repeats: int = 3  # timed passes per point; the one with the cheapest core is kept
     warmup_steps: int = 8  # untimed steps after the prompts are in
     prompt_len: int = 128
     long_prompt_len: int = 8192  # mixed mode's chunked prompt
@@ -84,6 +85,7 @@ class HostWorkload:
             (bool(self.modes) and all(m in MODES for m in self.modes),
              f"--modes takes {', '.join(MODES)}, got {self.modes}"),
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"),
             (self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}"),
             (self.prompt_len >= 1, f"--prompt-len must be >= 1, got {self.prompt_len}"),
             (self.long_prompt_len >= 2, f"--long-prompt-len must be >= 2, got {self.long_prompt_len}"),
@@ -95,7 +97,7 @@ class HostWorkload:
     def max_output_tokens(self, num_seqs: int, token_budget: int) -> int:
         """Output tokens a stream of a point can reach: its prefill steps, the warm-up and both passes."""
         prefill_steps = cdiv(num_seqs * self.prompt_len, max(1, token_budget - num_seqs)) + 2
-        return prefill_steps + self.warmup_steps + 2 * self.steps + 8
+        return prefill_steps + self.warmup_steps + (self.repeats + 1) * self.steps + 8
 
 
 # The stand-in. ------------------------------------------------------------------------------------------
@@ -332,6 +334,27 @@ class _Point:
             engine.step()
 
 
+def _pass(engine: LLMEngine, point: _Point, steps: int, clock: PhaseClock,
+          phases: tuple[str, ...]) -> tuple[list[StepSample], list[dict[str, float]]]:
+    """`steps` steps with spans on `phases`: (the steps, each step's span seconds per phase)."""
+    instrument(engine, clock, phases)
+    samples, per_step = [], []
+    try:
+        gc.collect()
+        for _ in range(steps):
+            samples.append(point.step())
+            per_step.append(clock.take())
+    finally:
+        clock.close()
+    return samples, per_step
+
+
+def _core_median(samples: list[StepSample], spans: list[dict[str, float]]) -> float:
+    """Median over the steps of the step's CPU time less its front end and forward."""
+    return statistics.median(s.cpu_s - step.get("output", 0.0) - step.get("forward", 0.0)
+                             for s, step in zip(samples, spans))
+
+
 def _summary(values: list[float]) -> dict:
     values_us = sorted(v * 1e6 for v in values)
     return {"mean": statistics.fmean(values_us), "p50": statistics.median(values_us),
@@ -340,27 +363,20 @@ def _summary(values: list[float]) -> dict:
 
 def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs: int, pool: np.ndarray,
                   rng: np.random.Generator) -> dict:
-    """The timed pass takes the step's CPU time and, by CPU-time spans, the front end's and the
-    forward's; the phase pass puts CPU-time spans on every phase (a CPU clock read costs about a
-    microsecond, which the per-token spans add to what they measure)."""
+    """The timed passes take the step's CPU time and, by CPU-time spans, the front end's and the
+    forward's; of the `repeats` of them the one whose core median is lowest is kept (the least disturbed by
+    other processes: they only ever add time). The phase pass puts CPU-time spans on every phase (a CPU
+    clock read costs about a microsecond, which the per-token spans add to what they measure)."""
     point = _Point(engine, workload, mode, num_seqs, pool, rng)
     try:
         point.warm_up()
-        passes = {}
-        for name, clock, phases in (("timed", PhaseClock(time.thread_time), ("output", "forward")),
-                                    ("phases", PhaseClock(time.thread_time), PHASES)):
-            instrument(engine, clock, phases)
-            samples, per_step = [], []
-            try:
-                gc.collect()
-                for _ in range(workload.steps):
-                    samples.append(point.step())
-                    per_step.append(clock.take())
-            finally:
-                clock.close()
-            passes[name] = (samples, per_step)
+        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward"))
+                 for _ in range(workload.repeats)]
+        phase_pass = _pass(engine, point, workload.steps, PhaseClock(time.thread_time), PHASES)
     finally:
         point.finish()
+    repeat_cores = [_core_median(*run) for run in timed]
+    passes = {"timed": timed[repeat_cores.index(min(repeat_cores))], "phases": phase_pass}
     samples, cpu_spans = passes["timed"]
     phase_samples, phase_spans = passes["phases"]
     steps = len(samples)
@@ -369,8 +385,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     # cache traffic, the collector), which a mean would spread over every figure.
     front = statistics.median(spans.get("output", 0.0) for spans in cpu_spans)
     forward = statistics.median(spans.get("forward", 0.0) for spans in cpu_spans)
-    core = statistics.median(s.cpu_s - spans.get("output", 0.0) - spans.get("forward", 0.0)
-                             for s, spans in zip(samples, cpu_spans))
+    core = _core_median(samples, cpu_spans)
     output_tokens = statistics.fmean(s.output_tokens for s in samples)
     phase_cpu = statistics.fmean(s.cpu_s for s in phase_samples)
     phases = {p: statistics.fmean(spans.get(p, 0.0) for spans in phase_spans) * 1e6 for p in PHASES if p != "other"}
@@ -390,6 +405,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "cpu_us_per_seq": cpu_mean * 1e6 / num_seqs,
         "core_cpu_us_per_step": core * 1e6,
         "core_cpu_us_per_seq": core * 1e6 / num_seqs,
+        "core_cpu_us_per_step_repeats": [c * 1e6 for c in repeat_cores],
         "front_end_cpu_us_per_step": front * 1e6,
         "front_end_cpu_us_per_token": front * 1e6 / output_tokens if output_tokens else None,
         "forward_cpu_us_per_step": forward * 1e6,
