@@ -23,6 +23,9 @@ run eagerly as above.
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
+
 import torch
 
 from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
@@ -34,6 +37,9 @@ from deepinfer.core.engine.step_inputs import StepInputs, request_stager
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.structured.step_mask import step_grammar_mask
+
+
+_sample = attrgetter("sample")
 
 
 class ModelRunner:
@@ -63,7 +69,7 @@ class ModelRunner:
         if self.step_runner is not None and self.step_runner.serves(chunks):
             # [n, vocab] float32, the sampling chunks'
             logits = self.step_runner.run(chunks, previous, scheduler_output.block_tables)
-            sampling_chunks = [chunk for chunk in chunks if chunk.sample]
+            sampling_chunks = list(compress(chunks, map(_sample, chunks)))
         else:
             inputs = self.prepare_inputs(scheduler_output, previous)
             # [T, hidden]
