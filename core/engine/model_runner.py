@@ -38,7 +38,6 @@ from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.structured.step_mask import step_grammar_mask
 
-
 _sample = attrgetter("sample")
 
 
