@@ -370,7 +370,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     point = _Point(engine, workload, mode, num_seqs, pool, rng)
     try:
         point.warm_up()
-        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward"))
+        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward", "collect"))
                  for _ in range(workload.repeats)]
         phase_pass = _pass(engine, point, workload.steps, PhaseClock(time.thread_time), PHASES)
     finally:
@@ -385,6 +385,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     # cache traffic, the collector), which a mean would spread over every figure.
     front = statistics.median(spans.get("output", 0.0) for spans in cpu_spans)
     forward = statistics.median(spans.get("forward", 0.0) for spans in cpu_spans)
+    collect = statistics.median(spans.get("collect", 0.0) for spans in cpu_spans)
     core = _core_median(samples, cpu_spans)
     output_tokens = statistics.fmean(s.output_tokens for s in samples)
     phase_cpu = statistics.fmean(s.cpu_s for s in phase_samples)
@@ -409,6 +410,9 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "front_end_cpu_us_per_step": front * 1e6,
         "front_end_cpu_us_per_token": front * 1e6 / output_tokens if output_tokens else None,
         "forward_cpu_us_per_step": forward * 1e6,
+        # Part of the core: reading the sampled tokens back; with --forward model on a GPU, also the wait for
+        # the device (CUDA events spin), which the core then holds too.
+        "collect_cpu_us_per_step": collect * 1e6,
         # The phase pass: CPU µs per step (its spans around per-request and per-token calls add their cost).
         "phases_us_per_step": phases,
         "phases_core_us_per_seq": (phase_cpu * 1e6 - front_phases - phases["forward"]) / num_seqs,
