@@ -42,8 +42,6 @@ from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager
 
-_NOT_STOPPED = (None, None)
-
 
 class Scheduler:
     def __init__(
@@ -218,6 +216,7 @@ class Scheduler:
         finished = False
         tokens, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
         kv, running, new_prompt_tokens = self.kv, RequestStatus.RUNNING, 0
+        max_model_len, append = self.max_model_len, sampled.append
         for chunk in scheduler_output.chunks:
             request = chunk.request
             status = request.status
@@ -247,27 +246,24 @@ class Scheduler:
             request.all_token_ids.append(token_id)
             if request.logprobs is not None:
                 request.logprobs.append(logprobs[request_id])
-            status, stop_reason = self._stop_status(request, token_id)
-            if status is not None:
-                request.stop_reason = stop_reason
-                self._finish(request, status, remove_from_running=False)
+            # The stop rules that need no text, in order: EOS, a stop token, max_tokens or max_model_len.
+            params = request.params
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
                 finished = True
-            sampled.append(request)
+            elif params.stop_token_ids and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
+                finished = True
+            elif len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
+                self._finish(request, RequestStatus.FINISHED_LENGTH, remove_from_running=False)
+                finished = True
+            append(request)
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
         if stats is not None:
             stats.num_prompt_tokens += new_prompt_tokens
         return sampled
-
-    def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
-        params = request.params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token_id
-        if len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return _NOT_STOPPED
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, error: str | None = None,
