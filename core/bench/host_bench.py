@@ -34,6 +34,7 @@ is the cost per running sequence, its intercept the fixed cost per step.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -467,6 +468,7 @@ def run_host_benchmark(base_config: EngineConfig, workload: HostWorkload, forwar
 
 
 def _run(config: EngineConfig, workload: HostWorkload, forward: str, on_point, tokenizer) -> dict:
+    load_at_start = os.getloadavg()  # CPU time per step grows with what else runs on the machine
     engine = stand_in_engine(config, tokenizer) if forward == "stand-in" else LLMEngine(config)
     rng = np.random.default_rng(workload.seed)
     pool = token_pool(engine.tokenizer, engine.spec.vocab_size, rng)
@@ -499,6 +501,7 @@ def _run(config: EngineConfig, workload: HostWorkload, forward: str, on_point, t
         "fit": fits,
         "front_end_cpu_us_per_token_max": max(tokens) if tokens else None,
         "interrupted": interrupted,
+        "load_average_1_5_15_min": {"start": list(load_at_start), "end": list(os.getloadavg())},
     }
 
 
