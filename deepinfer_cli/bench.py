@@ -114,6 +114,78 @@ def jitter(
     _finish("jitter", config, payload, jitter_tables(payload), output)
 
 
+@app.command("host")
+@engine_flags("concurrency")
+def host(
+    num_seqs: Annotated[str, typer.Option(
+        "--num-seqs", help="Comma-separated numbers of running sequences.")] = "1,32,64,128,256,512",
+    modes: Annotated[str, typer.Option(
+        "--modes", help="decode (every stream decodes), mixed (a long prompt chunked beside them), or both.")
+    ] = "decode,mixed",
+    forward: Annotated[str, typer.Option(
+        "--forward", help="stand-in: a forward and sampler that cost nothing, on the CPU; model: the real "
+                          "model and sampler on --device (a GPU).")] = "stand-in",
+    steps: Annotated[int, typer.Option("--steps", help="Timed steps per point (and as many for the phases).")] = 64,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", help="Timed passes per point; the least disturbed (cheapest core) is kept.")] = 3,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Untimed steps once every stream decodes.")] = 8,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens of each stream.")] = 128,
+    long_prompt_len: Annotated[int, typer.Option(
+        "--long-prompt-len", help="Tokens of the prompt mixed steps chunk.")] = 8192,
+    tokenizer: Annotated[str, typer.Option(
+        "--tokenizer", help="The stand-in's tokenizer: default (the default model's, when on disk) or byte "
+                            "(one id per byte).")] = "default",
+    baseline: Annotated[str | None, typer.Option(
+        "--baseline", help="A previous bench host JSON, kept in this one as `baseline` and set beside it.")] = None,
+    output: OutputOpt = None,
+    verbose: VerboseOpt = False,
+    *,
+    engine: dict,
+) -> None:
+    """The engine loop's host cost per step and per running sequence, and where it goes."""
+    _setup_logging(verbose)
+    from rich.console import Console
+
+    from deepinfer.core.bench.host_bench import HostWorkload, host_tables, run_host_benchmark
+
+    baseline_run = _json_file(baseline, "--baseline") if baseline else None
+    if forward not in ("stand-in", "model"):
+        fail(f"--forward takes stand-in or model, got {forward!r}")
+    if tokenizer not in ("default", "byte"):
+        fail(f"--tokenizer takes default or byte, got {tokenizer!r}")
+    config = engine_config(engine) if forward == "model" else _stand_in_config(engine)
+    workload = HostWorkload(num_seqs=_int_list(num_seqs, "--num-seqs"),
+                            modes=[m.strip() for m in modes.split(",") if m.strip()], steps=steps, repeats=repeats,
+                            warmup_steps=warmup_steps, prompt_len=prompt_len, long_prompt_len=long_prompt_len,
+                            seed=config.seed)
+    console = Console(stderr=True)
+
+    def on_point(point: dict) -> None:
+        console.print(f"{point['mode']} {point['num_seqs']} seqs: {point['cpu_us_per_step_mean']:.0f} CPU µs/step, "
+                      f"core {point['core_cpu_us_per_seq']:.2f} µs/seq, front end "
+                      f"{point['front_end_cpu_us_per_token'] or 0:.2f} µs/token")
+
+    stand_in_tokenizer = None
+    if tokenizer == "byte":
+        from deepinfer.core.bench.host_bench import STAND_IN_VOCAB_SIZE
+        from deepinfer.core.tokenizer import ByteTokenizer
+
+        stand_in_tokenizer = ByteTokenizer(STAND_IN_VOCAB_SIZE)
+    payload = run_host_benchmark(config, workload, forward, on_point, stand_in_tokenizer)
+    if baseline_run is not None:
+        payload["baseline"] = {key: baseline_run.get(key) for key in ("env", "points", "fit", "workload")}
+    _finish("host", config, payload, host_tables(payload), output, subject="stand-in" if forward == "stand-in" else None)
+
+
+def _stand_in_config(engine: dict):
+    """The stand-in's EngineConfig: only the scheduling flags matter (block size, budget, prefix caching)."""
+    from deepinfer.core.config import EngineConfig
+
+    kept = ("seed", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "async_scheduling",
+            "max_waiting_requests")
+    return EngineConfig(**{key: value for key, value in engine.items() if key in kept})
+
+
 @app.command("gemv")
 def gemv(
     shapes: Annotated[str, typer.Option(
@@ -424,7 +496,8 @@ def _json_file(path: str, flag: str) -> dict:
     return value
 
 
-def _finish(benchmark: str, config, payload: dict, tables: list, output: str | None) -> None:
+def _finish(benchmark: str, config, payload: dict, tables: list, output: str | None,
+            subject: str | None = None) -> None:
     """Print the tables, write the JSON with the environment, say where it went."""
     import sys
     from pathlib import Path
@@ -435,7 +508,7 @@ def _finish(benchmark: str, config, payload: dict, tables: list, output: str | N
     from deepinfer.core.bench.report import results_path, write_json
 
     env = env_info(["deepinfer", *sys.argv[1:]])
-    subject = Path(config.shape or config.model or payload.get("model_name") or "default").stem
+    subject = subject or Path(config.shape or config.model or payload.get("model_name") or "default").stem
     if config.quantization:
         subject += f"-{config.quantization}"
     path = write_json(results_path(benchmark, subject, gpu_slug(env), output), payload, env)

@@ -291,9 +291,9 @@ def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir,
     loads = []
     load = padded.step_runner.buffers.load
 
-    def recording_load(chunks, tokens, bound, previous=None):
+    def recording_load(chunks, tokens, bound, *rest):
         loads.append((tokens, [c.num_tokens for c in chunks]))
-        return load(chunks, tokens, bound, previous)
+        return load(chunks, tokens, bound, *rest)
 
     padded.step_runner.buffers.load = recording_load
     requests = workload()

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from operator import add, attrgetter
 
 import numpy as np
 import torch
@@ -64,6 +65,8 @@ logger = logging.getLogger(__name__)
 SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
 MAX_GRAPH_TOKENS = 2048
+# Per-chunk fields read in C (map): these run over every chunk of every step.
+_num_tokens, _start_pos = attrgetter("num_tokens"), attrgetter("start_pos")
 
 
 def decode_bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -100,6 +103,8 @@ def attention_work(chunks: list[ScheduledChunk], tile_tokens: int | None = None)
     """Sum over the step's queries of the context each walks. Without tiles every token is a query: chunk
     positions s..s+n-1 see s+1..s+n. With `tile_tokens` (T) a chunk of n > 1 tokens is a query per tile, which
     walks its last token's context: m = ceil(n / T) tiles see s + T, s + 2T, ..., s + (m - 1)T and s + n."""
+    if sum(map(_num_tokens, chunks)) == len(chunks):  # decodes only: each sees its start + 1 positions
+        return sum(map(_start_pos, chunks)) + len(chunks)
     work = 0
     for chunk in chunks:
         start, n = chunk.start_pos, chunk.num_tokens
@@ -163,10 +168,11 @@ class StaticStepBuffers:
         return max_prefill_tiles(tokens, self.max_rows, self.tile_tokens)
 
     def load(self, chunks: list[ScheduledChunk], tokens: int, bound: int,
-             previous: InflightStep | None = None) -> None:
+             previous: InflightStep | None = None, block_tables: np.ndarray | None = None) -> None:
         """Stage the chunks' tokens as rows 0..T-1 (chunk i is request row i), padding rows T..tokens-1,
-        and copy to the device. Pending input tokens come from `previous`'s sampled tokens. In a tiled bucket
-        the decodes' tokens come first, so the decode kernel's first max_num_seqs rows hold them all."""
+        and copy to the device. Pending input tokens come from `previous`'s sampled tokens; `block_tables`:
+        the step's SchedulerOutput.block_tables (StepStager.stage_chunks). In a tiled bucket the decodes'
+        tokens come first, so the decode kernel's first max_num_seqs rows hold them all."""
         stager = self.stager
         stager.begin()
         bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
@@ -180,13 +186,13 @@ class StaticStepBuffers:
         placed = list(enumerate(chunks))
         if num_tiles:
             placed.sort(key=lambda item: item[1].num_tokens > 1)  # stable: decodes first, in chunk order
-        pending = stager.stage_chunks(placed, tokens, tables)
-        lengths = [chunk.num_tokens for _, chunk in placed]
-        request_rows = [i for i, _ in placed]
-        token = sum(lengths)
+        staged = stager.stage_chunks(placed, tokens, tables, block_tables)
+        lengths = staged.lengths
+        request_rows = np.array([i for i, _ in placed], dtype=np.int64) if num_tiles else np.arange(len(chunks))
+        token = int(staged.ends[-1]) if len(chunks) else 0
         seq_lens[:token] = positions[:token] + 1  # each token attends to its context up to itself
         token_rows[:token] = np.repeat(request_rows, lengths)
-        logit_rows[request_rows] = np.cumsum(lengths) - 1  # chunk i's last token, wherever it was placed
+        logit_rows[request_rows] = staged.ends - 1  # chunk i's last token, wherever it was placed
         ids[token:] = 0  # padding: token 0 at position 0 ...
         positions[token:] = 0
         slots[token:] = self.dummy_block * bs  # ... written to the dummy block's slot 0
@@ -196,8 +202,8 @@ class StaticStepBuffers:
         logit_rows[len(chunks):] = 0
         n32 = 2 * tokens + (rows + 1) * width
         if num_tiles:
-            n32 += self._stage_tiles(h32[n32:], lengths, tokens, rows, num_tiles)
-        stager.send(tokens, rows, n32, pending, previous, int64_out=self.int64, int32_out=self.int32)
+            n32 += self._stage_tiles(h32[n32:], lengths.tolist(), tokens, rows, num_tiles)
+        stager.send(tokens, rows, n32, staged, previous, int64_out=self.int64, int32_out=self.int32)
 
     def _stage_tiles(self, h32: np.ndarray, placed_lengths: list[int], tokens: int, rows: int, num_tiles: int) -> int:
         """Fill a tiled step's decode lengths (h32[:rows]) and tiles (h32[rows:rows + 2 * num_tiles]) after its
@@ -291,7 +297,7 @@ class PaddedStepRunner:
     def serves(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step fits a bucket and its attention (per token, or per tile in a tiled bucket) stays
         cheap enough."""
-        num_tokens = sum(chunk.num_tokens for chunk in chunks)
+        num_tokens = sum(map(_num_tokens, chunks))
         if not (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows):
             return False
         tiled = self.buffers.num_tiles(smallest_fit(self.bucket_sizes, num_tokens)) > 0
@@ -299,16 +305,18 @@ class PaddedStepRunner:
 
     def shape_of(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
         """(token bucket, bound) a step of these chunks runs at."""
-        num_tokens = sum(chunk.num_tokens for chunk in chunks)
-        longest = max(chunk.seq_len for chunk in chunks)
+        num_tokens = sum(map(_num_tokens, chunks))
+        longest = max(map(add, map(_start_pos, chunks), map(_num_tokens, chunks)))  # the longest seq_len
         return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
-    def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,
+            block_tables: np.ndarray | None = None) -> torch.Tensor:
         """-> logits [n, vocab] float32 of the n chunks that sample, row i for the last token of the
         i-th of them. With graphs the rows are a view of the shared output buffer, valid until the
-        next step. `previous`: the step in flight, which samples the chunks' pending input tokens."""
+        next step. `previous`: the step in flight, which samples the chunks' pending input tokens;
+        `block_tables`: the step's SchedulerOutput.block_tables."""
         tokens, bound = self.shape_of(chunks)
-        self.buffers.load(chunks, tokens, bound, previous)
+        self.buffers.load(chunks, tokens, bound, previous, block_tables)
         logits = self.replay(tokens, bound) if self.use_graphs else self.forward(tokens, bound)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if len(sampling) == len(chunks):

@@ -11,12 +11,16 @@ The transfers involved never make the host wait for the device (core/engine/tran
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from deepinfer.core.engine.sampler import SamplerOutput
+
+
+_request_id = attrgetter("request.request_id")
 
 
 class InflightStep:
@@ -28,7 +32,8 @@ class InflightStep:
         self.scheduler_output = scheduler_output
         self.sampling_chunks = sampling_chunks
         self.sampled = sampled  # None when no chunk samples
-        self._rows = {chunk.request_id: row for row, chunk in enumerate(sampling_chunks)}
+        self._request_ids = list(map(_request_id, sampling_chunks))
+        self._rows = dict(zip(self._request_ids, range(len(sampling_chunks))))
 
     def sampled_row(self, request_id: str) -> int:
         """Row of the request's token in `sampled.sampled` (the device tensor)."""
@@ -37,6 +42,15 @@ class InflightStep:
             raise RuntimeError(f"request {request_id!r} has a pending token, but the step in flight "
                                f"did not sample it")
         return row
+
+    def sampled_rows(self, request_ids: list[str]) -> list[int]:
+        """`sampled_row` of each request."""
+        rows = self._rows
+        try:
+            return [rows[request_id] for request_id in request_ids]
+        except KeyError:
+            missing = next(request_id for request_id in request_ids if request_id not in rows)
+            return [self.sampled_row(missing)]  # raises
 
     def token_of(self, request_id: str) -> int | None:
         """The token this step sampled for the request (waits for the host copy); None if it sampled none."""
@@ -49,9 +63,8 @@ class InflightStep:
         if self.sampled is None:
             return out
         sampled = self.sampled
-        for chunk, token_id, logprob in zip(self.sampling_chunks, sampled.token_ids, sampled.logprobs):
-            out.sampled_token_ids[chunk.request_id] = token_id
-            if logprob is not None:
-                out.logprobs[chunk.request_id] = logprob
+        out.sampled_token_ids = dict(zip(self._request_ids, sampled.token_ids))
+        out.logprobs = {request_id: logprob for request_id, logprob in zip(self._request_ids, sampled.logprobs)
+                        if logprob is not None}
         return out
 

@@ -246,18 +246,16 @@ class LLMEngine:
         """Wait for the step in flight's tokens and apply them as a synchronous step would."""
         inflight, self._inflight = self._inflight, None
         scheduler_output = inflight.scheduler_output
-        requests = [chunk.request for chunk in scheduler_output.chunks]
+        step_stats = IterationStats()  # what the step adds to `stats` once it is applied
         try:
             runner_output = inflight.result()
-            new_prompt_tokens = sum(  # prompt tokens computed for the first time
-                max(0, min(c.seq_len, c.request.num_prompt_tokens) - c.request.max_computed_prompt_tokens)
-                for c in scheduler_output.chunks if not c.request.is_finished)
-            sampling_failed = self._fail_sampling_failures(inflight)  # before update, which then skips them
-            sampled = self.scheduler.update(scheduler_output, runner_output)
+            sampling_failed = self._fail_sampling_failures(inflight, step_stats)  # before update, which skips them
+            sampled = self.scheduler.update(scheduler_output, runner_output, step_stats)
         except Exception as err:  # fail this step's requests only; the engine goes on
+            requests = [chunk.request for chunk in scheduler_output.chunks]
             logger.exception("a step of %d requests failed; failing them", len(requests))
             return self._fail(requests, err)
-        stats.num_prompt_tokens += new_prompt_tokens
+        stats.num_prompt_tokens += step_stats.num_prompt_tokens
         stats.num_generation_tokens += len(sampled)
         stopped, failed = self.output_processor.append_tokens(sampled, stats)
         for request, stop in stopped:
@@ -267,12 +265,17 @@ class LLMEngine:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR, error=message)
         return sampled + [request for request, _ in failed] + sampling_failed
 
-    def _fail_sampling_failures(self, inflight: InflightStep) -> list[Request]:
-        """Fail the requests whose own sampling raised in `inflight` (the sampler gave them token 0)."""
+    def _fail_sampling_failures(self, inflight: InflightStep, stats: IterationStats) -> list[Request]:
+        """Fail the requests whose own sampling raised in `inflight` (the sampler gave them token 0); their
+        chunks' prompt tokens were computed, so `stats` counts those first-time ones (update skips them)."""
         failures = inflight.sampled.failures if inflight.sampled is not None else {}
         finished = []
         for row, message in failures.items():
-            request = inflight.sampling_chunks[row].request
+            chunk = inflight.sampling_chunks[row]
+            request = chunk.request
+            if not request.is_finished:
+                stats.num_prompt_tokens += max(0, min(chunk.seq_len, request.num_prompt_tokens)
+                                               - request.max_computed_prompt_tokens)
             logger.error("request %s failed: %s", request.request_id, message)
             finished += self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
                                                        error=message)

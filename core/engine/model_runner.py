@@ -23,6 +23,9 @@ run eagerly as above.
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
+
 import torch
 
 from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
@@ -34,6 +37,8 @@ from deepinfer.core.engine.step_inputs import StepInputs, request_stager
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.structured.step_mask import step_grammar_mask
+
+_sample = attrgetter("sample")
 
 
 class ModelRunner:
@@ -61,8 +66,9 @@ class ModelRunner:
         `previous`: the step in flight, whose sampled tokens are this step's pending input tokens."""
         chunks = scheduler_output.chunks
         if self.step_runner is not None and self.step_runner.serves(chunks):
-            logits = self.step_runner.run(chunks, previous)  # [n, vocab] float32, the sampling chunks'
-            sampling_chunks = [chunk for chunk in chunks if chunk.sample]
+            # [n, vocab] float32, the sampling chunks'
+            logits = self.step_runner.run(chunks, previous, scheduler_output.block_tables)
+            sampling_chunks = list(compress(chunks, map(_sample, chunks)))
         else:
             inputs = self.prepare_inputs(scheduler_output, previous)
             # [T, hidden]
@@ -71,7 +77,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if sampling_chunks else None
         if not sampling_chunks:
             return InflightStep(scheduler_output, [], None)
-        rows = [sampling_row(chunk.request) for chunk in sampling_chunks]
+        rows = [chunk.request.sampling_row or sampling_row(chunk.request) for chunk in sampling_chunks]
         # After the forward is enqueued: the host fills the masks while the device runs it.
         grammar_mask = step_grammar_mask(sampling_chunks, previous.token_of if previous is not None else None,
                                          logits.shape[1], self.device)
@@ -79,11 +85,15 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,
                        previous: InflightStep | None = None) -> StepInputs:
-        chunks = sorted(scheduler_output.chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
-        return self._stager.stage_requests(chunks, previous)
+        chunks = scheduler_output.chunks
+        if sum(chunk.num_tokens for chunk in chunks) != len(chunks):  # not all decodes
+            chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        return self._stager.stage_requests(chunks, previous, scheduler_output.block_tables)
 
 
 def sampling_row(request: Request) -> SamplingRow:
-    return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                       output_token_ids=request.output_token_ids, generator=request.generator)
+    """The request's SamplingRow, made once: it holds the live output list, so it stays current."""
+    request.sampling_row = SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
+                                       output_token_ids=request.output_token_ids, generator=request.generator)
+    return request.sampling_row
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.request import FINISHED_STATUSES, Request, RequestStatus
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import FinishedRequestStats, IterationStats
 
@@ -58,16 +58,10 @@ class CompletionSnapshot(CompletionOutput):
     logprobs = _PrefixOnRead()
 
     def __init__(self, live: CompletionOutput) -> None:  # every field except the two lazy ones
-        self.index = live.index
-        self.text = live.text
-        self.finish_reason = live.finish_reason
-        self.stop_reason = live.stop_reason
-        self.delta_text = live.delta_text
-        self.delta_token_ids = live.delta_token_ids
-        self.delta_logprobs = live.delta_logprobs
-        self._live_token_ids = live.token_ids
-        self._live_logprobs = live.logprobs
-        self._num_tokens = len(live.token_ids)
+        self.__dict__.update(
+            index=live.index, text=live.text, finish_reason=live.finish_reason, stop_reason=live.stop_reason,
+            delta_text=live.delta_text, delta_token_ids=live.delta_token_ids, delta_logprobs=live.delta_logprobs,
+            _live_token_ids=live.token_ids, _live_logprobs=live.logprobs, _num_tokens=len(live.token_ids))
 
 
 @dataclass
@@ -95,11 +89,15 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
+        # sample's request id -> (its group, its live completion, its detokenizer): one lookup per token
+        self._samples: dict[str, tuple[RequestGroup, CompletionOutput, IncrementalDetokenizer]] = {}
 
     def add(self, group: RequestGroup) -> None:
         group.detokenizers = [IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params,
                                                      set(sample.eos_token_ids)) for sample in group.samples]
         self.groups[group.request_id] = group
+        for sample, completion, detokenizer in zip(group.samples, group.completions, group.detokenizers):
+            self._samples[sample.request_id] = (group, completion, detokenizer)
 
     def append_tokens(
         self, sampled: list[Request], stats: IterationStats
@@ -108,9 +106,9 @@ class OutputProcessor:
         and (requests whose detokenization failed, with the error); the engine finishes both."""
         now = time.monotonic()
         stopped, failed = [], []
+        samples, inter_token_latencies = self._samples, stats.inter_token_latencies_s
         for request in sampled:
-            group = self.groups[request.parent_id]
-            completion = group.completions[request.sample_index]
+            group, completion, detokenizer = samples[request.request_id]
             token_id = request.output_token_ids[-1]
             completion.token_ids.append(token_id)
             completion.delta_token_ids.append(token_id)
@@ -126,16 +124,17 @@ class OutputProcessor:
                     stats.request_prompt_tokens += len(group.prompt_token_ids)
                     stats.request_cached_tokens += request.num_cached_tokens
             else:
-                stats.inter_token_latencies_s.append(now - metrics.last_token_time)
+                inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
             try:
-                step = group.detokenizers[request.sample_index].append(token_id)
+                step = detokenizer.append(token_id)
             except Exception as err:  # one request's decoding error fails that request only
                 logger.exception("detokenizing request %s failed", request.request_id)
                 failed.append((request, f"detokenization failed: {type(err).__name__}: {err}"))
                 continue
-            completion.delta_text += step.delta_text
-            completion.text += step.delta_text
+            if step.delta_text:
+                completion.delta_text += step.delta_text
+                completion.text += step.delta_text
             if step.finished and isinstance(step.stop_reason, str):
                 if not request.is_finished:
                     stopped.append((request, step.stop_reason))
@@ -146,39 +145,56 @@ class OutputProcessor:
     def make_outputs(self, requests: list[Request], stats: IterationStats) -> list[RequestOutput]:
         """A snapshot for each group that one of `requests` belongs to; finished groups are dropped."""
         outputs = []
-        for parent_id in dict.fromkeys(request.parent_id for request in requests):
-            group = self.groups.get(parent_id)
+        groups = self.groups
+        for parent_id in dict.fromkeys([request.parent_id for request in requests]):
+            group = groups.get(parent_id)
             if group is None:
                 continue
-            for sample, completion in zip(group.samples, group.completions):
-                completion.finish_reason = sample.finish_reason
+            samples, completions = group.samples, group.completions
+            if len(samples) == 1:  # most requests: the group's one sample, without the loops
+                sample, completion = samples[0], completions[0]
+                finished = sample.status in FINISHED_STATUSES
+                completion.finish_reason = sample.status.value if finished else None
                 completion.stop_reason = sample.stop_reason
-            finished = group.finished
-            outputs.append(self._snapshot(group, finished))
-            for completion in group.completions:  # the snapshot took the delta lists
+                metrics = sample.metrics
+                outputs.append(RequestOutput(
+                    group.request_id, group.prompt, group.prompt_token_ids, [CompletionSnapshot(completion)],
+                    finished, sample.num_cached_tokens,
+                    RequestMetrics(metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
+                                   metrics.last_token_time, metrics.finished_time if finished else None),
+                    sample.error))
+                # The snapshot took the delta lists.
                 completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
+            else:
+                finished = True
+                for sample, completion in zip(samples, completions):
+                    if sample.status in FINISHED_STATUSES:
+                        completion.finish_reason = sample.status.value
+                    else:
+                        completion.finish_reason, finished = None, False
+                    completion.stop_reason = sample.stop_reason
+                outputs.append(self._snapshot(group, finished))
+                for completion in completions:  # the snapshot took the delta lists
+                    completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
             if finished:
-                del self.groups[parent_id]
+                del groups[parent_id]
+                for sample in samples:
+                    self._samples.pop(sample.request_id, None)
                 stats.finished_requests.append(_finished_stats(group))
         return outputs
 
     def _snapshot(self, group: RequestGroup, finished: bool) -> RequestOutput:
+        """The snapshot of a group of several samples."""
         samples = group.samples
-        if len(samples) == 1:
-            sample = samples[0]
-            num_cached_tokens, error = sample.num_cached_tokens, sample.error
-        else:
-            num_cached_tokens = max(s.num_cached_tokens for s in samples)
-            error = next((s.error for s in samples if s.error), None)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=[CompletionSnapshot(c) for c in group.completions],
             finished=finished,
-            num_cached_tokens=num_cached_tokens,
+            num_cached_tokens=max(s.num_cached_tokens for s in samples),
             metrics=_group_metrics(samples),
-            error=error,
+            error=next((s.error for s in samples if s.error), None),
         )
 
 

@@ -35,9 +35,16 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # Members are singletons: identity hashing keeps set lookups (several per token) out of Python code.
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in FINISHED_STATUSES
+
+
+FINISHED_STATUSES = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                               RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
 
 
 class Request:
@@ -76,6 +83,7 @@ class Request:
         self.wait_for: Request | None = None  # sibling whose prompt blocks this one waits to share
         self.generator: Any = None  # torch.Generator of a seeded request; kept across preemption
         self.grammar: Any = None  # core.structured.matcher.RequestGrammar of a constrained request
+        self.sampling_row: Any = None  # its core.engine.sampler.SamplingRow, made once by the model runner
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     @property
@@ -102,7 +110,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:

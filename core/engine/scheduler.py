@@ -36,8 +36,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.request import FINISHED_STATUSES, Request, RequestStatus
 from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager
 
@@ -90,30 +91,47 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        kv, max_model_len, chunks = self.kv, self.max_model_len, out.chunks
+        block_size = kv.block_size
 
         index, num_finishing = 0, 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if self._awaits_last_token(request):
+        running = self.running
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_tokens = len(request.all_token_ids)
+            pending = request.num_pending_tokens
+            if pending and (len(request.output_token_ids) + pending >= request.params.max_tokens
+                            or num_tokens + pending >= max_model_len):
+                # Its pending token reaches max_tokens or max_model_len: no step after it can be kept.
                 index, num_finishing = index + 1, num_finishing + 1
                 continue
-            num_new = min(request.num_missing_tokens, budget)
-            # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
-            while not self.kv.allocate_slots(request, request.num_inflight_tokens + num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.PREEMPTED:
-                break  # it was the newest, so nothing after it is left to schedule
-            out.chunks.append(self._chunk(request, num_new))
+            inflight = request.num_inflight_tokens
+            start = request.num_computed_tokens + inflight
+            missing = num_tokens + pending - start
+            num_new = min(budget, missing)
+            table, row = kv.table_and_row(request.request_id)
+            if start + num_new > len(table) * block_size:  # by counts: most decode steps need no new block
+                # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
+                while not kv.allocate_slots(request, inflight + num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status is RequestStatus.PREEMPTED:
+                    break  # it was the newest, so nothing after it is left to schedule
+            sample = num_new == missing
+            chunks.append(ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens, row))
+            request.num_inflight_tokens = inflight + num_new
+            if sample:
+                request.num_pending_tokens = pending + 1
             budget -= num_new
             index += 1
 
         if not out.preempted:
             budget = self._admit_waiting(out, budget, now, num_finishing)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.block_tables = kv.tables.array
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, num_finishing: int) -> int:
@@ -152,7 +170,9 @@ class Scheduler:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             self.running.append(request)
-            out.chunks.append(self._chunk(request, num_new))
+            start = request.next_position
+            out.chunks.append(self._chunk(request, start, num_new, num_new == request.num_missing_tokens,
+                                          request.num_tokens))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
@@ -167,20 +187,14 @@ class Scheduler:
             return False
         return True
 
-    def _awaits_last_token(self, request: Request) -> bool:
-        """Its pending token reaches max_tokens or max_model_len: no step after it can be kept."""
-        pending = request.num_pending_tokens
-        return pending > 0 and (request.num_output_tokens + pending >= request.params.max_tokens
-                                or request.num_tokens + pending >= self.max_model_len)
-
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        start = request.next_position
-        chunk = ScheduledChunk(request=request, start_pos=start, num_tokens=num_new,
-                               block_table=self.kv.block_table(request.request_id),
-                               sample=num_new == request.num_missing_tokens,
-                               last_token_pending=start + num_new > request.num_tokens)
+    def _chunk(self, request: Request, start: int, num_new: int, sample: bool, num_tokens: int) -> ScheduledChunk:
+        """The chunk of `num_new` tokens from position `start` (the running loop above does the same
+        inline); `sample`: it reaches the last token."""
+        table, row = self.kv.table_and_row(request.request_id)
+        chunk = ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens, row)
         request.num_inflight_tokens += num_new
-        request.num_pending_tokens += int(chunk.sample)
+        if sample:
+            request.num_pending_tokens += 1
         return chunk
 
     def _preempt(self, request: Request) -> None:
@@ -192,50 +206,64 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+               stats: IterationStats | None = None) -> list[Request]:
         """Apply a finished forward: advance computed tokens, append sampled ones, stop finished requests.
         Returns the requests that got a new token, in chunk order. A chunk of a request finished since
-        it was scheduled is skipped; one of a request preempted since only appends its sampled token."""
+        it was scheduled is skipped; one of a request preempted since only appends its sampled token.
+        `stats` gets the prompt tokens computed for the first time."""
         sampled: list[Request] = []
         finished = False
+        tokens, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        kv, running, new_prompt_tokens = self.kv, RequestStatus.RUNNING, 0
+        max_model_len, append = self.max_model_len, sampled.append
         for chunk in scheduler_output.chunks:
             request = chunk.request
-            if request.is_finished:
+            status = request.status
+            if status in FINISHED_STATUSES:
                 continue
-            # A preempted request's K/V are gone, but its prompt tokens were computed (stats count them
-            # once, as a synchronous step would have before the preemption).
-            computed_prompt = min(chunk.seq_len, request.num_prompt_tokens)
-            request.max_computed_prompt_tokens = max(request.max_computed_prompt_tokens, computed_prompt)
-            if request.status is RequestStatus.RUNNING:
-                request.num_inflight_tokens -= chunk.num_tokens
-                request.num_computed_tokens += chunk.num_tokens
-                self.kv.cache_computed_blocks(request)
+            num_tokens = chunk.num_tokens
+            if chunk.start_pos < len(request.prompt_token_ids):  # the chunk computes prompt positions
+                # A preempted request's K/V are gone, but its prompt tokens were computed (stats count them
+                # once, as a synchronous step would have before the preemption).
+                computed_prompt = min(chunk.start_pos + num_tokens, len(request.prompt_token_ids))
+                if computed_prompt > request.max_computed_prompt_tokens:
+                    new_prompt_tokens += computed_prompt - request.max_computed_prompt_tokens
+                    request.max_computed_prompt_tokens = computed_prompt
+                if status is running:
+                    request.num_inflight_tokens -= num_tokens
+                    request.num_computed_tokens += num_tokens
+                    kv.cache_computed_blocks(request)
+            elif status is running:  # past the prompt no new full prompt block can be cached
+                request.num_inflight_tokens -= num_tokens
+                request.num_computed_tokens += num_tokens
             if not chunk.sample:
                 continue
             request.num_pending_tokens -= 1
-            token_id = runner_output.sampled_token_ids[request.request_id]
-            request.append_output_token(token_id)
+            request_id = request.request_id
+            token_id = tokens[request_id]
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
             if request.logprobs is not None:
-                request.logprobs.append(runner_output.logprobs[request.request_id])
-            status, stop_reason = self._stop_status(request, token_id)
-            if status is not None:
-                request.stop_reason = stop_reason
-                self._finish(request, status, remove_from_running=False)
+                request.logprobs.append(logprobs[request_id])
+            # The stop rules that need no text, in order: EOS, a stop token, max_tokens or max_model_len.
+            params = request.params
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
                 finished = True
-            sampled.append(request)
+            elif params.stop_token_ids and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
+                finished = True
+            elif len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
+                self._finish(request, RequestStatus.FINISHED_LENGTH, remove_from_running=False)
+                finished = True
+            append(request)
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
+        if stats is not None:
+            stats.num_prompt_tokens += new_prompt_tokens
         return sampled
-
-    def _stop_status(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
-        params = request.params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token_id
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, error: str | None = None,

@@ -2,18 +2,21 @@
 
 SchedulerOutput says which requests compute which tokens this step; the runner turns it into
 tensors. ModelRunnerOutput carries back the sampled token of each request that sampled.
-Neither holds a tensor.
+Neither holds a tensor; SchedulerOutput holds the KV manager's block-table array (numpy), so the
+stager gathers a step's tables in one operation instead of converting one list per request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from deepinfer.core.engine.outputs import TokenLogprob
 from deepinfer.core.engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     start_pos: int  # first position computed this step (the request's num_computed_tokens before it)
@@ -23,6 +26,9 @@ class ScheduledChunk:
     # Its last input token is the one the step in flight samples (async scheduling): on the device, not
     # on the host yet, so it is not in `token_ids`; the runner fills it on the device.
     last_token_pending: bool = False
+    # Its block table's row in the step's `SchedulerOutput.block_tables` (the KV manager's array); None for
+    # chunks built by hand, whose stager reads `block_table`.
+    table_row: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -48,6 +54,9 @@ class SchedulerOutput:
     failed: list[Request] = field(default_factory=list)  # requests that can never fit, failed here
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0
+    # The KV manager's block tables as of this schedule, [rows, width] int32 (row `chunk.table_row` holds a
+    # chunk's table, zero past it); read by the step's stager before the next schedule. None for hand-built steps.
+    block_tables: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

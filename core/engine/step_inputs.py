@@ -27,6 +27,9 @@ any graph, so graphs replay unchanged).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, itemgetter
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +40,20 @@ from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.scheduler_output import ScheduledChunk
 from deepinfer.core.kv.kv_manager import cdiv
+
+# Per-chunk fields read in C (map) rather than in a Python loop: these run once per chunk every step.
+_first, _second = itemgetter(0), itemgetter(1)
+_num_tokens, _start_pos, _table_row = attrgetter("num_tokens"), attrgetter("start_pos"), attrgetter("table_row")
+_last_token_pending = attrgetter("last_token_pending")
+
+
+class StagedChunks(NamedTuple):
+    """What `StepStager.stage_chunks` staged, in placed order."""
+
+    pending_rows: list[int]  # the token row of each pending input token
+    pending_ids: list[str]  # the request of each
+    lengths: np.ndarray  # [R] int64 token rows of each chunk
+    ends: np.ndarray  # [R] int64 cumulative sum of lengths: chunk i's rows end before ends[i]
 
 
 @dataclass
@@ -76,36 +93,69 @@ class StepStager:
         h64 = self.h64
         return h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
 
-    def stage_chunks(self, placed: list[tuple[int, ScheduledChunk]], tokens: int,
-                     tables: np.ndarray) -> list[tuple[int, str]]:
+    def stage_chunks(self, placed: list[tuple[int, ScheduledChunk]], tokens: int, tables: np.ndarray,
+                     block_tables: np.ndarray | None = None) -> StagedChunks:
         """Write the chunks' tokens as consecutive token rows in `placed` order ([(request row, chunk)])
-        and each chunk's block table into `tables[request row]` (a view of the int32 staging, zeroed by
-        the caller). -> [(token row, request id)] of the pending tokens."""
+        and the first cdiv(seq_len, block_size) entries of each chunk's block table into
+        `tables[request row]` (a view of the int32 staging, zeroed by the caller). `block_tables`: the
+        step's SchedulerOutput.block_tables, where each chunk's `table_row` is (a scheduled chunk's table
+        ends at its context, and the array is zero past it); None, or a chunk without a row: the chunks'
+        `block_table` lists. Vectorized over the step: per chunk only a few list entries are read in Python."""
         bs = self.block_size
         ids, positions, slots = self.token_rows(tokens)
-        pending: list[tuple[int, str]] = []
-        token = 0
-        for row, chunk in placed:
-            start, n, table = chunk.start_pos, chunk.num_tokens, chunk.block_table
-            used = cdiv(start + n, bs)
-            tables[row, :used] = table[:used]
-            if n == 1:  # a decode: scalar writes beat numpy's per-call overhead
-                ids[token] = 0 if chunk.last_token_pending else chunk.request.all_token_ids[start]
-                positions[token] = start
-                slots[token] = table[start // bs] * bs + start % bs
-            else:
-                span = np.arange(start, start + n)
-                known = chunk.token_ids
-                ids[token:token + len(known)] = known
-                ids[token + len(known):token + n] = 0
-                positions[token:token + n] = span
-                slots[token:token + n] = tables[row, span // bs].astype(np.int64) * bs + span % bs
-            token += n
-            if chunk.last_token_pending:
-                pending.append((token - 1, chunk.request_id))
-        return pending
+        chunks = list(map(_second, placed))
+        if not chunks:
+            empty = np.zeros(0, dtype=np.int64)
+            return StagedChunks([], [], empty, empty)
+        length_list = list(map(_num_tokens, chunks))
+        count = sum(length_list)
+        decode_only = count == len(chunks)
+        starts = np.array(list(map(_start_pos, chunks)), dtype=np.int64)
+        table_rows = list(map(_table_row, chunks))
+        if block_tables is None or None in table_rows:  # chunks built by hand: their tables may run on
+            source, source_rows = _table_array([chunk.block_table for chunk in chunks]), np.arange(len(chunks))
+            used = (starts + np.array(length_list) + bs - 1) // bs  # [R] blocks each chunk's context spans
+            source[np.arange(source.shape[1]) >= used[:, None]] = 0
+        else:
+            source, source_rows = block_tables, np.array(table_rows, dtype=np.int64)
+        width = min(tables.shape[1], source.shape[1])
+        request_rows = list(map(_first, placed))
+        if request_rows == list(range(len(request_rows))):  # placed in order: a slice, no index array
+            tables[:len(request_rows), :width] = source[source_rows, :width]
+        else:
+            tables[request_rows, :width] = source[source_rows, :width]
+        if decode_only:  # one token each, at its start position
+            lengths = np.ones(count, dtype=np.int64)
+            ends = np.arange(1, count + 1, dtype=np.int64)
+            span, token_rows = starts, source_rows
+        else:
+            lengths = np.array(length_list, dtype=np.int64)
+            ends = np.cumsum(lengths)
+            # Token t of chunk i sits at position start_i + (t - first_i), first_i = ends_i - lengths_i.
+            span = np.arange(count, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+            token_rows = np.repeat(source_rows, lengths)
+        positions[:count] = span
+        slots[:count] = source[token_rows, span // bs].astype(np.int64) * bs + span % bs
+        ends_list = ends.tolist()
+        # A decode's one input is a known token or a pending one (staged as 0).
+        decodes = chunks if decode_only else [chunk for chunk in chunks if chunk.num_tokens == 1]
+        decode_ids = [0 if chunk.last_token_pending else chunk.request.all_token_ids[chunk.start_pos]
+                      for chunk in decodes]
+        if decode_only:
+            ids[:count] = decode_ids
+        else:
+            ids[[end - 1 for chunk, end in zip(chunks, ends_list) if chunk.num_tokens == 1]] = decode_ids
+            for chunk, end in zip(chunks, ends_list):
+                if chunk.num_tokens > 1:
+                    known = chunk.token_ids
+                    first = end - chunk.num_tokens
+                    ids[first:first + len(known)] = known
+                    ids[first + len(known):end] = 0
+        pending = list(compress(range(len(chunks)), map(_last_token_pending, chunks)))
+        return StagedChunks([ends_list[i] - 1 for i in pending], [chunks[i].request.request_id for i in pending],
+                            lengths, ends)
 
-    def send(self, tokens: int, rows: int, num_int32: int, pending: list[tuple[int, str]],
+    def send(self, tokens: int, rows: int, num_int32: int, staged: StagedChunks,
              previous: InflightStep | None, int64_out: torch.Tensor | None = None,
              int32_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the pending tokens' fill, copy the int64 staging of `tokens` token rows and `rows` logit
@@ -113,7 +163,7 @@ class StepStager:
         padded runner's static buffers, or fresh tensors), then fill the pending tokens there.
         -> (int64, int32) device tensors holding the staged values at their staging offsets."""
         num_int64 = 3 * tokens + rows
-        num_fill = _stage_fill(self.h64[num_int64:], pending, previous)
+        num_fill = _stage_fill(self.h64[num_int64:], staged, previous)
         int64_out = self._copy(self.host_int64[:num_int64 + num_fill], int64_out)
         int32_out = self._copy(self.host_int32[:num_int32], int32_out)
         if num_fill:
@@ -132,30 +182,32 @@ class StepStager:
 
     # The per-request layout. ----------------------------------------------------------------------------
 
-    def stage_requests(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None) -> StepInputs:
+    def stage_requests(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,
+                       block_tables: np.ndarray | None = None) -> StepInputs:
         """A step's inputs in the per-request layout, chunks in the order given (decodes, those of one
-        token, must come first). int32 staging: query_start_loc [B + 1], seq_lens [B], block tables [B, W]."""
+        token, must come first). int32 staging: query_start_loc [B + 1], seq_lens [B], block tables [B, W].
+        `block_tables`: the step's SchedulerOutput.block_tables (see `stage_chunks`)."""
         bs = self.block_size
         self.begin()
         num_requests = len(chunks)
         query_lens = [chunk.num_tokens for chunk in chunks]
-        seq_lens = [chunk.seq_len for chunk in chunks]
+        seq_lens = [chunk.start_pos + chunk.num_tokens for chunk in chunks]
         tokens = sum(query_lens)
-        width = max(cdiv(seq_len, bs) for seq_len in seq_lens)
+        width = cdiv(max(seq_lens), bs)
         h32 = self.h32
         tables_at = 2 * num_requests + 1
         num_int32 = tables_at + num_requests * width
         tables = h32[tables_at:num_int32].reshape(num_requests, width)
         tables[:] = 0
-        pending = self.stage_chunks(list(enumerate(chunks)), tokens, tables)
-        ends = np.cumsum(query_lens)
+        staged = self.stage_chunks(list(enumerate(chunks)), tokens, tables, block_tables)
         h32[0] = 0
-        h32[1:num_requests + 1] = ends
+        h32[1:num_requests + 1] = staged.ends
         h32[num_requests + 1:tables_at] = seq_lens
+        samples = [chunk.sample for chunk in chunks]
         sampling_chunks = [chunk for chunk in chunks if chunk.sample]
         rows = len(sampling_chunks)
-        self.h64[3 * tokens:3 * tokens + rows] = [end - 1 for end, chunk in zip(ends, chunks) if chunk.sample]
-        int64, int32 = self.send(tokens, rows, num_int32, pending, previous)
+        self.h64[3 * tokens:3 * tokens + rows] = staged.ends[np.array(samples, dtype=bool)] - 1
+        int64, int32 = self.send(tokens, rows, num_int32, staged, previous)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_requests)
         metadata = AttentionMetadata(
             slot_mapping=int64[2 * tokens:3 * tokens],
@@ -178,18 +230,25 @@ def request_stager(max_tokens: int, max_requests: int, max_blocks: int, block_si
     return StepStager(max_tokens, max_requests, 2 * max_requests + 1 + max_requests * max_blocks, block_size, device)
 
 
-def _stage_fill(staging: np.ndarray, pending: list[tuple[int, str]], previous: InflightStep | None) -> int:
+def _stage_fill(staging: np.ndarray, staged: StagedChunks, previous: InflightStep | None) -> int:
     """Write the fill of the pending tokens into `staging`: k input rows, then the k rows of
     `previous`'s sampled tokens they take. -> the number of values written, 2k."""
-    if not pending:
+    if not staged.pending_rows:
         return 0
     if previous is None:
-        raise RuntimeError(f"request {pending[0][1]!r} has a pending token but no step is in flight")
-    k = len(pending)
-    for i, (input_row, request_id) in enumerate(pending):
-        staging[i] = input_row
-        staging[k + i] = previous.sampled_row(request_id)
+        raise RuntimeError(f"request {staged.pending_ids[0]!r} has a pending token but no step is in flight")
+    k = len(staged.pending_rows)
+    staging[:k] = staged.pending_rows
+    staging[k:2 * k] = previous.sampled_rows(staged.pending_ids)
     return 2 * k
+
+
+def _table_array(block_tables: list[list[int]]) -> np.ndarray:
+    """[R, longest] int32: the tables as rows, zero past each one's end."""
+    array = np.zeros((len(block_tables), max(1, max(len(table) for table in block_tables))), dtype=np.int32)
+    for row, table in enumerate(block_tables):
+        array[row, :len(table)] = table
+    return array
 
 
 def fill_pending_tokens(input_ids: torch.Tensor, index: torch.Tensor, previous: InflightStep) -> None:
