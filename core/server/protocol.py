@@ -97,7 +97,7 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: StopString | StopStrings | None = None
+    stop: str | StopStrings | None = None
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -129,6 +129,9 @@ class _SamplingFields(BaseModel):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(self.stop, str) and len(self.stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidParameter(f"stop: String should have at most {MAX_STOP_STRING_CHARS} characters",
+                                   param="stop")
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the request asks for, or None. Raises InvalidParameter."""
