@@ -211,7 +211,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     if not biased:
         return logits
     device, width = logits.device, logits.shape[1]
-    bias_rows = torch.stack([logit_bias_row(rows[i].params.logit_bias, width, device) for i in biased])  # [B, V]
+    bias_rows = [logit_bias_row(rows[i].params.logit_bias, width, device) for i in biased]
+    bias_rows = bias_rows[0].unsqueeze(0) if len(bias_rows) == 1 else torch.stack(bias_rows)  # [B, V]
     if len(biased) == len(rows):
         return logits + bias_rows
     return logits.index_add(0, to_device(biased, torch.int64, device), bias_rows)
