@@ -14,8 +14,9 @@ costs a client controls: n=64 with a seed and many `stop_token_ids`, 16 long sto
 every vocabulary token; "alone" is the neighbour by itself.
 
 `--source DIR`: serve another checkout's code (e.g. `git archive main | tar -x -C DIR`) through the
-same installed environment, so before and after run on one machine. `--out` merges this label's
-runs into the JSON file (other labels are kept), with the environment block.
+same installed environment, so before and after run on one machine. `--out` merges this run's
+scenarios into the JSON file under its label (other labels and scenarios are kept), with the
+environment block of each invocation.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ TINY_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voc
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+STOP_MARKS = "!#$%&()*+,-./:;<="  # 16 ASCII marks: 1 byte each in the JSON body, never in the output
 LETTERS = {str(t): 100 for t in range(ord("a"), ord("z") + 1)}  # byte tokens: the output is text
 
 SCENARIOS = {
@@ -50,14 +52,14 @@ SCENARIOS = {
     # The most stop_token_ids the server accepts now (1024).
     "stop_token_ids_1024_n64_seed": {"prompt": "Hi", "n": 64, "seed": 1, "max_tokens": 2,
                                      "stop_token_ids": list(range(1024))},
-    # The issue's: 16 stop strings of 100k characters that never match, a long output.
+    # 16 stop strings of 100k characters that never match (the output is letters), a long output.
     "stop_strings_16x100k": {"prompt": "Count to a thousand:", "max_tokens": 512, "ignore_eos": True,
                              "temperature": 0, "logit_bias": LETTERS,
-                             "stop": [chr(0x4E00 + k) * 100_000 for k in range(16)]},
+                             "stop": [mark * 100_000 for mark in STOP_MARKS]},
     # The longest stop strings accepted now (16 of 4096 characters).
     "stop_strings_16x4096": {"prompt": "Count to a thousand:", "max_tokens": 512, "ignore_eos": True,
                              "temperature": 0, "logit_bias": LETTERS,
-                             "stop": [chr(0x4E00 + k) * 4096 for k in range(16)]},
+                             "stop": [mark * 4096 for mark in STOP_MARKS]},
     # A bias on every token of the vocabulary, one sample and eight.
     "logit_bias_full_vocab_n1": {"prompt": "Paris is", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                                  "logit_bias": {str(t): 0.5 for t in range(VOCAB)}},
@@ -174,8 +176,10 @@ def main() -> None:
         server.wait(timeout=60)
 
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-    existing.setdefault("runs", {})[args.label] = {"source": "this checkout" if source == installed else source,
-                                                   "env": env_info(), "scenarios": runs}
+    run = existing.setdefault("runs", {}).setdefault(args.label, {"invocations": [], "scenarios": {}})
+    run["source"] = "this checkout" if source == installed else source
+    run["invocations"].append({"env": env_info(), "scenarios": list(runs)})
+    run["scenarios"].update(runs)
     existing["what"] = __doc__.split("\n\n")[1].replace("\n", " ")
     args.out.write_text(json.dumps(existing, indent=1) + "\n")
 
