@@ -41,7 +41,7 @@ TINY_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voc
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
-STOP_MARKS = "!#$%&()*+,-./:;<="  # 16 ASCII marks: 1 byte each in the JSON body, never in the output
+STOP_MARKS = "!#$%&()*+,-./:;<"  # 16 ASCII marks: 1 byte each in the JSON body, never in the output
 LETTERS = {str(t): 100 for t in range(ord("a"), ord("z") + 1)}  # byte tokens: the output is text
 
 SCENARIOS = {

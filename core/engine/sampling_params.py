@@ -153,7 +153,8 @@ def _shown(value: Any) -> str:
 
 def _integer(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
     """An integer (not a bool, not a float) in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    # Plain ints (what JSON gives) skip the abstract-class check, the costliest part of a long list.
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, Integral)):
         raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__} {_shown(value)}")
     value = int(value)
     if value < low or (high is not None and value > high):
@@ -164,7 +165,7 @@ def _integer(name: str, value: Any, low: int, high: int | None = None, hint: str
 
 def _real(name: str, value: Any, low: float, high: float) -> float:
     """A finite real number (not a bool) in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, Real):
+    if type(value) not in (float, int) and (isinstance(value, bool) or not isinstance(value, Real)):
         raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
     try:
         value = float(value)
