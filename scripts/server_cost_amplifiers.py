@@ -180,7 +180,7 @@ def main() -> None:
     run["source"] = "this checkout" if source == installed else source
     run["invocations"].append({"env": env_info(), "scenarios": list(runs)})
     run["scenarios"].update(runs)
-    existing["what"] = __doc__.split("\n\n")[1].replace("\n", " ")
+    existing["what"] = " ".join(__doc__.split("\n\n")[2].split())
     args.out.write_text(json.dumps(existing, indent=1) + "\n")
 
 
