@@ -67,13 +67,14 @@ def test_per_sample_copies_do_not_validate_again(monkeypatch):
 
 
 class CountingStr(str):
-    """A stop string that counts every read of its characters (index or slice)."""
+    """A stop string that counts the characters read from it (by index or slice)."""
 
     reads = 0
 
     def __getitem__(self, key):
-        CountingStr.reads += 1
-        return str.__getitem__(self, key)
+        part = str.__getitem__(self, key)
+        CountingStr.reads += len(part)
+        return part
 
 
 class PieceTokenizer:
