@@ -84,7 +84,7 @@ def test_each_sample_seed_must_fit_what_manual_seed_takes():
 
 def test_accepted_values_are_normalized():
     params = SamplingParams(stop="x" * 1000, top_k=-1, temperature=1, seed=np.int64(5), max_tokens=np.int32(3))
-    assert params.stop == ["x" * 1000]  # a single stop string of any length
+    assert list(params.stop) == ["x" * 1000]  # a single stop string
     assert params.top_k == 0 and isinstance(params.temperature, float)
     assert type(params.seed) is int and type(params.max_tokens) is int
     assert len(SamplingParams(stop=["s"] * 16).stop) == 16

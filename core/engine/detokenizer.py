@@ -10,7 +10,8 @@ first output token gets its leading space.
 Stop strings: the text is cut right before the earliest stop string, and any tail of the text
 that could still grow into a stop string is held back from the stream until it is resolved, so
 no part of a stop string ever reaches a delta. When the request finishes otherwise, the held text
-is released.
+is released. Only each step's new text goes to the stop matcher (core/engine/stop_strings.py), so a
+step's stop checks cost the same at the 10th and the 10,000th token.
 
 The tokenizer needs `decode(ids: list[int], skip_special_tokens: bool) -> str` (an HF fast tokenizer
 has it; core.tokenizer.Tokenizer must expose the same).
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.stop_strings import StopStringMatcher
 
 # Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
 _PROMPT_CONTEXT_TOKENS = 5
@@ -40,9 +42,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._params = params
-        self._stop_token_ids = set(params.stop_token_ids)
-        self._eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
-        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._stop_token_ids = params.stop_token_ids  # a frozenset, shared by the request's samples
+        self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self._stop_matcher = StopStringMatcher(params.stop, params.stop.failure_tables) if params.stop else None
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._window_ids = context  # prompt context + output ids whose text is decoded
         self._prefix_offset = 0
@@ -108,32 +110,19 @@ class IncrementalDetokenizer:
 
     def _check_stop_strings(self, text_len_before: int) -> None:
         """Cuts the text before the earliest stop string that the new text completes."""
-        if not self._params.stop or len(self._text) == text_len_before:
+        if self._stop_matcher is None or len(self._text) == text_len_before:
             return
-        # A match that ended inside the old text would have been found on an earlier step.
-        search_start = max(0, text_len_before - self._max_stop_len + 1)
-        found = [(self._text.find(s, search_start), s) for s in self._params.stop]
-        found = [(index, s) for index, s in found if index >= 0]
-        if found:
-            index, stop = min(found, key=lambda match: match[0])
+        match = self._stop_matcher.feed(self._text[text_len_before:])
+        if match is not None:
+            index, stop = match
             self._text = self._text[:index]
             self._finish("stop", stop)
 
     def _release(self) -> str:
         """Returns the text that can be streamed now, holding back a possible stop-string start."""
         end = len(self._text)
-        if not self.finished:
-            end -= self._held_back_len()
+        if not self.finished and self._stop_matcher is not None:
+            end -= self._stop_matcher.held_back
         delta = self._text[self._num_streamed:end] if end > self._num_streamed else ""
         self._num_streamed = max(self._num_streamed, end)
         return delta
-
-    def _held_back_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._params.stop:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest

@@ -54,7 +54,7 @@ from functools import cached_property
 import torch
 
 from deepinfer.core.engine.outputs import TokenLogprob
-from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sampling_params import LogitBias, SamplingParams
 from deepinfer.core.engine.transfers import HostCopy, to_device
 from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
 
@@ -204,14 +204,31 @@ class Sampler:
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Returns new logits [N, V] with each row's logit_bias added; the same tensor when no row has one."""
-    entries = [(i, token_id, bias) for i, row in enumerate(rows) if row.params.logit_bias
-               for token_id, bias in row.params.logit_bias.items()]
-    if not entries:
+    """Returns new logits [N, V] with each row's logit_bias added; the same tensor when no row has one.
+    The biases are added with one indexed add of the rows' dense bias rows (`logit_bias_row`), so a
+    step costs the same for one biased token as for the whole vocabulary."""
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
         return logits
-    rows_tokens = to_device([[i for i, _, _ in entries], [t for _, t, _ in entries]], torch.int64, logits.device)
-    biases = to_device([b for _, _, b in entries], torch.float32, logits.device)  # [B]
-    return logits.index_put((rows_tokens[0], rows_tokens[1]), biases, accumulate=True)
+    device, width = logits.device, logits.shape[1]
+    bias_rows = [logit_bias_row(rows[i].params.logit_bias, width, device) for i in biased]
+    bias_rows = bias_rows[0].unsqueeze(0) if len(bias_rows) == 1 else torch.stack(bias_rows)  # [B, V]
+    if len(biased) == len(rows):
+        return logits + bias_rows
+    return logits.index_add(0, to_device(biased, torch.int64, device), bias_rows)
+
+
+def logit_bias_row(logit_bias: LogitBias, width: int, device: torch.device) -> torch.Tensor:
+    """The request's bias as a dense float32 row [width] on `device`: made at its first sampled step,
+    then kept in `logit_bias.device_rows` for the request's life (its samples share it)."""
+    key = (device, width)
+    row = logit_bias.device_rows.get(key)
+    if row is None:
+        token_ids = to_device(list(logit_bias.keys()), torch.int64, device)  # [B]
+        biases = to_device(list(logit_bias.values()), torch.float32, device)  # [B]
+        row = torch.zeros(width, dtype=torch.float32, device=device).index_put_((token_ids,), biases)
+        logit_bias.device_rows[key] = row
+    return row
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

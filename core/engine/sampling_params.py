@@ -11,16 +11,26 @@ sampler's float32 arithmetic:
 - temperature finite and at most float32's maximum;
 - seed + n - 1 within what torch.Generator.manual_seed takes, [-2**63, 2**64 - 1] (sample i of
   a request with n > 1 is seeded seed + i);
-- stop strings: at most MAX_STOP_STRINGS, each non-empty, of any length, with a UTF-8 form.
+- stop strings: at most MAX_STOP_STRINGS, each non-empty, at most MAX_STOP_STRING_CHARS long, with
+  a UTF-8 form;
+- stop_token_ids: at most MAX_STOP_TOKEN_IDS, kept as a frozenset (the scheduler and detokenizer
+  look each sampled token up in it);
+- logit_bias: a LogitBias, the validated map the sampler turns into one device row per request.
+
+What is validated is kept as a type that says so (StopStrings, StopTokenIds, LogitBias), so the per-sample copies
+of a request with n > 1 (`dataclasses.replace(params, seed=...)`) do not validate those lists again:
+a request's validation costs one pass over its lists, whatever n is.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, Self
 
+from deepinfer.core.engine.stop_strings import failure_table
 from deepinfer.core.errors import InvalidRequestError
 
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
@@ -29,6 +39,8 @@ MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 1e2
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 MAX_STOP_STRINGS = 16  # each is checked against the new text after every token, on the engine thread
+MAX_STOP_STRING_CHARS = 4096  # a stop string's characters; as much text can be held back from the stream
+MAX_STOP_TOKEN_IDS = 1024  # vocabularies' special tokens number far fewer
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 
@@ -47,14 +59,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()  # a string or any list of them is taken; kept as StopStrings
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # any collection of ids is taken
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
     skip_special_tokens: bool = True
     # The output must follow this JSON schema, regex, choice or grammar (a dict of its fields works too).
     structured_outputs: StructuredOutputsParams | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, 1)
@@ -72,10 +84,10 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, MIN_SEED, MAX_SEED - (self.n - 1),
                                  hint=" (with n samples, seed + n - 1 must fit 64 bits)" if self.n > 1 else "")
-        self.stop = _stop_strings(self.stop)
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
-            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
-        self.stop_token_ids = [_integer("stop_token_ids", token, 0) for token in self.stop_token_ids]
+        if not isinstance(self.stop, StopStrings):
+            self.stop = StopStrings(self.stop)
+        if not isinstance(self.stop_token_ids, StopTokenIds):
+            self.stop_token_ids = StopTokenIds(self.stop_token_ids)
         self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         if self.logprobs is not None:
@@ -85,15 +97,53 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             except TypeError as err:
                 raise InvalidRequestError(str(err)) from None
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise InvalidRequestError(f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}")
-            self.logit_bias = {_integer("logit_bias token id", token, 0): _real("logit_bias", bias, -100.0, 100.0)
-                               for token, bias in self.logit_bias.items()}
+        if self.logit_bias is not None and not isinstance(self.logit_bias, LogitBias):
+            self.logit_bias = LogitBias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class StopTokenIds(frozenset):
+    """A request's stop token ids, validated: at most MAX_STOP_TOKEN_IDS integers >= 0."""
+
+    def __new__(cls, token_ids: Any = ()) -> Self:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple, set, frozenset)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {type(token_ids).__name__}")
+        if len(token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids holds {len(token_ids)} ids, more than the "
+                                      f"{MAX_STOP_TOKEN_IDS} allowed")
+        return super().__new__(cls, [_integer("stop_token_ids", token, 0) for token in token_ids])
+
+
+class LogitBias(Mapping):
+    """A request's logit_bias, validated and immutable: token id (>= 0) -> bias in [-100, 100].
+
+    `device_rows` is where the sampler keeps the bias as a dense float32 row per (device, logits
+    width), built at the request's first sampled step and shared by all its samples.
+    """
+
+    __slots__ = ("_biases", "device_rows")
+
+    def __init__(self, biases: Any) -> None:
+        if not isinstance(biases, Mapping):
+            raise InvalidRequestError(f"logit_bias must map token ids to biases, got {type(biases).__name__}")
+        self._biases = {_integer("logit_bias token id", token, 0): _real("logit_bias", bias, -100.0, 100.0)
+                        for token, bias in biases.items()}
+        self.device_rows: dict = {}
+
+    def __getitem__(self, token_id: int) -> float:
+        return self._biases[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._biases)
+
+    def __len__(self) -> int:
+        return len(self._biases)
+
+    def __repr__(self) -> str:
+        return f"LogitBias({_shown(self._biases)})"
 
 
 def _shown(value: Any) -> str:
@@ -103,7 +153,8 @@ def _shown(value: Any) -> str:
 
 def _integer(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
     """An integer (not a bool, not a float) in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    # Plain ints (what JSON gives) skip the abstract-class check, the costliest part of a long list.
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, Integral)):
         raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__} {_shown(value)}")
     value = int(value)
     if value < low or (high is not None and value > high):
@@ -114,7 +165,7 @@ def _integer(name: str, value: Any, low: int, high: int | None = None, hint: str
 
 def _real(name: str, value: Any, low: float, high: float) -> float:
     """A finite real number (not a bool) in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, Real):
+    if type(value) not in (float, int) and (isinstance(value, bool) or not isinstance(value, Real)):
         raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
     try:
         value = float(value)
@@ -131,18 +182,30 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-def _stop_strings(stop: Any) -> list[str]:
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)):
-        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stop holds {len(stop)} strings, more than the {MAX_STOP_STRINGS} allowed")
-    for text in stop:
-        if not isinstance(text, str) or not text:
-            raise InvalidRequestError(f"stop must be non-empty strings, got {_shown(text)}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise InvalidRequestError(f"stop string {_shown(text)} is not valid Unicode (a lone surrogate at "
-                             f"character {err.start})") from None
-    return list(stop)
+class StopStrings(tuple):
+    """A request's stop strings, validated: at most MAX_STOP_STRINGS non-empty strings of at most
+    MAX_STOP_STRING_CHARS characters each, with a UTF-8 form. `failure_tables` are what the stop
+    matcher (core/engine/stop_strings.py) needs of each, made here once for all samples."""
+
+    failure_tables: tuple[list[int], ...]
+
+    def __new__(cls, stop: Any = ()) -> Self:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop holds {len(stop)} strings, more than the {MAX_STOP_STRINGS} allowed")
+        for text in stop:
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError(f"stop must be non-empty strings, got {_shown(text)}")
+            if len(text) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"a stop string has {len(text)} characters, more than the "
+                                          f"{MAX_STOP_STRING_CHARS} allowed")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise InvalidRequestError(f"stop string {_shown(text)} is not valid Unicode (a lone surrogate at "
+                                          f"character {err.start})") from None
+        self = super().__new__(cls, stop)
+        self.failure_tables = tuple(failure_table(text) for text in self)
+        return self

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS, SamplingParams
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.structured.params import StructuredOutputsParams
 
@@ -42,7 +42,9 @@ def _integral_float_to_int(value):
 
 
 Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
-StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[Int], Field(max_length=MAX_STOP_TOKEN_IDS)]
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
@@ -107,7 +109,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     cache_salt: str | None = None
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool = True
     # Structured outputs (one source at most)
     response_format: dict[str, Any] | None = None
@@ -127,6 +129,9 @@ class _SamplingFields(BaseModel):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(self.stop, str) and len(self.stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidParameter(f"stop: String should have at most {MAX_STOP_STRING_CHARS} characters",
+                                   param="stop")
 
     def _structured_sources(self) -> dict[str, dict]:
         """{request field: StructuredOutputsParams fields} for each constraint the request sets."""

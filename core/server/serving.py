@@ -3,8 +3,8 @@ and following a request to its end while watching for the client going away.
 
 Every check here runs before the engine sees the request, so a bad request never takes a slot
 in the waiting queue. The checks that cost time (tokenization, the prompt limits) run on the
-preprocessing threads (preprocess.py); only `submit` and the following of streams run on the
-event loop. A request whose client disconnects is aborted (its blocks come back within one engine
+preprocessing threads (preprocess.py), making the engine requests on a worker thread (`submit`);
+only the following of streams runs on the event loop. A request whose client disconnects is aborted (its blocks come back within one engine
 step): the streaming generator's `finally` and the non-streaming watcher both abort it. At
 shutdown, `end_all` aborts every request still running; each then ends with finish_reason
 "abort" as a client-side abort would.
@@ -183,8 +183,23 @@ class ServingEngine:
 
     # The event loop ----------------------------------------------------------------------------
 
-    def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None) -> list:
-        """One engine request per prompt; all or none (a refusal aborts the ones already queued)."""
+    async def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None) -> list:
+        """One engine request per prompt; all or none (a refusal aborts the ones already queued).
+
+        Making a request checks its lists against the vocabulary and sets up each of its n samples
+        (generator, grammar matcher, token lists): that runs on a worker thread, never on the event
+        loop, so one n=128 request does not stall the other clients' streams and /health."""
+        future = asyncio.get_running_loop().run_in_executor(None, self._add_requests, prompts, request_id, tenant)
+        try:
+            streams = await asyncio.shield(future)
+        except asyncio.CancelledError:  # the handler is gone: whatever the thread queues is aborted
+            future.add_done_callback(_abort_added)
+            raise
+        self._live.update(streams)
+        return streams
+
+    def _add_requests(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None) -> list:
+        """`submit`'s work, on a worker thread (AsyncEngine.add_request is thread-safe)."""
         streams = []
         try:
             for index, prompt in enumerate(prompts):
@@ -195,7 +210,6 @@ class ServingEngine:
             for stream in streams:
                 stream.abort()
             raise engine_error_to_api(err) from None
-        self._live.update(streams)
         return streams
 
     def release(self, streams: list) -> None:
@@ -214,6 +228,13 @@ class ServingEngine:
         for stream in list(self._live):
             stream.abort()
         return len(self._live)
+
+
+def _abort_added(future: asyncio.Future) -> None:
+    """Aborts the streams a cancelled `submit` queued after all."""
+    if not future.cancelled() and future.exception() is None:
+        for stream in future.result():
+            stream.abort()
 
 
 async def outputs_of(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -70,7 +70,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
     plan, parser = prepared.plan, serving.tool_parser
     parses_calls = plan is not None and plan.parses_calls
     request_id = new_request_id("chatcmpl")
-    streams = serving.submit([prepared.prompt], request_id, request.tenant)
+    streams = await serving.submit([prepared.prompt], request_id, request.tenant)
     num_top = request.top_logprobs or 0
     created = int(time.time())
 

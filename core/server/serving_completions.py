@@ -55,7 +55,7 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
                             raw_request: Request):
     await serving.compile_constraint(prompts[0].params.structured_outputs, request.structured_outputs_param())
     request_id = new_request_id("cmpl")
-    streams = serving.submit(prompts, request_id, request.tenant)
+    streams = await serving.submit(prompts, request_id, request.tenant)
     n = request.n
     num_top = request.logprobs or 0
     created = int(time.time())

@@ -17,6 +17,9 @@ Bounds, so hostile input costs little:
 - wall time: `compile_with_timeout` (the server) compiles on a small worker pool and gives up
   after a deadline, cancelling a compile still queued.
 
+Regex class escapes (\\d \\w \\s) in regex constraints and schema patterns are read as ECMA-262 reads
+them (regex_classes.py) before llguidance sees them.
+
 A grammar llguidance refuses (invalid schema, regex, grammar; an unsupported keyword in a strict
 schema) raises GrammarError with llguidance's message: the server answers it with a 400.
 """
@@ -32,6 +35,7 @@ from collections import OrderedDict
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.structured.matcher import RequestGrammar
 from deepinfer.core.structured.params import StructuredOutputsParams
+from deepinfer.core.structured.regex_classes import ecma_regex_classes, ecma_schema_patterns
 
 # JSON is written compactly with OpenAI's separators: no free whitespace, so a model cannot spend its
 # tokens on blank lines, and the text is the same whatever the model's habits.
@@ -62,11 +66,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     matcher = llguidance.LLMatcher
     try:
         if params.json is not None:
-            return matcher.grammar_from_json_schema(params.json, defaults={**JSON_OPTIONS, "lenient": not params.strict})
+            schema = ecma_schema_patterns(params.json)
+            return matcher.grammar_from_json_schema(schema, defaults={**JSON_OPTIONS, "lenient": not params.strict})
         if params.json_object:
             return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if params.regex is not None:
-            return matcher.grammar_from_regex(params.regex)
+            return matcher.grammar_from_regex(ecma_regex_classes(params.regex))
         if params.choice is not None:
             return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from("grammar", params.grammar)  # GBNF or Lark, told apart by llguidance
