@@ -197,8 +197,9 @@ NEIGHBOUR = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24,
 
 
 def stream_text(base_url: str, body: dict) -> tuple[str, int]:
-    """(text, content chunks) of a streamed completion that ended with [DONE]."""
-    text, chunks, done = "", 0, False
+    """(text, tokens) of a streamed completion that ended with [DONE]; a chunk may carry several tokens
+    (the server merges what a reader has not taken yet), so tokens are counted from its logprobs."""
+    text, tokens, done = "", 0, False
     with httpx.stream("POST", base_url + "/v1/completions", json=body | {"stream": True}, timeout=120) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -207,9 +208,9 @@ def stream_text(base_url: str, body: dict) -> tuple[str, int]:
             elif line.startswith("data: "):
                 choice = json.loads(line[6:])["choices"][0]
                 text += choice["text"]
-                chunks += 1
+                tokens += len(choice["logprobs"]["tokens"])
     assert done
-    return text, chunks
+    return text, tokens
 
 
 def beside_a_stream(server, amplifier: dict) -> tuple[dict, int]:
@@ -232,8 +233,8 @@ def beside_a_stream(server, amplifier: dict) -> tuple[dict, int]:
         healthy += httpx.get(server.base_url + "/health", timeout=60).status_code == 200
     for thread in threads:
         thread.join(timeout=120)  # a hang guard only
-    text, chunks = results["neighbour"]
-    assert (text, chunks) == (alone, NEIGHBOUR["max_tokens"])
+    text, tokens = results["neighbour"]
+    assert (text, tokens) == (alone, NEIGHBOUR["max_tokens"])
     response = results["amplifier"]
     assert response.status_code == 200, response.text
     return response.json(), healthy

@@ -239,7 +239,7 @@ PRODUCT_TABLE = (
                packed_kernel("tc"),
                "fastest W4 kernel at 2-8 tokens and on long K up to 32; at one token it ties gemv alone and wins "
                "under programmatic dependent launch (results/bench_gemv_tc_registers_bf16_nvidia_h200.json, "
-               "results/pdl_and_l2_prefetch_experiments_qwen2.5-3b_nvidia_h200.json)"),
+               "e0c504d:results/pdl_and_l2_prefetch_experiments_qwen2.5-3b_nvidia_h200.json)"),
     ProductRow("stream", lambda s: s.tokens == 1 and long_k(s) and s.out_features <= s.in_features,
                packed_kernel("stream"),
                "one token on long rows (results/bench_gemv_w4a16-w3a16_nvidia_h200.json)"),
