@@ -116,3 +116,32 @@ def test_bad_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(cpu_op.CPU_WEIGHTS_ENV, "fast")
     with pytest.raises(ValueError, match="packed or dense"):
         cpu_op.cpu_weights_mode()
+
+
+@pytest.fixture(scope="module")
+def smollm2_converted(smollm2_gguf, tmp_path_factory):
+    from deepinfer.core.weights.convert.run import convert_checkpoint
+
+    out = tmp_path_factory.mktemp("smollm2-cpu") / "w4"
+    convert_checkpoint(smollm2_gguf, out)
+    return out
+
+
+def test_converted_smollm2_decodes_the_gguf_tokens_on_the_packed_path(monkeypatch, smollm2_gguf, smollm2_converted):
+    """The conversion holds the GGUF's own Q4_1 codes and the GGUF path packs the same codes on the CPU, so both
+    run the same int4 products: the greedy tokens must be equal, and every projection must be a packed one."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.core.quant.quant_linear import QuantLinear
+
+    monkeypatch.setenv(cpu_op.CPU_WEIGHTS_ENV, "packed")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    answers = {}
+    for name, model in (("gguf", smollm2_gguf), ("converted", smollm2_converted)):
+        llm = LLM(model=str(model), device="cpu")
+        quantized = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+        assert len(quantized) == 30 * 4  # qkv, o, gate_up, down of every layer
+        assert all(cpu_op.cpu_weight(m.packed, torch.float32).is_int4 for m in quantized)
+        answers[name] = llm.generate([llm.tokenizer.encode_chat(messages)], params)[0].outputs[0]
+    assert answers["converted"].token_ids == answers["gguf"].token_ids
+    assert answers["gguf"].text.startswith("The capital of France is Paris")
