@@ -69,3 +69,15 @@ def test_the_causal_path_serves_only_first_chunks():
     meta, _ = build_attention_metadata(later, BLOCK, "cpu")
     backend.forward(0, query[:2], kv[:2], kv[:2], meta, cache, 0.25, None, None)
     assert [group.starts_at_zero for group in backend._groups] == [False]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_read_context_is_read_blocks_in_request_head_order(quantized):
+    cache = KVCache(2, 12, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu", quantized=quantized)
+    slots = torch.arange(12 * BLOCK)
+    cache.write(1, torch.randn(12 * BLOCK, KV_HEADS, HEAD_DIM), torch.randn(12 * BLOCK, KV_HEADS, HEAD_DIM), slots)
+    block_ids = torch.tensor([7, 2, 9, 0, 11, 4])  # two requests of three blocks
+    keys, values = cache.read_context(1, block_ids, 2)
+    for got, expected in zip((keys, values), cache.read_blocks(1, block_ids)):
+        expected = expected.view(2, 3, KV_HEADS, BLOCK, HEAD_DIM).transpose(1, 2).reshape(2, KV_HEADS, -1, HEAD_DIM)
+        assert torch.equal(got, expected)

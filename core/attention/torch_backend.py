@@ -89,11 +89,14 @@ class TorchPagedAttention:
         padded = padded.view(num_requests, max_query_len, num_kv_heads, group_size, head_dim)
         padded = padded.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group_size * max_query_len, head_dim)
 
-        keys, values = kv_cache.read_blocks(layer_idx, group.block_ids)  # [R * nb, KVH, bs, D]
-        keys = keys.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
-        keys = keys.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
-        values = values.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
-        values = values.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
+        if query.device.type == "cpu":  # one gathering copy per tensor instead of a gather and a transpose
+            keys, values = kv_cache.read_context(layer_idx, group.block_ids, num_requests)  # [R, KVH, S, D]
+        else:
+            keys, values = kv_cache.read_blocks(layer_idx, group.block_ids)  # [R * nb, KVH, bs, D]
+            keys = keys.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
+            keys = keys.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
+            values = values.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
+            values = values.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
         keys, values = keys.to(query.dtype), values.to(query.dtype)
 
         if (group.starts_at_zero and query.device.type == "cpu" and softcap is None

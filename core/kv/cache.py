@@ -86,6 +86,23 @@ class KVCache:
         return key.to(self.dtype) * key_scale, value.to(self.dtype) * value_scale
 
 
+    def read_context(self, layer: int, block_ids: torch.Tensor, num_requests: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `num_requests` equal-length block lists (request-major block_ids [R * nb]) as two
+        [R, num_kv_heads, nb * block_size, head_dim] tensors in compute dtype, gathered in one copy each: the
+        blocks are taken head-major ([KVH, R * nb, bs, D], contiguous), so the [R, KVH, S, D] result is a view
+        (strided across requests) instead of read_blocks' layout followed by a transposing copy."""
+        out = []
+        scales = (self.key_scales, self.value_scales) if self.quantized else (None, None)
+        for caches, scale_list in zip((self.key_caches, self.value_caches), scales):
+            gathered = caches[layer].transpose(0, 1).index_select(1, block_ids)  # [KVH, R * nb, bs, D]
+            if scale_list is not None:
+                scale = scale_list[layer].transpose(0, 1).index_select(1, block_ids)  # [KVH, R * nb, bs]
+                gathered = gathered.to(self.dtype) * scale.to(self.dtype).unsqueeze(-1)
+            heads, head_dim = gathered.shape[0], gathered.shape[-1]
+            out.append(gathered.view(heads, num_requests, -1, head_dim).transpose(0, 1))  # [R, KVH, S, D]
+        return out[0], out[1]
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 over the last dim. x: [..., head_dim] -> (int8 [..., head_dim], fp16 scale [...])."""
     scale = x.float().abs().amax(dim=-1).clamp(min=1e-8) / INT8_MAX  # [...]
