@@ -181,6 +181,9 @@ def cpu(
         fail(f"--model takes a .gguf file, got {str(gguf)!r}")
     if prompt_len < 1 or output_len < 2 or repeats < 1 or (threads is not None and threads < 1):
         fail("--prompt-len, --repeats and --threads take positive integers, --output-len at least 2")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' per-tensor bars (the GGUF tokenizer, its peer) bury the lines
     workload = CpuWorkload(prompt_len, output_len, threads or torch.get_num_threads(), repeats)
     console = Console(stderr=True)
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-cpu-") as scratch:

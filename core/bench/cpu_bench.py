@@ -154,9 +154,6 @@ def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=pr
 def _load_hf(gguf: Path):
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # its per-tensor bars would bury the bench's own lines
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return model.eval()
 
