@@ -89,7 +89,7 @@ class TorchPagedAttention:
         padded = padded.view(num_requests, max_query_len, num_kv_heads, group_size, head_dim)
         padded = padded.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group_size * max_query_len, head_dim)
 
-        if query.device.type == "cpu":  # one gathering copy per tensor instead of a gather and a transpose
+        if query.device.type == "cpu":  # index_select gathers whole blocks (read_context)
             keys, values = kv_cache.read_context(layer_idx, group.block_ids, num_requests)  # [R, KVH, S, D]
         else:
             keys, values = kv_cache.read_blocks(layer_idx, group.block_ids)  # [R * nb, KVH, bs, D]

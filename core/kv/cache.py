@@ -87,19 +87,20 @@ class KVCache:
 
 
     def read_context(self, layer: int, block_ids: torch.Tensor, num_requests: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `num_requests` equal-length block lists (request-major block_ids [R * nb]) as two
-        [R, num_kv_heads, nb * block_size, head_dim] tensors in compute dtype, gathered in one copy each: the
-        blocks are taken head-major ([KVH, R * nb, bs, D], contiguous), so the [R, KVH, S, D] result is a view
-        (strided across requests) instead of read_blocks' layout followed by a transposing copy."""
+        """K/V of `num_requests` equal-length block lists (request-major block_ids [R * nb]) as two contiguous
+        [R, num_kv_heads, nb * block_size, head_dim] tensors in compute dtype. index_select on the contiguous
+        pool is one memcpy per block where advanced indexing (read_blocks) walks elements: several times
+        faster on the CPU for a decode's whole context."""
         out = []
         scales = (self.key_scales, self.value_scales) if self.quantized else (None, None)
         for caches, scale_list in zip((self.key_caches, self.value_caches), scales):
-            gathered = caches[layer].transpose(0, 1).index_select(1, block_ids)  # [KVH, R * nb, bs, D]
+            gathered = caches[layer].index_select(0, block_ids)  # [R * nb, KVH, bs, D]
             if scale_list is not None:
-                scale = scale_list[layer].transpose(0, 1).index_select(1, block_ids)  # [KVH, R * nb, bs]
+                scale = scale_list[layer].index_select(0, block_ids)  # [R * nb, KVH, bs]
                 gathered = gathered.to(self.dtype) * scale.to(self.dtype).unsqueeze(-1)
-            heads, head_dim = gathered.shape[0], gathered.shape[-1]
-            out.append(gathered.view(heads, num_requests, -1, head_dim).transpose(0, 1))  # [R, KVH, S, D]
+            blocks, heads, block_size, head_dim = gathered.shape
+            gathered = gathered.view(num_requests, blocks // num_requests, heads, block_size, head_dim)
+            out.append(gathered.transpose(1, 2).reshape(num_requests, heads, -1, head_dim))  # [R, KVH, S, D]
         return out[0], out[1]
 
 
