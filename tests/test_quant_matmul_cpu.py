@@ -64,7 +64,7 @@ CASES = [  # bits, N, K, group size, zero mode
 
 
 @pytest.mark.parametrize("bits,out_features,in_features,group_size,zero_mode", CASES)
-@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("tokens", [1, 5, 33, 80])  # 80: a prefill, the bf16 dense copy
 def test_packed_matches_reference_within_bf16_rounding(monkeypatch, bits, out_features, in_features, group_size,
                                                        zero_mode, tokens):
     monkeypatch.setenv(cpu_op.CPU_WEIGHTS_ENV, "packed")
@@ -114,7 +114,7 @@ def test_layout_is_made_once_and_remade_after_an_in_place_write(monkeypatch):
 
 def test_bad_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(cpu_op.CPU_WEIGHTS_ENV, "fast")
-    with pytest.raises(ValueError, match="packed or dense"):
+    with pytest.raises(ValueError, match="packed, int4 or dense"):
         cpu_op.cpu_weights_mode()
 
 

@@ -8,7 +8,7 @@
      has one, else the default model's if it is already on disk, else a ByteTokenizer.
    - no `model`: the default GGUF (fetched once, see core/weights/default_model.py).
    - a `.gguf` file (or a directory holding exactly one): GGUF, dequantized to the model dtype; on the CPU
-     (DEEPINFER_CPU_WEIGHTS=packed, the default) its Q4_0 / Q4_1 / Q4_K projections then become QuantLinears
+     (unless DEEPINFER_CPU_WEIGHTS=dense) its Q4_0 / Q4_1 / Q4_K projections then become QuantLinears
      holding the same codes (the converter's exact re-packing), for the CPU int4 product.
    - a directory whose manifest.json says `"format": "deepinfer-layered"` (core/weights/layered.py):
      its packed W4A16/W3A16 projections become QuantLinears as each layer's file is read, on a model
@@ -146,7 +146,7 @@ def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
     spec = gguf_spec(reader)
     model = _build_model(spec, config, device, dtype)
     model.load_weights(iter_gguf_weights(reader, spec))
-    if config.quantization is None and torch.device(device).type == "cpu" and cpu_weights_mode() == "packed":
+    if config.quantization is None and torch.device(device).type == "cpu" and cpu_weights_mode() != "dense":
         _pack_exact_projections(model, reader, spec, device)
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
         path.parent, gguf_file=path.name, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id),

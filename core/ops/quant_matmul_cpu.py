@@ -1,6 +1,6 @@
 """quant_matmul on the CPU: y = x @ W.T (+ bias) for a PackedWeight, its weight laid out once, never per step.
 
-Two layouts, chosen by DEEPINFER_CPU_WEIGHTS (`packed`, the default, or `dense`):
+The layouts, chosen by DEEPINFER_CPU_WEIGHTS (`packed`, the default, `int4` or `dense`):
 
   packed  torch's CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`, the tinygemm layout). It computes
           W[n, k] = (c - 8) * S[g, n, 0] + S[g, n, 1] from unsigned 4-bit codes c and a scale/zero pair per group,
@@ -9,13 +9,16 @@ Two layouts, chosen by DEEPINFER_CPU_WEIGHTS (`packed`, the default, or `dense`)
           3-bit codes (0..7) are 4-bit codes too, so W3 weights take it as well. Its vectorized path needs
           bfloat16 activations (fp32 and fp16 take a scalar loop tens of times slower), so activations, scales
           and zeros are rounded to bf16 and the fp32 result cast back: each product carries bf16 rounding
-          (relative 2**-8 of sum |x| |w|, tests/test_quant_matmul_cpu.py), accumulation is fp32. Group sizes
+          (within 2**-7 of sum |x| (|w| + |zero term|), tests/test_quant_matmul_cpu.py), fp32 accumulation. Group sizes
           the kernel lacks (it takes 32, 64, 128, 256) are served with the largest of those dividing the group,
           the scale pair repeated: the same weight. It needs out_features % 16 == 0.
+          `packed` serves products of fewer than DENSE_PREFILL_TOKENS rows (decode steps) this way and longer
+          ones (prefill chunks) with a bf16 copy of the dequantized weight, made once, through the bf16 GEMM
+          (2-3x the int4 kernel's speed there, at 2 more bytes per weight); `int4` keeps to the int4 kernel.
   dense   the weight dequantized once (core/quant/packing.py: dequantize, the reference's bits), then a plain
           matmul in the activations' dtype: the reference's results, at 32 / bits times the weight memory.
 
-8-bit weights and shapes the int4 kernel cannot take are dense in either mode. The layout is made on a weight's
+8-bit weights and shapes the int4 kernel cannot take are dense (fp32) in every mode. The layout is made on a weight's
 first CPU product and kept while its buffers live and are not written in place (their `_version` is checked).
 """
 
@@ -31,17 +34,18 @@ from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import dequantize, unpack_codes
 
 CPU_WEIGHTS_ENV = "DEEPINFER_CPU_WEIGHTS"
-CPU_WEIGHT_MODES = ("packed", "dense")
+CPU_WEIGHT_MODES = ("packed", "int4", "dense")
+DENSE_PREFILL_TOKENS = 64  # packed mode: products of this many rows or more take the bf16 dense copy
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu takes, largest first
 INT4_CODE_OFFSET = 8  # the kernel's codes are c - 8
 _INNER_K_TILES = 2  # the CPU layout ignores it; the op's signature wants one
 
 
 def cpu_weights_mode() -> str:
-    """DEEPINFER_CPU_WEIGHTS: 'packed' (default) or 'dense'; anything else is an error, not a silent default."""
+    """DEEPINFER_CPU_WEIGHTS: 'packed' (default), 'int4' or 'dense'; anything else is an error, not a default."""
     mode = os.environ.get(CPU_WEIGHTS_ENV, "").strip().lower() or "packed"
     if mode not in CPU_WEIGHT_MODES:
-        raise ValueError(f"{CPU_WEIGHTS_ENV} must be packed or dense, got {os.environ[CPU_WEIGHTS_ENV]!r}")
+        raise ValueError(f"{CPU_WEIGHTS_ENV} must be packed, int4 or dense, got {os.environ[CPU_WEIGHTS_ENV]!r}")
     return mode
 
 
@@ -103,28 +107,33 @@ def _versions(packed: PackedWeight) -> tuple[int, ...]:
 _layouts: dict[int, tuple[weakref.ref, dict[tuple[str, torch.dtype], CpuWeight]]] = {}
 
 
-def cpu_weight(packed: PackedWeight, dtype: torch.dtype, mode: str | None = None) -> CpuWeight:
-    """The layout `mode` (default: DEEPINFER_CPU_WEIGHTS) gives this weight for `dtype` activations, made once."""
+def cpu_weight(packed: PackedWeight, dtype: torch.dtype, mode: str | None = None, rows: int = 1) -> CpuWeight:
+    """The layout `mode` (default: DEEPINFER_CPU_WEIGHTS) gives this weight for a product of `rows` rows of
+    `dtype` activations, made once."""
     mode = mode or cpu_weights_mode()
-    if mode == "packed" and int4_group_size(packed) is None:
+    if mode in ("packed", "int4") and int4_group_size(packed) is None:
         mode = "dense"
+    elif mode == "packed" and rows >= DENSE_PREFILL_TOKENS:
+        mode, dtype = "dense", torch.bfloat16
+    elif mode == "packed":
+        mode = "int4"
     key = id(packed.qweight)
     entry = _layouts.get(key)
     if entry is None or entry[0]() is not packed.qweight:
         ref = weakref.ref(packed.qweight, lambda _, key=key: _layouts.pop(key, None))
         entry = _layouts[key] = (ref, {})
     per_mode = entry[1]
-    layout_key = (mode, torch.bfloat16 if mode == "packed" else dtype)
+    layout_key = (mode, torch.bfloat16 if mode == "int4" else dtype)
     layout = per_mode.get(layout_key)
     if layout is None or layout.versions != _versions(packed):
-        layout = per_mode[layout_key] = int4_layout(packed) if mode == "packed" else dense_layout(packed, dtype)
+        layout = per_mode[layout_key] = int4_layout(packed) if mode == "int4" else dense_layout(packed, dtype)
     return layout
 
 
 def quant_matmul_cpu(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """x [..., K] on the CPU -> [..., N] in x's dtype, through the weight's CPU layout (see the module doc)."""
-    layout = cpu_weight(packed, x.dtype)
     rows = x.reshape(-1, packed.in_features)  # [M, K]
+    layout = cpu_weight(packed, x.dtype, rows=rows.shape[0])
     if layout.is_int4:
         if layout.input_perm is not None:
             rows = rows.index_select(1, layout.input_perm)  # stored column j multiplies x[input_perm[j]]
@@ -132,7 +141,7 @@ def quant_matmul_cpu(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
             rows.to(torch.bfloat16).contiguous(), layout.weight, layout.group_size, layout.scales_and_zeros)
         out = out.to(x.dtype)  # [M, N]
     else:
-        out = rows @ layout.weight.T  # [M, N]
+        out = (rows.to(layout.weight.dtype) @ layout.weight.T).to(x.dtype)  # [M, N]
     if packed.bias is not None:
         out = out + packed.bias.to(x.dtype)
     return out.view(*x.shape[:-1], packed.out_features)
