@@ -5,9 +5,11 @@ One process, one thread count (torch.set_num_threads) for every subject:
   deepinfer <converted>  the `deepinfer convert` output of the same file (the same codes), through the engine
   hf transformers        the same GGUF loaded by transformers (`gguf_file=`, dequantized to fp32), `model.generate`
 
-Each run is one request: a `prompt_len`-token prompt of seeded random ids (the same for every subject), then
-`output_len` greedy tokens with EOS ignored. Prefill is the time to the first token; decode is the rate of the
-tokens after it ((output_len - 1) / (last - first token)), at the prompt's context. The engine runs with its
+Each run is two requests, greedy with EOS ignored, of seeded random ids (the same for every subject): a
+`prompt_len`-token prompt then `output_len` tokens, and a `SHORT_PROMPT_TOKENS`-token prompt then `output_len`
+tokens. Prefill is the long prompt's time to its first token; decode is the rate of the tokens after the first
+((output_len - 1) / (last - first token)): `decode_tokens_per_s` after the short prompt (a chat's first turns),
+`long_context_decode_tokens_per_s` after the long one. The engine runs with its
 prefix cache off, so a repeat pays its prefill again. The machine may be shared: the load average before and
 after is in the payload, and `repeats` gives mean ± std.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DECODE_TARGET = 2.0  # decode at least 2x HF's tok/s
-SHORT_PROMPT_TOKENS = 8  # the warm-up request
+SHORT_PROMPT_TOKENS = 16  # the short request's prompt, and the warm-up's
 
 
 @dataclass(frozen=True)
@@ -68,16 +70,23 @@ def _hf_run(model, prompt: list[int], output_len: int) -> tuple[list[float], lis
     return [t - sent for t in step_times], []
 
 
-def _summary(runs: list[list[float]], prompt_len: int) -> dict:
+def _stat(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values) if values else None,
+            "std": statistics.stdev(values) if len(values) > 1 else None, "runs": values}
+
+
+def _decode_rates(runs: list[list[float]]) -> list[float]:
+    return [(len(times) - 1) / (times[-1] - times[0]) for times in runs if len(times) > 1 and times[-1] > times[0]]
+
+
+def _summary(runs: list[list[float]], prompt_len: int, short_runs: list[list[float]] | None = None) -> dict:
+    """Token times of the long requests (and the short ones) -> prefill and decode statistics."""
     prefill = [times[0] for times in runs]
-    decode = [(len(times) - 1) / (times[-1] - times[0]) for times in runs if len(times) > 1 and times[-1] > times[0]]
-
-    def stat(values: list[float]) -> dict:
-        return {"mean": statistics.fmean(values) if values else None,
-                "std": statistics.stdev(values) if len(values) > 1 else None, "runs": values}
-
-    return {"prefill_s": stat(prefill), "prefill_tokens_per_s": stat([prompt_len / s for s in prefill]),
-            "decode_tokens_per_s": stat(decode)}
+    summary = {"prefill_s": _stat(prefill), "prefill_tokens_per_s": _stat([prompt_len / s for s in prefill]),
+               "long_context_decode_tokens_per_s": _stat(_decode_rates(runs))}
+    if short_runs is not None:
+        summary["decode_tokens_per_s"] = _stat(_decode_rates(short_runs))
+    return summary
 
 
 def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=print) -> dict:
@@ -102,6 +111,7 @@ def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=pr
     for name, (kind, model) in subjects.items():  # warm-up: allocator, thread pool, first-shape work
         run_fns[kind](model, prompt_ids(workload, vocab_size, -1)[:SHORT_PROMPT_TOKENS], 2)
     times: dict[str, list[list[float]]] = {name: [] for name in subjects}
+    short_times: dict[str, list[list[float]]] = {name: [] for name in subjects}
     tokens: dict[str, list[int]] = {}
     for repeat in range(workload.repeats):
         prompt = prompt_ids(workload, vocab_size, repeat)
@@ -109,9 +119,10 @@ def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=pr
             say(f"run {repeat + 1}/{workload.repeats}: {name}")
             run_times, run_tokens = run_fns[kind](model, prompt, workload.output_len)
             times[name].append(run_times)
+            short_times[name].append(run_fns[kind](model, prompt[-SHORT_PROMPT_TOKENS:], workload.output_len)[0])
             if run_tokens and repeat == 0:
                 tokens[name] = run_tokens
-    results = {name: _summary(runs, workload.prompt_len) for name, runs in times.items()}
+    results = {name: _summary(runs, workload.prompt_len, short_times[name]) for name, runs in times.items()}
     results["deepinfer_gguf"]["model"] = str(gguf)
     results["deepinfer_converted"]["model"] = str(converted)
     results["hf_transformers"].update({"model": str(gguf), "dtype": "float32", "loader": "transformers gguf_file="})
@@ -125,6 +136,10 @@ def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=pr
     ratios = {
         "gguf_decode_vs_hf": ratio("deepinfer_gguf", "hf_transformers", "decode_tokens_per_s"),
         "converted_decode_vs_hf": ratio("deepinfer_converted", "hf_transformers", "decode_tokens_per_s"),
+        "gguf_long_context_decode_vs_hf": ratio("deepinfer_gguf", "hf_transformers",
+                                                "long_context_decode_tokens_per_s"),
+        "converted_long_context_decode_vs_hf": ratio("deepinfer_converted", "hf_transformers",
+                                                     "long_context_decode_tokens_per_s"),
         "gguf_prefill_speed_vs_hf": ratio("deepinfer_gguf", "hf_transformers", "prefill_s", inverse=True),
         "converted_prefill_speed_vs_hf": ratio("deepinfer_converted", "hf_transformers", "prefill_s", inverse=True),
         "converted_decode_vs_gguf": ratio("deepinfer_converted", "deepinfer_gguf", "decode_tokens_per_s"),
@@ -164,14 +179,17 @@ def cpu_tables(payload: dict) -> list:
     from deepinfer.core.bench.report import format_mean_std
 
     workload = payload["workload"]
-    table = Table(title=f"CPU, {payload['threads']} threads: {workload['prompt_len']}-token prompt, "
-                        f"{workload['output_len']} greedy tokens")
-    for column in ("subject", "prefill s", "prefill tok/s", "decode tok/s", "decode vs HF"):
+    table = Table(title=f"CPU, {payload['threads']} threads: {workload['prompt_len']}-token prompt (prefill), "
+                        f"{workload['output_len']} greedy tokens after a {SHORT_PROMPT_TOKENS}-token prompt and "
+                        f"after the long one")
+    for column in ("subject", "prefill s", "prefill tok/s", "decode tok/s", "decode vs HF",
+                   f"decode at {workload['prompt_len']}"):
         table.add_column(column, justify="left" if column == "subject" else "right")
     hf_decode = payload["subjects"]["hf_transformers"]["decode_tokens_per_s"]["mean"]
     for name, result in payload["subjects"].items():
         decode = result["decode_tokens_per_s"]["mean"]
         versus = f"{decode / hf_decode:.2f}x" if decode and hf_decode else "-"
         table.add_row(name, format_mean_std(result["prefill_s"], 2), format_mean_std(result["prefill_tokens_per_s"]),
-                      format_mean_std(result["decode_tokens_per_s"]), versus)
+                      format_mean_std(result["decode_tokens_per_s"]), versus,
+                      format_mean_std(result["long_context_decode_tokens_per_s"]))
     return [table]
