@@ -45,9 +45,6 @@ from deepinfer.core.server.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("deepinfer.server")
 
-DRAIN_POLL_S = 0.05  # how often a shutdown checks whether the running requests are done
-ENDED_GRACE_S = 10.0  # after the deadline, how long ended requests get to send their last chunk
-
 
 def _build_engine(config: EngineConfig):
     from deepinfer.core.engine.async_engine import AsyncEngine
@@ -96,7 +93,6 @@ class ServerState:
         self.preprocessor = Preprocessor(server_config.preprocess_workers, server_config.max_pending_requests)
         self.error: str | None = None
         self._end_timer: asyncio.TimerHandle | None = None
-        self._drain_task: asyncio.Task | None = None
 
     def require_serving(self) -> ServingEngine:
         if self.status == "shutting_down":
@@ -107,25 +103,13 @@ class ServerState:
             raise APIError(503, message, code="model_loading" if self.status == "loading" else "model_load_failed")
         return self.serving
 
-    def begin_shutdown(self, timeout_s: float, on_drained: Callable[[], None] | None = None) -> None:
-        """Refuse new requests; end the running ones (final chunk, [DONE]) unless they finish within `timeout_s`.
-        `on_drained()` is called on the loop once no request is running: the listener stays open until
-        then, so a client that connects meanwhile gets the 503, not a refused connection."""
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests; end the running ones (final chunk, [DONE]) unless they finish within `timeout_s`."""
         if self.status == "shutting_down":
             return
         self.status = "shutting_down"
         logger.info("shutting down: running requests get %.0f s to finish", timeout_s)
-        loop = asyncio.get_running_loop()
-        self._end_timer = loop.call_later(timeout_s, self.end_requests)
-        if on_drained is not None:
-            deadline = loop.time() + timeout_s + ENDED_GRACE_S
-            self._drain_task = loop.create_task(self._call_when_drained(on_drained, deadline))
-
-    async def _call_when_drained(self, on_drained: Callable[[], None], deadline: float) -> None:
-        loop = asyncio.get_running_loop()
-        while self.serving is not None and self.serving.num_running and loop.time() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        on_drained()
+        self._end_timer = asyncio.get_running_loop().call_later(timeout_s, self.end_requests)
 
     def end_requests(self) -> None:
         if self._end_timer is not None:

@@ -18,6 +18,7 @@ series prometheus_client adds to counters and histograms (vLLM turns them off to
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from deepinfer.core.engine.stats import IterationStats
 
@@ -29,10 +30,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-# generate_latest writes the classic text format 0.0.4 (every name here is a legacy name, so no
-# escaping applies). prometheus-client 0.22+ labels its CONTENT_TYPE_LATEST "version=1.0.0", and its
-# own HTTP handler still answers a scraper that does not ask for 1.0.0 with this header.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _WithoutCreated:

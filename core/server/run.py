@@ -6,10 +6,10 @@
    else the cap is lowered), so the connection cap, not the descriptor table, is what runs out.
 3. Serve: uvicorn over the bound socket with the guarded HTTP protocol (connection.py); the model
    loads in the background meanwhile (/health says "loading").
-4. On SIGTERM or SIGINT: answer new requests (and /health) with a 503, let running requests
+4. On SIGTERM or SIGINT: stop accepting, refuse new requests with a 503, let running requests
    finish for up to --shutdown-timeout seconds, then end the rest (a stream gets its final chunk
-   with finish_reason "abort" and `data: [DONE]`). Once none is running, stop accepting, stop the
-   engine and return. A second signal ends the running requests and stops at once.
+   with finish_reason "abort" and `data: [DONE]`), stop the engine and return. A second signal
+   ends the running requests at once.
 Returns the exit status: 0 after SIGTERM (a requested, clean stop), 130 after SIGINT (the shell's
 convention for Ctrl-C); a model that cannot load is a ServerStartError with its reason.
 """
@@ -114,8 +114,7 @@ class _Server(uvicorn.Server):
 
     def _handle(self, sig: int, _frame) -> None:
         self.received.append(sig)
-        if len(self.received) > 1:
-            self.should_exit = True  # uvicorn: stop accepting, close idle connections, wait for busy ones
+        self.should_exit = True  # uvicorn: stop accepting, close idle connections, wait for busy ones
         self._on_signal(len(self.received))
 
 
@@ -135,15 +134,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     state = app.state.deepinfer
     running: list[asyncio.AbstractEventLoop] = []
 
-    def stop_serving() -> None:
-        server.should_exit = True
-
     def on_signal(count: int) -> None:  # inside the signal handler: hand the work to the event loop
         if not running:
-            stop_serving()
             return
-        if count == 1:  # the listener stays open, answering 503, until the running requests are done
-            running[0].call_soon_threadsafe(state.begin_shutdown, server_config.shutdown_timeout_s, stop_serving)
+        if count == 1:
+            running[0].call_soon_threadsafe(state.begin_shutdown, server_config.shutdown_timeout_s)
         else:
             running[0].call_soon_threadsafe(state.end_requests)
 

@@ -204,11 +204,6 @@ class ServingEngine:
             stream.abort()
         self._live.difference_update(streams)
 
-    @property
-    def num_running(self) -> int:
-        """API requests' engine requests submitted and not yet followed to their end."""
-        return len(self._live)
-
     def end_all(self) -> int:
         """Abort every request still running (shutdown); each ends with finish_reason "abort"."""
         for stream in list(self._live):
