@@ -459,6 +459,62 @@ def _finish_serve(payload: dict, tables: list, output: str | None) -> None:
         fail("; ".join(target["error"] for target in failed) + f" (the others are in {path})")
 
 
+@app.command("cpu")
+def cpu(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="A .gguf file (default: the default model).")] = None,
+    converted: Annotated[str | None, typer.Option(
+        "--converted", help="Its `deepinfer convert` output (default: converted now into a temporary directory).")
+    ] = None,
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens (prefill).")] = 2048,
+    output_len: Annotated[int, typer.Option("--output-len", help="Greedy output tokens (decode).")] = 64,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", help="torch CPU threads for every subject (default: torch's, the core count).")] = None,
+    repeats: RepeatsOpt = 1,
+    output: OutputOpt = None,
+) -> None:
+    """A GGUF and its W4A16 conversion through deepinfer on the CPU, beside HF transformers (fp32) on the same
+    GGUF: prefill time and decode tok/s at one thread count."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+
+    from deepinfer.core.bench.cpu_bench import CpuWorkload, cpu_tables, run_cpu_benchmark
+    from deepinfer.core.bench.env_info import env_info
+    from deepinfer.core.bench.report import results_path, write_json
+    from deepinfer.core.weights.default_model import default_model_path
+
+    gguf = Path(model).expanduser() if model else default_model_path()
+    if gguf.suffix.lower() != ".gguf" or not gguf.is_file():
+        fail(f"--model takes a .gguf file, got {str(gguf)!r}")
+    if prompt_len < 1 or output_len < 2 or repeats < 1 or (threads is not None and threads < 1):
+        fail("--prompt-len, --repeats and --threads take positive integers, --output-len at least 2")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' per-tensor bars (the GGUF tokenizer, its peer) bury the lines
+    workload = CpuWorkload(prompt_len, output_len, threads or torch.get_num_threads(), repeats)
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-bench-cpu-") as scratch:
+        if converted is None:
+            from deepinfer.core.weights.convert.run import convert_checkpoint
+
+            converted_path = Path(scratch) / f"{gguf.stem}-w4a16"
+            console.print(f"converting {gguf.name} -> {converted_path}")
+            convert_checkpoint(gguf, converted_path)
+        else:
+            converted_path = Path(converted).expanduser()
+        env = env_info(["deepinfer", *sys.argv[1:]])
+        payload = run_cpu_benchmark(gguf, converted_path, workload, say=console.print)
+    path = write_json(results_path("cpu", gguf.stem, "cpu", output), payload, env)
+    out = Console(width=200)
+    for table in cpu_tables(payload):
+        out.print(table)
+    out.print(f"wrote {path}")
+
+
 def _progress():
     """The sweep's progress bars on stderr, keeping stdout for the tables."""
     from rich.console import Console

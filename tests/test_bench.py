@@ -259,6 +259,7 @@ def test_env_records_the_settings_that_choose_the_code_and_no_other_variables(mo
     monkeypatch.setenv("DEEPINFER_PDL", "0")
     monkeypatch.setenv("DEEPINFER_API_KEY", "secret-key")
     monkeypatch.delenv("DEEPINFER_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("DEEPINFER_CPU_WEIGHTS", raising=False)  # the suite's conftest sets it
     info = env_info.env_info(["deepinfer", "bench", "concurrency"])
     assert info["settings"] == {"DEEPINFER_PDL": "0"}
     assert "secret-key" not in json.dumps(info)

@@ -83,7 +83,9 @@ def recorded(monkeypatch):
             (kr, "rms_norm", _raise("kernel")), (ka, "act_and_mul", _raise("kernel")),
             (krc, "rope_and_cache_write", _raise("kernel"))):
         monkeypatch.setattr(module, name, launcher)
-    for module, name in ((quant_matmul, "quant_matmul_reference"), (paged_attention, "paged_decode_attention_reference"),
+    # the tensors are on the CPU, whose product (quant_matmul_cpu) stands where a CUDA tensor would get the reference
+    for module, name in ((quant_matmul, "quant_matmul_reference"), (quant_matmul, "quant_matmul_cpu"),
+                         (paged_attention, "paged_decode_attention_reference"),
                          (paged_attention, "paged_prefill_attention_reference"), (norm, "rms_norm_reference"),
                          (activation, "act_and_mul_reference"), (rotary, "apply_rotary_reference"),
                          (rotary, "write_kv_cache_reference")):

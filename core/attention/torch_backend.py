@@ -9,7 +9,8 @@ big decode batch is one SDPA call and a long prefill chunk does not pad every de
 Masking is by absolute position: a query at position p sees keys k with k <= p, and with a
 sliding window W also k > p - W (HF's `sliding_window_overlay`, the same for Mistral, Qwen2
 and Gemma 2). Keys beyond a request's length sit in padded or not-yet-written slots and are
-always excluded by the causal test, because p < seq_len. With a softcap (Gemma 2) scores are
+always excluded by the causal test, because p < seq_len. On the CPU, a group whose prompts all start at
+position 0 (and no window or softcap applies) takes SDPA's own causal mask instead. With a softcap (Gemma 2) scores are
 `tanh(s / cap) * cap` before the mask, computed explicitly as HF's eager path does.
 
 Index tensors that depend only on the step (which rows, which blocks, which positions) are built
@@ -46,6 +47,9 @@ class _RequestGroup:
     query_valid: torch.Tensor  # [R, Qmax] bool: False for padding rows
     unpad_index: torch.Tensor  # [Tg] int64: for each token of the slice, its row in the flat R * Qmax
     block_ids: torch.Tensor  # [R * num_blocks] int: the requests' blocks, request-major
+    # every request's queries start at position 0 (a prompt's first chunk): query i of each sees keys 0..i,
+    # which is SDPA's own causal mask (top-left aligned)
+    starts_at_zero: bool = False
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [R, 1, Qmax, S] bool
 
 
@@ -85,13 +89,19 @@ class TorchPagedAttention:
         padded = padded.view(num_requests, max_query_len, num_kv_heads, group_size, head_dim)
         padded = padded.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group_size * max_query_len, head_dim)
 
-        keys, values = kv_cache.read_blocks(layer_idx, group.block_ids)  # [R * nb, KVH, bs, D]
-        keys = keys.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
-        keys = keys.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
-        values = values.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
-        values = values.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
+        if query.device.type == "cpu":  # index_select gathers whole blocks (read_context)
+            keys, values = kv_cache.read_context(layer_idx, group.block_ids, num_requests)  # [R, KVH, S, D]
+        else:
+            keys, values = kv_cache.read_blocks(layer_idx, group.block_ids)  # [R * nb, KVH, bs, D]
+            keys = keys.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
+            keys = keys.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
+            values = values.view(num_requests, group.num_blocks, num_kv_heads, block_size, head_dim)
+            values = values.transpose(1, 2).reshape(num_requests, num_kv_heads, num_keys, head_dim)
         keys, values = keys.to(query.dtype), values.to(query.dtype)
 
+        if (group.starts_at_zero and query.device.type == "cpu" and softcap is None
+                and (sliding_window is None or sliding_window >= num_keys)):
+            return _attend_causal(group, query, keys, values, scale)
         mask = group.masks.get(sliding_window)
         if mask is None:
             mask = _build_mask(group, num_keys, sliding_window)
@@ -112,6 +122,20 @@ class TorchPagedAttention:
         out = out.view(num_requests, num_kv_heads, group_size, max_query_len, head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(num_requests * max_query_len, num_heads, head_dim)
         return out[group.unpad_index]  # [Tg, H, D]
+
+
+def _attend_causal(group: _RequestGroup, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """A group of first chunks on the CPU: SDPA's causal mask (its flash kernel skips the masked key blocks
+    instead of reading a [Qmax, S] mask per head) and its GQA (no K/V repeat). keys/values [R, KVH, S, D]."""
+    num_requests, max_query_len = group.query_index.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    padded = query[group.query_index].transpose(1, 2)  # [R, H, Qmax, D]
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(padded, keys, values, is_causal=True, scale=scale,
+                                             enable_gqa=num_heads != keys.shape[1])
+    out = out.transpose(1, 2).reshape(num_requests * max_query_len, num_heads, head_dim)
+    return out[group.unpad_index]  # [Tg, H, D]
 
 
 def _build_mask(group: _RequestGroup, num_keys: int, sliding_window: int | None) -> torch.Tensor:
@@ -161,4 +185,5 @@ def _build_group(meta: AttentionMetadata, first: int, last: int, token_start: in
         unpad_index=request_of_token * max_query_len + torch.arange(num_tokens, device=device)
         - offsets[request_of_token],
         block_ids=meta.block_tables[first:last, :num_blocks].reshape(-1).to(torch.int64),
+        starts_at_zero=meta.seq_lens_host[first:last] == meta.query_lens[first:last],
     )

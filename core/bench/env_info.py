@@ -22,9 +22,10 @@ import torch
 
 GIT_COMMIT_ENV = "DEEPINFER_GIT_COMMIT"
 # Variables that choose the code a run measures: DEEPINFER_PDL=0 serializes every kernel launch
-# (kernels/programmatic_launch.py), DEEPINFER_FORCE_REFERENCE=1 sends every op to torch (core/ops/dispatch.py).
+# (kernels/programmatic_launch.py), DEEPINFER_FORCE_REFERENCE=1 sends every op to torch (core/ops/dispatch.py),
+# DEEPINFER_CPU_WEIGHTS picks the CPU layout of packed weights (core/ops/quant_matmul_cpu.py).
 # Only these are recorded: other DEEPINFER_* variables may hold secrets (DEEPINFER_API_KEY).
-RUN_SETTINGS = ("DEEPINFER_PDL", "DEEPINFER_FORCE_REFERENCE")
+RUN_SETTINGS = ("DEEPINFER_PDL", "DEEPINFER_FORCE_REFERENCE", "DEEPINFER_CPU_WEIGHTS")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

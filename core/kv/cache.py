@@ -86,6 +86,24 @@ class KVCache:
         return key.to(self.dtype) * key_scale, value.to(self.dtype) * value_scale
 
 
+    def read_context(self, layer: int, block_ids: torch.Tensor, num_requests: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `num_requests` equal-length block lists (request-major block_ids [R * nb]) as two contiguous
+        [R, num_kv_heads, nb * block_size, head_dim] tensors in compute dtype. index_select on the contiguous
+        pool is one memcpy per block where advanced indexing (read_blocks) walks elements: several times
+        faster on the CPU for a decode's whole context."""
+        out = []
+        scales = (self.key_scales, self.value_scales) if self.quantized else (None, None)
+        for caches, scale_list in zip((self.key_caches, self.value_caches), scales):
+            gathered = caches[layer].index_select(0, block_ids)  # [R * nb, KVH, bs, D]
+            if scale_list is not None:
+                scale = scale_list[layer].index_select(0, block_ids)  # [R * nb, KVH, bs]
+                gathered = gathered.to(self.dtype) * scale.to(self.dtype).unsqueeze(-1)
+            blocks, heads, block_size, head_dim = gathered.shape
+            gathered = gathered.view(num_requests, blocks // num_requests, heads, block_size, head_dim)
+            out.append(gathered.transpose(1, 2).reshape(num_requests, heads, -1, head_dim))  # [R, KVH, S, D]
+        return out[0], out[1]
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 over the last dim. x: [..., head_dim] -> (int8 [..., head_dim], fp16 scale [...])."""
     scale = x.float().abs().amax(dim=-1).clamp(min=1e-8) / INT8_MAX  # [...]

@@ -7,7 +7,9 @@
      of `model` when no shape is given), random weights. Tokenizer: the model's own when `model`
      has one, else the default model's if it is already on disk, else a ByteTokenizer.
    - no `model`: the default GGUF (fetched once, see core/weights/default_model.py).
-   - a `.gguf` file (or a directory holding exactly one): GGUF, dequantized to the model dtype.
+   - a `.gguf` file (or a directory holding exactly one): GGUF, dequantized to the model dtype; on the CPU
+     (unless DEEPINFER_CPU_WEIGHTS=dense) its Q4_0 / Q4_1 / Q4_K projections then become QuantLinears
+     holding the same codes (the converter's exact re-packing), for the CPU int4 product.
    - a directory whose manifest.json says `"format": "deepinfer-layered"` (core/weights/layered.py):
      its packed W4A16/W3A16 projections become QuantLinears as each layer's file is read, on a model
      built on the meta device, so no unquantized copy of them is ever made.
@@ -45,6 +47,7 @@ from deepinfer.core.models.decoder import DecoderModel
 from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.ops.quant_matmul import prepare_products
+from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
 from deepinfer.core.quant.quant_linear import QuantLinear
 from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, put_quant_linear, quantize_projections
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
@@ -146,10 +149,34 @@ def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
     spec = gguf_spec(reader)
     model = _build_model(spec, config, device, dtype)
     model.load_weights(iter_gguf_weights(reader, spec))
+    if config.quantization is None and torch.device(device).type == "cpu" and cpu_weights_mode() != "dense":
+        _pack_exact_projections(model, reader, spec, device)
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
         path.parent, gguf_file=path.name, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id),
         spec, path)
     return LoadedModel(spec, model, tokenizer, "gguf", path.stem)
+
+
+@torch.no_grad()
+def _pack_exact_projections(model: DecoderModel, reader: Any, spec: ModelSpec, device: Any) -> None:
+    """Swap every projection a GGUF stores as Q4_0 / Q4_1 / Q4_K for a QuantLinear of its own codes."""
+    from deepinfer.core.weights.convert.gguf import EXACT_TYPES, gguf_exact_to_packed, qk_row_order
+    from deepinfer.core.weights.convert.source import LINEAR_NAMES
+    from deepinfer.core.weights.gguf_reader import gguf_to_hf_name, layer_norm_names
+
+    norm_names = layer_norm_names(spec)
+    for tensor in reader.tensors:
+        module = gguf_to_hf_name(tensor.name, norm_names).removesuffix(".weight")
+        if tensor.tensor_type.name not in EXACT_TYPES or module.rpartition(".")[2] not in LINEAR_NAMES:
+            continue
+        in_features, out_features = (int(d) for d in tensor.shape)  # GGUF shapes are innermost-first
+        row_order = None  # llama.cpp interleaves Q/K rows per head; iter_gguf_weights un-permutes them the same way
+        if spec.family in ("llama", "mistral") and module.endswith(("q_proj", "k_proj")):
+            row_order = qk_row_order(out_features, spec.num_heads if module.endswith("q_proj") else spec.num_kv_heads)
+        bias = model.get_submodule(module).bias
+        packed = gguf_exact_to_packed(tensor.data, tensor.tensor_type.name, out_features, in_features, row_order,
+                                      None if bias is None else bias.detach().clone())
+        put_quant_linear(model, module, packed, device)
 
 
 @torch.no_grad()

@@ -3,8 +3,9 @@
 On CUDA with fp16/bf16 activations and a weight the kernels read (kernels/quant_matmul.py: unsupported_reason),
 the row of core/ops/quant_matmul_table.py that serves the product's token count and shape runs it: one of the
 packed-weight kernels (the act-order permutation gathered on the activation side first), or for many tokens the
-dense path (dequantize once, then cuBLAS). Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch
-reference dequantizes the whole weight and multiplies.
+dense path (dequantize once, then cuBLAS). On the CPU, core/ops/quant_matmul_cpu.py runs it on a layout made once
+(torch's int4 matmul, or a dense copy). Anywhere else, or with DEEPINFER_FORCE_REFERENCE=1, the torch reference
+dequantizes the whole weight and multiplies.
 
 The fused products (core/ops/qkv_rotary.py, core/ops/gate_up_activation.py) run the same capability check first.
 """
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.quant_matmul_cpu import quant_matmul_cpu
 from deepinfer.core.ops.quant_matmul_table import (
     ProductShape,
     fragment_may_serve,
@@ -71,6 +73,8 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     the reference. The capability is decided once per case (dispatch.decide) and the row once per shape, so a call
     costs a few dict lookups besides the launch."""
     if not dispatch.decide(OP, ProductCase.of(x, packed), product_reason, (x,)):
+        if x.device.type == "cpu" and not dispatch.force_reference() and not x.requires_grad:
+            return quant_matmul_cpu(x, packed)
         return quant_matmul_reference(x, packed)
     rows = stored_order(x.reshape(-1, packed.in_features), packed)  # [M, K]
     out = product_row(product_shape(rows.shape[0], packed)).launch(rows, packed)  # [M, N]
