@@ -23,7 +23,8 @@
 4. on a GPU, compact: re-lay the weights in fresh allocator segments when the merge left holes
    between them (core/models/compaction.py).
 5. on a GPU, lay out the W4 GEMM's scale pairs and the fragment kernel's copies of the projections they serve
-   (core/ops/quant_matmul.py: prepare_products; no fragment copies under --max-vram), so they are in place before
+   (core/ops/quant_matmul.py: prepare_products; no fragment copies under --max-vram or where they would
+   take more than 5% of the device), so they are in place before
    the engine measures its memory and captures its graphs.
 """
 
@@ -46,7 +47,7 @@ from deepinfer.core.models.compaction import compact_weights
 from deepinfer.core.models.decoder import DecoderModel
 from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
-from deepinfer.core.ops.quant_matmul import prepare_products
+from deepinfer.core.ops.quant_matmul import fragment_copy_bytes, prepare_products
 from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
 from deepinfer.core.quant.quant_linear import QuantLinear
 from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, put_quant_linear, quantize_projections
@@ -59,6 +60,7 @@ from deepinfer.core.weights.hub import parse_hub_id, resolve_model
 logger = logging.getLogger(__name__)
 
 SHAPES_DIR = Path(str(files("deepinfer.configs") / "shapes"))
+FRAGMENT_COPY_SHARE = 0.05  # of the device's memory, at most, for the fragment kernel's weight copies
 
 
 @dataclass
@@ -82,10 +84,25 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     merge_projections(loaded.model)  # q/k/v and gate/up: one product each
     if device.type == "cuda":
         compact_weights(loaded.model, device)
-        # under a memory budget each weight keeps one form (no fragment copies: they double the packed codes)
-        prepare_products([m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)], dtype,
-                         fragments=config.max_vram is None)
+        weights = [m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+        prepare_products(weights, dtype, fragments=_room_for_fragment_copies(weights, config, device))
     return loaded
+
+
+def _room_for_fragment_copies(weights: list, config: EngineConfig, device: torch.device) -> bool:
+    """The fragment kernel reads its own copy of each W4 weight it serves, beside the packed codes the other
+    kernels read: under a memory budget (--max-vram), or where the copies would take more than
+    FRAGMENT_COPY_SHARE of the device (a small card, whose memory is better spent on KV blocks), each weight
+    keeps one form and its products run on the next kernel of the table."""
+    copies = fragment_copy_bytes(weights)
+    if not copies:
+        return False
+    room = config.max_vram is None and copies <= FRAGMENT_COPY_SHARE * torch.cuda.get_device_properties(
+        device).total_memory
+    if not room:
+        logger.info("W4 weights keep one form (%.2f GiB of fragment copies do not fit the budget): few-token "
+                    "products run without the fragment kernel", copies / 2**30)
+    return room
 
 
 def read_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:

@@ -81,6 +81,12 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], packed.out_features)
 
 
+def fragment_copy_bytes(weights: list[PackedWeight]) -> int:
+    """Bytes the fragment kernel's copies of these weights would take (as large as their packed codes)."""
+    return sum(packed.qweight.numel() * packed.qweight.element_size() for packed in weights
+               if fragment_may_serve(packed))
+
+
 def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments: bool = True) -> int:
     """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (the W4 GEMM's
     scale pairs, the fragment kernel's copy of the weight in its layout), so nothing is allocated for it during a
