@@ -85,5 +85,6 @@ class ModelRunner:
 
 def sampling_row(request: Request) -> SamplingRow:
     return SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                       output_token_ids=request.output_token_ids, generator=request.generator)
+                       output_token_ids=request.output_token_ids, generator=request.generator,
+                       token_counts=request.token_counts)
 
