@@ -60,6 +60,11 @@ class EngineConfig:
     shape: str | None = None  # configs/shapes/<shape>.json for dummy-weight runs
     quantization: str | None = None  # None | "w4a16" | "w3a16": round-to-nearest at load time (group 128)
 
+    # Sampling defaults over the model's own (generation_config.json, GGUF metadata), e.g.
+    # {"temperature": 0.2}: what a request of LLM, chat or serve that leaves the field unset samples
+    # with (chat's and serve's --temperature, --top-p, --top-k, --min-p, --repetition-penalty).
+    override_generation_config: dict[str, float | int] | None = None
+
     def __post_init__(self) -> None:
         self.max_vram = parse_size(self.max_vram)
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -85,3 +90,10 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.override_generation_config is not None:
+            if not isinstance(self.override_generation_config, dict):
+                raise ValueError("override_generation_config must map sampling fields to values, e.g. "
+                                 "{'temperature': 0.2}")
+            from deepinfer.core.engine.sampling_params import SamplingDefaults
+
+            SamplingDefaults.layer(flags=self.override_generation_config)  # raises for an unknown field or bad value

@@ -5,6 +5,10 @@
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
     print(outputs[0].text)
 
+Sampling fields a SamplingParams leaves unset (temperature, top_p, top_k, min_p,
+repetition_penalty) take the model's defaults (its generation_config.json or GGUF metadata), with
+`override_generation_config={...}` over them: `llm.sampling_defaults` says which and from where.
+
 Every prompt is validated before anything runs, so a bad one raises (InvalidRequestError,
 PromptTooLongError) without wasting the others' work. Prompts are fed to the engine as its
 bounded waiting queue has room, and run together in continuous batches.
@@ -23,7 +27,7 @@ from typing import Any
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.outputs import RequestOutput
-from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.structured.tool_parsers import ToolCall, ToolParser, make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan, render_chat
@@ -39,6 +43,15 @@ class LLM:
         self.engine = LLMEngine(self.config)
 
     @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """What unset sampling fields take, and where each value came from (model, flag, built-in)."""
+        return self.engine.sampling_defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams holding the defaults (vLLM's name), to start from with dataclasses.replace."""
+        return SamplingParams().with_defaults(self.sampling_defaults)
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -49,7 +62,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given."""
         prompt_list = _normalize_prompts(prompts)
-        params_list = _normalize_params(sampling_params, len(prompt_list))
+        params_list = [params.with_defaults(self.sampling_defaults)
+                       for params in _normalize_params(sampling_params, len(prompt_list))]
         groups = [self.engine.make_request_group(prompt, params)
                   for prompt, params in zip(prompt_list, params_list)]
         results: dict[str, RequestOutput] = {}

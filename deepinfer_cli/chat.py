@@ -21,9 +21,6 @@ def chat(
     prompt: Annotated[str | None, typer.Option(
         "--prompt", "-p", help="Answer this one message (chat template applied), print only the answer, exit.")] = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.9,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 disables.")] = 0,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per answer.")] = 512,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible answers).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show engine logs.")] = False,
@@ -35,7 +32,9 @@ def chat(
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from deepinfer.core.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    # temperature, top-p, top-k, min-p, repetition penalty: the model's defaults under the sampling
+    # flags (engine["override_generation_config"]), filled in once the model is loaded
+    params = SamplingParams(max_tokens=max_tokens, seed=seed)
     if prompt is not None and not prompt.strip():
         fail("--prompt is empty: pass the message to answer, or leave --prompt out to chat in a terminal")
     if prompt is None and (sys.stdin is None or not sys.stdin.isatty()):
@@ -79,6 +78,7 @@ def _one_answer(config, params, prompt: str, system: str | None) -> None:
     from deepinfer.cli.conversation import Conversation
 
     chat = _load(config, quiet=True)
+    params = params.with_defaults(chat.engine.sampling_defaults)
     try:
         prompt_ids = chat.engine.tokenizer.encode_chat(Conversation(system).messages(prompt))
         out = sys.stdout.buffer
@@ -101,7 +101,9 @@ def _interactive(config, params, system: str | None, model_label: str) -> None:
     from deepinfer.core.weights.default_model import cache_root
 
     chat = _load(config, quiet=False)
+    defaults = chat.engine.sampling_defaults
     try:
-        ChatRepl(chat, params, Conversation(system), model_label, cache_root() / "chat_history").run()
+        ChatRepl(chat, params.with_defaults(defaults), Conversation(system), model_label,
+                 cache_root() / "chat_history", defaults).run()
     finally:
         chat.shutdown()

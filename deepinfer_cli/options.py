@@ -6,6 +6,11 @@ apply to a command as options whose default is None, and hands the command `engi
 only what the user set; `engine_config(engine)` builds the EngineConfig from that, so EngineConfig
 is the only place defaults live. A field missing from the table fails at import (and in
 tests/test_cli_flags.py), so a new EngineConfig field cannot be forgotten silently.
+
+`chat` and `serve` also get the sampling flags of SAMPLING_FLAGS (default None: the model's own
+default, from its generation_config.json or GGUF metadata); those given reach EngineConfig as
+`override_generation_config`, the defaults of every request that leaves the field unset.
+Benchmarks have none: they sample as they always do.
 """
 
 from __future__ import annotations
@@ -73,6 +78,18 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                         commands=_RANDOM_WEIGHT_COMMANDS, metavar="NAME"),
     "quantization": EngineFlag("w4a16 or w3a16: round-to-nearest weight quantization at load.",
                                names=("--quant",)),
+    # a flag of its own for each field: SAMPLING_FLAGS
+    "override_generation_config": EngineFlag("Sampling defaults over the model's.", commands=()),
+}
+
+SAMPLING_COMMANDS = ("chat", "serve")
+# SamplingParams field -> (flag, type, help); the default shown is the model's (its generation config).
+SAMPLING_FLAGS: dict[str, tuple[str, type, str]] = {
+    "temperature": ("--temperature", float, "Sampling temperature; 0 = greedy."),
+    "top_p": ("--top-p", float, "Nucleus sampling: keep the most likely tokens up to this mass."),
+    "top_k": ("--top-k", int, "Keep the k most likely tokens; 0 disables."),
+    "min_p": ("--min-p", float, "Drop tokens below min_p times the most likely one's probability."),
+    "repetition_penalty": ("--repetition-penalty", float, "Penalty on prompt and answer tokens; 1 disables."),
 }
 
 
@@ -119,6 +136,12 @@ def _option(field: dataclasses.Field) -> Any:
     return Annotated[kind | None, typer.Option(*decls, help=help_text, show_default=False, metavar=flag.metavar)]
 
 
+def _sampling_option(name: str) -> Any:
+    flag, kind, help_text = SAMPLING_FLAGS[name]
+    return Annotated[kind | None, typer.Option(flag, help=f"{help_text}  [default: the model's]",
+                                               show_default=False)]
+
+
 FIRST_FIELDS = ("model", "revision")  # shown before a command's own options; the other engine flags after them
 
 
@@ -138,13 +161,20 @@ def engine_flags(command: str):
         added = {n: inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
                                       annotation=_option(config_fields[n])) for n in names}
         first = [added.pop(n) for n in FIRST_FIELDS if n in added]
+        sampling = {n: inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                         annotation=_sampling_option(n))
+                    for n in (SAMPLING_FLAGS if command in SAMPLING_COMMANDS else ())}
 
         @functools.wraps(func)
         def command_with_engine_flags(**kwargs):
             given = {n: kwargs.pop(n, None) for n in names}
-            return func(**kwargs, engine={n: value for n, value in given.items() if value is not None})
+            engine = {n: value for n, value in given.items() if value is not None}
+            overrides = {n: value for n in sampling if (value := kwargs.pop(n, None)) is not None}
+            if overrides:
+                engine["override_generation_config"] = overrides
+            return func(**kwargs, engine=engine)
 
-        parameters = first + own + list(added.values())
+        parameters = first + own + list(sampling.values()) + list(added.values())
         command_with_engine_flags.__signature__ = signature.replace(parameters=parameters)
         command_with_engine_flags.__annotations__ = {p.name: p.annotation for p in parameters}
         del command_with_engine_flags.__wrapped__  # typer and get_type_hints read this function, not `func`

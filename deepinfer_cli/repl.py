@@ -87,9 +87,12 @@ def make_session(history_file: Path):
 
 class ChatRepl:
     def __init__(self, chat: ChatEngine, params, conversation: Conversation, model_label: str,
-                 history_file: Path) -> None:
+                 history_file: Path, sampling_defaults=None) -> None:
+        """`params`: every answer's SamplingParams; `sampling_defaults`: the SamplingDefaults they were
+        filled from (where each value came from), shown at the start and by /help."""
         self.chat, self.params, self.conversation = chat, params, conversation
         self.model_label, self.history_file = model_label, history_file
+        self.sampling_defaults = sampling_defaults
         self.console = Console(highlight=False)
         self.tokenizer = chat.engine.tokenizer
         self.max_model_len = chat.engine.max_model_len
@@ -98,6 +101,7 @@ class ChatRepl:
         session = make_session(self.history_file)
         for line in banner(self.model_label):
             self.console.print(line)
+        self.say(self.sampling_line())
         while True:
             try:
                 text = session.prompt(PROMPT)
@@ -112,6 +116,12 @@ class ChatRepl:
                 continue
             self.answer(message)
 
+    def sampling_line(self) -> str:
+        """`sampling: temperature 0.2 (model), top_p 0.9 (flag), ...`: the values in force, from where."""
+        if self.sampling_defaults is None:
+            return f"sampling: temperature {self.params.temperature:g}, top_p {self.params.top_p:g}"
+        return f"sampling: {self.sampling_defaults.describe()}"
+
     def say(self, text: str) -> None:
         self.console.print(f"[dim]{escape(text)}[/dim]")
 
@@ -121,6 +131,9 @@ class ChatRepl:
             return "exit"
         if name in ("/help", "/?"):
             self.console.print(HELP, markup=False)
+            self.say(self.sampling_line())
+            self.say("  model: the model's generation config; flag: chat's --temperature, --top-p, --top-k, "
+                     "--min-p, --repetition-penalty; built-in: neither sets it")
         elif name == "/reset":
             self.conversation.reset()
             kept = (f"the system prompt ({self.conversation.system!r})" if self.conversation.system

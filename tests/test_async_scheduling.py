@@ -234,20 +234,6 @@ def test_abort_while_the_request_is_in_flight(loaded):
     assert async_run.aborted_in_flight == {"victim": True} and sync.aborted_in_flight == {"victim": False}
 
 
-def test_a_request_with_penalties_falls_back_to_synchronous_steps(loaded, monkeypatch):
-    arrivals = [(0, prompt(12, 80), greedy(8, repetition_penalty=1.8, frequency_penalty=0.7), "penalized"),
-                (0, prompt(6, 81), greedy(16), "plain"), (0, prompt(9, 82), seeded(16, seed=4), "seeded")]
-    compare(loaded, arrivals)
-    engine = make_engine(loaded, async_scheduling=True)
-    events = record_launches_and_reads(engine, monkeypatch)
-    drive(engine, arrivals)
-    penalized_steps = {k for kind, k, ids in events if kind == "launch" and "penalized" in ids}
-    for k in penalized_steps:  # the next step waited for this one's tokens ...
-        next_launch = next(i for i, e in enumerate(events) if e[:2] == ("launch", k + 1))
-        assert events.index(("read", k, None)) < next_launch
-    assert overlapped_steps(events) - penalized_steps  # ... and the others overlapped once it finished
-
-
 def test_padded_steps_take_the_pending_tokens_on_the_device(loaded):
     """decode_mode="padded" runs the CUDA graphs' static buffers eagerly: their device-side fill of
     pending tokens gives the unpadded synchronous engine's outputs."""

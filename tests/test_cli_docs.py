@@ -16,6 +16,8 @@ def engine_flag_rows() -> list[str]:
     rows = ["| flag | default | on | meaning |", "| --- | --- | --- | --- |"]
     for field in dataclasses.fields(EngineConfig):
         flag = options.ENGINE_FLAGS[field.name]
+        if not flag.commands:  # set through other flags (the sampling flags), documented with them
+            continue
         name = options.flag_name(field.name)
         shown = f"`{name}` / `--no-{name[2:]}`" if field.type == "bool" else f"`{name}`"
         default = flag.default_text or ("" if field.default is None else str(field.default))

@@ -17,11 +17,12 @@ from deepinfer.core.config import EngineConfig
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 # Where a field is not a flag, and why (written out here, independently of options.py's table).
+# override_generation_config is given by the sampling flags (--temperature, ...) of chat and serve.
 NOT_FLAGS = {
-    "chat": {"dummy_weights", "shape", "seed"},  # chat needs real weights; its --seed seeds sampling
-    "serve": set(),
-    "concurrency": set(),
-    "jitter": {"max_num_batched_tokens"},  # swept by --chunk-sizes
+    "chat": {"dummy_weights", "shape", "seed", "override_generation_config"},  # chat needs real weights; its --seed seeds sampling
+    "serve": {"override_generation_config"},
+    "concurrency": {"override_generation_config"},
+    "jitter": {"max_num_batched_tokens", "override_generation_config"},  # swept by --chunk-sizes
 }
 COMMAND_PATHS = {"chat": ["chat"], "serve": ["serve"], "concurrency": ["bench", "concurrency"],
                  "jitter": ["bench", "jitter"]}

@@ -106,7 +106,8 @@ def test_float32_bounds_survive_the_sampler():
         # negative one multiplied; top_p this small keeps only the most likely token of what is left.
         penalized = logits.clone()
         seen = penalized[:, 1:3]
-        penalized[:, 1:3] = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
+        penalty = params.resolved().repetition_penalty  # 1 where the params leave it unset
+        penalized[:, 1:3] = torch.where(seen > 0, seen / penalty, seen * penalty)
         rows = [SamplingRow(params, prompt_token_ids=[1, 2], output_token_ids=[]) for _ in range(4)]
         assert Sampler().sample(logits, rows).token_ids == penalized.argmax(dim=-1).tolist()
 

@@ -87,6 +87,7 @@ class AsyncEngine:
         self.spec = self.engine.spec
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.sampling_defaults = self.engine.sampling_defaults  # what the server and chat fill unset fields with
         self.grammars = self.engine.grammars  # structured outputs' compiler (thread-safe)
         self._streams: dict[str, RequestStream] = {}
         self._inbox: list = []  # RequestGroups to add, in arrival order

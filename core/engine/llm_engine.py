@@ -14,11 +14,12 @@ come one `step()` call after the step that computed them; `has_unfinished_reques
 while a step is in flight, and a last call with nothing to schedule only applies it. A request
 that step N finishes (EOS, stop token or string, max_tokens, abort, error) may already be in step
 N+1; that result is discarded. Its blocks are freed at once: all device work runs on one stream,
-so a later step that reuses them runs after N+1. Without async scheduling (or when a request in
-the step in flight has penalties, which read its output tokens on the host), the step in flight
-is applied before the next one is scheduled. A request with structured outputs needs no such
-wait: its token mask is computed after the next step's forward is enqueued, from the step in
-flight's token (core/structured/step_mask.py). Tokens, logprobs, finish reasons, stop reasons and
+so a later step that reuses them runs after N+1. Without async scheduling the step in flight is
+applied before the next one is scheduled. Neither penalties nor structured outputs need that
+wait: penalties read the request's token counts on the device, where the sampler has already
+added the token in flight (core/engine/token_counts.py), and a grammar's token mask is computed
+after the next step's forward is enqueued, from the step in flight's token
+(core/structured/step_mask.py). Tokens, logprobs, finish reasons, stop reasons and
 token counts are the same either way. Which step a request runs in may differ (one that stops
 on a token's value at N still holds its seat and blocks while N+1 is scheduled), and so may its
 prefix-cache hits (`num_cached_tokens`): blocks are cached when the step computing them is
@@ -53,8 +54,8 @@ from deepinfer.core.engine.inflight import InflightStep
 from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.request import Request, RequestStatus
-from deepinfer.core.engine.sampler import make_generator, reads_output_tokens
-from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sampler import make_generator
+from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.engine.scheduler import Scheduler
 from deepinfer.core.engine.startup import resolve_device, resolve_dtype, start_up
 from deepinfer.core.engine.stats import IterationStats
@@ -90,6 +91,10 @@ class LLMEngine:
         self.model_name = loaded_model.name
         self.source_kind = loaded_model.source_kind
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.spec.eos_token_ids)
+        # What LLM, chat and serve fill a request's unset sampling fields with (the engine itself does not).
+        generation = loaded_model.generation_defaults
+        self.sampling_defaults = SamplingDefaults.layer(generation.values, generation.source,
+                                                        config.override_generation_config)
 
         runtime = start_up(config, self.model, self.spec, self.device, self.dtype, decode_mode)
         self.decode_mode = runtime.decode_mode
@@ -117,6 +122,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = params.resolved()  # an unset field samples with its built-in value
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -205,8 +211,6 @@ class LLMEngine:
         one just launched. -> the outputs of the requests the applied step (and aborts, failures) touched."""
         stats, self._pending_stats = self._pending_stats, IterationStats()
         touched: list[Request] = []
-        if self._inflight is not None and not self._may_overlap(self._inflight):
-            touched += self._apply_inflight(stats)
         launched, failed, failure = None, None, None
         try:
             scheduler_output = self.scheduler.schedule()
@@ -235,12 +239,6 @@ class LLMEngine:
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.scheduler.kv.usage
         return self.output_processor.make_outputs(touched, stats), stats
-
-    @staticmethod
-    def _may_overlap(inflight: InflightStep) -> bool:
-        """Whether the next step may be launched before `inflight` is applied: not when one of its
-        requests samples with penalties, which read its output tokens (the pending one too) on the host."""
-        return not any(reads_output_tokens(chunk.request.params) for chunk in inflight.sampling_chunks)
 
     def _apply_inflight(self, stats: IterationStats) -> list[Request]:
         """Wait for the step in flight's tokens and apply them as a synchronous step would."""

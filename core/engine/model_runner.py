@@ -94,6 +94,7 @@ class ModelRunner:
 def sampling_row(request: Request) -> SamplingRow:
     """The request's SamplingRow, made once: it holds the live output list, so it stays current."""
     request.sampling_row = SamplingRow(params=request.params, prompt_token_ids=request.prompt_token_ids,
-                                       output_token_ids=request.output_token_ids, generator=request.generator)
+                                       output_token_ids=request.output_token_ids, generator=request.generator,
+                                       token_counts=request.token_counts)
     return request.sampling_row
 

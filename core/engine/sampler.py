@@ -34,8 +34,10 @@ inputs read them there) while a copy to pinned host memory runs in the backgroun
 of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that copy when
 first read. The per-row parameters go host->device in small non-blocking copies.
 
-Penalties read the rows' output tokens on the host (`reads_output_tokens`): a step with such a row
-can only be launched once the previous step's tokens are applied.
+Penalties count a row's tokens on the device (core/engine/token_counts.py): a row that carries its
+request's TokenCounts is penalized by them, and the token drawn for it is added to them before
+`sample` returns, so the next step's penalties see it while its value is still on its way to the
+host (async scheduling). A row without one is counted from its host lists.
 
 A row whose sampling raises fails alone: when the batched call raises, the seeded rows' generators
 are put back and every row is sampled again by itself; a row that raises then gets token 0 and its
@@ -45,7 +47,6 @@ in a batch without it (a row's token depends only on its own logits, parameters 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ import torch
 
 from deepinfer.core.engine.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import LogitBias, SamplingParams
+from deepinfer.core.engine.token_counts import PenaltyBatch, TokenCounts
 from deepinfer.core.engine.transfers import HostCopy, to_device
 from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
 
@@ -70,8 +72,13 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # sampled so far, not counting the token this call draws
+    output_token_ids: list[int]  # on the host so far (a pending token of the step in flight is not)
     generator: torch.Generator | None = None  # from make_generator; None for unseeded requests
+    # The request's counts on the device (penalized rows); None: counted from the two lists above.
+    token_counts: TokenCounts | None = None
+
+    def __post_init__(self) -> None:
+        self.params = self.params.resolved()  # fields left to the model's defaults: the built-in values
 
 
 class SamplerOutput:
@@ -143,8 +150,8 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
-def reads_output_tokens(params: SamplingParams) -> bool:
-    """Whether sampling the row reads its output tokens on the host (penalties)."""
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether sampling the row applies a repetition, frequency or presence penalty."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
 
@@ -189,7 +196,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(chosen_logits, dim=-1)
 
         logits = apply_logit_bias(logits, rows)
-        logits = apply_penalties(logits, rows)
+        logits, penalized = _penalize(logits, rows)
         greedy = [_is_greedy(row.params) for row in rows]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)  # [N]
@@ -200,6 +207,8 @@ class Sampler:
         if raw_logprobs is not None:
             chosen_ids = token_ids if logprob_index is None else token_ids.index_select(0, logprob_index)
             table = _logprob_table(raw_logprobs, chosen_ids, max(num_top[i] for i in logprob_rows))
+        if penalized is not None:  # last: a call that raised has counted nothing
+            penalized.add(token_ids)
         return SamplerOutput(token_ids, table, num_top)
 
 
@@ -233,40 +242,30 @@ def logit_bias_row(logit_bias: LogitBias, width: int, device: torch.device) -> t
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Returns new logits [N, V] with the penalties applied to the rows that have any."""
-    penalized = [i for i, row in enumerate(rows) if reads_output_tokens(row.params)]
+    return _penalize(logits, rows)[0]
+
+
+def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, PenaltyBatch | None]:
+    """(new logits [N, V] with the penalties applied, the penalized rows' counts) or (logits, None)."""
+    penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
     if not penalized:
-        return logits
+        return logits, None
     device, vocab_size = logits.device, logits.shape[1]
-    index = to_device(penalized, torch.int64, device)
+    batch = PenaltyBatch.gather(penalized, [rows[i].token_counts for i in penalized],
+                                [rows[i].prompt_token_ids for i in penalized],
+                                [rows[i].output_token_ids for i in penalized], vocab_size, device)
     params = [rows[i].params for i in penalized]
     # [P, 3]: repetition, frequency, presence; one host->device copy.
     factors = to_device([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                         torch.float32, device)
-    output_counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab_size, device)  # [P, V]
-    sub = logits[index]  # [P, V]
+    output_counts = batch.output  # [P, V]
+    sub = logits[batch.index]  # [P, V]
     if any(p.repetition_penalty != 1.0 for p in params):
-        prompt_counts = _token_counts([rows[i].prompt_token_ids for i in penalized], vocab_size, device)
-        seen = (prompt_counts + output_counts) > 0
         repetition = factors[:, 0:1]
         penalized_sub = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub = torch.where(seen, penalized_sub, sub)
+        sub = torch.where(batch.seen, penalized_sub, sub)
     sub = sub - factors[:, 1:2] * output_counts - factors[:, 2:3] * (output_counts > 0).float()
-    return logits.index_copy(0, index, sub)
-
-
-def _token_counts(histories: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[len(histories), V] float32: how often each token occurs in each history.
-
-    Ids must be < V: the engine checks prompt ids at admission (on CUDA a bad id is a device assert).
-    """
-    flat_tokens = list(itertools.chain.from_iterable(histories))
-    row_of_token = [row for row, history in enumerate(histories) for _ in history]
-    # [2, total]: one host->device copy of both indices.
-    index = to_device([row_of_token, flat_tokens], torch.int64, device)
-    counts = torch.zeros(len(histories), vocab_size, dtype=torch.float32, device=device)
-    ones = torch.ones(len(flat_tokens), dtype=torch.float32, device=device)
-    counts.index_put_((index[0], index[1]), ones, accumulate=True)
-    return counts
+    return logits.index_copy(0, batch.index, sub), batch
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:

@@ -20,10 +20,20 @@ sampler's float32 arithmetic:
 What is validated is kept as a type that says so (StopStrings, StopTokenIds, LogitBias), so the per-sample copies
 of a request with n > 1 (`dataclasses.replace(params, seed=...)`) do not validate those lists again:
 a request's validation costs one pass over its lists, whatever n is.
+
+Defaults from the model: temperature, top_p, top_k, min_p and repetition_penalty default to None,
+"not set". `with_defaults(defaults)` fills the unset ones from a SamplingDefaults: the model's
+generation config (generation_config.json, GGUF metadata, a layered checkpoint's copy, or the
+values deepinfer ships for its default model), overridden by EngineConfig.override_generation_config
+(the `chat` / `serve` sampling flags), as vLLM's `--generation-config auto` does. `LLM`, `chat` and
+`serve` fill them so; the engines take params as given, an unset field meaning the built-in value
+(BUILTIN_SAMPLING_DEFAULTS: sampling from the model's plain distribution), which is what
+benchmarks' fixed sampling gets.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,19 +56,25 @@ MAX_SEED = 2**64 - 1
 
 from deepinfer.core.structured.params import StructuredOutputsParams
 
+# The fields a model may give defaults for, and the values they take when nothing sets them.
+BUILTIN_SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+MODEL_DEFAULT_FIELDS = tuple(BUILTIN_SAMPLING_DEFAULTS)
+
 
 @dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 disables
-    min_p: float = 0.0
+    # None: the model's default (see the module docstring), else BUILTIN_SAMPLING_DEFAULTS.
+    temperature: float | None = None  # 0 means greedy
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1 disables
+    min_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()  # a string or any list of them is taken; kept as StopStrings
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # any collection of ids is taken
     ignore_eos: bool = False
@@ -71,16 +87,21 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, 1)
         self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
-        self.temperature = _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
-        self.top_p = _real("top_p", self.top_p, FLOAT32_TINY, 1.0)
-        self.top_k = _integer("top_k", self.top_k, -1, hint=" (-1 or 0 disables)")
-        if self.top_k == -1:
-            self.top_k = 0
-        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        if self.temperature is not None:
+            self.temperature = _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        if self.top_p is not None:
+            self.top_p = _real("top_p", self.top_p, FLOAT32_TINY, 1.0)
+        if self.top_k is not None:
+            self.top_k = _integer("top_k", self.top_k, -1, hint=" (-1 or 0 disables)")
+            if self.top_k == -1:
+                self.top_k = 0
+        if self.min_p is not None:
+            self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
-                                        MAX_REPETITION_PENALTY)
+        if self.repetition_penalty is not None:
+            self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                                            MAX_REPETITION_PENALTY)
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, MIN_SEED, MAX_SEED - (self.n - 1),
                                  hint=" (with n samples, seed + n - 1 must fit 64 bits)" if self.n > 1 else "")
@@ -103,6 +124,65 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def with_defaults(self, defaults: SamplingDefaults | None) -> SamplingParams:
+        """These params with each unset field (None) taken from `defaults` (None: the built-in values)."""
+        unset = [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
+        if not unset:
+            return self
+        values = BUILTIN_SAMPLING_DEFAULTS if defaults is None else defaults.values
+        filled = copy.copy(self)  # the defaults were checked when they were made: no second validation
+        for name in unset:
+            setattr(filled, name, values[name])
+        return filled
+
+    def resolved(self) -> SamplingParams:
+        """These params with every unset field at its built-in value (what the engines sample with)."""
+        return self.with_defaults(None)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The value each of MODEL_DEFAULT_FIELDS takes when a request leaves it unset, and where it came
+    from: "model" (`model_source` names what: generation_config.json, GGUF metadata, ...), "flag"
+    (a sampling flag of chat / serve, or EngineConfig.override_generation_config) or "built-in"."""
+
+    values: dict[str, float | int]
+    sources: dict[str, str]
+    model_source: str | None = None
+
+    @classmethod
+    def layer(cls, model: dict[str, float | int] | None = None, model_source: str | None = None,
+              flags: dict[str, float | int] | None = None) -> SamplingDefaults:
+        """Built-in values, overridden by the model's, overridden by the flags'. Raises InvalidRequestError
+        for a value a request could not hold either."""
+        values, sources = dict(BUILTIN_SAMPLING_DEFAULTS), dict.fromkeys(MODEL_DEFAULT_FIELDS, "built-in")
+        for layer, source in ((model or {}, "model"), (flags or {}, "flag")):
+            unknown = sorted(set(layer) - set(MODEL_DEFAULT_FIELDS))
+            if unknown:
+                raise InvalidRequestError(f"sampling defaults: unknown field {unknown[0]!r}; "
+                                          f"known: {', '.join(MODEL_DEFAULT_FIELDS)}")
+            checked = SamplingParams(**layer)
+            for name in layer:
+                values[name], sources[name] = getattr(checked, name), source
+        used_model = model_source if "model" in sources.values() else None
+        return cls(values, sources, used_model)
+
+    def describe(self) -> str:
+        """The values grouped by where they came from, e.g. `temperature 0.2, top_p 0.9 (model:
+        generation_config.json); top_k off, min_p 0, repetition_penalty 1 (built-in)`."""
+        groups = []
+        for source in ("model", "flag", "built-in"):
+            names = [name for name in MODEL_DEFAULT_FIELDS if self.sources[name] == source]
+            if names:
+                values = ", ".join(f"{name} {_value_text(name, self.values[name])}" for name in names)
+                label = f"model: {self.model_source}" if source == "model" and self.model_source else source
+                groups.append(f"{values} ({label})")
+        return "; ".join(groups)
+
+
+def _value_text(name: str, value: float) -> str:
+    return "off" if name == "top_k" and value == 0 else f"{value:g}"
 
 
 class StopTokenIds(frozenset):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,11 @@ from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, put_quant_linear
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
 from deepinfer.core.weights import hf_safetensors, layered
 from deepinfer.core.weights.default_model import default_model_path
+from deepinfer.core.weights.generation_defaults import (
+    GenerationDefaults,
+    gguf_generation_defaults,
+    read_generation_config,
+)
 from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
 from deepinfer.core.weights.hub import parse_hub_id, resolve_model
 
@@ -70,6 +75,8 @@ class LoadedModel:
     tokenizer: Tokenizer | ByteTokenizer
     source_kind: str  # "hf" | "gguf" | "layered" | "dummy"
     name: str
+    # The model's own sampling defaults (generation_config.json, GGUF metadata; none for dummy weights).
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
@@ -158,7 +165,7 @@ def _read_hf(model_dir: Path, config: EngineConfig, device: Any, dtype: torch.dt
     model.load_weights(hf_safetensors.iter_safetensors(files))
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
         model_dir, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id), spec, model_dir)
-    return LoadedModel(spec, model, tokenizer, "hf", model_dir.name)
+    return LoadedModel(spec, model, tokenizer, "hf", model_dir.name, read_generation_config(model_dir))
 
 
 def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
@@ -171,7 +178,7 @@ def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
         path.parent, gguf_file=path.name, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id),
         spec, path)
-    return LoadedModel(spec, model, tokenizer, "gguf", path.stem)
+    return LoadedModel(spec, model, tokenizer, "gguf", path.stem, gguf_generation_defaults(reader, path))
 
 
 @torch.no_grad()
@@ -223,7 +230,8 @@ def _read_layered(path: Path, config: EngineConfig, device: Any, dtype: torch.dt
             path, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id), spec, path)
     else:  # the source had no tokenizer: token ids in, token ids out
         tokenizer = ByteTokenizer(spec.vocab_size)
-    return LoadedModel(spec, model.eval(), tokenizer, "layered", path.name)
+    # generation_config.json was verified with the other small files above
+    return LoadedModel(spec, model.eval(), tokenizer, "layered", path.name, read_generation_config(path))
 
 
 def _read_dummy(config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:

@@ -161,7 +161,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             state.serving, state.health = serving, health
             if state.status == "loading":
                 state.status = "ready"
-            logger.info("model %s ready", serving.model_name)
+            logger.info("model %s ready; sampling defaults of requests that leave them unset: %s",
+                        serving.model_name, engine.sampling_defaults.describe())
         except Exception as err:  # noqa: BLE001 -- reported by /health and the CLI; HTTP keeps answering
             state.status, state.error = "failed", str(err) or type(err).__name__
             logger.error("model failed to load: %s", state.error)

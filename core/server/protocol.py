@@ -93,6 +93,7 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
+    # None (absent): the model's default (generation_config.json, GGUF metadata), or serve's flag
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -104,9 +105,9 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias added to its logit
     # vLLM-style extras
-    top_k: Int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    top_k: Int | None = Field(None, ge=-1)  # None as temperature's
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     cache_salt: str | None = None
     stop_token_ids: StopTokenIds | None = None
@@ -193,12 +194,14 @@ class _SamplingFields(BaseModel):
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None, logit_bias: dict[int, float] | None,
                          structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's params; the sampling fields it does not set stay None (the caller fills them
+        with the engine's SamplingDefaults)."""
         try:
             return SamplingParams(
                 n=self.n,
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
+                temperature=self.temperature,
+                top_p=self.top_p,
                 top_k=self.top_k,
                 min_p=self.min_p,
                 seed=self.seed,

@@ -58,7 +58,9 @@ def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionReq
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
                                    "structured output constraint", param="tool_choice")
         constraint, param = plan.constraint, "tools"
-    params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint)
+    # fields the request leaves unset: the model's defaults, under serve's sampling flags
+    params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint).with_defaults(
+        serving.engine.sampling_defaults)
     if plan is not None and plan.parses_calls and serving.tool_parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     return request, PreparedChat(PreparedPrompt(prompt_ids, params), plan, constraint, param)

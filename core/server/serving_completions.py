@@ -47,6 +47,7 @@ def prepare_completion(serving: ServingEngine, body: bytes) -> tuple[CompletionR
             token_ids = serving.check_token_ids(prompt, param=param)
             text = serving.engine.tokenizer.decode(token_ids, skip_special_tokens=False) if request.echo else None
         params = serving.sampling_params(request, token_ids, num_prompts=len(prompts), structured_outputs=constraint)
+        params = params.with_defaults(serving.engine.sampling_defaults)  # unset fields: the model's defaults
         prepared.append(PreparedPrompt(token_ids, params, text if request.echo else None))
     return request, prepared
 

