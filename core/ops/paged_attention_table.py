@@ -65,7 +65,7 @@ DECODE_TABLE = (
               "stream, faster at 8 (results/decode_step_experiments_qwen2.5-3b_nvidia_h200.json, 'clustered')"),
     DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
               "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
-              "(results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
+              "(e0c504d:results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
     DecodeRow("split", lambda s: True,
               "long bounds, and few sequences without clusters: the context spread over the GPU "
               "(results/bench_gemv_w4a16-w3a16-attention_nvidia_h200.json)"),
