@@ -15,13 +15,13 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
 from deepinfer.core.errors import ModelLoadError
 from deepinfer.core.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.ops.logits_head import logits_head
 
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -85,10 +85,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (Gemma 2's final softcap applied)."""
-        if self.lm_head is None:
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = logits_head(hidden, head)
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
