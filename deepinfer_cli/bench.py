@@ -438,22 +438,10 @@ def _redacted_argv() -> list[str]:
 
 
 def _finish_serve(payload: dict, tables: list, output: str | None) -> None:
-    from rich.console import Console
+    from deepinfer.core.bench.env_info import env_info
 
-    from deepinfer.core.bench.env_info import env_info, gpu_slug
-    from deepinfer.core.bench.report import results_path, write_json
-
-    env = env_info(_redacted_argv())
     subject = (payload["targets"][0].get("model") if payload["targets"] else None) or "server"
-    path = write_json(results_path("serve", subject.rsplit("/", 1)[-1], gpu_slug(env), output), payload, env)
-    console = Console()
-    if not console.is_terminal:  # logs and pipes: keep rows whole instead of wrapping at 80 columns
-        console = Console(width=200)
-    for table in tables:
-        console.print(table)
-    console.print(f"wrote {path}")
-    if payload.get("interrupted"):
-        fail(f"interrupted; what finished before it is in {path}", code=130)
+    path = _write_and_show("serve", subject.rsplit("/", 1)[-1], payload, env_info(_redacted_argv()), tables, output)
     failed = [target for target in payload["targets"] if target.get("error")]
     if failed:
         fail("; ".join(target["error"] for target in failed) + f" (the others are in {path})")
@@ -558,15 +546,22 @@ def _finish(benchmark: str, config, payload: dict, tables: list, output: str | N
     import sys
     from pathlib import Path
 
-    from rich.console import Console
+    from deepinfer.core.bench.env_info import env_info
 
-    from deepinfer.core.bench.env_info import env_info, gpu_slug
-    from deepinfer.core.bench.report import results_path, write_json
-
-    env = env_info(["deepinfer", *sys.argv[1:]])
     subject = subject or Path(config.shape or config.model or payload.get("model_name") or "default").stem
     if config.quantization:
         subject += f"-{config.quantization}"
+    _write_and_show(benchmark, subject, payload, env_info(["deepinfer", *sys.argv[1:]]), tables, output)
+
+
+def _write_and_show(benchmark: str, subject: str, payload: dict, env: dict, tables: list, output: str | None):
+    """Write the JSON with `env`, print the tables and where the file went; exit 130 for an interrupted run.
+    Returns the file's path."""
+    from rich.console import Console
+
+    from deepinfer.core.bench.env_info import gpu_slug
+    from deepinfer.core.bench.report import results_path, write_json
+
     path = write_json(results_path(benchmark, subject, gpu_slug(env), output), payload, env)
     console = Console()
     if not console.is_terminal:  # logs and pipes: keep rows whole instead of wrapping at 80 columns
@@ -576,3 +571,4 @@ def _finish(benchmark: str, config, payload: dict, tables: list, output: str | N
     console.print(f"wrote {path}")
     if payload.get("interrupted"):
         fail(f"interrupted; what finished before it is in {path}", code=130)
+    return path
