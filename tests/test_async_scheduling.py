@@ -249,11 +249,12 @@ def test_padded_steps_take_the_pending_tokens_on_the_device(loaded):
 def record_launches_and_reads(engine, monkeypatch) -> list:
     """Events ("launch", k, sampled request ids) when the runner launches step k and ("read", k, None)
     when the host waits for step k's tokens."""
-    events, numbers = [], {}
+    events, numbers, launched = [], {}, []
     real_launch, real_result = engine.runner.launch, InflightStep.result
 
     def launch(*args):
         step = real_launch(*args)
+        launched.append(step)  # kept alive, so no later step can take a finished one's id()
         numbers[id(step)] = len(numbers)
         events.append(("launch", numbers[id(step)], {c.request_id for c in step.sampling_chunks}))
         return step
