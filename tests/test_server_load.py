@@ -48,15 +48,15 @@ class FinishedRecorder:
 def request_body(i: int) -> dict:
     words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
     prompt = f"Request {i}: " + " ".join(words[: 2 + i % 7]) + f" {i * 7919 % 1000}"
-    # logprobs make every token its own chunk (text alone may wait for the rest of a UTF-8 character),
-    # so a client that hangs up after k < MAX_TOKENS chunks always leaves before the end.
+    # logprobs name every token a chunk carries (text alone may wait for the rest of a UTF-8 character,
+    # and a client that reads behind gets several tokens in one chunk), so clients count tokens, not chunks.
     return {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "logprobs": 1}
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict, hang_up_after: int | None) -> dict:
-    """Stream a completion; with hang_up_after=k, disconnect after k content chunks."""
-    text, chunks, usage, done = "", 0, None, False
+    """Stream a completion; with hang_up_after=k, disconnect once k tokens have arrived."""
+    text, tokens, usage, done = "", 0, None, False
     async with client.stream("POST", "/v1/completions", json=body | {"stream": True,
                                                                       "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200, await r.aread()
@@ -71,10 +71,10 @@ async def stream_one(client: httpx.AsyncClient, body: dict, hang_up_after: int |
             event = json.loads(line[len("data: "):])
             if event["choices"]:
                 text += event["choices"][0]["text"]
-                chunks += 1
+                tokens += len(event["choices"][0]["logprobs"]["tokens"])
             else:
                 usage = event["usage"]
-            if hang_up_after is not None and chunks >= hang_up_after:
+            if hang_up_after is not None and tokens >= hang_up_after:
                 return {"hung_up": True}
     return {"hung_up": False, "text": text, "usage": usage, "done": done}
 
