@@ -231,3 +231,15 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool | N
             raise InvalidParameter("tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     raise InvalidParameter(f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every non-200 answer of the Messages API's routes: Anthropic's error shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail

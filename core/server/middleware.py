@@ -57,8 +57,8 @@ class ApiKeyMiddleware:
             return
         given = bearer_token(authorizations[0]) if authorizations else (api_keys[0].strip() if api_keys else None)
         if given is None or not hmac.compare_digest(given, self._expected):
-            await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")], path=path)
+            await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                             "(or 'x-api-key: <key>')", code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")], path=path)
             return
         await self.app(scope, receive, send)
 
