@@ -132,6 +132,7 @@ def test_text_format_json_schema_constrains_the_answer(client):
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"max_output_tokens": 100_000}, "context length"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
+    ({"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_requests_are_400s(server, fields, message):
     body = {"model": NAME, "input": "Hello", "max_output_tokens": 4} | fields

@@ -50,12 +50,20 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     truncation: str | None = None
+    # Refused unless they ask for nothing: features the chat path lacks
+    top_logprobs: Int | None = None
+    max_tool_calls: Int | None = None
+    prompt: dict[str, Any] | None = None  # a stored prompt template
 
     def check(self) -> None:
         for field, reason in _STATEFUL.items():
             if getattr(self, field) not in (None, False):
                 raise InvalidParameter(f"{field} is not supported: this server keeps no state ({reason}); send "
                                        f"the whole conversation in input", param=field)
+        for field, feature in (("top_logprobs", "log-probabilities"), ("max_tool_calls", "a cap on tool calls"),
+                               ("prompt", "stored prompt templates")):
+            if getattr(self, field) not in (None, 0):
+                raise InvalidParameter(f"{field} is not supported by this server ({feature})", param=field)
         if self.truncation not in (None, "disabled"):
             raise InvalidParameter("truncation other than 'disabled' is not supported", param="truncation")
 
