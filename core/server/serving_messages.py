@@ -23,6 +23,7 @@ from deepinfer.core.server.chat_adapter import (
     REASONING,
     TEXT,
     Part,
+    PartDelta,
     ReplyStream,
     chat_chunks,
     chat_completion,
@@ -140,11 +141,9 @@ async def create_message(serving: ServingEngine, message: PreparedMessage, raw_r
                     yield named_sse("error", anthropic_error_body(status, error.get("message", "")))
                     return
                 for delta in reply.feed(chunk):
-                    for event in _block_events(delta):
-                        yield event
+                    yield _block_event(delta)
             for delta in reply.close():
-                for event in _block_events(delta):
-                    yield event
+                yield _block_event(delta)
             stop_reason, stop_sequence = _stop(reply.finish_reason, reply.stop_reason, anthropic.stop_sequences)
             usage = _usage(reply.usage, input_tokens)
             yield named_sse("message_delta", {
@@ -157,13 +156,13 @@ async def create_message(serving: ServingEngine, message: PreparedMessage, raw_r
     return EventStreamResponse(events(), on_close=on_close)
 
 
-def _block_events(delta) -> list[str]:
+def _block_event(delta: PartDelta) -> str:
     part = delta.part
     if delta.opened:
-        return [named_sse("content_block_start", {"type": "content_block_start", "index": part.index,
-                                                  "content_block": _empty_block(part)})]
+        return named_sse("content_block_start", {"type": "content_block_start", "index": part.index,
+                                                 "content_block": _empty_block(part)})
     if delta.closed:
-        return [named_sse("content_block_stop", {"type": "content_block_stop", "index": part.index})]
-    return [named_sse("content_block_delta", {"type": "content_block_delta", "index": part.index,
-                                              "delta": _delta(part, delta.text)})]
+        return named_sse("content_block_stop", {"type": "content_block_stop", "index": part.index})
+    return named_sse("content_block_delta", {"type": "content_block_delta", "index": part.index,
+                                             "delta": _delta(part, delta.text)})
 

@@ -24,6 +24,7 @@ from deepinfer.core.server.chat_adapter import (
     REASONING,
     TEXT,
     Part,
+    PartDelta,
     ReplyStream,
     chat_chunks,
     chat_completion,
@@ -134,7 +135,7 @@ async def _events(envelope: _Envelope, chunks):
         sequence += 1
         return named_sse(kind, {"type": kind, "sequence_number": sequence - 1, **fields})
 
-    def item_events(delta) -> list[str]:
+    def item_events(delta: PartDelta) -> list[str]:
         part = delta.part
         if delta.opened:
             ids[part.index] = _item_id(part)
