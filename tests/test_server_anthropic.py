@@ -3,10 +3,13 @@
 The model is the tiny random Llama with a Qwen2.5-like template that renders tools. References:
 the chat completions endpoint (the Messages API runs on the chat path, so at temperature 0 the
 same conversation gets the same text and prompt tokens), the non-streamed answer for the streamed
-one, jsonschema for a forced tool call's input, and Anthropic's documented event order and error shape.
+one, jsonschema for a forced tool call's input and a json_schema answer, and Anthropic's documented
+event order and error shape.
 """
 
 from __future__ import annotations
+
+import json
 
 import anthropic
 import httpx
@@ -87,6 +90,15 @@ def test_stop_sequences_end_the_message_and_say_which(client, answer):
                                      stop_sequences=["never written", stop])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert stopped.content[0].text == text[:text.index(stop)]
+
+
+def test_output_config_format_constrains_the_answer_which_ends_its_turn(client):
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"}},
+              "required": ["unit", "ok"], "additionalProperties": False}
+    reply = client.messages.create(model=NAME, max_tokens=80, messages=[{"role": "user", "content": "JSON, please."}],
+                                   output_config={"format": {"type": "json_schema", "schema": schema}}, **GREEDY)
+    assert (reply.stop_reason, reply.stop_sequence) == ("end_turn", None)  # the grammar ended it: end of sequence
+    jsonschema.validate(json.loads(reply.content[0].text), schema)
 
 
 def test_count_tokens_counts_the_prompt_as_the_model_sees_it(client, answer):
