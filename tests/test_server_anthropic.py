@@ -90,6 +90,11 @@ def test_stop_sequences_end_the_message_and_say_which(client, answer):
                                      stop_sequences=["never written", stop])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert stopped.content[0].text == text[:text.index(stop)]
+    with client.messages.stream(model=NAME, max_tokens=12, system=SYSTEM, messages=CONVERSATION,
+                                stop_sequences=[stop], **GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert streamed.content[0].text == stopped.content[0].text
 
 
 def test_output_config_format_constrains_the_answer_which_ends_its_turn(client):

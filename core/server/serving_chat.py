@@ -2,8 +2,9 @@
 
 With tools, the reply goes through the server's tool parser: a non-streaming answer carries the
 parsed `tool_calls` (and the content outside them), a stream sends OpenAI's tool-call deltas (id
-and name first, then argument fragments); a reply with calls finishes with "tool_calls". A finished choice carries vLLM's `stop_reason`: the stop
-string or stop token id that ended it (null for the end-of-sequence token and for "length").
+and name first, then argument fragments); a reply with calls finishes with "tool_calls".
+A finished choice carries vLLM's `stop_reason`: the stop string or stop token id that ended it
+(null for the end-of-sequence token and for "length").
 """
 
 from __future__ import annotations
