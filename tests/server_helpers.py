@@ -8,6 +8,7 @@ settings `deepinfer serve` uses (core/server/run.py), minus the signal handling.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import threading
@@ -21,6 +22,13 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.app import create_app
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.run import uvicorn_config
+
+
+def with_chat_template(model_dir, directory, template: str):
+    """A copy of the model at `model_dir` in `directory` whose chat template is `template`."""
+    shutil.copytree(model_dir, directory)
+    (directory / "chat_template.jinja").write_text(template)
+    return directory
 
 
 def free_port() -> int:

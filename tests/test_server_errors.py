@@ -185,6 +185,21 @@ def test_api_key_is_required_on_v1_routes_only(server):
     assert httpx.get(url + "/metrics").status_code == 200
 
 
+def test_anthropic_clients_send_the_key_as_x_api_key_and_get_anthropics_errors(server):
+    url, body = server.base_url + "/v1/messages", {"model": "tiny", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "Hello"}]}
+    assert httpx.post(url, json=body, headers={"x-api-key": API_KEY}).status_code == 200
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong", "x-api-key": API_KEY}):
+        refused = httpx.post(url, json=body, headers=headers)
+        assert refused.status_code == 401
+        assert refused.json() == {"type": "error", "error": {"type": "authentication_error", "message": (
+            "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")}}
+    too_large = httpx.post(url, json=body | {"system": "x" * MAX_BODY}, headers={"x-api-key": API_KEY})
+    assert too_large.status_code == 413 and too_large.json()["error"]["type"] == "request_too_large"
+    assert_error(httpx.post(server.base_url + "/v1/chat/completions", json=chat(), headers={"x-api-key": "wrong"}),
+                 401, "API key")
+
+
 def test_body_too_large_is_413(client):
     big = chat(messages=[{"role": "user", "content": "x" * MAX_BODY}])
     assert_error(client.post("/v1/chat/completions", json=big), 413, str(MAX_BODY))

@@ -83,9 +83,14 @@ def test_openapi_lists_the_statuses_and_content_types_the_server_answers(schema,
         assert set(responses) == {"200", "400", "401", "404", "413", "415", "429", "503"}, path
         for status in ("400", "401", "404", "413", "415", "429", "503"):
             assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"):
         assert set(schema["paths"][path]["post"]["responses"]["200"]["content"]) == {
             "application/json", "text/event-stream"}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):  # Anthropic's error shape, as the server answers
+        responses = schema["paths"][path]["post"]["responses"]
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("AnthropicErrorResponse")
+        jsonschema.validate(http.post(path, json={"model": NAME}).json(), {
+            "$ref": "#/components/schemas/AnthropicErrorResponse", "components": schema["components"]})
     stream = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
     assert stream.headers["content-type"].startswith("text/event-stream")
     metrics = httpx.get(server.base_url + "/metrics")

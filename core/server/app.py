@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes, /tokenize, /detokenize, /health, /metrics, and the engine loaded
-in the background.
+"""The FastAPI app: OpenAI routes, Anthropic's /v1/messages, OpenAI's /v1/responses, /tokenize,
+/detokenize, /health, /metrics, and the engine loaded in the background.
 
 The HTTP server answers from its first second: while the model loads, /health says
 {"status": "loading"} with a 503 and so does every API route, so an orchestrator can tell
@@ -41,6 +41,8 @@ from deepinfer.core.server.preprocess import Preprocessor, read_json_bytes
 from deepinfer.core.server.serving import ServingEngine, chars_per_token_bound
 from deepinfer.core.server.serving_chat import create_chat_completion, prepare_chat
 from deepinfer.core.server.serving_completions import create_completion, prepare_completion
+from deepinfer.core.server.serving_messages import count_tokens, create_message, prepare_message
+from deepinfer.core.server.serving_responses import create_response, prepare_response
 from deepinfer.core.server.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("deepinfer.server")
@@ -239,6 +241,21 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     async def completions(raw_request: Request):
         serving, (request, prompts) = await prepared(raw_request, prepare_completion)
         return await create_completion(serving, request, prompts, raw_request)
+
+    @app.post("/v1/messages")
+    async def messages(raw_request: Request):
+        serving, message = await prepared(raw_request, prepare_message)
+        return await create_message(serving, message, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(raw_request: Request):
+        _, answer = await prepared(raw_request, count_tokens)
+        return JSONResponse(answer)
+
+    @app.post("/v1/responses")
+    async def responses(raw_request: Request):
+        serving, response = await prepared(raw_request, prepare_response)
+        return await create_response(serving, response, raw_request)
 
     @app.post("/tokenize")
     async def tokenize_route(raw_request: Request):

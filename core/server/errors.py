@@ -1,4 +1,5 @@
-"""Every failure the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Every failure the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}};
+on the Messages API's routes (/v1/messages...) in Anthropic's: {"type": "error", "error": {"type", "message"}}.
 
 Client mistakes are 4xx with a message that says what was wrong; only a fault inside the server
 is a 500. The engine's own errors (core/errors.py) map to the status a client can act on.
@@ -32,6 +33,25 @@ _TYPE_BY_STATUS = {
 }
 
 
+# Anthropic's error types (https://docs.anthropic.com/en/api/errors); 503 is its "overloaded_error".
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def speaks_anthropic(path: str | None) -> bool:
+    """Whether the route at `path` answers errors in Anthropic's shape."""
+    return path is not None and (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"))
+
+
 class APIError(Exception):
     """An answer other than 200; raised anywhere in a handler, rendered by the app's handler."""
 
@@ -48,18 +68,28 @@ class InvalidParameter(APIError):
         super().__init__(400, message, param=param, code="invalid_parameter")
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               path: str | None = None) -> dict:
+    """The error's body for the route at `path` (OpenAI's shape unless it is a Messages API route)."""
+    if speaks_anthropic(path):
+        return anthropic_error_body(status, message)
     return {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
 
-def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, param, code)).encode()
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPE_BY_STATUS.get(status, "invalid_request_error"),
+                                       "message": message}}
+
+
+def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None,
+                path: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param, code, path)).encode()
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, path), status_code=status, headers=headers)
 
 
 def engine_error_to_api(err: Exception) -> APIError:
@@ -104,23 +134,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nginx's "client closed request": counted, never sent
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status == 429 else None
-        return error_response(err.status, err.message, err.param, err.code, headers=headers)
+        return error_response(err.status, err.message, err.param, err.code, headers=headers, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI clients expect 400 for a malformed body.
         message, param = validation_message(err.errors())
-        return error_response(400, message, param=param, code="invalid_parameter")
+        return error_response(400, message, param=param, code="invalid_parameter", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
                 415: "unsupported_media_type"}.get(err.status_code)
-        return error_response(err.status_code, str(err.detail), code=code, headers=getattr(err, "headers", None))
+        return error_response(err.status_code, str(err.detail), code=code, headers=getattr(err, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")
-        return error_response(500, f"internal error: {type(err).__name__}", code="internal_error")
+        return error_response(500, f"internal error: {type(err).__name__}", code="internal_error",
+                              path=request.url.path)

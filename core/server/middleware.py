@@ -16,8 +16,9 @@ from deepinfer.core.server.errors import error_bytes
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers never need the API key
 
 
-async def send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = error_bytes(status, message, code=code)
+async def send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = (),
+                     path: str | None = None) -> None:
+    body = error_bytes(status, message, code=code, path=path)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -35,7 +36,8 @@ def bearer_token(authorization: bytes) -> bytes | None:
 class ApiKeyMiddleware:
     """With an API key set, every route but /health and /metrics needs `Authorization: Bearer <key>`
     (the OpenAI routes, /tokenize, /detokenize and the OpenAPI schema), sent once: two Authorization
-    headers are a 400, whatever they hold."""
+    headers are a 400, whatever they hold. Without an Authorization header, `x-api-key: <key>` (what
+    Anthropic's clients send) is read instead."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -45,15 +47,18 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
         authorizations = [value for name, value in scope["headers"] if name == b"authorization"]
-        if len(authorizations) > 1:  # a proxy in front may have checked the other one
-            await send_error(send, 400, f"the request has {len(authorizations)} Authorization headers; send one",
-                             code="duplicate_authorization")
+        api_keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+        if len(authorizations) > 1 or (not authorizations and len(api_keys) > 1):  # a proxy may have checked one
+            header = "Authorization" if authorizations else "x-api-key"
+            await send_error(send, 400, f"the request has {max(len(authorizations), len(api_keys))} {header} "
+                             f"headers; send one", code="duplicate_authorization", path=path)
             return
-        given = bearer_token(authorizations[0] if authorizations else b"")
+        given = bearer_token(authorizations[0]) if authorizations else (api_keys[0].strip() if api_keys else None)
         if given is None or not hmac.compare_digest(given, self._expected):
-            await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+            await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                             "(or 'x-api-key: <key>')", code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")], path=path)
             return
         await self.app(scope, receive, send)
 
@@ -73,7 +78,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await send_error(send, 413, self.message, code="body_too_large")
+            await send_error(send, 413, self.message, code="body_too_large", path=scope["path"])
             return
         received = 0
 

@@ -2,8 +2,9 @@
 
 The handlers read raw requests (parsing happens off the event loop), so FastAPI cannot see their
 bodies; the request schemas are added here from the same pydantic models that validate them. Each
-route lists the statuses it answers, errors in OpenAI's shape, and its real content types: a
-completion is JSON or, with `stream: true`, `text/event-stream`; /metrics is Prometheus text.
+route lists the statuses it answers, errors in OpenAI's shape (Anthropic's on /v1/messages), and its
+real content types: a completion, message or response is JSON or, with `stream: true`,
+`text/event-stream`; /metrics is Prometheus text.
 FastAPI's 422 (a status this server never sends) is removed. Integer fields are JSON Schema
 integers, which include integral floats such as 46.0, as the server accepts them.
 """
@@ -14,6 +15,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from deepinfer.core.server.anthropic_protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from deepinfer.core.server.metrics import CONTENT_TYPE
 from deepinfer.core.server.protocol import (
     ChatCompletionRequest,
@@ -23,6 +29,7 @@ from deepinfer.core.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from deepinfer.core.server.responses_protocol import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -41,9 +48,9 @@ def _ref(model) -> dict:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _errors(statuses) -> dict:
+def _errors(statuses, shape=ErrorResponse) -> dict:
     return {str(status): {"description": _ERRORS[status], "content": {"application/json": {"schema": _ref(
-        ErrorResponse)}}} for status in statuses}
+        shape)}}} for status in statuses}
 
 
 def _json_body(schema: dict) -> dict:
@@ -57,6 +64,12 @@ def _completion_answer(what: str) -> dict:
                         "text/event-stream": {"schema": {"type": "string"}}}}
 
 
+def _events_answer(what: str, events: str) -> dict:
+    return {"description": f"The {what} (JSON), or with stream: true {events} as server-sent events",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}}}}
+
+
 def _json_answer(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
 
@@ -64,7 +77,8 @@ def _json_answer(description: str) -> dict:
 def build_openapi(app: FastAPI) -> dict:
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
     models = [ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-              DetokenizeRequest, ErrorResponse]
+              DetokenizeRequest, ErrorResponse, MessagesRequest, CountTokensRequest, AnthropicErrorResponse,
+              ResponsesRequest]
     _, definitions = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
@@ -76,6 +90,14 @@ def build_openapi(app: FastAPI) -> dict:
                                            {"200": _completion_answer("chat completion"), **_errors(_POST_ERRORS)}),
         ("/v1/completions", "post"): (_json_body(_ref(CompletionRequest)),
                                       {"200": _completion_answer("completion"), **_errors(_POST_ERRORS)}),
+        ("/v1/messages", "post"): (_json_body(_ref(MessagesRequest)), {
+            "200": _events_answer("Anthropic message", "Anthropic's named events (message_start ... message_stop)"),
+            **_errors(_POST_ERRORS, AnthropicErrorResponse)}),
+        ("/v1/messages/count_tokens", "post"): (_json_body(_ref(CountTokensRequest)), {
+            "200": _json_answer("{input_tokens}"), **_errors(_POST_ERRORS, AnthropicErrorResponse)}),
+        ("/v1/responses", "post"): (_json_body(_ref(ResponsesRequest)), {
+            "200": _events_answer("response", "the Responses API's named events (response.created ... "
+                                              "response.completed)"), **_errors(_POST_ERRORS)}),
         ("/tokenize", "post"): (_json_body({"oneOf": [_ref(TokenizeCompletionRequest), _ref(TokenizeChatRequest)]}),
                                 {"200": _json_answer("{count, max_model_len, tokens, token_strs}"),
                                  **_errors(_POST_ERRORS)}),

@@ -310,14 +310,14 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close  # also when the generator never started (the client left at once)
+        self.on_close = on_close  # also when the generator never started (the client left at once)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-            self._on_close()
+            self.on_close()
 
 
 async def stream_events(serving: ServingEngine, streams: list,

@@ -3,6 +3,8 @@
 With tools, the reply goes through the server's tool parser: a non-streaming answer carries the
 parsed `tool_calls` (and the content outside them), a stream sends OpenAI's tool-call deltas (id
 and name first, then argument fragments); a reply with calls finishes with "tool_calls".
+A finished choice carries vLLM's `stop_reason`: the stop string or stop token id that ended it
+(null for the end-of-sequence token and for "length").
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ class PreparedChat(NamedTuple):
 
 def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionRequest, PreparedChat]:
     """Parse, validate, render and tokenize (a preprocessing thread)."""
-    request = parse_body(body, ChatCompletionRequest, CHAT)
+    return prepare_chat_request(serving, parse_body(body, ChatCompletionRequest, CHAT))
+
+
+def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
+                         ) -> tuple[ChatCompletionRequest, PreparedChat]:
+    """`prepare_chat` after parsing: also the path of the Messages and Responses APIs' translated requests."""
     request.check()
     serving.check_model(request.model)
     plan = serving.tool_plan(request)
@@ -97,7 +104,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         for c in output.outputs:
             message, finish_reason = message_of(c)
             choices.append({"index": c.index, "message": message, "logprobs": logprobs_of(c.logprobs or []),
-                            "finish_reason": finish_reason})
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({
             "id": request_id,
             "object": "chat.completion",
@@ -134,7 +141,8 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
             delta["role"] = "assistant"
             sent_role.add(completion.index)
         logprobs = logprobs_of(completion.delta_logprobs or []) if completion.delta_logprobs else None
-        return {"index": completion.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": completion.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return choice | ({"stop_reason": completion.stop_reason} if finish_reason is not None else {})
 
     def chunks_of(_: int, output: RequestOutput) -> list[dict]:
         choices = (choice_delta(c) for c in output.outputs)
