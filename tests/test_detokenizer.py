@@ -132,3 +132,27 @@ def test_byte_tokenizer_of_dummy_models_streams_whole_characters():
     assert all("\ufffd" not in delta for delta in deltas)
     assert "".join(deltas) == "héllo 🎉 世界" == detok.text
     assert detok.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("finish", ["length", "stop_token"])
+def test_library_stream_gives_the_python_windows_deltas(tokenizer, finish):
+    """The tokenizers-library stream and the Python window yield the same deltas, token for token,
+    including an output that ends mid-character (its partial text is flushed either way)."""
+    from deepinfer.core.engine import detokenizer as module
+
+    text = "Party 🎉🎉 time 👩‍👩‍👧 and 你好世界, done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cut = next(i for i in range(len(ids)) if "\ufffd" in tokenizer.decode(ids[:i + 1]))  # mid-character
+    stop_id = tokenizer.eos_token_id
+    ids = ids[:cut + 1] + [stop_id] if finish == "stop_token" else ids[:cut + 1]
+    params = SamplingParams(max_tokens=len(ids) if finish == "length" else 100)
+    runs = []
+    for force_window in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], params, {stop_id})
+        if not force_window:
+            assert isinstance(detok._decoder, module._StreamDecoder)  # SmolLM2 has a tokenizers backend
+        else:
+            detok._decoder = module._WindowDecoder(tokenizer, [1, 2, 3], params.skip_special_tokens)
+        runs.append([detok.append(i).delta_text for i in ids])
+    assert runs[0] == runs[1]
+    assert "".join(runs[0]).endswith("\ufffd")  # the incomplete character's partial text came out

@@ -5,7 +5,10 @@ Decoding follows vLLM's prefix_offset / read_offset scheme: the text of a new to
 decoders depend on context (SentencePiece's leading space, byte-level BPE pieces of one UTF-8
 character) come out right, and a window that still ends in an incomplete character ("\\ufffd")
 is held until the next token completes it. The window starts on the last prompt tokens so the
-first output token gets its leading space.
+first output token gets its leading space. With a `tokenizers` (Rust) backend the same scheme runs
+inside the library (`tokenizers.decoders.DecodeStream`, about a microsecond a token, no Python
+list slicing or second decode); other tokenizers, and HF tokenizers that clean up spaces after
+decoding (which the stream does not), take the Python window.
 
 Stop strings: the text is cut right before the earliest stop string, and any tail of the text
 that could still grow into a stop string is held back from the stream until it is resolved, so
@@ -20,6 +23,8 @@ has it; core.tokenizer.Tokenizer must expose the same).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tokenizers.decoders import DecodeStream
 
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stop_strings import StopStringMatcher
@@ -40,16 +45,13 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: set[int]
     ) -> None:
-        self._tokenizer = tokenizer
         self._params = params
         self._stop_token_ids = params.stop_token_ids  # a frozenset, shared by the request's samples
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_matcher = StopStringMatcher(params.stop, params.stop.failure_tables) if params.stop else None
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._window_ids = context  # prompt context + output ids whose text is decoded
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._prefix_text = self._decode(context)  # decode(ids[prefix_offset:read_offset])
+        self._decoder = _stream_decoder(tokenizer, context, params.skip_special_tokens) or _WindowDecoder(
+            tokenizer, context, params.skip_special_tokens)
         self.output_token_ids: list[int] = []
         self._text = ""  # decoded output text, cut at a stop string once one is found
         self._num_streamed = 0  # characters of _text already returned as deltas
@@ -72,37 +74,18 @@ class IncrementalDetokenizer:
         self.output_token_ids.append(token_id)
         text_len_before = len(self._text)
         at_max_tokens = len(self.output_token_ids) >= self._params.max_tokens
+        decoder = self._decoder
         if token_id in self._stop_token_ids or token_id in self._eos_token_ids:
             # The stop token's own text is not part of the output.
-            self._text += self._flush_decoding()
+            self._text += decoder.flush()
             self._finish("stop", token_id if token_id in self._stop_token_ids else None)
         else:
-            self._window_ids.append(token_id)
-            self._text += self._flush_decoding() if at_max_tokens else self._decode_next()
+            self._text += decoder.next(token_id)
             if at_max_tokens:
+                self._text += decoder.flush()
                 self._finish("length", None)
         self._check_stop_strings(text_len_before)
         return DetokenizerStep(self._release(), self.finished, self.finish_reason, self.stop_reason)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._params.skip_special_tokens)
-
-    def _decode_next(self) -> str:
-        """Text completed by the window's newest token; "" while it ends mid-character."""
-        window_text = self._decode(self._window_ids[self._prefix_offset:])
-        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
-            return ""
-        new_text = window_text[len(self._prefix_text):]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._window_ids)
-        self._prefix_text = self._decode(self._window_ids[self._prefix_offset:self._read_offset])
-        return new_text
-
-    def _flush_decoding(self) -> str:
-        """All text not yet decoded, even an incomplete character: the output ends here."""
-        window_text = self._decode(self._window_ids[self._prefix_offset:])
-        self._read_offset = len(self._window_ids)
-        return window_text[len(self._prefix_text):]
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason = reason
@@ -126,3 +109,75 @@ class IncrementalDetokenizer:
         delta = self._text[self._num_streamed:end] if end > self._num_streamed else ""
         self._num_streamed = max(self._num_streamed, end)
         return delta
+
+
+class _WindowDecoder:
+    """The prefix_offset / read_offset window in Python, over any tokenizer's `decode`."""
+
+    def __init__(self, tokenizer, context: list[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window_ids = context  # prompt context + output ids whose text is decoded
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(context)  # decode(ids[prefix_offset:read_offset])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def next(self, token_id: int) -> str:
+        """Text completed by the newest token; "" while the window ends mid-character."""
+        self._window_ids.append(token_id)
+        window_text = self._decode(self._window_ids[self._prefix_offset:])
+        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
+            return ""
+        new_text = window_text[len(self._prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._window_ids)
+        self._prefix_text = self._decode(self._window_ids[self._prefix_offset:self._read_offset])
+        return new_text
+
+    def flush(self) -> str:
+        """All text not yet returned, even an incomplete character: the output ends here."""
+        window_text = self._decode(self._window_ids[self._prefix_offset:])
+        self._read_offset = len(self._window_ids)
+        return window_text[len(self._prefix_text):]
+
+
+class _StreamDecoder:
+    """The same window inside the `tokenizers` library (DecodeStream); it keeps the ids not decoded yet
+    so that `flush` can still give an incomplete character's text, as the Python window does."""
+
+    def __init__(self, backend, context: list[int], skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._last_ids = context  # the ids of the last text returned (context for a flush)
+        self._pending_ids: list[int] = []  # ids whose text the stream still holds
+
+    def next(self, token_id: int) -> str:
+        text = self._stream.step(self._backend, token_id)
+        self._pending_ids.append(token_id)
+        if text is None:
+            return ""
+        self._last_ids, self._pending_ids = self._pending_ids, []
+        return text
+
+    def flush(self) -> str:
+        if not self._pending_ids:
+            return ""
+        decode = self._backend.decode
+        context = decode(self._last_ids, skip_special_tokens=self._skip_special_tokens)
+        text = decode(self._last_ids + self._pending_ids, skip_special_tokens=self._skip_special_tokens)
+        self._last_ids, self._pending_ids = self._last_ids + self._pending_ids, []
+        return text[len(context):]
+
+
+def _stream_decoder(tokenizer, context: list[int], skip_special_tokens: bool) -> _StreamDecoder | None:
+    """A _StreamDecoder when `tokenizer` (core.tokenizer.Tokenizer or an HF tokenizer) has a `tokenizers`
+    backend whose decode the stream reproduces (no clean-up of spaces after decoding)."""
+    hf_tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return _StreamDecoder(backend, context, skip_special_tokens)
