@@ -147,10 +147,18 @@ class AsyncEngine:
         """`listener(IterationStats)` is called from the engine thread after every step."""
         self._listeners.append(listener)
 
+    def read_health(self) -> dict:
+        """The engine's state now; call it on the engine thread (a stats listener) for a consistent one."""
+        return self.engine.health()
+
     def health(self) -> dict:
         health = self.engine.health()
-        health["engine_alive"] = self._thread is not None and self._thread.is_alive() and self._dead is None
+        health["engine_alive"] = self.is_alive
         return health
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     async def shutdown(self) -> None:
         with self._wakeup:

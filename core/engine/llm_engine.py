@@ -54,12 +54,13 @@ from deepinfer.core.engine.inflight import InflightStep
 from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.request import Request, RequestStatus
+from deepinfer.core.engine.request_checks import check_request
 from deepinfer.core.engine.sampler import make_generator
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.engine.scheduler import Scheduler
 from deepinfer.core.engine.startup import resolve_device, resolve_dtype, start_up
 from deepinfer.core.engine.stats import IterationStats
-from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
+from deepinfer.core.errors import DeepInferError, InvalidRequestError, QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager
 from deepinfer.core.models.loader import LoadedModel, load_model
 from deepinfer.core.quant.quant_linear import QuantLinear
@@ -119,38 +120,9 @@ class LLMEngine:
     def make_request_group(self, prompt: str | list[int], params: SamplingParams,
                            request_id: str | None = None, cache_salt: str | None = None) -> RequestGroup:
         """Validate and tokenize one request (thread-safe). Raises InvalidRequestError, PromptTooLongError."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = params.resolved()  # an unset field samples with its built-in value
-        if isinstance(prompt, str):
-            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            prompt_text, token_ids = None, list(prompt)
-            vocab_size = self.spec.vocab_size
-            bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
-                        or not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"prompt token {bad!r} is not a token id in [0, {vocab_size})")
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{len(token_ids) + params.max_tokens} tokens exceed max_model_len {self.max_model_len}")
-        if params.n > self.config.max_waiting_requests:
-            raise InvalidRequestError(f"n={params.n} samples exceed max_waiting_requests "
-                                      f"{self.config.max_waiting_requests}; they could never be queued")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string")
-        vocab_size = self.spec.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if t >= vocab_size), None)  # on a GPU an index past the logits is a fault
-            if bad is not None:
-                raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {vocab_size})")
+        prompt_text, token_ids, params = check_request(
+            prompt, params, self.tokenizer, self.spec.vocab_size, self.max_model_len,
+            self.config.max_waiting_requests, cache_salt)
         compiled_grammar = None
         if params.structured_outputs is not None:  # a cache hit when the server compiled it already
             compiled_grammar = self.grammars.compile(params.structured_outputs)
