@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -162,7 +163,7 @@ def test_a_killed_engine_process_ends_the_open_stream_and_the_server_exits_non_z
     try:
         wait_until_healthy(process, base)
         engine_pids = [pid for pid in _children(process.pid)  # multiprocessing's spawned child, not its helpers
-                       if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+                       if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(engine_pids) == 1
         assert httpx.get(base + "/health").json()["engine_alive"] is True
         events = []
