@@ -51,8 +51,8 @@ class _CountersProgress(Progress):
     """A Progress that calls `sync()` before each redraw, on the thread that redraws."""
 
     def __init__(self, *columns, sync, **kwargs) -> None:
+        self._sync = sync  # first: Progress's constructor may draw already
         super().__init__(*columns, **kwargs)
-        self._sync = sync
 
     def get_renderables(self):
         self._sync()
@@ -82,6 +82,12 @@ class RichSweepProgress(SweepProgress):
 
     def __init__(self, console: Console) -> None:
         self.console = console
+        self._task = None
+        self._sweep_task = None
+        # Totals so far, each written by one thread (the event loop, the engine thread), read by the redraw.
+        self._requests = 0
+        self._tokens = 0
+        self._steps = 0
         whole = Column(no_wrap=True)  # at 80 columns the bar gives way, never a number
         self._progress = _CountersProgress(TextColumn("{task.description:<18}", table_column=whole), BarColumn(),
                                   MofNCompleteColumn(table_column=whole),
@@ -89,12 +95,6 @@ class RichSweepProgress(SweepProgress):
                                   _TokensPerSecond(table_column=whole), TimeElapsedColumn(table_column=whole),
                                   console=console, transient=True, refresh_per_second=REFRESH_PER_SECOND,
                                   sync=self._sync)
-        self._task = None
-        self._sweep_task = None
-        # Totals so far, each written by one thread (the event loop, the engine thread), read by the redraw.
-        self._requests = 0
-        self._tokens = 0
-        self._steps = 0
 
     def __enter__(self):
         self._progress.start()
