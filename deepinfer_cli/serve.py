@@ -96,7 +96,7 @@ def serve(
         logging.getLogger("deepinfer.server").warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", host)
     if _runs_on_cpu(config.device):
-        from deepinfer.core.engine.cpu_threads import set_cpu_threads
+        from deepinfer.core.engine.worker.cpu_threads import set_cpu_threads
 
         logging.getLogger("deepinfer.server").info(set_cpu_threads(cpu_threads))
     try:
@@ -107,7 +107,7 @@ def serve(
 
 
 def _runs_on_cpu(device: str) -> bool:
-    from deepinfer.core.engine.startup import resolve_device
+    from deepinfer.core.engine.worker.startup import resolve_device
     from deepinfer.core.errors import DeepInferError
 
     try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
 from deepinfer.core.engine.sampling_params import SamplingParams
 
 
@@ -138,7 +138,7 @@ def test_byte_tokenizer_of_dummy_models_streams_whole_characters():
 def test_library_stream_gives_the_python_windows_deltas(tokenizer, finish):
     """The tokenizers-library stream and the Python window yield the same deltas, token for token,
     including an output that ends mid-character (its partial text is flushed either way)."""
-    from deepinfer.core.engine import detokenizer as module
+    from deepinfer.core.engine.frontend import detokenizer as module
 
     text = "Party 🎉🎉 time 👩‍👩‍👧 and 你好世界, done"
     ids = tokenizer.encode(text, add_special_tokens=False)

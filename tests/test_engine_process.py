@@ -63,7 +63,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def client(engine_config, loop):
-    from deepinfer.core.engine.core_client import EngineCoreClient
+    from deepinfer.core.engine.frontend.core_client import EngineCoreClient
 
     client = EngineCoreClient(engine_config)
     client.stats = []

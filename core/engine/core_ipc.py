@@ -1,6 +1,6 @@
 """The messages between the front end and the engine-core process, and their framing.
 
-Two ZeroMQ sockets over ipc:// (core/engine/core_client.py binds them, the engine process connects):
+Two ZeroMQ sockets over ipc:// (core/engine/frontend/core_client.py binds them, the engine process connects):
 the front end PUSHes inputs, the engine PUSHes outputs back. One message is one ZeroMQ frame,
 msgpack-encoded by msgspec as `[kind, payload]`. A payload that is not a plain string (request ids)
 travels as a msgpack extension holding its pickle: SamplingParams, RequestOutput, IterationStats and

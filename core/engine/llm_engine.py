@@ -17,7 +17,7 @@ N+1; that result is discarded. Its blocks are freed at once: all device work run
 so a later step that reuses them runs after N+1. Without async scheduling the step in flight is
 applied before the next one is scheduled. Neither penalties nor structured outputs need that
 wait: penalties read the request's token counts on the device, where the sampler has already
-added the token in flight (core/engine/token_counts.py), and a grammar's token mask is computed
+added the token in flight (core/engine/worker/token_counts.py), and a grammar's token mask is computed
 after the next step's forward is enqueued, from the step in flight's token
 (core/structured/step_mask.py). Tokens, logprobs, finish reasons, stop reasons and
 token counts are the same either way. Which step a request runs in may differ (one that stops
@@ -26,9 +26,9 @@ prefix-cache hits (`num_cached_tokens`): blocks are cached when the step computi
 applied, so a request admitted while that step is still in flight does not find them.
 
 Start-up: the engine takes a ready model (core/models/loader.py builds one: read, quantized at load
-time when `quantization` is set, projections merged, compacted on a GPU), then core/engine/startup.py
+time when `quantization` is set, projections merged, compacted on a GPU), then core/engine/worker/startup.py
 chooses the attention backend, measures the largest step to size the KV pool, allocates it, and
-captures the step CUDA graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
+captures the step CUDA graphs (core/engine/worker/cuda_graphs.py) when the backend is the native one on a GPU.
 
 Every step is exception-safe: a failed forward fails the requests of that step alone (finish
 reason "error", blocks freed) and the next step goes on; a request whose sampling or
@@ -49,17 +49,17 @@ import time
 from dataclasses import replace
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.backends import kernel_summary
-from deepinfer.core.engine.inflight import InflightStep
-from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
-from deepinfer.core.engine.outputs import RequestOutput
-from deepinfer.core.engine.request import Request, RequestStatus
-from deepinfer.core.engine.request_checks import check_request
-from deepinfer.core.engine.sampler import make_generator
+from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
+from deepinfer.core.engine.frontend.outputs import RequestOutput
+from deepinfer.core.engine.frontend.request_checks import check_request
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
-from deepinfer.core.engine.scheduler import Scheduler
-from deepinfer.core.engine.startup import resolve_device, resolve_dtype, start_up
+from deepinfer.core.engine.sched.request import Request, RequestStatus
+from deepinfer.core.engine.sched.scheduler import Scheduler
 from deepinfer.core.engine.stats import IterationStats
+from deepinfer.core.engine.worker.backends import kernel_summary
+from deepinfer.core.engine.worker.inflight import InflightStep
+from deepinfer.core.engine.worker.sampler import make_generator
+from deepinfer.core.engine.worker.startup import resolve_device, resolve_dtype, start_up
 from deepinfer.core.errors import DeepInferError, InvalidRequestError, QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager
 from deepinfer.core.models.loader import LoadedModel, load_model

@@ -50,13 +50,13 @@ ENDED_GRACE_S = 10.0  # after the deadline, how long ended requests get to send 
 
 
 def _build_engine(config: EngineConfig):
-    from deepinfer.core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.frontend.async_engine import AsyncEngine
 
     return AsyncEngine(config)
 
 
 def _build_engine_process(config: EngineConfig):
-    from deepinfer.core.engine.core_client import EngineCoreClient
+    from deepinfer.core.engine.frontend.core_client import EngineCoreClient
 
     return EngineCoreClient(config)
 

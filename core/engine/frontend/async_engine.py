@@ -23,8 +23,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.frontend.outputs import PendingOutputs, RequestOutput
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.outputs import PendingOutputs, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError, QueueFullError

@@ -13,7 +13,7 @@ decoding (which the stream does not), take the Python window.
 Stop strings: the text is cut right before the earliest stop string, and any tail of the text
 that could still grow into a stop string is held back from the stream until it is resolved, so
 no part of a stop string ever reaches a delta. When the request finishes otherwise, the held text
-is released. Only each step's new text goes to the stop matcher (core/engine/stop_strings.py), so a
+is released. Only each step's new text goes to the stop matcher (core/engine/frontend/stop_strings.py), so a
 step's stop checks cost the same at the 10th and the 10,000th token.
 
 The tokenizer needs `decode(ids: list[int], skip_special_tokens: bool) -> str` (an HF fast tokenizer
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
+from deepinfer.core.engine.frontend.stop_strings import StopStringMatcher
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.engine.stop_strings import StopStringMatcher
 
 # Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
 _PROMPT_CONTEXT_TOKENS = 5

@@ -2,7 +2,7 @@
 
 The same surface as AsyncEngine (add_request -> RequestStream, abort, stats listeners, health,
 start, shutdown), so the server, chat and the benchmarks take either. The front end keeps what it
-can do without the model: validation and tokenization (core/engine/request_checks.py, so bad input
+can do without the model: validation and tokenization (core/engine/frontend/request_checks.py, so bad input
 is refused at once on the caller's thread), grammar compilation for validation, chat templates,
 metrics. The engine process sends each step's outputs and IterationStats; a thread here hands them
 to the streams (one event-loop wake-up per step) and to the stats listeners, so /metrics counts
@@ -26,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.async_engine import RequestStream, _put_all
 from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, MessageCodec
-from deepinfer.core.engine.core_process import run_engine_core
-from deepinfer.core.engine.request_checks import check_request
+from deepinfer.core.engine.frontend.async_engine import RequestStream, _put_all
+from deepinfer.core.engine.frontend.request_checks import check_request
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sched.core_process import run_engine_core
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import DeepInferError, EngineDeadError, InvalidRequestError
 from deepinfer.core.structured.compiler import GrammarCompiler
