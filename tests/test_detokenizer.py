@@ -156,3 +156,24 @@ def test_library_stream_gives_the_python_windows_deltas(tokenizer, finish):
         runs.append([detok.append(i).delta_text for i in ids])
     assert runs[0] == runs[1]
     assert "".join(runs[0]).endswith("\ufffd")  # the incomplete character's partial text came out
+
+
+def test_library_stream_equals_the_python_window_on_random_ids(tiny_tokenizer):
+    """Random prompt contexts and outputs (many end mid-character): every delta and the final flush
+    agree, whichever decoder the detokenizer picks for the context."""
+    import random
+
+    from deepinfer.core.engine.frontend import detokenizer as module
+
+    rng = random.Random(0)
+    picked_stream = 0
+    for _ in range(200):
+        context = [rng.randrange(3, 340) for _ in range(rng.randrange(0, 7))]
+        output = [rng.randrange(3, 340) for _ in range(24)]
+        chosen = module._stream_decoder(tiny_tokenizer, list(context), True) or module._WindowDecoder(
+            tiny_tokenizer, list(context), True)
+        window = module._WindowDecoder(tiny_tokenizer, list(context), True)
+        picked_stream += isinstance(chosen, module._StreamDecoder)
+        assert [chosen.next(t) for t in output] + [chosen.flush()] == [window.next(t) for t in output] + [
+            window.flush()], context
+    assert picked_stream > 100  # most contexts end on a whole character and take the library's stream

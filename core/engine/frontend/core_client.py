@@ -45,6 +45,7 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         """Starts the engine process and waits until its model is loaded (blocking, as AsyncEngine's
         constructor). Raises DeepInferError with the engine's reason when it cannot start."""
+        import torch
         import zmq
 
         self.config = config
@@ -59,7 +60,7 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe; callers come from many
         self._send_codec, self._recv_codec = MessageCodec(), MessageCodec()
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address), name="deepinfer-engine-core",
+            target=run_engine_core, args=(config, input_address, output_address, torch.get_num_threads()), name="deepinfer-engine-core",
             daemon=True)
         self.process.start()
         ready = self._wait_ready()

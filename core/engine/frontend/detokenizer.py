@@ -175,9 +175,12 @@ class _StreamDecoder:
 
 def _stream_decoder(tokenizer, context: list[int], skip_special_tokens: bool) -> _StreamDecoder | None:
     """A _StreamDecoder when `tokenizer` (core.tokenizer.Tokenizer or an HF tokenizer) has a `tokenizers`
-    backend whose decode the stream reproduces (no clean-up of spaces after decoding)."""
+    backend whose decode the stream reproduces (no clean-up of spaces after decoding), and the prompt
+    context decodes to whole characters."""
     hf_tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", False):
         return None
+    if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+        return None  # a context ending mid-character: the stream would give the context's text as output
     return _StreamDecoder(backend, context, skip_special_tokens)

@@ -28,10 +28,13 @@ HEALTH_INTERVAL_S = 0.05  # as the in-process /health snapshots
 PARENT_CHECK_MS = 1000  # an idle engine looks at its parent this often
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, cpu_threads: int) -> None:
+    """`cpu_threads`: torch's CPU thread count, the front end's (a spawned process starts at torch's default)."""
+    import torch
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(cpu_threads)
     parent = os.getppid()
     context = zmq.Context()
     inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
