@@ -152,6 +152,7 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+@pytest.mark.slow
 def test_a_killed_engine_process_ends_the_open_stream_and_the_server_exits_non_zero(tiny_llama_dir):
     port = free_port()
     process = subprocess.Popen(
