@@ -436,6 +436,11 @@ class ChatTemplate:
             raise ModelLoadError(f"{prefix}the chat template does not compile: {type(err).__name__}: "
                                  f"{err}") from None
 
+    def __reduce__(self):
+        """Pickled as its source (the compiled template is code): the engine process hands its
+        tokenizer to the front end this way."""
+        return ChatTemplate, (self.source, None, self.limits)
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                **variables: Any) -> str:
         """The prompt text of `messages` (plain JSON data is passed, None-valued keys dropped, as

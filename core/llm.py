@@ -25,8 +25,8 @@ from dataclasses import replace
 from typing import Any
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.structured.tool_parsers import ToolCall, ToolParser, make_tool_parser

@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 
 try:
@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "AsyncEngine":
-        from deepinfer.core.engine.async_engine import AsyncEngine
+        from deepinfer.core.engine.frontend.async_engine import AsyncEngine
 
         return AsyncEngine
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

@@ -40,7 +40,7 @@ class ChatEngine:
         """Build and start the AsyncEngine on the loop thread (imports too), the main thread only waiting."""
 
         async def build():
-            from deepinfer.core.engine.async_engine import AsyncEngine
+            from deepinfer.core.engine.frontend.async_engine import AsyncEngine
 
             engine = AsyncEngine(config)
             await engine.start()

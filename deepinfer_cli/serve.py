@@ -43,6 +43,9 @@ StreamWriteTimeoutOpt = Annotated[float, typer.Option(
 CpuThreadsOpt = Annotated[int | None, typer.Option(
     "--cpu-threads", envvar="DEEPINFER_CPU_THREADS", min=1,
     help="torch threads on the CPU (default: the cores this process may use: its affinity and cgroup quota).")]
+EngineProcessOpt = Annotated[bool, typer.Option(
+    "--engine-process/--no-engine-process",
+    help="Run the engine core in its own process (HTTP and tokenization never share its GIL).")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
@@ -58,6 +61,7 @@ def serve(
     tool_call_parser: ToolParserOpt = None,
     allowed_origins: AllowedOriginsOpt = None,
     shutdown_timeout: ShutdownTimeoutOpt = 30.0,
+    engine_process: EngineProcessOpt = False,
     request_timeout: RequestTimeoutOpt = 30.0,
     stream_write_timeout: StreamWriteTimeoutOpt = 60.0,
     max_connections: MaxConnectionsOpt = 2048,
@@ -85,14 +89,14 @@ def serve(
                                      allowed_origins=origins, shutdown_timeout_s=shutdown_timeout,
                                      request_timeout_s=request_timeout,
                                      stream_write_timeout_s=stream_write_timeout, max_connections=max_connections,
-                                     tool_call_parser=tool_call_parser)
+                                     tool_call_parser=tool_call_parser, engine_process=engine_process)
     except ValueError as err:
         fail(str(err))
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("deepinfer.server").warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", host)
     if _runs_on_cpu(config.device):
-        from deepinfer.core.engine.cpu_threads import set_cpu_threads
+        from deepinfer.core.engine.worker.cpu_threads import set_cpu_threads
 
         logging.getLogger("deepinfer.server").info(set_cpu_threads(cpu_threads))
     try:
@@ -103,7 +107,7 @@ def serve(
 
 
 def _runs_on_cpu(device: str) -> bool:
-    from deepinfer.core.engine.startup import resolve_device
+    from deepinfer.core.engine.worker.startup import resolve_device
     from deepinfer.core.errors import DeepInferError
 
     try:

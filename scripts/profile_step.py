@@ -29,7 +29,7 @@ WATCHED = (
     ("unsupported_reason (all ops)", "kernels/", "unsupported_reason"),
     ("rotary_and_cache_write (one op)", "core/ops/rotary.py", "rotary_and_cache_write"),
     ("KVCache.write (backend)", "core/kv/cache.py", "write"),
-    ("OutputProcessor._snapshot", "core/engine/output_processor.py", "_snapshot"),
+    ("OutputProcessor._snapshot", "core/engine/frontend/output_processor.py", "_snapshot"),
     ("dataclasses.replace", "dataclasses.py", "replace"),
 )
 
@@ -44,7 +44,7 @@ def _count(stats: pstats.Stats, suffix: str, name: str) -> int:
 
 def profile_outputs(engine, concurrency: int, generated: int, steps: int = 200) -> None:
     """Host time of OutputProcessor.append_tokens + make_outputs per step, `concurrency` streams."""
-    from deepinfer.core.engine.output_processor import OutputProcessor
+    from deepinfer.core.engine.frontend.output_processor import OutputProcessor
     from deepinfer.core.engine.sampling_params import SamplingParams
     from deepinfer.core.engine.stats import IterationStats
 

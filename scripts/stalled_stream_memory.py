@@ -59,7 +59,7 @@ def generated(state) -> int:
 
 
 def held_outputs() -> tuple[int, int]:
-    from deepinfer.core.engine.outputs import RequestOutput
+    from deepinfer.core.engine.frontend.outputs import RequestOutput
 
     gc.collect()
     held = [o for o in gc.get_objects() if type(o) is RequestOutput]

@@ -180,7 +180,7 @@ class PagedRunner:
     @torch.no_grad()
     def step(self, chunks: list[tuple[object, list[int]]]) -> list[torch.Tensor]:
         """chunks: [(request id, new token ids)], decodes first -> [logits [len(ids), vocab] float32]."""
-        from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+        from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 
         sequence_chunks, input_ids = [], []
         for request_id, token_ids in chunks:

@@ -1,5 +1,5 @@
 """Penalties under async scheduling: a request with a repetition, frequency or presence penalty runs
-overlapped steps (its token counts live on the device, core/engine/token_counts.py) and gets exactly
+overlapped steps (its token counts live on the device, core/engine/worker/token_counts.py) and gets exactly
 the tokens of synchronous stepping, itself checked against HF transformers' penalties in
 test_engine.py and against hand-computed logits in test_sampler.py."""
 
@@ -17,8 +17,8 @@ from test_async_scheduling import (  # the async-vs-sync harness and its tiny Ll
 )
 
 from deepinfer import SamplingParams
-from deepinfer.core.engine.sampler import Sampler, SamplingRow, apply_penalties
-from deepinfer.core.engine.token_counts import TokenCounts
+from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow, apply_penalties
+from deepinfer.core.engine.worker.token_counts import TokenCounts
 
 
 def penalized_arrivals():

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 
 from deepinfer import SamplingParams
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.cuda_graphs import StaticStepBuffers
-from deepinfer.core.engine.inflight import InflightStep
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.model_runner import ModelRunner
-from deepinfer.core.engine.request import Request
-from deepinfer.core.engine.sampler import Sampler, SamplingRow
-from deepinfer.core.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.sched.request import Request
+from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.worker.cuda_graphs import StaticStepBuffers
+from deepinfer.core.engine.worker.inflight import InflightStep
+from deepinfer.core.engine.worker.model_runner import ModelRunner
+from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.models.loader import load_model
 
@@ -209,7 +209,7 @@ def test_preemption_keeps_the_pending_token(loaded, monkeypatch):
     """6 blocks of 8 tokens: requests growing to 30 tokens must take turns. With a step in flight,
     the preempted requests have a pending token; it is kept (appended when its step is applied),
     so greedy and seeded outputs match the synchronous engine's exactly."""
-    from deepinfer.core.engine.scheduler import Scheduler
+    from deepinfer.core.engine.sched.scheduler import Scheduler
 
     pending_at_preemption = []
     real_preempt = Scheduler._preempt
@@ -402,7 +402,7 @@ def test_cuda_sampling_starts_its_copies_without_a_sync():
               SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3, logprobs=0)]
 
     def rows():
-        from deepinfer.core.engine.sampler import make_generator
+        from deepinfer.core.engine.worker.sampler import make_generator
 
         return [SamplingRow(p, [1, 2], [3], make_generator(p, "cuda")) for p in params]
 

@@ -17,8 +17,8 @@ from deepinfer.core.bench.host_bench import (
     stand_in_engine,
 )
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
-from deepinfer.core.engine.inflight import InflightStep
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.worker.inflight import InflightStep
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.tokenizer import ByteTokenizer
 

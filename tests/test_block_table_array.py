@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.engine.scheduler_output import ScheduledChunk
-from deepinfer.core.engine.step_inputs import request_stager
+from deepinfer.core.engine.sched.request import Request
+from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.worker.step_inputs import request_stager
 from deepinfer.core.kv.kv_manager import BlockTableArray, KVCacheManager
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.core.engine.cpu_threads import cgroup_cpu_quota, choose_cpu_threads, parse_cfs, parse_cpu_max
+from deepinfer.core.engine.worker.cpu_threads import (
+    cgroup_cpu_quota,
+    choose_cpu_threads,
+    parse_cfs,
+    parse_cpu_max,
+)
 
 
 @pytest.mark.parametrize(("affinity", "quota", "override", "expected"), [

@@ -1,4 +1,4 @@
-"""Padded steps and CUDA graphs (core/engine/cuda_graphs.py).
+"""Padded steps and CUDA graphs (core/engine/worker/cuda_graphs.py).
 
 On the CPU: bucket and bound choice, which steps a graph serves, the exact static inputs a replay
 reads (padding rows included), and the engine in "padded" mode, which runs exactly those inputs
@@ -17,7 +17,10 @@ from conftest import save_tiny_model
 
 from deepinfer import SamplingParams
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.cuda_graphs import (
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.sched.request import Request
+from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.worker.cuda_graphs import (
     PaddedStepRunner,
     StaticStepBuffers,
     attention_work,
@@ -25,9 +28,6 @@ from deepinfer.core.engine.cuda_graphs import (
     decode_bucket_sizes,
     token_bucket_sizes,
 )
-from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.request import Request
-from deepinfer.core.engine.scheduler_output import ScheduledChunk
 from deepinfer.core.errors import DeepInferError
 from deepinfer.core.models.loader import load_model
 
@@ -168,7 +168,7 @@ def test_runner_serves_steps_whose_per_token_attention_is_cheap():
 
 
 def test_graph_memory_comes_out_of_the_kv_budget():
-    from deepinfer.core.engine.memory import DeviceMemory, plan_kv_budget
+    from deepinfer.core.engine.worker.memory import DeviceMemory, plan_kv_budget
 
     mib = 1024**2
     memory = {"total": 4096 * mib, "free": 3000 * mib, "torch_reserved": 700 * mib, "torch_allocated": 600 * mib,
@@ -278,7 +278,7 @@ def test_padded_engine_with_prefill_tiles_matches_the_unpadded_engine(model_dir,
     """With prefill tiles (their buffers beside the block tables, decodes placed first) the padded engine's greedy
     tokens and logprobs still equal the unpadded engine's. On the CPU the torch backend attends per token and
     ignores the tiles; the GPU tests run them."""
-    from deepinfer.core.engine import startup
+    from deepinfer.core.engine.worker import startup
     from deepinfer.core.ops import paged_attention_table
 
     loaded = load_model(EngineConfig(model=str(model_dir)), torch.device("cpu"), torch.float32)

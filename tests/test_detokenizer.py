@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
 from deepinfer.core.engine.sampling_params import SamplingParams
 
 
@@ -132,3 +132,48 @@ def test_byte_tokenizer_of_dummy_models_streams_whole_characters():
     assert all("\ufffd" not in delta for delta in deltas)
     assert "".join(deltas) == "héllo 🎉 世界" == detok.text
     assert detok.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("finish", ["length", "stop_token"])
+def test_library_stream_gives_the_python_windows_deltas(tokenizer, finish):
+    """The tokenizers-library stream and the Python window yield the same deltas, token for token,
+    including an output that ends mid-character (its partial text is flushed either way)."""
+    from deepinfer.core.engine.frontend import detokenizer as module
+
+    text = "Party 🎉🎉 time 👩‍👩‍👧 and 你好世界, done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cut = next(i for i in range(len(ids)) if "\ufffd" in tokenizer.decode(ids[:i + 1]))  # mid-character
+    stop_id = tokenizer.eos_token_id
+    ids = ids[:cut + 1] + [stop_id] if finish == "stop_token" else ids[:cut + 1]
+    params = SamplingParams(max_tokens=len(ids) if finish == "length" else 100)
+    runs = []
+    for force_window in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], params, {stop_id})
+        if not force_window:
+            assert isinstance(detok._decoder, module._StreamDecoder)  # SmolLM2 has a tokenizers backend
+        else:
+            detok._decoder = module._WindowDecoder(tokenizer, [1, 2, 3], params.skip_special_tokens)
+        runs.append([detok.append(i).delta_text for i in ids])
+    assert runs[0] == runs[1]
+    assert "".join(runs[0]).endswith("\ufffd")  # the incomplete character's partial text came out
+
+
+def test_library_stream_equals_the_python_window_on_random_ids(tiny_tokenizer):
+    """Random prompt contexts and outputs (many end mid-character): every delta and the final flush
+    agree, whichever decoder the detokenizer picks for the context."""
+    import random
+
+    from deepinfer.core.engine.frontend import detokenizer as module
+
+    rng = random.Random(0)
+    picked_stream = 0
+    for _ in range(200):
+        context = [rng.randrange(3, 340) for _ in range(rng.randrange(0, 7))]
+        output = [rng.randrange(3, 340) for _ in range(24)]
+        chosen = module._stream_decoder(tiny_tokenizer, list(context), True) or module._WindowDecoder(
+            tiny_tokenizer, list(context), True)
+        window = module._WindowDecoder(tiny_tokenizer, list(context), True)
+        picked_stream += isinstance(chosen, module._StreamDecoder)
+        assert [chosen.next(t) for t in output] + [chosen.flush()] == [window.next(t) for t in output] + [
+            window.flush()], context
+    assert picked_stream > 100  # most contexts end on a whole character and take the library's stream

@@ -182,7 +182,7 @@ def test_decode_attention_takes_the_recorded_path(recorded):
 
 
 def test_prefill_tiles_and_graph_thresholds_are_the_recorded_ones(recorded):
-    from deepinfer.core.engine import backends, cuda_graphs
+    from deepinfer.core.engine.worker import backends, cuda_graphs
     from deepinfer.core.ops import paged_attention_table
 
     class Backend:

@@ -16,7 +16,7 @@ from conftest import save_tiny_model
 from deepinfer import LLM, AsyncEngine, SamplingParams
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.memory import DeviceMemory, plan_kv_budget
+from deepinfer.core.engine.worker.memory import DeviceMemory, plan_kv_budget
 from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
 from deepinfer.core.models.loader import load_model
 
@@ -441,9 +441,9 @@ def test_kv_budget_arithmetic():
 
 
 def test_runner_builds_one_flat_batch_decodes_first(loaded):
-    from deepinfer.core.engine.model_runner import ModelRunner
-    from deepinfer.core.engine.request import Request
-    from deepinfer.core.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+    from deepinfer.core.engine.sched.request import Request
+    from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk, SchedulerOutput
+    from deepinfer.core.engine.worker.model_runner import ModelRunner
     from deepinfer.core.kv.cache import KVCache
 
     spec = loaded.spec
@@ -474,8 +474,8 @@ def test_runner_builds_one_flat_batch_decodes_first(loaded):
 
 
 def test_warmup_step_is_the_largest_step_and_runs(loaded):
-    from deepinfer.core.engine.model_runner import ModelRunner
-    from deepinfer.core.engine.startup import warmup_requests
+    from deepinfer.core.engine.worker.model_runner import ModelRunner
+    from deepinfer.core.engine.worker.startup import warmup_requests
     from deepinfer.core.kv.cache import KVCache
 
     step, num_blocks = warmup_requests(num_tokens=40, max_num_seqs=6, block_size=8, max_model_len=100)

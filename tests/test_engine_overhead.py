@@ -13,11 +13,11 @@ import torch
 
 from deepinfer.core.attention.native_backend import NativePagedAttention
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
-from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
-from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sched.request import Request
 from deepinfer.core.engine.stats import IterationStats
-from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.rotary import write_kv_cache
@@ -202,7 +202,7 @@ def _processor_with_one_request(logprobs: int | None = None) -> tuple[OutputProc
 
 
 def _step(processor: OutputProcessor, request: Request, token: int):
-    from deepinfer.core.engine.outputs import TokenLogprob
+    from deepinfer.core.engine.frontend.outputs import TokenLogprob
 
     request.append_output_token(token)
     if request.logprobs is not None:

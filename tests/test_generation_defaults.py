@@ -139,7 +139,7 @@ def test_a_converted_hf_directory_keeps_its_defaults(model_dir, tmp_path):
 
 
 def test_both_endpoints_fill_unset_fields_with_the_defaults(model_dir):
-    from deepinfer.core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.frontend.async_engine import AsyncEngine
     from deepinfer.core.server.config import ServerConfig
     from deepinfer.core.server.serving import ServingEngine
     from deepinfer.core.server.serving_chat import prepare_chat

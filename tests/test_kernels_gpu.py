@@ -487,7 +487,7 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
     cache) must give the same logits over prefill, mixed and decode steps, and neither writes K/V again."""
     from deepinfer.core.attention.native_backend import NativePagedAttention
     from deepinfer.core.attention.torch_backend import TorchPagedAttention
-    from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+    from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
     from deepinfer.core.kv.cache import KVCache
     from deepinfer.validate.model_check import BLOCK_SIZE, VOCAB, build_tiny_llama
 
@@ -529,7 +529,7 @@ def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(ca
     act_and_mul run one after the other, over prefill, mixed and decode steps (the q/k/v fusion takes the steps of
     at most 8 tokens, the gate/up one those of at most 32)."""
     from deepinfer.core.attention.native_backend import NativePagedAttention
-    from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+    from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
     from deepinfer.core.kv.cache import KVCache
     from deepinfer.core.models import layers
     from deepinfer.core.models.merged_projections import merge_projections

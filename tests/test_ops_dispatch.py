@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.core.attention.native_backend import NativePagedAttention
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
-from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.activation import act_and_mul

@@ -1,8 +1,8 @@
 """PrefixCache and KVCacheManager: chained hashes, confirmation by token ids, the reuse bound,
 tenant salt, LRU eviction order and exact ref counts."""
 
-from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sched.request import Request
 from deepinfer.core.kv.block_pool import BlockPool
 from deepinfer.core.kv.kv_manager import KVCacheManager
 from deepinfer.core.kv.prefix_cache import PrefixCache, hash_block, hash_full_blocks

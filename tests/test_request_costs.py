@@ -23,10 +23,9 @@ from server_helpers import ServerThread
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import sampling_params as sampling_params_module
-from deepinfer.core.engine import stop_strings
-from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.frontend import stop_strings
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.sampler import Sampler, SamplingRow, apply_logit_bias
 from deepinfer.core.engine.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -34,6 +33,7 @@ from deepinfer.core.engine.sampling_params import (
     LogitBias,
     SamplingParams,
 )
+from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow, apply_logit_bias
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.server.config import ServerConfig
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from deepinfer.core.engine.sampler import Sampler, SamplingRow, apply_penalties, make_generator
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow, apply_penalties, make_generator
 
 # A 6-token distribution with no ties and no top-p boundary cases for the settings below.
 BASE_PROBS = [0.35, 0.25, 0.15, 0.12, 0.08, 0.05]

@@ -17,10 +17,10 @@ from conftest import save_tiny_model
 
 from deepinfer import SamplingParams
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine import model_runner
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.sampler import Sampler, SamplingRow, make_generator
 from deepinfer.core.engine.sampling_params import FLOAT32_TINY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from deepinfer.core.engine.worker import model_runner
+from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow, make_generator
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.models.loader import load_model
 

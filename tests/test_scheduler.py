@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepinfer.core.engine.request import Request, RequestStatus
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.engine.scheduler import Scheduler
-from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.core.engine.sched.request import Request, RequestStatus
+from deepinfer.core.engine.sched.scheduler import Scheduler
+from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from deepinfer.core.errors import QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager
 

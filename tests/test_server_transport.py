@@ -22,7 +22,12 @@ import pytest
 from server_helpers import ServerThread
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.outputs import CompletionOutput, PendingOutputs, RequestOutput, TokenLogprob
+from deepinfer.core.engine.frontend.outputs import (
+    CompletionOutput,
+    PendingOutputs,
+    RequestOutput,
+    TokenLogprob,
+)
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.connection import MAX_HEAD_BYTES
 

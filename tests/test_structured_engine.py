@@ -107,8 +107,8 @@ def test_requests_without_constraints_build_no_mask(loaded, monkeypatch):
         masks.append(step_grammar_mask(*args, **kwargs))
         return masks[-1]
 
-    monkeypatch.setattr("deepinfer.core.engine.sampler.apply_grammar_mask", fail)
-    monkeypatch.setattr("deepinfer.core.engine.model_runner.step_grammar_mask", recording)
+    monkeypatch.setattr("deepinfer.core.engine.worker.sampler.apply_grammar_mask", fail)
+    monkeypatch.setattr("deepinfer.core.engine.worker.model_runner.step_grammar_mask", recording)
     engine = LLMEngine(EngineConfig(num_gpu_blocks=64, block_size=8), loaded_model=loaded)
     engine.add_request(prompt(12, 0), SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -223,9 +223,9 @@ def test_cuda_graphs_with_constrained_requests_match_the_synchronous_engine(load
 
 @pytest.mark.gpu
 def test_cuda_grammar_mask_and_sampling_make_no_sync(loaded_cuda):
-    from deepinfer.core.engine.request import Request
-    from deepinfer.core.engine.sampler import Sampler, SamplingRow
-    from deepinfer.core.engine.scheduler_output import ScheduledChunk
+    from deepinfer.core.engine.sched.request import Request
+    from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
+    from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow
     from deepinfer.core.structured.compiler import GrammarCompiler
 
     tokenizer = loaded_cuda.tokenizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
-from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4

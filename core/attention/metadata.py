@@ -39,7 +39,7 @@ class AttentionMetadata:
     # the decode rows are true decodes; a graphed step, where each token of a prefill chunk is a row of its
     # own, sets its token bucket. The decode kernel reads the older positions before the step's cache write.
     fresh_tokens: int = 1
-    # A graphed step whose prefill chunks attend in tiles (core/engine/cuda_graphs.py): prefill_tiles [N, 2] int32
+    # A graphed step whose prefill chunks attend in tiles (core/engine/worker/cuda_graphs.py): prefill_tiles [N, 2] int32
     # (first token row, count; count 0 unused) for paged_prefill_attention, and decode_seq_lens [R] int32, the
     # lengths the decode kernel attends its first R rows with (the step's decodes): seq_lens with 0 for the tiles'
     # tokens among them, whose rows the tiles then write.

@@ -146,7 +146,7 @@ async def start_engine(config, loaded_model=None):
     A quantized run whose model holds no quantized linear would publish bf16 numbers under a W4A16
     label, so that is an error here rather than a footnote.
     """
-    from deepinfer.core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine(config, loaded_model)
     await engine.start()

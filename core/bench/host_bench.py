@@ -44,11 +44,11 @@ import numpy as np
 import torch
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine import detokenizer as detokenizer_module
-from deepinfer.core.engine import inflight as inflight_module
+from deepinfer.core.engine.frontend import detokenizer as detokenizer_module
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.sampler import SamplerOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.worker import inflight as inflight_module
+from deepinfer.core.engine.worker.sampler import SamplerOutput
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.models.loader import LoadedModel, dummy_tokenizer

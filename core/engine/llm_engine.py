@@ -17,7 +17,7 @@ N+1; that result is discarded. Its blocks are freed at once: all device work run
 so a later step that reuses them runs after N+1. Without async scheduling the step in flight is
 applied before the next one is scheduled. Neither penalties nor structured outputs need that
 wait: penalties read the request's token counts on the device, where the sampler has already
-added the token in flight (core/engine/token_counts.py), and a grammar's token mask is computed
+added the token in flight (core/engine/worker/token_counts.py), and a grammar's token mask is computed
 after the next step's forward is enqueued, from the step in flight's token
 (core/structured/step_mask.py). Tokens, logprobs, finish reasons, stop reasons and
 token counts are the same either way. Which step a request runs in may differ (one that stops
@@ -26,9 +26,9 @@ prefix-cache hits (`num_cached_tokens`): blocks are cached when the step computi
 applied, so a request admitted while that step is still in flight does not find them.
 
 Start-up: the engine takes a ready model (core/models/loader.py builds one: read, quantized at load
-time when `quantization` is set, projections merged, compacted on a GPU), then core/engine/startup.py
+time when `quantization` is set, projections merged, compacted on a GPU), then core/engine/worker/startup.py
 chooses the attention backend, measures the largest step to size the KV pool, allocates it, and
-captures the step CUDA graphs (core/engine/cuda_graphs.py) when the backend is the native one on a GPU.
+captures the step CUDA graphs (core/engine/worker/cuda_graphs.py) when the backend is the native one on a GPU.
 
 Every step is exception-safe: a failed forward fails the requests of that step alone (finish
 reason "error", blocks freed) and the next step goes on; a request whose sampling or
@@ -49,17 +49,18 @@ import time
 from dataclasses import replace
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.backends import kernel_summary
-from deepinfer.core.engine.inflight import InflightStep
-from deepinfer.core.engine.output_processor import OutputProcessor, RequestGroup
-from deepinfer.core.engine.outputs import RequestOutput
-from deepinfer.core.engine.request import Request, RequestStatus
-from deepinfer.core.engine.sampler import make_generator
+from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
+from deepinfer.core.engine.frontend.outputs import RequestOutput
+from deepinfer.core.engine.frontend.request_checks import check_request
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
-from deepinfer.core.engine.scheduler import Scheduler
-from deepinfer.core.engine.startup import resolve_device, resolve_dtype, start_up
+from deepinfer.core.engine.sched.request import Request, RequestStatus
+from deepinfer.core.engine.sched.scheduler import Scheduler
 from deepinfer.core.engine.stats import IterationStats
-from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
+from deepinfer.core.engine.worker.backends import kernel_summary
+from deepinfer.core.engine.worker.inflight import InflightStep
+from deepinfer.core.engine.worker.sampler import make_generator
+from deepinfer.core.engine.worker.startup import resolve_device, resolve_dtype, start_up
+from deepinfer.core.errors import DeepInferError, InvalidRequestError, QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager
 from deepinfer.core.models.loader import LoadedModel, load_model
 from deepinfer.core.quant.quant_linear import QuantLinear
@@ -119,38 +120,9 @@ class LLMEngine:
     def make_request_group(self, prompt: str | list[int], params: SamplingParams,
                            request_id: str | None = None, cache_salt: str | None = None) -> RequestGroup:
         """Validate and tokenize one request (thread-safe). Raises InvalidRequestError, PromptTooLongError."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = params.resolved()  # an unset field samples with its built-in value
-        if isinstance(prompt, str):
-            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            prompt_text, token_ids = None, list(prompt)
-            vocab_size = self.spec.vocab_size
-            bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
-                        or not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"prompt token {bad!r} is not a token id in [0, {vocab_size})")
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{len(token_ids) + params.max_tokens} tokens exceed max_model_len {self.max_model_len}")
-        if params.n > self.config.max_waiting_requests:
-            raise InvalidRequestError(f"n={params.n} samples exceed max_waiting_requests "
-                                      f"{self.config.max_waiting_requests}; they could never be queued")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string")
-        vocab_size = self.spec.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if t >= vocab_size), None)  # on a GPU an index past the logits is a fault
-            if bad is not None:
-                raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {vocab_size})")
+        prompt_text, token_ids, params = check_request(
+            prompt, params, self.tokenizer, self.spec.vocab_size, self.max_model_len,
+            self.config.max_waiting_requests, cache_salt)
         compiled_grammar = None
         if params.structured_outputs is not None:  # a cache hit when the server compiled it already
             compiled_grammar = self.grammars.compile(params.structured_outputs)

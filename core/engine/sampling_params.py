@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, Self
 
-from deepinfer.core.engine.stop_strings import failure_table
+from deepinfer.core.engine.frontend.stop_strings import failure_table
 from deepinfer.core.errors import InvalidRequestError
 
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
@@ -265,7 +265,7 @@ def _flag(name: str, value: Any) -> bool:
 class StopStrings(tuple):
     """A request's stop strings, validated: at most MAX_STOP_STRINGS non-empty strings of at most
     MAX_STOP_STRING_CHARS characters each, with a UTF-8 form. `failure_tables` are what the stop
-    matcher (core/engine/stop_strings.py) needs of each, made here once for all samples."""
+    matcher (core/engine/frontend/stop_strings.py) needs of each, made here once for all samples."""
 
     failure_tables: tuple[list[int], ...]
 

@@ -23,7 +23,7 @@ from deepinfer.core.kv.block_pool import BlockPool
 from deepinfer.core.kv.prefix_cache import PrefixCache, hash_full_blocks
 
 if TYPE_CHECKING:
-    from deepinfer.core.engine.request import Request
+    from deepinfer.core.engine.sched.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -4,7 +4,7 @@ Merging q/k/v and gate/up (core/models/merged_projections.py) allocates each mer
 its parts and then frees the parts, and load-time temporaries are freed the same way. torch's
 caching allocator cannot give those holes back to the device while a weight still sits in the
 same segment, so they stay reserved and, under `max_vram`, come out of the KV pool
-(core/engine/memory.py; docs/RESULTS.md, "Inside a 4 GiB budget", gives their size for a 3B model). A round trip through host memory
+(core/engine/worker/memory.py; docs/RESULTS.md, "Inside a 4 GiB budget", gives their size for a 3B model). A round trip through host memory
 after loading lays every weight out again in fresh segments, before any step has run.
 """
 

@@ -52,9 +52,15 @@ ENDED_GRACE_S = 10.0  # after the deadline, how long ended requests get to send 
 
 
 def _build_engine(config: EngineConfig):
-    from deepinfer.core.engine.async_engine import AsyncEngine
+    from deepinfer.core.engine.frontend.async_engine import AsyncEngine
 
     return AsyncEngine(config)
+
+
+def _build_engine_process(config: EngineConfig):
+    from deepinfer.core.engine.frontend.core_client import EngineCoreClient
+
+    return EngineCoreClient(config)
 
 
 async def _on_daemon_thread(fn: Callable, *args):
@@ -78,11 +84,6 @@ async def _on_daemon_thread(fn: Callable, *args):
 
     threading.Thread(target=run, name="deepinfer-load", daemon=True).start()
     return await future
-
-
-def _engine_alive(engine) -> bool:
-    thread = engine._thread  # AsyncEngine keeps no public flag for it
-    return thread is not None and thread.is_alive() and engine._dead is None
 
 
 class ServerState:
@@ -140,11 +141,16 @@ class ServerState:
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig | None = None,
                engine_factory: Callable[[EngineConfig], object] = _build_engine,
-               on_load_failed: Callable[[Exception], None] | None = None) -> FastAPI:
-    """`engine_factory(config)` builds the (unstarted) AsyncEngine; it runs on a loader thread.
-    `on_load_failed(err)` lets the caller stop the process when the model cannot be loaded."""
+               on_load_failed: Callable[[Exception], None] | None = None,
+               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
+    """`engine_factory(config)` builds the (unstarted) AsyncEngine; it runs on a loader thread
+    (with `server_config.engine_process` the default factory builds an EngineCoreClient instead).
+    `on_load_failed(err)` lets the caller stop the process when the model cannot be loaded;
+    `on_engine_dead()`, when the engine process dies (its open requests have already ended with a 503)."""
     server_config = server_config or ServerConfig()
     state = ServerState(server_config)
+    if server_config.engine_process and engine_factory is _build_engine:
+        engine_factory = _build_engine_process
 
     def load() -> tuple[object, int | None]:
         engine = engine_factory(engine_config)
@@ -159,6 +165,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             metrics = EngineMetrics(serving.model_name, state.metrics.registry)
             engine.add_stats_listener(metrics.record)
             engine.add_stats_listener(health.on_step)
+            if on_engine_dead is not None and hasattr(engine, "add_dead_callback"):
+                engine.add_dead_callback(on_engine_dead)
             await engine.start()
             state.serving, state.health = serving, health
             if state.status == "loading":
@@ -212,7 +220,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             body = {"status": state.status} | ({"error": state.error} if state.error else {})
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "served_model_name": state.serving.model_name,
-                             **state.health.latest, "engine_alive": _engine_alive(state.engine)})
+                             **state.health.latest, "engine_alive": state.engine.is_alive})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -32,6 +32,9 @@ class ServerConfig:
     # at most max_pending_requests requests are being read or prepared at once (more get a 429).
     preprocess_workers: int = field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)))
     max_pending_requests: int = 256
+    # The engine core in its own process (core/engine/frontend/core_client.py): HTTP, tokenization and
+    # metrics never share a GIL with the step loop. False: the engine runs on a thread of this process.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         checks = [

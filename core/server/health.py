@@ -16,10 +16,11 @@ SNAPSHOT_INTERVAL_S = 0.05  # LLMEngine.health() costs tens of microseconds; a d
 
 class HealthSnapshots:
     def __init__(self, engine, interval_s: float = SNAPSHOT_INTERVAL_S):
-        """`engine`: an AsyncEngine not started yet (so the first snapshot is consistent too)."""
-        self._llm_engine = engine.engine
+        """`engine`: an AsyncEngine or EngineCoreClient not started yet (so the first snapshot is consistent
+        too); the client's `read_health` is the snapshot its engine process took after its latest step."""
+        self._read_health = engine.read_health
         self._interval_s = interval_s
-        self._latest = self._llm_engine.health()
+        self._latest = self._read_health()
         self._taken_at = time.monotonic()
 
     def on_step(self, stats) -> None:
@@ -27,7 +28,7 @@ class HealthSnapshots:
         now = time.monotonic()
         idle = stats.num_running == 0 and stats.num_waiting == 0
         if idle or now - self._taken_at >= self._interval_s:
-            self._latest = self._llm_engine.health()  # one assignment: readers see the old or the new dict
+            self._latest = self._read_health()  # one assignment: readers see the old or the new dict
             self._taken_at = now
 
     @property

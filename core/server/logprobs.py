@@ -8,7 +8,7 @@ Completions (legacy `logprobs: k`):
 
 from __future__ import annotations
 
-from deepinfer.core.engine.outputs import TokenLogprob
+from deepinfer.core.engine.frontend.outputs import TokenLogprob
 
 
 class TokenStrings:

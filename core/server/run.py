@@ -11,7 +11,8 @@
    with finish_reason "abort" and `data: [DONE]`). Once none is running, stop accepting, stop the
    engine and return. A second signal ends the running requests and stops at once.
 Returns the exit status: 0 after SIGTERM (a requested, clean stop), 130 after SIGINT (the shell's
-convention for Ctrl-C); a model that cannot load is a ServerStartError with its reason.
+convention for Ctrl-C), 1 when the engine process (--engine-process) died; a model that cannot load
+is a ServerStartError with its reason.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ FD_RESERVE = 256  # descriptors beyond the connections: model files, the engine,
 BACKLOG = 2048
 # uvicorn's own backstop after our --shutdown-timeout: ended streams need an engine step to finish.
 SHUTDOWN_GRACE_S = 10.0
+ENGINE_DIED_EXIT_CODE = 1
 
 
 class ServerStartError(DeepInferError):
@@ -132,7 +134,14 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         load_errors.append(err)
         server.should_exit = True
 
-    app = create_app(engine_config, server_config, on_load_failed=stop_on_load_failure)
+    engine_died: list[bool] = []
+
+    def stop_on_engine_death() -> None:  # on the engine client's thread
+        engine_died.append(True)
+        server.should_exit = True
+
+    app = create_app(engine_config, server_config, on_load_failed=stop_on_load_failure,
+                     on_engine_dead=stop_on_engine_death)
     state = app.state.deepinfer
     running: list[asyncio.AbstractEventLoop] = []
 
@@ -160,6 +169,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         sock.close()
     if load_errors:
         raise ServerStartError(str(load_errors[0]) or type(load_errors[0]).__name__)
+    if engine_died:
+        logger.error("the engine process died; the server stopped")
+        return ENGINE_DIED_EXIT_CODE
     if server.received and server.received[0] == signal.SIGINT:
         return 130
     return 0

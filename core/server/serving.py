@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from deepinfer.core.engine.outputs import RequestOutput
+from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.errors import DeepInferError, InvalidRequestError
 from deepinfer.core.server.config import ServerConfig

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.logprobs import chat_logprobs

@@ -13,7 +13,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.server.logprobs import completion_logprobs
 from deepinfer.core.server.preprocess import parse_body
 from deepinfer.core.server.protocol import CompletionRequest

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.core.engine.transfers import to_device
+from deepinfer.core.engine.worker.transfers import to_device
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from deepinfer.core.engine.scheduler_output import ScheduledChunk
+    from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
 
 _executor = None
 _executor_lock = threading.Lock()

@@ -3,10 +3,10 @@
 LLMEngine keeps at most one InflightStep. It schedules and launches the next step before applying
 this one; a row of the next step whose input is this step's sampled token (a *pending* token, not
 on the host yet; its chunk's `last_token_pending`) gets it on the device, from `sampled_row` of this
-step's sampled tokens (core/engine/step_inputs.py). Only then does the host wait for this step's
+step's sampled tokens (core/engine/worker/step_inputs.py). Only then does the host wait for this step's
 tokens (`result`) and apply them.
 
-The transfers involved never make the host wait for the device (core/engine/transfers.py).
+The transfers involved never make the host wait for the device (core/engine/worker/transfers.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.core.engine.sampler import SamplerOutput
+    from deepinfer.core.engine.worker.sampler import SamplerOutput
 
 
 _request_id = attrgetter("request.request_id")

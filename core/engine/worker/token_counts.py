@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from deepinfer.core.engine.transfers import to_device
+from deepinfer.core.engine.worker.transfers import to_device
 
 
 class TokenCounts:

@@ -23,8 +23,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.frontend.outputs import PendingOutputs, RequestOutput
 from deepinfer.core.engine.llm_engine import LLMEngine
-from deepinfer.core.engine.outputs import PendingOutputs, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -147,10 +147,18 @@ class AsyncEngine:
         """`listener(IterationStats)` is called from the engine thread after every step."""
         self._listeners.append(listener)
 
+    def read_health(self) -> dict:
+        """The engine's state now; call it on the engine thread (a stats listener) for a consistent one."""
+        return self.engine.health()
+
     def health(self) -> dict:
         health = self.engine.health()
-        health["engine_alive"] = self._thread is not None and self._thread.is_alive() and self._dead is None
+        health["engine_alive"] = self.is_alive
         return health
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     async def shutdown(self) -> None:
         with self._wakeup:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deepinfer.core.engine.outputs import TokenLogprob
-from deepinfer.core.engine.request import Request
+from deepinfer.core.engine.frontend.outputs import TokenLogprob
+from deepinfer.core.engine.sched.request import Request
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ inputs read them there) while a copy to pinned host memory runs in the backgroun
 of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that copy when
 first read. The per-row parameters go host->device in small non-blocking copies.
 
-Penalties count a row's tokens on the device (core/engine/token_counts.py): a row that carries its
+Penalties count a row's tokens on the device (core/engine/worker/token_counts.py): a row that carries its
 request's TokenCounts is penalized by them, and the token drawn for it is added to them before
 `sample` returns, so the next step's penalties see it while its value is still on its way to the
 host (async scheduling). A row without one is counted from its host lists.
@@ -54,10 +54,10 @@ from functools import cached_property
 
 import torch
 
-from deepinfer.core.engine.outputs import TokenLogprob
+from deepinfer.core.engine.frontend.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import LogitBias, SamplingParams
-from deepinfer.core.engine.token_counts import PenaltyBatch, TokenCounts
-from deepinfer.core.engine.transfers import HostCopy, to_device
+from deepinfer.core.engine.worker.token_counts import PenaltyBatch, TokenCounts
+from deepinfer.core.engine.worker.transfers import HostCopy, to_device
 from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
 
 logger = logging.getLogger(__name__)

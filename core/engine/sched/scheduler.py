@@ -36,8 +36,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from deepinfer.core.engine.request import FINISHED_STATUSES, Request, RequestStatus
-from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.sched.request import FINISHED_STATUSES, Request, RequestStatus
+from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import QueueFullError
 from deepinfer.core.kv.kv_manager import KVCacheManager

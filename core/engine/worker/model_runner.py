@@ -1,10 +1,10 @@
 """ModelRunner: owns the tensors of a step. SchedulerOutput in, sampled tokens out.
 
 `launch(scheduler_output, previous)` enqueues a whole step on the device and returns an
-InflightStep (core/engine/inflight.py) without waiting for it; `execute` launches and waits.
+InflightStep (core/engine/worker/inflight.py) without waiting for it; `execute` launches and waits.
 Per step:
 1. `prepare_inputs` orders the chunks decodes first (query length 1, what AttentionMetadata
-   expects) and stages them (core/engine/step_inputs.py, the stager padded steps use too): host
+   expects) and stages them (core/engine/worker/step_inputs.py, the stager padded steps use too): host
    buffers pinned on CUDA, allocated once at the largest step size, one non-blocking copy per dtype.
    A chunk whose last input token is still pending (`last_token_pending`: sampled by the `previous`
    step, in flight: async scheduling) gets it on the device, from that step's sampled tokens.
@@ -16,7 +16,7 @@ Per step:
    (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync.
 
 Steps that fit a token bucket (decodes, and mixed or prefill steps whose per-token attention stays
-cheap) can instead go to a PaddedStepRunner (core/engine/cuda_graphs.py), which pads them to a
+cheap) can instead go to a PaddedStepRunner (core/engine/worker/cuda_graphs.py), which pads them to a
 bucket and replays a CUDA graph ("graphs") or runs the padded step eagerly ("padded"); the others
 run eagerly as above.
 """
@@ -28,12 +28,12 @@ from operator import attrgetter
 
 import torch
 
-from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
-from deepinfer.core.engine.inflight import InflightStep
-from deepinfer.core.engine.request import Request
-from deepinfer.core.engine.sampler import Sampler, SamplingRow
-from deepinfer.core.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from deepinfer.core.engine.step_inputs import StepInputs, request_stager
+from deepinfer.core.engine.sched.request import Request
+from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.core.engine.worker.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.worker.inflight import InflightStep
+from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow
+from deepinfer.core.engine.worker.step_inputs import StepInputs, request_stager
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.structured.step_mask import step_grammar_mask

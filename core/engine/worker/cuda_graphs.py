@@ -52,11 +52,11 @@ import numpy as np
 import torch
 
 from deepinfer.core.attention.metadata import AttentionMetadata
-from deepinfer.core.engine.inflight import InflightStep
-from deepinfer.core.engine.memory import MiB
-from deepinfer.core.engine.scheduler_output import ScheduledChunk
-from deepinfer.core.engine.step_inputs import StepStager
-from deepinfer.core.engine.transfers import to_device
+from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.worker.inflight import InflightStep
+from deepinfer.core.engine.worker.memory import MiB
+from deepinfer.core.engine.worker.step_inputs import StepStager
+from deepinfer.core.engine.worker.transfers import to_device
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.ops import paged_attention_table as attention_table
 
@@ -124,7 +124,7 @@ def max_prefill_tiles(tokens: int, max_rows: int, tile_tokens: int) -> int:
 
 
 class StaticStepBuffers:
-    """The device tensors a padded step reads, filled through the step stager (core/engine/step_inputs.py,
+    """The device tensors a padded step reads, filled through the step stager (core/engine/worker/step_inputs.py,
     the one the eager runner uses too) in two copies.
 
     For a step of bucket `tokens` (t), `rows` = min(t, max_num_seqs) logit rows (s), s + 1 request
@@ -277,7 +277,7 @@ class PaddedStepRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, dummy_block: int,
                  vocab_size: int, num_kv_heads: int, use_graphs: bool, prefill_tile_tokens: int | None = None) -> None:
         """dummy_block: a KV block no request owns; padding rows write and read only it. prefill_tile_tokens: the
-        tile size of paged_prefill_attention where it serves (core/engine/backends.py), else None."""
+        tile size of paged_prefill_attention where it serves (core/engine/worker/backends.py), else None."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device

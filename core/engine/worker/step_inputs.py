@@ -13,11 +13,11 @@ two layouts:
 - per request (`stage_requests`: eager steps, and `build_attention_metadata` for tests): decodes
   first, as AttentionMetadata expects; query_start_loc [B + 1], seq_lens [B], block_tables [B, W]
   (W: the step's longest table), logit rows for the sampling chunks only; fresh device tensors.
-- per token (padded steps, the static buffers of core/engine/cuda_graphs.py, which stage through
+- per token (padded steps, the static buffers of core/engine/worker/cuda_graphs.py, which stage through
   `begin` / `stage_chunks` / `send`): every token its own query, padded to a bucket.
 
 Pending tokens (async scheduling): a chunk whose `last_token_pending` is set takes as its last input
-the token the step in flight (`previous`, core/engine/inflight.py) samples, which is on the device
+the token the step in flight (`previous`, core/engine/worker/inflight.py) samples, which is on the device
 only. Its row is staged as 0, the (input row, sampled row) pairs go into the int64 staging after the
 step's other values, so the same copy moves them, and `fill_pending_tokens` scatters the sampled
 tokens into the input ids on the same stream, before the forward or graph replay reads them (outside
@@ -35,10 +35,10 @@ import numpy as np
 import torch
 
 from deepinfer.core.attention.metadata import AttentionMetadata
-from deepinfer.core.engine.inflight import InflightStep
-from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.engine.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.sched.request import Request
+from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
+from deepinfer.core.engine.worker.inflight import InflightStep
 from deepinfer.core.kv.kv_manager import cdiv
 
 # Per-chunk fields read in C (map) rather than in a Python loop: these run once per chunk every step.

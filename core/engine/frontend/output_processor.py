@@ -21,10 +21,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.core.engine.detokenizer import IncrementalDetokenizer
-from deepinfer.core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepinfer.core.engine.request import FINISHED_STATUSES, Request, RequestStatus
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.sched.request import FINISHED_STATUSES, Request, RequestStatus
 from deepinfer.core.engine.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)

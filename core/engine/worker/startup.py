@@ -2,11 +2,11 @@
 KV budget and pool, padded-step runner and CUDA graph capture, in that order.
 
 1. `resolve_device` / `resolve_dtype` (before the model is loaded, for the loader).
-2. The attention backend (core/engine/backends.py) goes into `model.attention_backend`; the decode
+2. The attention backend (core/engine/worker/backends.py) goes into `model.attention_backend`; the decode
    mode follows from it (CUDA graphs on a GPU with the native backend unless `enforce_eager`).
 3. On a GPU without an explicit pool size, a warm-up runs the largest step the engine will run
    (`warmup_requests`) on scratch KV blocks and measures the peak torch memory; with graphs, their
-   memory is measured too (`estimate_graph_memory`). core/engine/memory.py turns that into the KV
+   memory is measured too (`estimate_graph_memory`). core/engine/worker/memory.py turns that into the KV
    budget, and max_model_len is lowered to what the pool holds.
 4. The KV pool (one block more for the padding rows of padded steps), the padded-step runner, the
    eager ModelRunner, then the graphs are captured: they bind the pool's addresses.
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.backends import choose_attention_backend, prefill_tile_tokens
-from deepinfer.core.engine.cuda_graphs import PaddedStepRunner
-from deepinfer.core.engine.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
-from deepinfer.core.engine.model_runner import ModelRunner
-from deepinfer.core.engine.request import Request
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.sched.request import Request
+from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk, SchedulerOutput
+from deepinfer.core.engine.worker.backends import choose_attention_backend, prefill_tile_tokens
+from deepinfer.core.engine.worker.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.worker.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
+from deepinfer.core.engine.worker.model_runner import ModelRunner
 from deepinfer.core.errors import DeepInferError
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv

@@ -22,9 +22,9 @@ import enum
 import time
 from typing import Any
 
-from deepinfer.core.engine.outputs import RequestMetrics, TokenLogprob
+from deepinfer.core.engine.frontend.outputs import RequestMetrics, TokenLogprob
 from deepinfer.core.engine.sampling_params import SamplingParams
-from deepinfer.core.engine.token_counts import TokenCounts
+from deepinfer.core.engine.worker.token_counts import TokenCounts
 
 
 class RequestStatus(enum.Enum):
@@ -84,7 +84,7 @@ class Request:
         self.wait_for: Request | None = None  # sibling whose prompt blocks this one waits to share
         self.generator: Any = None  # torch.Generator of a seeded request; kept across preemption
         self.grammar: Any = None  # core.structured.matcher.RequestGrammar of a constrained request
-        self.sampling_row: Any = None  # its core.engine.sampler.SamplingRow, made once by the model runner
+        self.sampling_row: Any = None  # its core.engine.worker.sampler.SamplingRow, made once by the model runner
         self.token_counts = TokenCounts()  # on the device, for penalties (filled when first sampled)
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 

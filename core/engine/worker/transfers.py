@@ -1,7 +1,7 @@
 """Host<->device transfers that never make the host wait for the device's queue.
 
 A blocking copy waits for everything queued on the stream, the next step's forward included, which
-would serialize host and device again (async scheduling, core/engine/inflight.py). Host->device
+would serialize host and device again (async scheduling, core/engine/worker/inflight.py). Host->device
 copies go through pinned memory with non_blocking (`to_device`); device->host copies land in pinned
 memory behind a CUDA event (`HostCopy`), waited for only when the values are read.
 """

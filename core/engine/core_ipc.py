@@ -1,0 +1,52 @@
+"""The messages between the front end and the engine-core process, and their framing.
+
+Two ZeroMQ sockets over ipc:// (core/engine/frontend/core_client.py binds them, the engine process connects):
+the front end PUSHes inputs, the engine PUSHes outputs back. One message is one ZeroMQ frame,
+msgpack-encoded by msgspec as `[kind, payload]`. A payload that is not a plain string (request ids)
+travels as a msgpack extension holding its pickle: SamplingParams, RequestOutput, IterationStats and
+the tokenizer are Python objects that must come back as themselves (msgspec would turn a dataclass
+into a dict), as vLLM V1 frames the Python objects of its engine-core messages.
+
+Front end -> engine: ADD (request id, prompt text, prompt token ids, params, cache salt), ABORT (request
+id), SHUTDOWN. Engine -> front end: READY (what the front end needs: tokenizer, spec, limits,
+sampling defaults), OUTPUTS (one step's [(request id, RequestOutput or error)], its IterationStats and,
+at most every 50 ms and whenever the engine goes idle, its health dict), FAILED (start-up failed: reason).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import msgspec
+
+ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+READY, OUTPUTS, FAILED = "ready", "outputs", "failed"
+
+_PICKLE_EXT = 1
+
+
+def _enc_hook(obj: Any) -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(_PICKLE_EXT, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _PICKLE_EXT:
+        raise msgspec.DecodeError(f"unknown extension type {code} in an engine message")
+    return pickle.loads(data)
+
+
+class MessageCodec:
+    """encode([kind, payload]) -> bytes; decode(bytes) -> [kind, payload]. Not thread-safe (one per thread)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+    def encode(self, kind: str, payload: Any = None) -> bytes:
+        plain = payload is None or isinstance(payload, str)
+        return self._encoder.encode((kind, payload if plain else _enc_hook(payload)))
+
+    def decode(self, frame: bytes) -> tuple[str, Any]:
+        kind, payload = self._decoder.decode(frame)
+        return kind, payload

@@ -1,0 +1,189 @@
+"""The engine core in its own process: message framing, the client against the in-process engine
+(greedy tokens equal, aborts, bad input, stats), a clean shutdown, and the server when the engine
+process is killed (its open stream ends, new requests get a 503, the server exits non-zero)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from server_helpers import free_port, wait_until_healthy
+
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.core_ipc import ABORT, ADD, OUTPUTS, MessageCodec
+from deepinfer.core.engine.llm_engine import LLMEngine
+from deepinfer.core.engine.sampling_params import SamplingParams
+from deepinfer.core.engine.stats import FinishedRequestStats, IterationStats
+from deepinfer.core.errors import PromptTooLongError
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_messages_are_one_frame_each_and_come_back_as_the_objects_sent():
+    codec = MessageCodec()
+    params = SamplingParams(temperature=0.5, max_tokens=7, stop=["\n\n"], seed=3)
+    stats = IterationStats(num_running=2, num_generation_tokens=5, inter_token_latencies_s=[0.01, 0.02],
+                           finished_requests=[FinishedRequestStats("length", 4, 7, 0.5, 0.1, 0.01)])
+    add = codec.encode(ADD, ("r1", "Hello", [1, 2, 3], params, None))
+    assert isinstance(add, bytes)
+    kind, (request_id, text, ids, decoded_params, salt) = codec.decode(add)
+    assert (kind, request_id, text, ids, salt) == (ADD, "r1", "Hello", [1, 2, 3], None)
+    assert decoded_params == params and decoded_params.stop.failure_tables == params.stop.failure_tables
+    assert codec.decode(codec.encode(ABORT, "r1")) == (ABORT, "r1")
+    assert codec.decode(codec.encode(OUTPUTS, ([], stats, None)))[1][1] == stats
+    # The framing itself is msgpack: an independent decoder reads the kind and the plain payloads.
+    assert msgspec.msgpack.decode(codec.encode(ABORT, "r1")) == ["abort", "r1"]
+    with pytest.raises(msgspec.DecodeError):
+        codec.decode(msgspec.msgpack.encode(["outputs", msgspec.msgpack.Ext(7, b"x")]))
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_llama_dir):
+    return EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256,
+                        num_gpu_blocks=64, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine_config, loop):
+    from deepinfer.core.engine.frontend.core_client import EngineCoreClient
+
+    client = EngineCoreClient(engine_config)
+    client.stats = []
+    client.add_stats_listener(client.stats.append)
+    loop.run_until_complete(client.start())
+    yield client
+    if client.process.is_alive():
+        loop.run_until_complete(client.shutdown())
+
+
+async def collect(stream):
+    return [out async for out in stream]
+
+
+def test_greedy_tokens_and_text_equal_the_in_process_engine(client, engine_config, loop):
+    prompts = ["Once upon a time", [5, 9, 33, 71, 2, 8], "The capital of"]
+    lengths = [24, 9, 17]
+    engine = LLMEngine(engine_config)
+    for index, (prompt, length) in enumerate(zip(prompts, lengths)):
+        engine.add_request(prompt, greedy(length), request_id=f"r{index}")
+    expected = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            if out.finished:
+                expected[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text)
+    client.stats.clear()
+
+    async def run():
+        streams = [client.add_request(p, greedy(n), request_id=f"r{i}")
+                   for i, (p, n) in enumerate(zip(prompts, lengths))]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = loop.run_until_complete(run())
+    for index, outputs in enumerate(results):
+        final = outputs[-1]
+        assert final.finished and final.outputs[0].finish_reason == "length"
+        # Every token once, in order: the deltas join to the final output.
+        assert [t for out in outputs for t in out.outputs[0].delta_token_ids] == final.outputs[0].token_ids
+        assert (final.outputs[0].token_ids, final.outputs[0].text) == expected[f"r{index}"]
+    deadline = time.monotonic() + 10
+    while sum(len(s.finished_requests) for s in client.stats) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the stats of the last step come with its outputs, on the client's thread
+    assert sum(s.num_generation_tokens for s in client.stats) == sum(lengths)  # /metrics' counts are exact
+    assert sorted(f.num_generation_tokens for s in client.stats for f in s.finished_requests) == sorted(lengths)
+
+
+def test_abort_crosses_the_boundary_and_frees_the_sequence(client, loop):
+    async def run():
+        stream = client.add_request("Tell me a long story", greedy(200), request_id="long")
+        first = await stream.__anext__()
+        stream.abort()
+        return first, await collect(stream)
+
+    first, rest = loop.run_until_complete(run())
+    final = rest[-1] if rest else first
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert len(final.outputs[0].token_ids) < 200
+    deadline = time.monotonic() + 10
+    while client.read_health()["scheduler"]["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.read_health()["scheduler"]["num_running"] == 0
+    assert client.read_health()["blocks"]["num_used"] == 0
+
+
+def test_bad_input_is_refused_at_once_in_the_front_end(client):
+    with pytest.raises(PromptTooLongError):
+        client.add_request([1] * 250, greedy(50))
+
+
+def test_shutdown_stops_the_engine_process_cleanly(client, loop):
+    loop.run_until_complete(client.shutdown())
+    assert client.process.exitcode == 0 and not client.process.is_alive()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+@pytest.mark.slow
+def test_a_killed_engine_process_ends_the_open_stream_and_the_server_exits_non_zero(tiny_llama_dir):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
+         "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "8MiB",
+         "--log-level", "warning", "--engine-process"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(process, base)
+        engine_pids = [pid for pid in _children(process.pid)  # multiprocessing's spawned child, not its helpers
+                       if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engine_pids) == 1
+        assert httpx.get(base + "/health").json()["engine_alive"] is True
+        events = []
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        for pid in engine_pids:
+                            os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=30)  # the server stops by itself: it never hangs
+        _, stderr = process.communicate()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1, stderr
+    errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert errors and errors[0]["error"]["code"] == "engine_dead", events[-3:]
+    assert "engine process" in stderr
