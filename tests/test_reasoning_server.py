@@ -109,3 +109,18 @@ def test_reasoning_effort_and_template_kwargs_are_checked(client):
         client.chat.completions.create(model="qwen3", messages=ASK, extra_body={
             "chat_template_kwargs": {"messages": []}}, **GREEDY)
     assert err.value.body["param"] == "chat_template_kwargs"
+
+
+def test_llm_chat_returns_both_parts(model_dir):
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    (output,) = llm.chat(ASK, params)
+    sample = output.outputs[0]
+    assert (sample.reasoning_content, sample.content) == (REASONING, ANSWER)
+    assert sample.text == f"<think>{REASONING}</think>{ANSWER}"
+    (closed,) = llm.chat(ASK, params, chat_template_kwargs={"enable_thinking": False})
+    assert closed.outputs[0].reasoning_content is None
+    (forced,) = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=24, structured_outputs={"choice": ["Rome"]}))
+    assert (forced.outputs[0].reasoning_content, forced.outputs[0].content) == (REASONING, "Rome")
