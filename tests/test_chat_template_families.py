@@ -110,3 +110,21 @@ def test_streamed_reasoning_adds_up_to_the_split(opening, reply, split):
             thought, content = thought + thinking_delta, content + content_delta
             assert not (thinking_delta and content)  # no reasoning once the content began
         assert (thought or None, content) == split
+
+
+@pytest.mark.parametrize("unfolded", [False, True])
+def test_chat_shows_thinking_dimmed_and_apart_from_the_answer(unfolded):
+    from deepinfer.cli.thinking import DIM, RESET, ThinkingView
+
+    reasoning = ReasoningSplit(make_reasoning_parser("qwen3", None), Opening.OPTIONAL)
+    screen: list[str] = []
+    view = ThinkingView(reasoning.stream(), screen.append, unfolded)
+    reply = "<think>\nLet me see.\n</think>\n\nParis."
+    for i in range(0, len(reply), 4):
+        view.feed(reply[i:i + 4])
+    view.finish()
+    shown = "".join(screen)
+    answer_at = shown.rindex("Paris.")
+    assert shown.endswith("Paris.") and DIM in shown[:answer_at] and RESET in shown[:answer_at]
+    assert ("Let me see." in shown) == unfolded  # folded: only a count of the thinking
+    assert "<think>" not in shown and view.thinking == "Let me see."
