@@ -35,8 +35,7 @@ from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.errors import InvalidRequestError
-from deepinfer.core.reasoning import Opening, ReasoningSplit, make_reasoning_parser
-from deepinfer.core.structured.reasoning_gate import ReasoningSpan
+from deepinfer.core.reasoning import ReasoningSplit, make_reasoning_parser
 from deepinfer.core.structured.tool_parsers import ToolCall, ToolParser, make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan, render_chat
 
@@ -140,12 +139,10 @@ class LLM:
             return params
         if split.parser.needs_special_tokens(self.engine.tokenizer):
             params = replace(params, skip_special_tokens=False)
-        ids = split.parser.marker_token_ids(self.engine.tokenizer)
-        if params.structured_outputs is None or ids is None or split.opening is Opening.CLOSED:
+        span = split.grammar_span(self.engine.tokenizer)
+        if params.structured_outputs is None or span is None:
             return params
-        constraint = replace(params.structured_outputs,
-                             reasoning=ReasoningSpan(ids[1], ids[0] if split.opening is Opening.OPTIONAL else None))
-        return replace(params, structured_outputs=constraint)
+        return replace(params, structured_outputs=replace(params.structured_outputs, reasoning=span))
 
     def _tool_parser(self, name: str | None = None) -> ToolParser:
         """The tool-call parser `name`, or the one the chat template's format calls for."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.core.reasoning.think_tags import Opening, ReasoningParser
+from deepinfer.core.structured.reasoning_gate import ReasoningSpan
 
 
 def _held(text: str, marker: str) -> int:
@@ -34,6 +35,16 @@ class ReasoningSplit:
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
+
+    def grammar_span(self, tokenizer) -> ReasoningSpan | None:
+        """The reasoning a constraint must let through before it applies (core/structured/reasoning_gate.py);
+        None when the template closed it, or when its markers are not single tokens to gate on (the
+        constraint then applies from the reply's first token)."""
+        ids = self.parser.marker_token_ids(tokenizer)
+        if self.opening is Opening.CLOSED or ids is None:
+            return None
+        start_id, end_id = ids
+        return ReasoningSpan(end_id, start_id if self.opening is Opening.OPTIONAL else None)
 
     def _scan(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content) of the reply so far; while not `final`, text that may still

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from deepinfer.core.engine.outputs import CompletionOutput, RequestOutput
-from deepinfer.core.reasoning import Opening, ReasoningParser, ReasoningSplit, ReasoningStream
+from deepinfer.core.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.logprobs import chat_logprobs
@@ -38,7 +38,6 @@ from deepinfer.core.server.serving import (
 )
 from deepinfer.core.server.unsupported import CHAT
 from deepinfer.core.structured.params import StructuredOutputsParams
-from deepinfer.core.structured.reasoning_gate import ReasoningSpan
 from deepinfer.core.structured.tool_parsers import ToolCallStream
 from deepinfer.core.structured.tools import ToolPlan
 
@@ -70,8 +69,9 @@ def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionReq
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
                                    "structured output constraint", param="tool_choice")
         constraint, param = plan.constraint, "tools"
-    if constraint is not None and reasoning is not None:
-        constraint = after_reasoning(constraint, reasoning, tokenizer)
+    span = reasoning.grammar_span(tokenizer) if reasoning is not None else None
+    if constraint is not None and span is not None:  # the constraint starts where the reasoning ends
+        constraint = dataclasses.replace(constraint, reasoning=span)
     # fields the request leaves unset: the model's defaults, under serve's sampling flags
     params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint).with_defaults(
         serving.engine.sampling_defaults)
@@ -85,18 +85,6 @@ def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionReq
 def reasoning_split(parser: ReasoningParser | None, prompt: str) -> ReasoningSplit | None:
     """How the reply to `prompt` splits (None without a parser)."""
     return ReasoningSplit(parser, parser.opening(prompt)) if parser is not None else None
-
-
-def after_reasoning(constraint: StructuredOutputsParams, reasoning: ReasoningSplit,
-                    tokenizer) -> StructuredOutputsParams:
-    """The constraint, starting where the reply's reasoning ends. Markers that are not single tokens
-    cannot be gated on: the constraint then applies from the reply's first token."""
-    ids = reasoning.parser.marker_token_ids(tokenizer)
-    if reasoning.opening is Opening.CLOSED or ids is None:
-        return constraint
-    start_id, end_id = ids
-    span = ReasoningSpan(end_id, start_id if reasoning.opening is Opening.OPTIONAL else None)
-    return dataclasses.replace(constraint, reasoning=span)
 
 
 async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prepared: PreparedChat,
