@@ -17,6 +17,11 @@ Structured outputs: `SamplingParams(structured_outputs={"json": schema})` (or re
 grammar, json_object). Tools: `llm.chat(messages, params, tools=[...], tool_choice="required")`
 renders them with the model's template and, for "required" or a named function, constrains the
 reply to calls; `llm.parse_tool_calls(output)` reads the calls back (docs/STRUCTURED_OUTPUTS.md).
+
+Reasoning models: each sample `llm.chat` returns is a ChatCompletionOutput, its thinking in
+`reasoning_content` and its answer in `content` (core/reasoning; the parser is detected from the
+chat template, or `reasoning_parser="qwen3" | "deepseek_r1" | "none"`); `chat_template_kwargs`
+reach the template (`{"enable_thinking": False}`), and a constraint starts after the reasoning.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from deepinfer.core.chat_output import ChatCompletionOutput
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.errors import InvalidRequestError
+from deepinfer.core.reasoning import ReasoningSplit, make_reasoning_parser
 from deepinfer.core.structured.tool_parsers import ToolCall, ToolParser, make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan, render_chat
 
@@ -85,31 +92,57 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         tool_call_parser: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `tools`, `tool_choice`, `parallel_tool_calls`: as in OpenAI's API; `tool_call_parser`: the
-        call format (hermes, llama3_json, mistral; default: detected from the template)."""
+        call format (a TOOL_PARSERS name; default: detected from the template);
+        `chat_template_kwargs`: more template variables; `reasoning_parser`: see the module docstring."""
+        tokenizer = self.engine.tokenizer
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for c in conversations for m in c)
-        if tools is None and tool_choice is None and not has_tool_turns:
-            prompts = [self.engine.tokenizer.encode_chat(conversation) for conversation in conversations]
-            return self.generate(prompts, sampling_params)
-        parser = self._tool_parser(tool_call_parser)
+        plan = parser = None
+        if tools is not None or tool_choice is not None or has_tool_turns:
+            parser = self._tool_parser(tool_call_parser)
+            try:
+                plan = ToolPlan.make(tools, tool_choice, parallel_tool_calls, parser)
+            except (TypeError, ValueError) as err:
+                raise InvalidRequestError(str(err)) from None
         try:
-            plan = ToolPlan.make(tools, tool_choice, parallel_tool_calls, parser)
-        except (TypeError, ValueError) as err:
+            thinking = make_reasoning_parser(reasoning_parser, tokenizer)
+        except ValueError as err:
             raise InvalidRequestError(str(err)) from None
-        prompts = [self.engine.tokenizer.encode(render_chat(self.engine.tokenizer, conversation, True, parser, plan),
-                                                add_special_tokens=False) for conversation in conversations]
-        params_list = _normalize_params(sampling_params, len(prompts))
-        if plan.constraint is not None:
+        texts = [tokenizer.apply_chat_template(conversation, template_variables=chat_template_kwargs)
+                 if parser is None else render_chat(tokenizer, conversation, True, parser, plan, chat_template_kwargs)
+                 for conversation in conversations]
+        splits = [ReasoningSplit(thinking, thinking.opening(text)) if thinking is not None else None
+                  for text in texts]
+        params_list = _normalize_params(sampling_params, len(texts))
+        if plan is not None and plan.constraint is not None:
             if any(p.structured_outputs is not None for p in params_list):
                 raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with "
                                           "structured_outputs")
             params_list = [replace(p, structured_outputs=plan.constraint) for p in params_list]
-        if plan.parses_calls and parser.needs_special_tokens:
+        if plan is not None and plan.parses_calls and parser.needs_special_tokens:
             params_list = [replace(p, skip_special_tokens=False) for p in params_list]
-        return self.generate(prompts, params_list)
+        params_list = [self._after_reasoning(p, split) for p, split in zip(params_list, splits)]
+        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, params_list)
+        for output, split in zip(outputs, splits):
+            output.outputs = [ChatCompletionOutput.of(c, split) for c in output.outputs]
+        return outputs
+
+    def _after_reasoning(self, params: SamplingParams, split: ReasoningSplit | None) -> SamplingParams:
+        """`params` with its constraint starting after the reasoning (and the markers kept in the text)."""
+        if split is None:
+            return params
+        if split.parser.needs_special_tokens(self.engine.tokenizer):
+            params = replace(params, skip_special_tokens=False)
+        span = split.grammar_span(self.engine.tokenizer)
+        if params.structured_outputs is None or span is None:
+            return params
+        return replace(params, structured_outputs=replace(params.structured_outputs, reasoning=span))
 
     def _tool_parser(self, name: str | None = None) -> ToolParser:
         """The tool-call parser `name`, or the one the chat template's format calls for."""

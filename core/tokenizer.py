@@ -79,14 +79,17 @@ class Tokenizer:
         return self.hf_tokenizer.convert_ids_to_tokens(ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_variables: dict[str, Any] | None = None) -> str:
         """Render messages with the model's own template (sandboxed, bounded Jinja2) -> prompt text.
-        `tools`: OpenAI function tools, given to the template as transformers does (`tools=`).
+        `tools`: OpenAI function tools, given to the template as transformers does (`tools=`);
+        `template_variables`: more variables (`enable_thinking`), as transformers' extra kwargs.
         Raises ChatTemplateError (an InvalidRequestError) when the template fails or runs past a limit."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain completion prompt instead")
-        return self.chat_template.render(messages, add_generation_prompt, tools=tools,
-                                         **self.hf_tokenizer.special_tokens_map)
+        return self.chat_template.render(messages, add_generation_prompt,
+                                         **{**self.hf_tokenizer.special_tokens_map, **(template_variables or {}),
+                                            "tools": tools})
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
@@ -115,7 +118,8 @@ class ByteTokenizer:
         return [chr(i) if 0 <= i < 256 else f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_variables: dict[str, Any] | None = None) -> str:
         raise InvalidRequestError("the byte tokenizer of a dummy model has no chat template")
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -24,6 +24,9 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per answer.")] = 512,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible answers).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show engine logs.")] = False,
+    reasoning_parser: Annotated[str | None, typer.Option(
+        "--reasoning-parser", help="qwen3 | deepseek_r1 | none: how the model writes its thinking, shown dimmed and "
+                                   "apart from the answer (default: detected from its chat template).")] = None,
     *,
     engine: dict,
 ) -> None:
@@ -44,10 +47,14 @@ def chat(
             fail("stdin is not a terminal and holds no message: pass --prompt TEXT, or run chat in a terminal")
     model_label = engine.get("model") or "SmolLM2-135M-Instruct (default)"
     config = engine_config(engine)
+    from deepinfer.core.reasoning import NO_PARSER, REASONING_PARSERS
+
+    if reasoning_parser not in (None, NO_PARSER, *REASONING_PARSERS):
+        fail(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} or none, got {reasoning_parser!r}")
     if prompt is not None:
-        _one_answer(config, params, prompt, system)
+        _one_answer(config, params, prompt, system, reasoning_parser)
     else:
-        _interactive(config, params, system, model_label)
+        _interactive(config, params, system, model_label, reasoning_parser)
 
 
 def _load(config, quiet: bool):
@@ -74,20 +81,31 @@ def _load(config, quiet: bool):
     return chat
 
 
-def _one_answer(config, params, prompt: str, system: str | None) -> None:
+def _one_answer(config, params, prompt: str, system: str | None, reasoning_parser: str | None) -> None:
+    """Only the answer is printed: a reasoning model's thinking is left out."""
     from deepinfer.cli.conversation import Conversation
+    from deepinfer.core.reasoning import ReasoningSplit, make_reasoning_parser
 
     chat = _load(config, quiet=True)
     params = params.with_defaults(chat.engine.sampling_defaults)
     try:
-        prompt_ids = chat.engine.tokenizer.encode_chat(Conversation(system).messages(prompt))
+        tokenizer = chat.engine.tokenizer
+        text = tokenizer.apply_chat_template(Conversation(system).messages(prompt))
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        parser = make_reasoning_parser(reasoning_parser, tokenizer)
+        split = ReasoningSplit(parser, parser.opening(text)).stream() if parser is not None else None
         out = sys.stdout.buffer
 
         def write(piece: str) -> None:
             out.write(piece.encode("utf-8"))
             out.flush()
 
-        answer = chat.stream_answer(prompt_ids, params, write)
+        def write_answer(piece: str) -> None:
+            write(split.feed(piece, final=False)[1])
+
+        answer = chat.stream_answer(prompt_ids, params, write_answer if split is not None else write)
+        if split is not None:
+            write(split.feed("", final=True)[1])
         write("\n")
         if answer.interrupted:
             raise SystemExit(130)
@@ -95,15 +113,17 @@ def _one_answer(config, params, prompt: str, system: str | None) -> None:
         chat.shutdown()
 
 
-def _interactive(config, params, system: str | None, model_label: str) -> None:
+def _interactive(config, params, system: str | None, model_label: str, reasoning_parser: str | None) -> None:
     from deepinfer.cli.conversation import Conversation
     from deepinfer.cli.repl import ChatRepl
+    from deepinfer.core.reasoning import make_reasoning_parser
     from deepinfer.core.weights.default_model import cache_root
 
     chat = _load(config, quiet=False)
     defaults = chat.engine.sampling_defaults
     try:
         ChatRepl(chat, params.with_defaults(defaults), Conversation(system), model_label,
-                 cache_root() / "chat_history", defaults).run()
+                 cache_root() / "chat_history", defaults,
+                 make_reasoning_parser(reasoning_parser, chat.engine.tokenizer)).run()
     finally:
         chat.shutdown()

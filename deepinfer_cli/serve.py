@@ -28,8 +28,11 @@ MaxBodyOpt = Annotated[str, typer.Option(
 MaxPromptOpt = Annotated[int | None, typer.Option(
     "--max-prompt-tokens", help="Longest prompt accepted, in tokens (default: the context length).")]
 ToolParserOpt = Annotated[str | None, typer.Option(
-    "--tool-call-parser", help="hermes | llama3_json | mistral: how the model writes tool calls "
-                               "(default: detected from its chat template).")]
+    "--tool-call-parser", help="hermes | llama3_json | mistral | qwen3_coder | pythonic: how the model writes tool "
+                               "calls (default: detected from its chat template).")]
+ReasoningParserOpt = Annotated[str | None, typer.Option(
+    "--reasoning-parser", help="qwen3 | deepseek_r1 | none: how the model writes its reasoning, returned as "
+                               "reasoning_content (default: detected from its chat template).")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug | info | warning | error.")]
 AllowedOriginsOpt = Annotated[str | None, typer.Option(
     "--allowed-origins", help="Comma-separated origins browsers may call from (CORS), or '*'; off by default.")]
@@ -59,6 +62,7 @@ def serve(
     max_body_bytes: MaxBodyOpt = "2MiB",
     max_prompt_tokens: MaxPromptOpt = None,
     tool_call_parser: ToolParserOpt = None,
+    reasoning_parser: ReasoningParserOpt = None,
     allowed_origins: AllowedOriginsOpt = None,
     shutdown_timeout: ShutdownTimeoutOpt = 30.0,
     engine_process: EngineProcessOpt = False,
@@ -89,7 +93,8 @@ def serve(
                                      allowed_origins=origins, shutdown_timeout_s=shutdown_timeout,
                                      request_timeout_s=request_timeout,
                                      stream_write_timeout_s=stream_write_timeout, max_connections=max_connections,
-                                     tool_call_parser=tool_call_parser, engine_process=engine_process)
+                                     tool_call_parser=tool_call_parser, engine_process=engine_process,
+                                     reasoning_parser=reasoning_parser)
     except ValueError as err:
         fail(str(err))
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):

@@ -25,7 +25,7 @@ from deepinfer.core.structured.tool_parsers import (
     detect_tool_parser,
     make_tool_parser,
 )
-from deepinfer.core.structured.tools import ToolPlan, render_chat, template_messages
+from deepinfer.core.structured.tools import ToolPlan, parse_tools, render_chat, template_messages
 from deepinfer.core.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -48,17 +48,26 @@ REPLIES = {
                     '{"name": "get_time", "parameters": {"zone": "Europe/Paris"}}'),
     "mistral": ('I will check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                 '"celsius"}}, {"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]'),
+    # as Qwen3-Coder writes them (the format its template describes)
+    "qwen3_coder": ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_time>\n<parameter=zone>\nEurope/Paris\n</parameter>\n</function>\n</tool_call>"),
+    # as Llama 3.2 and 4 write them
+    "pythonic": '[get_weather(city="Paris", unit=\'celsius\'), get_time(zone="Europe/Paris")]',
 }
+CONTENTS = {"hermes": "I will check.\n", "llama3_json": None, "mistral": "I will check.",
+            "qwen3_coder": "I will check.\n", "pythonic": None}
+PARSED_TOOLS = parse_tools([WEATHER, TIME])
 EXPECTED_CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Europe/Paris"})]
 
 
 @pytest.mark.parametrize("name", sorted(REPLIES))
 def test_extract_reads_the_familys_reply(name):
-    content, calls = TOOL_PARSERS[name]().extract(REPLIES[name])
+    content, calls = TOOL_PARSERS[name]().extract(REPLIES[name], tools=PARSED_TOOLS)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED_CALLS
-    assert content == (None if name == "llama3_json" else "I will check.\n" if name == "hermes" else "I will check.")
+    assert content == CONTENTS[name]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
-    _, first_only = TOOL_PARSERS[name]().extract(REPLIES[name], parallel=False)
+    _, first_only = TOOL_PARSERS[name]().extract(REPLIES[name], parallel=False, tools=PARSED_TOOLS)
     assert [c.name for c in first_only] == ["get_weather"]
 
 
@@ -83,7 +92,7 @@ def test_streamed_deltas_add_up_to_the_plain_answer(name, data):
     reply = REPLIES[name] if whole else "Just " + REPLIES[name][:50]  # cut off inside the first call
     cuts = sorted(data.draw(st.sets(st.integers(1, len(reply) - 1), max_size=12)))
     pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
-    stream = ToolCallStream(parser)
+    stream = ToolCallStream(parser, tools=PARSED_TOOLS)
     content, names, arguments, ids = "", {}, {}, {}
     for i, piece in enumerate(pieces):
         content_delta, deltas = stream.feed(piece, final=i == len(pieces) - 1)
@@ -94,7 +103,7 @@ def test_streamed_deltas_add_up_to_the_plain_answer(name, data):
                 assert index not in ids and delta["function"]["arguments"] == ""
                 ids[index], names[index] = delta["id"], delta["function"]["name"]
             arguments[index] = arguments.get(index, "") + delta["function"]["arguments"]
-    want_content, want_calls = parser.extract(reply)
+    want_content, want_calls = parser.extract(reply, tools=PARSED_TOOLS)
     if not whole:  # a call cut off: the stream may have sent its start; the plain answer keeps it as text
         assert want_calls == [] and want_content.startswith(content)
         return
@@ -135,7 +144,7 @@ def test_call_grammars_only_let_valid_calls_through(smol_compiler, name, tool_ch
         else:
             continue
         finished += 1
-        content, calls = parser.extract(tokenizer.decode(output))
+        content, calls = parser.extract(tokenizer.decode(output), tools=plan.tools)
         assert content is None and calls, tokenizer.decode(output)
         if isinstance(tool_choice, dict):
             assert [c.name for c in calls] == ["get_time"]

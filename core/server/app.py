@@ -173,6 +173,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
                 state.status = "ready"
             logger.info("model %s ready; sampling defaults of requests that leave them unset: %s",
                         serving.model_name, engine.sampling_defaults.describe())
+            logger.info("tool call parser: %s; reasoning parser: %s", serving.tool_parser.name,
+                        serving.reasoning_parser.name if serving.reasoning_parser is not None else "none")
         except Exception as err:  # noqa: BLE001 -- reported by /health and the CLI; HTTP keeps answering
             state.status, state.error = "failed", str(err) or type(err).__name__
             logger.error("model failed to load: %s", state.error)

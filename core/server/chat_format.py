@@ -3,7 +3,7 @@
 Only text is accepted: a content given as parts is joined from its "text" parts; images and
 audio are a 400. The "developer" role (OpenAI's newer name for system) is passed to templates
 as "system", which every template knows. Assistant turns may carry `tool_calls` (then their
-content may be null) and `tool` turns answer one of them; core/structured/tools.py renders them
+content may be null) and `reasoning_content`, and `tool` turns answer one of them; core/structured/tools.py renders them
 and the request's tools.
 """
 
@@ -55,6 +55,8 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = [{"id": call.id, "type": "function",
                                     "function": {"name": call.function.name, "arguments": call.function.arguments}}
                                    for call in message.tool_calls]
+        if role == "assistant" and message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         if role == "tool" and message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         plain.append(entry)
@@ -62,16 +64,19 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                       parser: ToolParser | None = None, plan: ToolPlan | None = None) -> str:
+                       parser: ToolParser | None = None, plan: ToolPlan | None = None,
+                       template_variables: dict[str, Any] | None = None) -> str:
     """The prompt text the model sees, with the request's tools (`plan`) where it has any. The
     tokenizer raises InvalidRequestError when the model has no template, the template refuses the
     conversation (roles that do not alternate: templates call raise_exception) or it runs past its
-    time or size budget; each is answered with a 400. Runs on a preprocessing thread: a slow template
+    time or size budget; each is answered with a 400. `template_variables`: the request's
+    chat_template_kwargs (and reasoning_effort), which the template reads beside the messages. Runs on a preprocessing thread: a slow template
     holds that thread, never the event loop."""
     plain = to_template_messages(messages)
     try:
         if parser is None:
-            return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-        return render_chat(tokenizer, plain, add_generation_prompt, parser, plan)
+            return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                 template_variables=template_variables)
+        return render_chat(tokenizer, plain, add_generation_prompt, parser, plan, template_variables)
     except (DeepInferError, ValueError) as err:
         raise InvalidParameter(str(err), param="messages") from None

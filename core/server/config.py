@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from deepinfer.core.reasoning import NO_PARSER, REASONING_PARSERS
+from deepinfer.core.structured.tool_parsers import TOOL_PARSERS
+
 DEFAULT_MAX_BODY_BYTES = 2 * 1024**2  # a 2 MiB JSON body holds a prompt far beyond any context length
 
 
@@ -16,7 +19,8 @@ class ServerConfig:
     served_model_name: str | None = None  # the name clients pass as "model"; None = the engine's model name
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_tokens: int | None = None  # None = the context length
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = detected from the chat template
+    tool_call_parser: str | None = None  # a TOOL_PARSERS name; None = detected from the chat template
+    reasoning_parser: str | None = None  # a REASONING_PARSERS name or "none"; None = detected from the chat template
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers at all
     # Slow and idle clients: a request's line, headers and body must all arrive within request_timeout_s
     # of the connection opening (or of the previous response on a kept-alive connection).
@@ -43,8 +47,10 @@ class ServerConfig:
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
-            (self.tool_call_parser in (None, "hermes", "llama3_json", "mistral"),
-             f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}"),
+            (self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS,
+             f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"),
+            (self.reasoning_parser in (None, NO_PARSER, *REASONING_PARSERS),
+             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or none, got {self.reasoning_parser!r}"),
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
             (self.stream_write_timeout_s > 0,
              f"stream_write_timeout_s must be > 0, got {self.stream_write_timeout_s}"),

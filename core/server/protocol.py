@@ -31,6 +31,9 @@ MAX_N = 128  # samples per request; each holds its own KV blocks after the share
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each is checked against the new text after every token, on the engine thread
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# Template variables a request sets through its own fields, never through chat_template_kwargs.
+RESERVED_TEMPLATE_VARIABLES = frozenset(("messages", "tools", "documents", "add_generation_prompt"))
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds become torch generator seeds (int64)
 
 
@@ -79,6 +82,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn's answer to this call
+    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that show it again
 
 
 # vLLM's structured_outputs options that change nothing here (one grammar engine, its own defaults).
@@ -235,6 +239,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_special_tokens: bool = False  # the template writes BOS and the other special tokens as text
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
+    reasoning_effort: str | None = None  # given to templates that read it
 
     def check(self) -> None:
         """Reject what pydantic's field checks cannot see (400s, before the engine sees anything)."""
@@ -243,6 +249,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidParameter("messages must contain at least one message", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs requires logprobs to be true", param="top_logprobs")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise InvalidParameter(f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own "
+                                   f"fields do)", param="chat_template_kwargs")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise InvalidParameter(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                   f"{self.reasoning_effort!r}", param="reasoning_effort")
+
+    def template_variables(self, template_source: str | None) -> dict[str, Any]:
+        """chat_template_kwargs and reasoning_effort, as the chat template receives them. A
+        reasoning_effort the template never reads would be dropped silently: a 400 instead."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            if "reasoning_effort" not in (template_source or ""):
+                raise InvalidParameter("reasoning_effort: this model's chat template does not use a reasoning "
+                                       "effort", param="reasoning_effort")
+            variables["reasoning_effort"] = self.reasoning_effort
+        return variables
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -25,6 +25,7 @@ from starlette.responses import StreamingResponse
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.errors import DeepInferError, InvalidRequestError
+from deepinfer.core.reasoning import make_reasoning_parser
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.errors import APIError, InvalidParameter, engine_error_to_api, error_body
 from deepinfer.core.server.logprobs import TokenStrings
@@ -100,6 +101,7 @@ class ServingEngine:
         self.vocab_size = engine.spec.vocab_size
         self.token_text = TokenStrings(engine.tokenizer)
         self.tool_parser = make_tool_parser(server_config.tool_call_parser, engine.tokenizer)
+        self.reasoning_parser = make_reasoning_parser(server_config.reasoning_parser, engine.tokenizer)
         self.created = int(time.time())
         self._live: set = set()  # RequestStreams submitted and not yet followed to their end
 

@@ -5,6 +5,11 @@ parsed `tool_calls` (and the content outside them), a stream sends OpenAI's tool
 and name first, then argument fragments); a reply with calls finishes with "tool_calls".
 A finished choice carries vLLM's `stop_reason`: the stop string or stop token id that ended it
 (null for the end-of-sequence token and for "length").
+
+With a reasoning parser (core/reasoning), the reply's reasoning is `reasoning_content` beside
+`content` (DeepSeek's and vLLM's shape: a message field, and a delta field while it streams), tool
+calls are parsed from the content only, and a structured-output or tool_choice constraint starts
+where the reasoning ends (core/structured/reasoning_gate.py). `max_tokens` counts both parts.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutput
+from deepinfer.core.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.logprobs import chat_logprobs
@@ -43,6 +49,7 @@ class PreparedChat(NamedTuple):
     plan: ToolPlan | None  # the request's tools and tool_choice
     constraint: StructuredOutputsParams | None  # compiled on the event loop's grammar workers before submitting
     constraint_param: str | None  # the request field a constraint error names
+    reasoning: ReasoningSplit | None  # how the reply splits into reasoning and content (None: no parser)
 
 
 def prepare_chat(serving: ServingEngine, body: bytes) -> tuple[ChatCompletionRequest, PreparedChat]:
@@ -56,8 +63,12 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
     request.check()
     serving.check_model(request.model)
     plan = serving.tool_plan(request)
-    prompt = render_chat_prompt(serving.engine.tokenizer, request.messages, request.add_generation_prompt,
-                                serving.tool_parser, plan)
+    tokenizer = serving.engine.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    variables = request.template_variables(template.source if template is not None else None)
+    prompt = render_chat_prompt(tokenizer, request.messages, request.add_generation_prompt, serving.tool_parser,
+                                plan, variables)
+    reasoning = reasoning_split(serving.reasoning_parser, prompt)
     prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=request.add_special_tokens)
     constraint, param = request.structured_outputs_params(), request.structured_outputs_param()
     if plan is not None and plan.constraint is not None:
@@ -65,18 +76,29 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
                                    "structured output constraint", param="tool_choice")
         constraint, param = plan.constraint, "tools"
+    span = reasoning.grammar_span(tokenizer) if reasoning is not None else None
+    if constraint is not None and span is not None:  # the constraint starts where the reasoning ends
+        constraint = dataclasses.replace(constraint, reasoning=span)
     # fields the request leaves unset: the model's defaults, under serve's sampling flags
     params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint).with_defaults(
         serving.engine.sampling_defaults)
     if plan is not None and plan.parses_calls and serving.tool_parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return request, PreparedChat(PreparedPrompt(prompt_ids, params), plan, constraint, param)
+    if reasoning is not None and reasoning.parser.needs_special_tokens(tokenizer):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return request, PreparedChat(PreparedPrompt(prompt_ids, params), plan, constraint, param, reasoning)
+
+
+def reasoning_split(parser: ReasoningParser | None, prompt: str) -> ReasoningSplit | None:
+    """How the reply to `prompt` splits (None without a parser)."""
+    return ReasoningSplit(parser, parser.opening(prompt)) if parser is not None else None
 
 
 async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prepared: PreparedChat,
                                  raw_request: Request):
     await serving.compile_constraint(prepared.constraint, prepared.constraint_param)
-    plan, parser = prepared.plan, serving.tool_parser
+    plan, parser, reasoning = prepared.plan, serving.tool_parser, prepared.reasoning
+    with_reasoning = serving.reasoning_parser is not None  # the field is there whenever a parser is
     parses_calls = plan is not None and plan.parses_calls
     request_id = new_request_id("chatcmpl")
     streams = await serving.submit([prepared.prompt], request_id, request.tenant)
@@ -88,13 +110,16 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
 
     def message_of(completion: CompletionOutput) -> tuple[dict, str | None]:
         """The choice's message and finish_reason, with its tool calls parsed out."""
-        message = {"role": "assistant", "content": completion.text}
+        thinking, text = reasoning.split(completion.text) if reasoning is not None else (None, completion.text)
+        message = {"role": "assistant", "content": text}
+        if with_reasoning:
+            message["reasoning_content"] = thinking
         if not parses_calls:
             return message, completion.finish_reason
-        content, calls = parser.extract(completion.text, plan.parallel)
+        content, calls = parser.extract(text, plan.parallel, plan.tools)
         if not calls:
             return message, completion.finish_reason
-        message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
+        message.update(content=content, tool_calls=[call.as_openai() for call in calls])
         return message, "tool_calls" if completion.finish_reason == "stop" else completion.finish_reason
 
     if not request.stream:
@@ -118,23 +143,29 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
     usage_field = {"usage": None} if request.include_usage else {}
     sent_role: set[int] = set()
     call_streams: dict[int, ToolCallStream] = {}  # per choice index, when the reply's calls are parsed
+    reasoning_streams: dict[int, ReasoningStream] = {}  # per choice index, with a reasoning parser
 
     def chunk(choice: dict) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": serving.model_name, "system_fingerprint": None, "choices": [choice], **usage_field}
 
     def choice_delta(completion: CompletionOutput) -> dict | None:
-        content, tool_calls = completion.delta_text, []
+        content, tool_calls, thinking = completion.delta_text, [], ""
         finish_reason = completion.finish_reason
+        if reasoning is not None:
+            split = reasoning_streams.setdefault(completion.index, reasoning.stream())
+            thinking, content = split.feed(content, final=finish_reason is not None)
         if parses_calls:
-            calls = call_streams.setdefault(completion.index, ToolCallStream(parser, plan.parallel))
-            content, tool_calls = calls.feed(completion.delta_text, final=finish_reason is not None)
+            calls = call_streams.setdefault(completion.index, ToolCallStream(parser, plan.parallel, plan.tools))
+            content, tool_calls = calls.feed(content, final=finish_reason is not None)
             if calls.num_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-        has_news = content or tool_calls or completion.delta_logprobs or finish_reason
+        has_news = content or thinking or tool_calls or completion.delta_logprobs or finish_reason
         if completion.index in sent_role and not has_news:
             return None
-        delta = {"content": content if content or not tool_calls else None}
+        delta = {"content": content if content or not (tool_calls or thinking) else None}
+        if with_reasoning:
+            delta["reasoning_content"] = thinking or None
         if tool_calls:
             delta["tool_calls"] = tool_calls
         if completion.index not in sent_role:

@@ -33,10 +33,8 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "json_schema": Unsupported("a top-level json_schema (send response_format or structured_outputs)"),
     # chat templating beyond the model's own template
     "chat_template": Unsupported("a request-supplied chat template", (None,), frozenset((CHAT,))),
-    "chat_template_kwargs": Unsupported("chat template arguments", (None, {}), frozenset((CHAT,))),
     "continue_final_message": Unsupported("continuing the final message", (None, False), frozenset((CHAT,))),
     "documents": Unsupported("documents for the chat template", (None, []), frozenset((CHAT,))),
-    "reasoning_effort": Unsupported("reasoning effort", (None,), frozenset((CHAT,))),
     "echo": Unsupported("echoing the last message", (None, False), frozenset((CHAT,))),
     # multimodal input and output
     "modalities": Unsupported("output modalities other than text", (None, ["text"]), frozenset((CHAT,))),

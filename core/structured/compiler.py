@@ -17,6 +17,9 @@ Bounds, so hostile input costs little:
 - wall time: `compile_with_timeout` (the server) compiles on a small worker pool and gives up
   after a deadline, cancelling a compile still queued.
 
+A constraint with a reasoning span (params.py) is wrapped so that it starts after the reasoning
+(reasoning_gate.py).
+
 Regex class escapes (\\d \\w \\s) in regex constraints and schema patterns are read as ECMA-262 reads
 them (regex_classes.py) before llguidance sees them.
 
@@ -35,6 +38,7 @@ from collections import OrderedDict
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.structured.matcher import RequestGrammar
 from deepinfer.core.structured.params import StructuredOutputsParams
+from deepinfer.core.structured.reasoning_gate import gated_grammar
 from deepinfer.core.structured.regex_classes import ecma_regex_classes, ecma_schema_patterns
 
 # JSON is written compactly with OpenAI's separators: no free whitespace, so a model cannot spend its
@@ -133,6 +137,8 @@ class GrammarCompiler:
         import llguidance
 
         text = grammar_text(params)
+        if params.reasoning is not None:
+            text = gated_grammar(text, params.reasoning, self._num_real_tokens())
         matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise GrammarError(f"invalid {params.kind} constraint: {_short(matcher.get_error())}")
@@ -146,6 +152,10 @@ class GrammarCompiler:
         if probe.is_error():
             raise GrammarError(f"invalid {params.kind} constraint: {_short(probe.get_error())}")
         return matcher
+
+    def _num_real_tokens(self) -> int:
+        """The ids the tokenizer has (the logits' padded ids past them are never allowed)."""
+        return min(self.vocab_size, getattr(self._tokenizer, "vocab_size", self.vocab_size))
 
     @property
     def num_cached(self) -> int:

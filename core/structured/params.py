@@ -8,6 +8,9 @@ Exactly one of:
 - `choice`: the output is exactly one of these strings;
 - `grammar`: a context-free grammar, in llama.cpp's GBNF or llguidance's Lark syntax.
 
+`reasoning`: the reasoning the reply may start with, which the constraint does not apply to
+(reasoning_gate.py); the server sets it for a reasoning model's chat requests.
+
 `strict` (JSON only): True refuses a schema that uses a keyword the grammar engine cannot enforce
 (the request gets a 400 that names it); False ignores such keywords, as a best effort (OpenAI's
 `strict: false`). Checked here: the kind and the size (so a huge constraint never reaches the
@@ -19,6 +22,8 @@ from __future__ import annotations
 import json as jsonlib
 from dataclasses import dataclass
 from typing import Any
+
+from deepinfer.core.structured.reasoning_gate import ReasoningSpan
 
 # Largest constraint text accepted (a JSON schema as compact JSON, a regex, a grammar, the choices).
 MAX_CONSTRAINT_CHARS = 128 * 1024  # room for an agent's many tools (each parameters schema is in the grammar)
@@ -35,6 +40,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     strict: bool = True
+    reasoning: ReasoningSpan | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -62,6 +68,8 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if not isinstance(self.json_object, bool) or not isinstance(self.strict, bool):
             raise TypeError("json_object and strict must be booleans")
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpan):
+            raise TypeError("reasoning must be a ReasoningSpan")
         _check_size(self.kind, len(self.text))
 
     @property
@@ -84,9 +92,9 @@ class StructuredOutputsParams:
         return self.regex if self.regex is not None else self.grammar
 
     @property
-    def cache_key(self) -> tuple[str, str, bool]:
+    def cache_key(self) -> tuple[str, str, bool, ReasoningSpan | None]:
         """Equal keys compile to the same grammar."""
-        return self.kind, self.text, self.strict
+        return self.kind, self.text, self.strict, self.reasoning
 
     @classmethod
     def coerce(cls, value: Any) -> StructuredOutputsParams:

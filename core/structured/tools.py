@@ -166,9 +166,10 @@ def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, parser: ToolParser,
-                plan: ToolPlan | None = None) -> str:
+                plan: ToolPlan | None = None, template_variables: dict[str, Any] | None = None) -> str:
     """The prompt text of a conversation with tools. Raises InvalidRequestError (template) or ValueError."""
     supports_tools = template_supports_tools(tokenizer)
     prepared = template_messages(messages, parser, plan, supports_tools)
     tools = [tool.as_openai() for tool in plan.tools] if plan is not None and plan.tools and supports_tools else None
-    return tokenizer.apply_chat_template(prepared, add_generation_prompt=add_generation_prompt, tools=tools)
+    return tokenizer.apply_chat_template(prepared, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         template_variables=template_variables)

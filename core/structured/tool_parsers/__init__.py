@@ -14,9 +14,12 @@ from deepinfer.core.structured.tool_parsers.base import (
 from deepinfer.core.structured.tool_parsers.hermes import HermesToolParser
 from deepinfer.core.structured.tool_parsers.llama3_json import Llama3JsonToolParser
 from deepinfer.core.structured.tool_parsers.mistral import MistralToolParser
+from deepinfer.core.structured.tool_parsers.pythonic import PythonicToolParser
+from deepinfer.core.structured.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                        Qwen3CoderToolParser, PythonicToolParser)
 }
 
 
@@ -26,6 +29,10 @@ def detect_tool_parser(chat_template: str | None) -> str:
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
+    if "[func_name1(" in template:
+        return "pythonic"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or ("ipython" in template and "<|start_header_id|>" in template):

@@ -111,7 +111,8 @@ class ToolParser:
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, tools: list[FunctionTool] | None = None) -> Scan:
+        """`tools`: the request's, for formats whose argument values are typed by the schema."""
         raise NotImplementedError
 
     def call_grammar(self, tools: list[FunctionTool], parallel: bool) -> str:
@@ -130,10 +131,11 @@ class ToolParser:
                 f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
                 f"</tools>\n\nTo call a function, reply with exactly this, one per call:\n{example}")
 
-    def extract(self, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    def extract(self, text: str, parallel: bool = True,
+                tools: list[FunctionTool] | None = None) -> tuple[str | None, list[ToolCall]]:
         """The finished reply -> (content or None, valid calls). A call that is cut off or whose
         arguments are not a JSON object stays in the content, as the model wrote it."""
-        scan = self.scan(text, final=True)
+        scan = self.scan(text, final=True, tools=tools)
         calls, content = [], scan.content
         for draft in scan.calls:
             if is_valid_call(draft) and (parallel or not calls):
@@ -171,9 +173,10 @@ class ToolParser:
 class ToolCallStream:
     """One choice's tool-call deltas while it streams (OpenAI's chat.completion.chunk format)."""
 
-    def __init__(self, parser: ToolParser, parallel: bool = True) -> None:
+    def __init__(self, parser: ToolParser, parallel: bool = True, tools: list[FunctionTool] | None = None) -> None:
         self.parser = parser
         self.parallel = parallel
+        self.tools = tools
         self._sent_content = 0
         self._ids: list[str] = []  # one per call announced
         self._sent_arguments: list[int] = []
@@ -186,7 +189,7 @@ class ToolCallStream:
     def feed(self, delta_text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """The choice's new text -> (content delta, tool_calls delta entries)."""
         self._text += delta_text
-        scan = self.parser.scan(self._text, final)
+        scan = self.parser.scan(self._text, final, self.tools)
         content = scan.content
         drafts = scan.calls if self.parallel else scan.calls[:1]
         if final:  # what `extract` gives back as content: calls that did not come out whole

@@ -22,7 +22,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, tools: list[FunctionTool] | None = None) -> Scan:
         content: list[str] = []
         calls: list[CallDraft] = []
         pos = 0

@@ -25,7 +25,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     call_separator = "; "
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, tools: list[FunctionTool] | None = None) -> Scan:
         body = text.removeprefix(PYTHON_TAG)
         offset = len(text) - len(body)
         if not _CALL_START.match(body):

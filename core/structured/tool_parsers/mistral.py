@@ -25,7 +25,7 @@ class MistralToolParser(ToolParser):
     needs_special_tokens = True
     call_separator = ", "
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, tools: list[FunctionTool] | None = None) -> Scan:
         start = text.find(MARKER)
         if start < 0:
             held = 0 if final else held_prefix_len(text, MARKER)
