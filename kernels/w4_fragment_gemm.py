@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.kernels.compiler import get_kernel
-from deepinfer.kernels.launch import i32, launch, ptr
-from deepinfer.kernels.quant_matmul import _COUNTER_SLOTS, _num_sms, _split_counters, _split_workspace
+from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
+from deepinfer.kernels.quant_matmul import _num_sms, split_k_buffers
 from deepinfer.kernels.w4_gemm import _allow_shared_memory
 
 SOURCE = "w4_fragment_gemm.cu"
@@ -265,27 +265,15 @@ def w4_fragment_gemm(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor
     out_features = weight.out_features
     if in_features != weight.in_features:
         raise ValueError(f"x has {in_features} features, the weight {weight.in_features}")
-    if x.data_ptr() % 16 or not x.is_contiguous():
-        x = x.contiguous().clone()
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
-    if out is None:
-        out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    x, bias, out = product_operands(x, bias, out_features, out)
     if num_tokens == 0:
         return out
     index = x.device.index
-    planned, planned_splits = plan(num_tokens, out_features, in_features, index)
-    config = config or planned
-    splits = splits or planned_splits
+    config, splits = planned_launch(plan(num_tokens, out_features, in_features, index), config, splits)
     gs = config.group_steps(weight.group_size, in_features)
     tiles = -(-out_features // 16)
     grid = (-(-tiles // (config.rt * config.wn)), -(-num_tokens // config.tokens), splits)
-    partials = counters = None
-    if splits > 1:
-        if grid[0] * grid[1] > _COUNTER_SLOTS:
-            raise ValueError(f"{grid[0] * grid[1]} output tiles exceed the split-K counter slots")
-        partials = _split_workspace(x.device, splits * grid[0] * grid[1] * config.rows * config.tokens)
-        counters = _split_counters(x.device)
+    partials, counters = split_k_buffers(x.device, splits, grid[0] * grid[1], config.rows * config.tokens)
     fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, index)
     args = (ptr(x), ptr(weight.frag), ptr(weight.sz), ptr(bias), ptr(out), ptr(partials), ptr(counters),
             i32(num_tokens), i32(out_features), i32(in_features),

@@ -400,8 +400,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kw, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     monkeypatch.setattr(kw, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kw, "_max_shared_bytes", lambda index: 232448)
-    monkeypatch.setattr(kw, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
-    monkeypatch.setattr(kw, "_split_workspace", lambda device, numel: torch.zeros(1))
+    monkeypatch.setattr(kw, "split_k_buffers", lambda device, splits, tiles, tile_outputs:
+                        (torch.zeros(1), torch.zeros(8, dtype=torch.int32)) if splits > 1 else (None, None))
     sz, zmode = kw.gemm_scales(packed.scales, packed.zeros, "zero", half)
     for wgmma in (False, True):
         monkeypatch.setattr(kw, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
@@ -412,8 +412,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kf, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
                         launches.append((kernel, args)))
     monkeypatch.setattr(kf, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kf, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
-    monkeypatch.setattr(kf, "_split_workspace", lambda device, numel: torch.zeros(1))
+    monkeypatch.setattr(kf, "split_k_buffers", lambda device, splits, tiles, tile_outputs:
+                        (torch.zeros(1), torch.zeros(8, dtype=torch.int32)) if splits > 1 else (None, None))
     monkeypatch.setattr(kf, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     fragment_weight = kf.fragment_layout(packed.qweight, packed.scales, packed.zeros, 128, 256, 512, half)
     kf.w4_fragment_gemm(torch.randn(5, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))

@@ -12,6 +12,14 @@ from deepinfer.core.quant.packing import dequantize
 from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compare, guarded, poisoned
 from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight
 
+
+def reference_product(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [M, K] times the reference dequantizer's fp32 weight, plus the bias: the fp32 product every kernel of a
+    packed weight is held to."""
+    ref = x.float() @ dequantize(packed, torch.float32).T
+    return ref if packed.bias is None else ref + packed.bias.float()
+
+
 # (tokens, out_features, in_features, group size, kernel, tile, splits, fp32 scales, bias)
 QUANT_CASES = (
     (1, 4096, 4096, 128, "gemv", 1, None, False, False),
@@ -98,9 +106,7 @@ def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str =
                 out = poisoned((m, n), dtype, device)
                 quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, g, zero_mode, packed.bias,
                              kernel=kernel, tile=tile, out=out, integer_zeros=packed.integer_zeros)
-                ref = x.float() @ dequantize(packed, torch.float32).T
-                if packed.bias is not None:
-                    ref = ref + packed.bias.float()
+                ref = reference_product(x, packed)
                 return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
 
             results += guarded("quant_matmul", case, run)
@@ -127,9 +133,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
                     out = poisoned((m, n), dtype, device)
                     quant_matmul(x, packed.qweight, packed.scales, packed.zeros, bits, g, zero_mode, packed.bias,
                                  kernel=kernel, tile=tile, splits=splits, out=out)
-                    ref = x.float() @ dequantize(packed, torch.float32).T
-                    if packed.bias is not None:
-                        ref = ref + packed.bias.float()
+                    ref = reference_product(x, packed)
                     return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
 
                 results += guarded("quant_matmul", case, run)
@@ -141,7 +145,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
 
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
             x = torch.randn(5, 1024, device=device, dtype=dtype)
-            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            ref = reference_product(x, packed)
             return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("quant_matmul", case, run_dispatch)
@@ -187,9 +191,7 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = poisoned((m, n), dtype, device)
                 fragment.w4_fragment_gemm(x, weight, packed.bias, splits=splits, out=out)
-                ref = x.float() @ dequantize(packed, torch.float32).T
-                if packed.bias is not None:
-                    ref = ref + packed.bias.float()
+                ref = reference_product(x, packed)
                 return compare("w4_fragment_gemm", case, out, ref, REL_TOL[dtype])
 
             results += guarded("w4_fragment_gemm", case, run)
@@ -233,7 +235,7 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
             assert product_row(ProductShape(100, 1024, 640, 4, 128)).kernel == "dense"
             x = torch.randn(100, 1024, device=device, dtype=dtype)
-            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            ref = reference_product(x, packed)
             return compare("dequantize", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("dequantize", case, run_dense)
