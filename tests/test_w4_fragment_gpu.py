@@ -87,3 +87,13 @@ def test_act_order_activations_and_more_tokens_than_a_cta():
     kernels = _kernels()
     for num_tokens in (33, 64, 128):
         _check(kernels, num_tokens, 2560, 2048, 128, torch.bfloat16, act_order=True, seed=num_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 2048])
+def test_the_64_token_tile_at_every_group_size(dtype, group_size):
+    """The large tile scales the unpacked weights in the activation dtype ((q - z) s rounded once; in bf16 the fp16
+    scale is rounded to bf16 first), so its weights are the dequantizer's rounded to `dtype`: within the same bound."""
+    kernels = _kernels()
+    for num_tokens in (33, 64, 200, 256):
+        _check(kernels, num_tokens, 1000, 2048, group_size, dtype, bias=num_tokens % 2 == 1, seed=num_tokens + group_size)

@@ -170,7 +170,9 @@ FRAGMENT_CASES = (
     (24, 22016, 2048, 128, None, False),
     (32, 2560, 4160, 4160, 5, True),  # one group a row, K = 16.25 stages
     (29, 40, 160, 32, None, False),   # a partial row tile, K not a multiple of an atom
-    (100, 3584, 3584, 256, 2, True),  # token tiles along grid.y
+    (100, 3584, 3584, 256, 2, True),  # the 64-token tile, two along grid.y
+    (48, 1000, 2048, 32, None, False),  # the 64-token tile at G = 32, a partial row tile
+    (256, 2560, 4160, 4160, None, True),  # the 64-token tile, one group a row, K = 32.5 of its stages
 )
 
 
