@@ -21,6 +21,9 @@
 // are added in shared memory in wk order at the end; a grid z > 1 splits the stages over CTAs, whose fp32 partials
 // the last CTA of a tile adds in split order. Weights and scales of the first stages are fetched before the PDL wait.
 //
+// ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight with its rows interleaved by 8 at load
+// (kernels/w4_fragment_gemm.py: interleave_gate_up), written as act(gate) * up [M, N / 2].
+//
 // WSCALE: where the group scale is applied. false: in fp32 to each group's sums (4 FFMA a token tile and group, and
 // a second set of accumulators), so the tensor cores see (q - z) exactly; true (the large token tiles): on the
 // unpacked pairs in DT, (q - z) s rounded once (4 HFMA2 a word, whatever the tokens), the weight the dense path's
@@ -209,13 +212,13 @@ struct FragCopies {
   }
 };
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WSCALE>
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WSCALE, int ACT>
 __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
     const u16* __restrict__ bias,    // [N] DT, or null
-    u16* __restrict__ out,           // [M, N] DT
+    u16* __restrict__ out,           // [M, N] DT; with ACT >= 0 [M, N / 2]
     float* __restrict__ partials,    // split-K sums: [tiles, splits, TOKENS * ROWS] fp32
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
@@ -434,7 +437,20 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
     const int idx = tid + i * L::THREADS;
     const int token = idx / L::ROWS, row = idx % L::ROWS;
     const int m = tok0 + token, n = tile0 * 16 + row;
-    if (idx < OUTS && m < M && n < N) {
+    if constexpr (ACT >= 0) {
+      // Gate/up rows interleaved at load: row 16 t + j is gate row 8 t + j, row 16 t + 8 + j its up row. Output
+      // (token, 16 t + j) lies 8 lanes below (token, 16 t + 8 + j) (OUTS is a multiple of THREADS, so every lane
+      // takes part), and act_and_mul_kernel's arithmetic on the two DT-rounded products gives the unfused bits.
+      const float value = v[i] + (bias != nullptr && n < N ? Num<DT>::to_float(bias[n]) : 0.0f);
+      const float up = __shfl_down_sync(0xffffffffu, value, 8);
+      const int inner = N >> 1, feature = (n >> 4) * 8 + (row & 7);
+      if (idx < OUTS && m < M && (row & 8) == 0 && feature < inner) {
+        const float gate_r = Num<DT>::to_float(Num<DT>::from_float(value));
+        const float up_r = Num<DT>::to_float(Num<DT>::from_float(up));
+        const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
+        out[(size_t)m * inner + feature] = Num<DT>::from_float(act * up_r);
+      }
+    } else if (idx < OUTS && m < M && n < N) {
       const float b = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
       out[(size_t)m * N + n] = Num<DT>::from_float(v[i] + b);
     }

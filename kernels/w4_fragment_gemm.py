@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.kernels.act_and_mul import ACTIVATIONS
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import _num_sms, split_k_buffers
@@ -84,9 +85,9 @@ class FragmentConfig:
     def label(self) -> str:
         return f"frag<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',ws' if self.wscale else ''}>"
 
-    def name(self, dt: int, gs: int) -> str:
+    def name(self, dt: int, gs: int, act: int = -1) -> str:
         return (f"w4_fragment_gemm_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages},{'true' if self.wscale else 'false'}>")
+                f"{self.stages},{'true' if self.wscale else 'false'},{act}>")
 
 
 class FragmentWeight(NamedTuple):
@@ -162,6 +163,25 @@ def fragment_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                     out_features: int, in_features: int, dtype: torch.dtype) -> FragmentWeight:
     return FragmentWeight(fragment_codes(qweight, out_features, in_features).contiguous(),
                           fragment_scales(scales, zeros, dtype), out_features, in_features, group_size)
+
+
+def gate_up_order(inner: int, device: torch.device | None = None) -> torch.Tensor:
+    """Row order of a merged [gate; up] weight of 2 x `inner` rows for the fused activation: row 16 t + j is gate row
+    8 t + j and row 16 t + 8 + j is up row 8 t + j (inner + 8 t + j), so one 16-row tile, and one thread's mma
+    fragment (rows g and g + 8), holds a gate row and its up row."""
+    if inner % 8:
+        raise ValueError(f"the fused activation interleaves 8-row blocks: {inner} inner features is not a multiple of 8")
+    blocks = torch.arange(inner, device=device).view(-1, 8)
+    return torch.stack([blocks, blocks + inner], dim=1).reshape(-1)
+
+
+def gate_up_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   in_features: int, dtype: torch.dtype) -> FragmentWeight:
+    """The fragment layout of a merged [gate; up] weight (qweight int32 [2I, K / 8], scales / zeros [2I, K / G]) with
+    its rows in `gate_up_order`: what `w4_fragment_gemm_act_and_mul` reads."""
+    order = gate_up_order(qweight.shape[0] // 2, qweight.device)
+    return fragment_layout(qweight[order], scales[order], zeros[order], group_size, qweight.shape[0], in_features,
+                           dtype)
 
 
 def _halves(words: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,16 +266,18 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 
 
 def instantiations() -> tuple[str, ...]:
-    """Every launch shape, for both dtypes and every group-step variant (compiled ahead by validate-kernels)."""
-    return tuple(config.name(dt, gs) for config in CONFIGS for dt in (0, 1)
-                 for gs in sorted({config.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)}))
+    """Every launch shape, for both dtypes, every group-step variant and the product with and without each fused
+    activation (compiled ahead by validate-kernels)."""
+    return tuple(config.name(dt, gs, act) for config in CONFIGS for dt in (0, 1)
+                 for gs in sorted({config.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)})
+                 for act in (-1, *ACTIVATIONS.values()))
 
 
 _configured: set[tuple[str, int]] = set()
 
 
-def _kernel(config: FragmentConfig, dt: int, gs: int, device_index: int):
-    name = config.name(dt, gs)
+def _kernel(config: FragmentConfig, dt: int, gs: int, act: int, device_index: int):
+    name = config.name(dt, gs, act)
     fn = get_kernel(SOURCE, name, device_index)
     if (name, device_index) not in _configured:
         _allow_shared_memory(fn, config.shared_bytes(gs), device_index)
@@ -268,6 +290,23 @@ def w4_fragment_gemm(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype; `weight` from `fragment_layout` for x's
     dtype. `config` / `splits` override the plan (benchmarks, validation)."""
+    return _launch(x, weight, bias, -1, config, splits, out)
+
+
+def w4_fragment_gemm_act_and_mul(x: torch.Tensor, weight: FragmentWeight, activation: str,
+                                 bias: torch.Tensor | None = None, config: FragmentConfig | None = None,
+                                 splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x @ gate.T + b_gate) * (x @ up.T + b_up) [M, I] in x's dtype, the same bits as the product followed by
+    act_and_mul_kernel; `weight` from `gate_up_layout` (2I rows), `bias` [2I] in `gate_up_order`."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    if out is None:
+        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, ACTIVATIONS[activation], config, splits, out)
+
+
+def _launch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None, act: int,
+            config: FragmentConfig | None, splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
     num_tokens, in_features = x.shape
     out_features = weight.out_features
     if in_features != weight.in_features:
@@ -281,7 +320,7 @@ def w4_fragment_gemm(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor
     tiles = -(-out_features // 16)
     grid = (-(-tiles // (config.rt * config.wn)), -(-num_tokens // config.tokens), splits)
     partials, counters = split_k_buffers(x.device, splits, grid[0] * grid[1], config.rows * config.tokens)
-    fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, index)
+    fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, act, index)
     args = (ptr(x), ptr(weight.frag), ptr(weight.sz), ptr(bias), ptr(out), ptr(partials), ptr(counters),
             i32(num_tokens), i32(out_features), i32(in_features),
             i32(group_shift(weight.group_size, in_features)), i32(weight.sz.shape[1]))

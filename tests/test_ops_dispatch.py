@@ -417,6 +417,9 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kf, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     fragment_weight = kf.fragment_layout(packed.qweight, packed.scales, packed.zeros, 128, 256, 512, half)
     kf.w4_fragment_gemm(torch.randn(5, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
+    gate_up_weight = kf.gate_up_layout(packed.qweight, packed.scales, packed.zeros, 128, 512, half)
+    kf.w4_fragment_gemm_act_and_mul(torch.randn(40, 512, dtype=half), gate_up_weight, "silu",
+                                    bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",

@@ -176,6 +176,16 @@ FRAGMENT_CASES = (
 )
 
 
+# The fused gate/up activation over the interleaved layout: (tokens, inner features, in_features, group size,
+# activation); each launch shape's token range, K splits from the plan.
+FRAGMENT_GATE_UP_CASES = (
+    (1, 11008, 2048, 128, "silu"),
+    (16, 1000, 2048, 64, "gelu_tanh"),
+    (29, 5504, 3584, 128, "silu"),
+    (100, 1024, 4096, 32, "silu"),
+)
+
+
 def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """The fragment kernel on its cases against the fp32 product of the reference dequantizer's weight."""
     from deepinfer.kernels import w4_fragment_gemm as fragment
@@ -197,6 +207,30 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                 return compare("w4_fragment_gemm", case, out, ref, REL_TOL[dtype])
 
             results += guarded("w4_fragment_gemm", case, run)
+    for m, inner, k, g, activation in FRAGMENT_GATE_UP_CASES:
+        for dtype in dtypes:
+            case = f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g}"
+
+            def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, dtype=dtype, case=case):
+                from deepinfer.kernels.act_and_mul import act_and_mul
+
+                packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
+                plain = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, 2 * inner, k, dtype)
+                fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, inner), dtype, device)
+                order = fragment.gate_up_order(inner, device)
+                fragment.w4_fragment_gemm_act_and_mul(x, fused, activation, packed.bias[order], out=out)
+                product = fragment.w4_fragment_gemm(x, plain, packed.bias)
+                want = act_and_mul(product[:, :inner], product[:, inner:], activation)
+                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+                full = reference_product(x, packed)
+                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                return [CheckResult("w4_fragment_gemm", f"{case} == unfused", same,
+                                    detail="" if same else "differs from the product then act_and_mul's bits"),
+                        compare("w4_fragment_gemm", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
+
+            results += guarded("w4_fragment_gemm", case, run_fused)
     return results
 
 
