@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from functools import cache
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ _streams: dict[tuple[int, int], object] = {}
 _ARG_TYPES = (np.uint64, np.int32, np.int64, np.float32)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+Plan = TypeVar("Plan")
 
 
 def ptr(tensor: torch.Tensor | None) -> np.uint64:
@@ -93,3 +95,21 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, d
         return
     with cupy.cuda.Device(device_index), _torch_stream(device_index):
         kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def product_operands(x: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                     out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The operands of a product kernel that reads x [M, K] in 16-byte loads: x contiguous and 16-byte aligned (a
+    copy where it is not), bias [N] contiguous in x's dtype, out [M, N] in x's dtype (made where None)."""
+    if x.data_ptr() % 16 or not x.is_contiguous():
+        x = x.contiguous().clone()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    return x, bias, out
+
+
+def planned_launch(planned: tuple[Plan, int], config: Plan | None, splits: int | None) -> tuple[Plan, int]:
+    """(launch shape, K splits): the plan's, each replaced by the caller's where given (benchmarks, validation)."""
+    return config or planned[0], splits or planned[1]

@@ -172,6 +172,17 @@ def _split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     return buffer
 
 
+def split_k_buffers(device: torch.device, splits: int, tiles: int,
+                    tile_outputs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(fp32 partials, arrival counters) of a split-K launch over `tiles` output tiles of `tile_outputs` sums each;
+    (None, None) for one split."""
+    if splits <= 1:
+        return None, None
+    if tiles > _COUNTER_SLOTS:
+        raise ValueError(f"{tiles} output tiles exceed the split-K counter slots")
+    return _split_workspace(device, splits * tiles * tile_outputs), _split_counters(device)
+
+
 def _split_plan(num_segments: int, tiles: int, num_tokens: int, in_features: int, device_index: int,
                 splits: int | None) -> tuple[int, int]:
     """(splits, segments per split) of a tiled kernel: about one CTA per SM, but never so many splits

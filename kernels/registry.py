@@ -67,9 +67,10 @@ _OPS = (
              "(SM90), mma.sync (SM80+); products of 9-128 tokens (core/ops/quant_matmul_table.py says which)",
              w4_gemm.instantiations()),
     KernelOp("w4_fragment_gemm", w4_fragment_gemm.SOURCE,
-             "W4A16 product of 1-32 tokens (more through token tiles) over the load-time fragment layout: one 16-byte "
-             "load a lane serves four mma.sync steps, LOP3 magic-number unpacking, exact integer zeros, fp32 group "
-             "scaling, cp.async stages, split-K (SM80+)",
+             "W4A16 product over the load-time fragment layout: one 16-byte load a lane serves four mma.sync steps, "
+             "LOP3 magic-number unpacking, exact integer zeros, cp.async stages, split-K (SM80+); shapes of 1-32 "
+             "tokens scale fp32 group sums, a 64-token tile (more through token tiles) the unpacked weights; an "
+             "epilogue with SiLU / GeLU-tanh gate times up over an interleaved gate/up layout",
              w4_fragment_gemm.instantiations()),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",

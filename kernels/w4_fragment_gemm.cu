@@ -21,6 +21,14 @@
 // are added in shared memory in wk order at the end; a grid z > 1 splits the stages over CTAs, whose fp32 partials
 // the last CTA of a tile adds in split order. Weights and scales of the first stages are fetched before the PDL wait.
 //
+// ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight with its rows interleaved by 8 at load
+// (kernels/w4_fragment_gemm.py: interleave_gate_up), written as act(gate) * up [M, N / 2].
+//
+// WSCALE: where the group scale is applied. false: in fp32 to each group's sums (4 FFMA a token tile and group, and
+// a second set of accumulators), so the tensor cores see (q - z) exactly; true (the large token tiles): on the
+// unpacked pairs in DT, (q - z) s rounded once (4 HFMA2 a word, whatever the tokens), the weight the dense path's
+// dequantizer writes in fp16 (bf16: the fp16 scale rounded to bf16 first), summed in fp32.
+//
 // GS: the group size in k16 steps where a group lies inside one warp's APW atoms of a stage (2: G = 32, 4: 64, 8:
 // 128 with APW = 4), so the group sums are scaled at fixed steps; 0: groups span a warp's atoms (G >= 64 APW, or one
 // group a row), scaled when the next stage's atoms start another group and at the end.
@@ -204,13 +212,13 @@ struct FragCopies {
   }
 };
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES>
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WSCALE, int ACT>
 __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
     const u16* __restrict__ bias,    // [N] DT, or null
-    u16* __restrict__ out,           // [M, N] DT
+    u16* __restrict__ out,           // [M, N] DT; with ACT >= 0 [M, N / 2]
     float* __restrict__ partials,    // split-K sums: [tiles, splits, TOKENS * ROWS] fp32
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
@@ -278,6 +286,50 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
             stage + L::W_OFFSET + (((wn * RT + r) * L::ATOMS + wk * APW + ai) * 32 + lane) * 16);
 
     uint2 entry[RT];  // the scale entries of the current group
+    if constexpr (WSCALE) {
+      // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A fragments of
+      // both steps, scaled in DT, for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
+      u32 scale[RT][2];  // the (row g, row g) and (row g + 8, row g + 8) scale pairs of the current group, in DT
+#pragma unroll
+      for (int s = 0; s < L::STEPS; s += 2) {
+        const int ai = s >> 2;
+        const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);
+        if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            entry[r] = *reinterpret_cast<const uint2*>(
+                stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+            const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
+            scale[r][0] = Num<DT>::pack(s_lo, s_lo);
+            scale[r][1] = Num<DT>::pack(s_hi, s_hi);
+          }
+        }
+        u32 a[2][RT][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = (s & 3) + h;
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
+            FragDequant<DT>(entry[r].y).unpack(word, a[h][r]);
+#pragma unroll
+            for (int p = 0; p < 4; ++p)  // (q - z) s rounded once in DT; the -0 addend keeps a product's sign
+              a[h][r][p] = Num<DT>::fma(a[h][r][p], scale[r][p & 1], 0x80008000u);
+          }
+        }
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+          u32 b[4];
+          ldmatrix_x4(b, stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+              Num<DT>::mma(acc[r][tt], a[h][r][0], a[h][r][1], a[h][r][2], a[h][r][3], b[2 * h], b[2 * h + 1]);
+        }
+      }
+      continue;
+    }
     u32 b[TT][4];     // B fragments of steps s and s + 1 (s even): b0, b1 of s, then of s + 1
 #pragma unroll
     for (int s = 0; s < L::STEPS; ++s) {
@@ -385,7 +437,20 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
     const int idx = tid + i * L::THREADS;
     const int token = idx / L::ROWS, row = idx % L::ROWS;
     const int m = tok0 + token, n = tile0 * 16 + row;
-    if (idx < OUTS && m < M && n < N) {
+    if constexpr (ACT >= 0) {
+      // Gate/up rows interleaved at load: row 16 t + j is gate row 8 t + j, row 16 t + 8 + j its up row. Output
+      // (token, 16 t + j) lies 8 lanes below (token, 16 t + 8 + j) (OUTS is a multiple of THREADS, so every lane
+      // takes part), and act_and_mul_kernel's arithmetic on the two DT-rounded products gives the unfused bits.
+      const float value = v[i] + (bias != nullptr && n < N ? Num<DT>::to_float(bias[n]) : 0.0f);
+      const float up = __shfl_down_sync(0xffffffffu, value, 8);
+      const int inner = N >> 1, feature = (n >> 4) * 8 + (row & 7);
+      if (idx < OUTS && m < M && (row & 8) == 0 && feature < inner) {
+        const float gate_r = Num<DT>::to_float(Num<DT>::from_float(value));
+        const float up_r = Num<DT>::to_float(Num<DT>::from_float(up));
+        const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
+        out[(size_t)m * inner + feature] = Num<DT>::from_float(act * up_r);
+      }
+    } else if (idx < OUTS && m < M && n < N) {
       const float b = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
       out[(size_t)m * N + n] = Num<DT>::from_float(v[i] + b);
     }

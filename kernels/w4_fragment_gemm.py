@@ -1,4 +1,5 @@
-"""Launcher and load-time layout of the few-token W4A16 product in w4_fragment_gemm.cu (1-32 tokens, SM80+).
+"""Launcher and load-time layout of the W4A16 product in w4_fragment_gemm.cu (few-token shapes to 32 tokens, a
+64-token tile beyond; SM80+).
 
 The kernel reads the weight in its own fragment layout, made once per weight from PackedWeight's tensors by
 `fragment_layout` (core/ops prepares it at load; the disk format does not change):
@@ -25,15 +26,16 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.kernels.act_and_mul import ACTIVATIONS
 from deepinfer.kernels.compiler import get_kernel
-from deepinfer.kernels.launch import i32, launch, ptr
-from deepinfer.kernels.quant_matmul import _COUNTER_SLOTS, _num_sms, _split_counters, _split_workspace
+from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
+from deepinfer.kernels.quant_matmul import _num_sms, split_k_buffers
 from deepinfer.kernels.w4_gemm import _allow_shared_memory
 
 SOURCE = "w4_fragment_gemm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 MAGIC = {torch.float16: 1024.0, torch.bfloat16: 128.0}  # (magic + q) is what one LOP3 makes of a code
-MAX_TOKENS = 32  # four 8-token tiles a CTA
+MAX_TOKENS = 32  # the few-token shapes' most tokens a CTA (four 8-token tiles); the large tile takes 64
 PER_CHANNEL_SHIFT = 31  # the kernel's group shift for one group a row
 _SHARED_PER_SM = 227 * 1024
 
@@ -48,6 +50,7 @@ class FragmentConfig:
     wk: int  # warps along K (their sums are added in the CTA)
     apw: int  # 64-k atoms a warp a stage
     stages: int  # cp.async pipeline depth
+    wscale: bool = False  # group scales on the unpacked weights in the activation dtype (else on fp32 group sums)
 
     @property
     def rows(self) -> int:
@@ -80,11 +83,11 @@ class FragmentConfig:
 
     @property
     def label(self) -> str:
-        return f"frag<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}>"
+        return f"frag<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',ws' if self.wscale else ''}>"
 
-    def name(self, dt: int, gs: int) -> str:
+    def name(self, dt: int, gs: int, act: int = -1) -> str:
         return (f"w4_fragment_gemm_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages}>")
+                f"{self.stages},{'true' if self.wscale else 'false'},{act}>")
 
 
 class FragmentWeight(NamedTuple):
@@ -162,6 +165,25 @@ def fragment_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                           fragment_scales(scales, zeros, dtype), out_features, in_features, group_size)
 
 
+def gate_up_order(inner: int, device: torch.device | None = None) -> torch.Tensor:
+    """Row order of a merged [gate; up] weight of 2 x `inner` rows for the fused activation: row 16 t + j is gate row
+    8 t + j and row 16 t + 8 + j is up row 8 t + j (inner + 8 t + j), so one 16-row tile, and one thread's mma
+    fragment (rows g and g + 8), holds a gate row and its up row."""
+    if inner % 8:
+        raise ValueError(f"the fused activation interleaves 8-row blocks: {inner} inner features is not a multiple of 8")
+    blocks = torch.arange(inner, device=device).view(-1, 8)
+    return torch.stack([blocks, blocks + inner], dim=1).reshape(-1)
+
+
+def gate_up_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   in_features: int, dtype: torch.dtype) -> FragmentWeight:
+    """The fragment layout of a merged [gate; up] weight (qweight int32 [2I, K / 8], scales / zeros [2I, K / G]) with
+    its rows in `gate_up_order`: what `w4_fragment_gemm_act_and_mul` reads."""
+    order = gate_up_order(qweight.shape[0] // 2, qweight.device)
+    return fragment_layout(qweight[order], scales[order], zeros[order], group_size, qweight.shape[0], in_features,
+                           dtype)
+
+
 def _halves(words: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 32-bit words -> their (low, high) 16-bit halves as float64 values of `dtype`."""
     def value(bits: torch.Tensor) -> torch.Tensor:
@@ -220,16 +242,21 @@ def dequantize_fragments(weight: FragmentWeight, dtype: torch.dtype) -> torch.Te
 # The launch shapes: 4 warps side by side along N, each with 4 atoms (256 k) a stage. Up to 16 tokens one row tile a
 # warp (64-row CTAs, 50-66 KiB of shared memory: 3-4 CTAs an SM); at 32 tokens two (128-row CTAs: a 64-row CTA's
 # activation copies cost more issue slots than the budget, scripts/sass_budget.py), 3 or 2 stages (2 CTAs an SM).
+# From 33 tokens a 64-token tile: two row tiles a warp, 2 atoms (128 k) a stage, 4 stages (98 KiB: 2 CTAs an SM), the
+# group scales on the unpacked weights (4 HFMA2 a word at any token count, where scaling the fp32 group sums costs
+# 4 FFMA a token tile and group and a second set of accumulators); more than 64 tokens as 64-token tiles along grid.y.
 CONFIGS = (FragmentConfig(rt=1, tt=1, wn=4, wk=1, apw=4, stages=4), FragmentConfig(rt=1, tt=2, wn=4, wk=1, apw=4, stages=4),
-           FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=3), FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=2))
+           FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=3), FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=2),
+           FragmentConfig(rt=2, tt=8, wn=4, wk=1, apw=2, stages=4, wscale=True))
+LARGE_TILE = CONFIGS[-1]
 
 
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int) -> tuple[FragmentConfig, int]:
-    """(launch shape, K splits): the first CONFIGS shape of the token count (more tokens: token tiles of 32 along
-    grid.y); K split into as many parts as one wave of CTAs holds (the CTAs an SM's shared memory takes, times the
+    """(launch shape, K splits): the first CONFIGS shape of the token count (1-8, 9-16, 17-32 tokens; more: the
+    64-token tile, as many along grid.y as the tokens need); K split into as many parts as one wave of CTAs holds (the CTAs an SM's shared memory takes, times the
     SMs), never below two stages a part. On the H200 sweep of scripts/tune_w4_fragment.py a second wave cost up to
     1.5x, and fewer parts than a wave holds up to 2x on the long-K products."""
-    tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4
+    tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4 if num_tokens <= MAX_TOKENS else LARGE_TILE.tt
     config = next(c for c in CONFIGS if c.tt == tt)
     per_sm = max(1, min(4, _SHARED_PER_SM // (config.shared_bytes(0) + 1024)))
     ctas = -(-out_features // config.rows) * -(-num_tokens // config.tokens)
@@ -239,16 +266,21 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 
 
 def instantiations() -> tuple[str, ...]:
-    """Every launch shape, for both dtypes and every group-step variant (compiled ahead by validate-kernels)."""
-    return tuple(config.name(dt, gs) for config in CONFIGS for dt in (0, 1)
-                 for gs in sorted({config.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)}))
+    """Every launch shape for both dtypes: the product at every group-step variant, the fused activations at those
+    of G >= 128 (the table's; compiled ahead by validate-kernels, the others on first use)."""
+    def steps(config: FragmentConfig, group_sizes: tuple[int, ...]) -> list[int]:
+        return sorted({config.group_steps(g, 1 << 20) for g in group_sizes})
+    return tuple(name for config in CONFIGS for dt in (0, 1)
+                 for name in (*(config.name(dt, gs) for gs in steps(config, (32, 64, 128, 256))),
+                              *(config.name(dt, gs, act) for gs in steps(config, (128, 256))
+                                for act in ACTIVATIONS.values())))
 
 
 _configured: set[tuple[str, int]] = set()
 
 
-def _kernel(config: FragmentConfig, dt: int, gs: int, device_index: int):
-    name = config.name(dt, gs)
+def _kernel(config: FragmentConfig, dt: int, gs: int, act: int, device_index: int):
+    name = config.name(dt, gs, act)
     fn = get_kernel(SOURCE, name, device_index)
     if (name, device_index) not in _configured:
         _allow_shared_memory(fn, config.shared_bytes(gs), device_index)
@@ -261,32 +293,37 @@ def w4_fragment_gemm(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype; `weight` from `fragment_layout` for x's
     dtype. `config` / `splits` override the plan (benchmarks, validation)."""
+    return _launch(x, weight, bias, -1, config, splits, out)
+
+
+def w4_fragment_gemm_act_and_mul(x: torch.Tensor, weight: FragmentWeight, activation: str,
+                                 bias: torch.Tensor | None = None, config: FragmentConfig | None = None,
+                                 splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x @ gate.T + b_gate) * (x @ up.T + b_up) [M, I] in x's dtype, the same bits as the product followed by
+    act_and_mul_kernel; `weight` from `gate_up_layout` (2I rows), `bias` [2I] in `gate_up_order`."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    if out is None:
+        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype, device=x.device)
+    return _launch(x, weight, bias, ACTIVATIONS[activation], config, splits, out)
+
+
+def _launch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None, act: int,
+            config: FragmentConfig | None, splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
     num_tokens, in_features = x.shape
     out_features = weight.out_features
     if in_features != weight.in_features:
         raise ValueError(f"x has {in_features} features, the weight {weight.in_features}")
-    if x.data_ptr() % 16 or not x.is_contiguous():
-        x = x.contiguous().clone()
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
-    if out is None:
-        out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    x, bias, out = product_operands(x, bias, out_features, out)
     if num_tokens == 0:
         return out
     index = x.device.index
-    planned, planned_splits = plan(num_tokens, out_features, in_features, index)
-    config = config or planned
-    splits = splits or planned_splits
+    config, splits = planned_launch(plan(num_tokens, out_features, in_features, index), config, splits)
     gs = config.group_steps(weight.group_size, in_features)
     tiles = -(-out_features // 16)
     grid = (-(-tiles // (config.rt * config.wn)), -(-num_tokens // config.tokens), splits)
-    partials = counters = None
-    if splits > 1:
-        if grid[0] * grid[1] > _COUNTER_SLOTS:
-            raise ValueError(f"{grid[0] * grid[1]} output tiles exceed the split-K counter slots")
-        partials = _split_workspace(x.device, splits * grid[0] * grid[1] * config.rows * config.tokens)
-        counters = _split_counters(x.device)
-    fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, index)
+    partials, counters = split_k_buffers(x.device, splits, grid[0] * grid[1], config.rows * config.tokens)
+    fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, act, index)
     args = (ptr(x), ptr(weight.frag), ptr(weight.sz), ptr(bias), ptr(out), ptr(partials), ptr(counters),
             i32(num_tokens), i32(out_features), i32(in_features),
             i32(group_shift(weight.group_size, in_features)), i32(weight.sz.shape[1]))

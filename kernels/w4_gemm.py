@@ -19,8 +19,8 @@ from functools import cache
 import torch
 
 from deepinfer.kernels.compiler import get_kernel
-from deepinfer.kernels.launch import i32, launch, ptr
-from deepinfer.kernels.quant_matmul import _COUNTER_SLOTS, _num_sms, _split_counters, _split_workspace
+from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
+from deepinfer.kernels.quant_matmul import _num_sms, split_k_buffers
 
 SOURCE = "w4_gemm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
@@ -243,26 +243,13 @@ def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, zmode: int
     dtype. `config` / `splits` override the plan (benchmarks, validation)."""
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
-    if x.data_ptr() % 16 or not x.is_contiguous():
-        x = x.contiguous().clone()
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
-    if out is None:
-        out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    x, bias, out = product_operands(x, bias, out_features, out)
     if num_tokens == 0:
         return out
     index = x.device.index
-    planned, planned_splits = plan(num_tokens, out_features, in_features, index)
-    config = config or planned
-    splits = splits or planned_splits
+    config, splits = planned_launch(plan(num_tokens, out_features, in_features, index), config, splits)
     grid = (-(-out_features // config.rows), -(-num_tokens // config.tokens), splits)
-    partials = counters = None
-    if splits > 1:
-        tiles = grid[0] * grid[1]
-        if tiles > _COUNTER_SLOTS:
-            raise ValueError(f"{tiles} output tiles exceed the split-K counter slots")
-        partials = _split_workspace(x.device, splits * tiles * config.rows * config.tokens)
-        counters = _split_counters(x.device)
+    partials, counters = split_k_buffers(x.device, splits, grid[0] * grid[1], config.rows * config.tokens)
     fn = _kernel(config, _DTYPE_CODES[x.dtype], zmode, index)
     power_of_two = group_size & (group_size - 1) == 0
     group_shift = group_size.bit_length() - 1 if power_of_two else -1

@@ -14,7 +14,8 @@ def test_bench_times_every_kernel_that_serves_a_token_count():
     assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "fragment", "w4_gemm", "dense", "cublas"]
     assert quant_points(33) == ["staged", "fragment", "w4_gemm", "dense", "cublas"]  # tc and ksplit: up to 32
     assert quant_points(65) == ["fragment", "w4_gemm", "dense", "cublas"]
-    assert quant_points(129) == ["w4_gemm", "dense", "cublas"]  # the fragment kernel: up to 128 tokens
+    assert quant_points(256) == ["fragment", "w4_gemm", "dense", "cublas"]
+    assert quant_points(257) == ["dense", "cublas"]  # the fragment kernel and the GEMM: up to 256 tokens
     assert quant_points(64, bits=3) == ["staged", "dense", "cublas"]  # the GEMM and fragment read 4-bit codes
     assert quant_points(257) == ["dense", "cublas"]
 

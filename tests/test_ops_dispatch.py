@@ -400,8 +400,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kw, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     monkeypatch.setattr(kw, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kw, "_max_shared_bytes", lambda index: 232448)
-    monkeypatch.setattr(kw, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
-    monkeypatch.setattr(kw, "_split_workspace", lambda device, numel: torch.zeros(1))
+    monkeypatch.setattr(kw, "split_k_buffers", lambda device, splits, tiles, tile_outputs:
+                        (torch.zeros(1), torch.zeros(8, dtype=torch.int32)) if splits > 1 else (None, None))
     sz, zmode = kw.gemm_scales(packed.scales, packed.zeros, "zero", half)
     for wgmma in (False, True):
         monkeypatch.setattr(kw, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
@@ -412,11 +412,14 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kf, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
                         launches.append((kernel, args)))
     monkeypatch.setattr(kf, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kf, "_split_counters", lambda device: torch.zeros(8, dtype=torch.int32))
-    monkeypatch.setattr(kf, "_split_workspace", lambda device, numel: torch.zeros(1))
+    monkeypatch.setattr(kf, "split_k_buffers", lambda device, splits, tiles, tile_outputs:
+                        (torch.zeros(1), torch.zeros(8, dtype=torch.int32)) if splits > 1 else (None, None))
     monkeypatch.setattr(kf, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     fragment_weight = kf.fragment_layout(packed.qweight, packed.scales, packed.zeros, 128, 256, 512, half)
     kf.w4_fragment_gemm(torch.randn(5, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
+    gate_up_weight = kf.gate_up_layout(packed.qweight, packed.scales, packed.zeros, 128, 512, half)
+    kf.w4_fragment_gemm_act_and_mul(torch.randn(40, 512, dtype=half), gate_up_weight, "silu",
+                                    bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",

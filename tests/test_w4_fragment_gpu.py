@@ -87,3 +87,41 @@ def test_act_order_activations_and_more_tokens_than_a_cta():
     kernels = _kernels()
     for num_tokens in (33, 64, 128):
         _check(kernels, num_tokens, 2560, 2048, 128, torch.bfloat16, act_order=True, seed=num_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 2048])
+def test_the_64_token_tile_at_every_group_size(dtype, group_size):
+    """The large tile scales the unpacked weights in the activation dtype ((q - z) s rounded once; in bf16 the fp16
+    scale is rounded to bf16 first), so its weights are the dequantizer's rounded to `dtype`: within the same bound."""
+    kernels = _kernels()
+    for num_tokens in (33, 64, 200, 256):
+        _check(kernels, num_tokens, 1000, 2048, group_size, dtype, bias=num_tokens % 2 == 1, seed=num_tokens + group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fused_gate_up_activation_equals_the_product_then_act_and_mul(dtype, activation):
+    """The interleaved gate/up layout with the activation in the epilogue gives the bits of the plain product (same
+    launch shape and splits) followed by act_and_mul_kernel, at every launch shape, with and without K splits."""
+    kernels = _kernels()
+    from deepinfer.kernels.act_and_mul import act_and_mul
+
+    inner, in_features = 1000, 2048
+    packed = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=7)
+    device = torch.device("cuda")
+    qweight, scales, zeros = packed.qweight.to(device), packed.scales.to(device), packed.zeros.to(device)
+    plain = kernels.fragment_layout(qweight, scales, zeros, 128, 2 * inner, in_features, dtype)
+    fused = kernels.gate_up_layout(qweight, scales, zeros, 128, in_features, dtype)
+    generator = torch.Generator(device=device).manual_seed(7)
+    bias = torch.randn(2 * inner, device=device, dtype=dtype, generator=generator)
+    order = kernels.gate_up_order(inner, device)
+    for config in kernels.CONFIGS:
+        for splits in (1, 3):
+            x = torch.randn(config.tokens + 1, in_features, device=device, dtype=dtype, generator=generator)
+            product = kernels.w4_fragment_gemm(x, plain, bias, config=config, splits=splits)
+            expected = act_and_mul(product[:, :inner], product[:, inner:], activation)
+            out = torch.full((x.shape[0], inner), float("nan"), device=device, dtype=dtype)
+            kernels.w4_fragment_gemm_act_and_mul(x, fused, activation, bias[order], config=config, splits=splits,
+                                                 out=out)
+            assert torch.equal(out, expected), (config, splits)

@@ -108,3 +108,21 @@ def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(mo
     for packed in (one_form, float_zeros):
         assert table.fragment(torch.zeros(12, 256, dtype=torch.bfloat16), packed) == "next"
     assert ran == [one_form, float_zeros]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interleaved_gate_up_layout_puts_each_gate_row_beside_its_up_row(dtype):
+    """The fused activation's layout: in each 16-row tile, rows j and 8 + j (one thread's mma rows g and g + 8) are
+    gate row 8 t + j and up row 8 t + j of the merged [gate; up] weight, each the reference dequantizer's."""
+    inner, in_features = 24, 192
+    packed = random_w4_weight(2 * inner, in_features, 64, "zero", True, seed=5)
+    weight = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, 64, in_features, dtype)
+    unpacked = fragment.dequantize_fragments(weight, dtype)
+    reference = dequantize(packed, torch.float32)
+    gate, up = reference[:inner], reference[inner:]
+    for tile in range(inner // 8):
+        for j in range(8):
+            assert torch.equal(unpacked[16 * tile + j], gate[8 * tile + j])
+            assert torch.equal(unpacked[16 * tile + 8 + j], up[8 * tile + j])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fragment.gate_up_order(12)

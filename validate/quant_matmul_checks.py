@@ -12,6 +12,14 @@ from deepinfer.core.quant.packing import dequantize
 from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compare, guarded, poisoned
 from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight
 
+
+def reference_product(x: torch.Tensor, packed) -> torch.Tensor:
+    """x [M, K] times the reference dequantizer's fp32 weight, plus the bias: the fp32 product every kernel of a
+    packed weight is held to."""
+    ref = x.float() @ dequantize(packed, torch.float32).T
+    return ref if packed.bias is None else ref + packed.bias.float()
+
+
 # (tokens, out_features, in_features, group size, kernel, tile, splits, fp32 scales, bias)
 QUANT_CASES = (
     (1, 4096, 4096, 128, "gemv", 1, None, False, False),
@@ -98,9 +106,7 @@ def check_quant_tc(device, dtypes=(torch.float16, torch.bfloat16), kernel: str =
                 out = poisoned((m, n), dtype, device)
                 quant_matmul(x, packed.qweight, packed.scales, packed.zeros, 4, g, zero_mode, packed.bias,
                              kernel=kernel, tile=tile, out=out, integer_zeros=packed.integer_zeros)
-                ref = x.float() @ dequantize(packed, torch.float32).T
-                if packed.bias is not None:
-                    ref = ref + packed.bias.float()
+                ref = reference_product(x, packed)
                 return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
 
             results += guarded("quant_matmul", case, run)
@@ -127,9 +133,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
                     out = poisoned((m, n), dtype, device)
                     quant_matmul(x, packed.qweight, packed.scales, packed.zeros, bits, g, zero_mode, packed.bias,
                                  kernel=kernel, tile=tile, splits=splits, out=out)
-                    ref = x.float() @ dequantize(packed, torch.float32).T
-                    if packed.bias is not None:
-                        ref = ref + packed.bias.float()
+                    ref = reference_product(x, packed)
                     return compare("quant_matmul", case, out, ref, REL_TOL[dtype])
 
                 results += guarded("quant_matmul", case, run)
@@ -141,7 +145,7 @@ def check_quant_matmul(device, dtypes=(torch.float16, torch.bfloat16), cases=QUA
 
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
             x = torch.randn(5, 1024, device=device, dtype=dtype)
-            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            ref = reference_product(x, packed)
             return compare("quant_matmul", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("quant_matmul", case, run_dispatch)
@@ -166,7 +170,19 @@ FRAGMENT_CASES = (
     (24, 22016, 2048, 128, None, False),
     (32, 2560, 4160, 4160, 5, True),  # one group a row, K = 16.25 stages
     (29, 40, 160, 32, None, False),   # a partial row tile, K not a multiple of an atom
-    (100, 3584, 3584, 256, 2, True),  # token tiles along grid.y
+    (100, 3584, 3584, 256, 2, True),  # the 64-token tile, two along grid.y
+    (48, 1000, 2048, 32, None, False),  # the 64-token tile at G = 32, a partial row tile
+    (256, 2560, 4160, 4160, None, True),  # the 64-token tile, one group a row, K = 32.5 of its stages
+)
+
+
+# The fused gate/up activation over the interleaved layout: (tokens, inner features, in_features, group size,
+# activation); each launch shape's token range, K splits from the plan.
+FRAGMENT_GATE_UP_CASES = (
+    (1, 11008, 2048, 128, "silu"),
+    (16, 1000, 2048, 64, "gelu_tanh"),
+    (29, 5504, 3584, 128, "silu"),
+    (100, 1024, 4096, 32, "silu"),
 )
 
 
@@ -187,12 +203,34 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = poisoned((m, n), dtype, device)
                 fragment.w4_fragment_gemm(x, weight, packed.bias, splits=splits, out=out)
-                ref = x.float() @ dequantize(packed, torch.float32).T
-                if packed.bias is not None:
-                    ref = ref + packed.bias.float()
+                ref = reference_product(x, packed)
                 return compare("w4_fragment_gemm", case, out, ref, REL_TOL[dtype])
 
             results += guarded("w4_fragment_gemm", case, run)
+    for m, inner, k, g, activation in FRAGMENT_GATE_UP_CASES:
+        for dtype in dtypes:
+            case = f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g}"
+
+            def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, dtype=dtype, case=case):
+                from deepinfer.kernels.act_and_mul import act_and_mul
+
+                packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
+                plain = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, 2 * inner, k, dtype)
+                fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, inner), dtype, device)
+                order = fragment.gate_up_order(inner, device)
+                fragment.w4_fragment_gemm_act_and_mul(x, fused, activation, packed.bias[order], out=out)
+                product = fragment.w4_fragment_gemm(x, plain, packed.bias)
+                want = act_and_mul(product[:, :inner], product[:, inner:], activation)
+                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+                full = reference_product(x, packed)
+                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                return [CheckResult("w4_fragment_gemm", f"{case} == unfused", same,
+                                    detail="" if same else "differs from the product then act_and_mul's bits"),
+                        compare("w4_fragment_gemm", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
+
+            results += guarded("w4_fragment_gemm", case, run_fused)
     return results
 
 
@@ -233,7 +271,7 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
             packed = random_packed(640, 1024, 128, 4, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
             assert product_row(ProductShape(100, 1024, 640, 4, 128)).kernel == "dense"
             x = torch.randn(100, 1024, device=device, dtype=dtype)
-            ref = x.float() @ dequantize(packed, torch.float32).T + packed.bias.float()
+            ref = reference_product(x, packed)
             return compare("dequantize", case, op_quant_matmul(x, packed), ref, REL_TOL[dtype])
 
         results += guarded("dequantize", case, run_dense)

@@ -7,8 +7,9 @@ device-to-device copy bandwidth measured in the same run (bytes read + written):
 From 16 tokens a product also has a floor, max(its packed-weight bytes over the copy bandwidth, its
 FLOPs over the cuBLAS rate on an 8192^3 product in the activation dtype, measured in the same run),
 and two more points: the W4 GEMM (kernels/w4_gemm.py, its planned launch) and cuBLAS on the dense
-weight (what the same model unquantized runs). Up to 128 tokens the few-token W4 kernel over its fragment
-layout (kernels/w4_fragment_gemm.py, its planned launch; the layout made once per weight copy) is timed too.
+weight (what the same model unquantized runs). Up to 256 tokens the W4 kernel over its fragment layout
+(kernels/w4_fragment_gemm.py, its planned launch: the 64-token tile beyond 32 tokens; the layout made once per
+weight copy) is timed too.
 Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
 the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
 `repeats` such timings give mean ± std per call.
@@ -35,7 +36,7 @@ TARGET_REPEAT_SECONDS = 0.02
 # kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the W4 GEMM up to its largest
 # batch, the dense path and cuBLAS on the dense weight always
 KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("ksplit", 32), ("staged", 64),
-                     ("fragment", 128), ("w4_gemm", 256), ("dense", 1 << 30), ("cublas", 1 << 30))
+                     ("fragment", 256), ("w4_gemm", 256), ("dense", 1 << 30), ("cublas", 1 << 30))
 W4_ONLY = ("w4_gemm", "fragment")
 # "dense": kernels/dequantize.cu into an [N, K] copy, then cuBLAS (the path of many tokens); "w4_gemm": the
 # tensor-core GEMM on the packed weight (4-bit only); "cublas": cuBLAS on a dense weight made once, not a W4 path

@@ -40,6 +40,8 @@ FRAGMENT_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projecti
 FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated and of FRAGMENT_LARGE_WEIGHT ...
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
+FRAGMENT_TILE_TOKENS = (33, 256)  # the fragment kernel's 64-token tile (kernels/w4_fragment_gemm.py: LARGE_TILE) ...
+FRAGMENT_TILE_ROW = False  # ... serves there once `bench gemv` measures it faster than w4_gemm and dense (to be measured)
 
 
 class ProductShape(NamedTuple):
@@ -172,12 +174,20 @@ def fragment_serves(shape: ProductShape) -> bool:
                 and shape.in_features >= GEMM_LONG_K))
 
 
+def fragment_tile_serves(shape: ProductShape) -> bool:
+    """33-256 tokens on the weights and group sizes the few-token row takes, where FRAGMENT_TILE_ROW is on."""
+    return (FRAGMENT_TILE_ROW and FRAGMENT_TILE_TOKENS[0] <= shape.tokens <= FRAGMENT_TILE_TOKENS[1]
+            and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_WEIGHT
+            and (shape.group_size == shape.in_features
+                 or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0)))
+
+
 def fragment_may_serve(packed: PackedWeight) -> bool:
-    """Whether the fragment row serves some token count of this weight (the loader prepares only those)."""
+    """Whether a fragment row serves some token count of this weight (the loader prepares only those)."""
     return fragment_takes(packed) and any(
         product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                  packed.group_size)).kernel == "fragment"
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_TILE_TOKENS))
 
 
 @cache
@@ -221,6 +231,10 @@ PRODUCT_TABLE = (
                "20.4, 7B gate/up 22.1 against tcs's 32.5 at one token); it lost to tc at 1-8 tokens elsewhere and "
                "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
+    ProductRow("fragment", fragment_tile_serves, fragment,
+               "the same kernel's 64-token tile at 33-256 tokens: each weight byte unpacked once for 64 tokens where "
+               "the 32-token shape re-reads it a token tile; off until bench gemv compares it with w4_gemm and "
+               "dequantize + cuBLAS on an H200 (to be measured)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
