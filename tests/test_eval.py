@@ -63,13 +63,24 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.mark.slow
-def test_smollm2_perplexity_equals_transformers(smollm2, smollm2_gguf):
-    from transformers import AutoModelForCausalLM
+def test_smollm2_perplexity_equals_transformers(smollm2):
+    """transformers' Llama with the GGUF's dequantized weights (the weights transformers' own GGUF loader
+    makes: tests/test_gguf.py) scores the same windows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
+    spec = smollm2.spec
+    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps, tie_word_embeddings=True,
+                         max_position_embeddings=spec.max_position_embeddings,
+                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+    hf_model = LlamaForCausalLM(config).eval()
+    missing, unexpected = hf_model.load_state_dict(dict(smollm2.model.named_parameters()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf_model.tie_weights()
     tokens = smollm2.tokenizer.encode(TEXT)
     windows = plan_windows(len(tokens), 64, max_windows=2)
-    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                    dtype=torch.float32).eval()
     result = evaluate(smollm2.model, tokens, windows)
     assert result["perplexity"] == pytest.approx(hf_perplexity(hf_model, tokens, windows), rel=1e-4)
 
