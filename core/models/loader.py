@@ -285,7 +285,7 @@ def _dummy_spec(config: EngineConfig) -> tuple[ModelSpec, str, Tokenizer | None]
     kind = detect_source(path)
     if kind == "gguf":
         return gguf_spec(open_gguf(_gguf_file(path))), f"dummy-{path.stem}", None
-    if kind == "hf":
+    if kind in ("hf", "gptq", "awq"):  # a quantizer's export has an HF config.json too
         spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
         return spec, f"dummy-{path.stem}", Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids)
     raise UnsupportedModelError("dummy weights need an HF or GGUF model config, or --shape")
