@@ -59,6 +59,9 @@ class EngineConfig:
     dummy_weights: bool = False
     shape: str | None = None  # configs/shapes/<shape>.json for dummy-weight runs
     quantization: str | None = None  # None | "w4a16" | "w3a16": round-to-nearest at load time (group 128)
+    # A GPTQ / AWQ / GGUF checkpoint runs directly, converted at load (core/models/direct_load.py); a lossy
+    # conversion (a GGUF's Q5_K / Q6_K projections to 8 bits) is kept in the conversion cache unless this is off.
+    convert_cache: bool = True
 
     # Sampling defaults over the model's own (generation_config.json, GGUF metadata), e.g.
     # {"temperature": 0.2}: what a request of LLM, chat or serve that leaves the field unset samples

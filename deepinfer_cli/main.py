@@ -11,10 +11,11 @@ import sys
 import typer
 
 from deepinfer.cli import bench, chat, convert, serve, validate
+from deepinfer.cli import eval as eval_cli
 from deepinfer.cli.errors import DEBUG
 
 # The help lists the commands in this order: what a user runs first, then serving, then the GPU check.
-COMMAND_ORDER = ("convert", "bench", "chat", "serve", "validate-kernels")
+COMMAND_ORDER = ("convert", "bench", "eval", "chat", "serve", "validate-kernels")
 
 
 class _OrderedGroup(typer.core.TyperGroup):
@@ -55,6 +56,7 @@ app.command("convert")(convert.convert)
 app.add_typer(bench.app, name="bench")
 app.command("chat")(chat.chat)
 app.command("serve")(serve.serve)
+app.command("eval")(eval_cli.eval_command)
 app.command("validate-kernels")(validate.validate_kernels)
 
 

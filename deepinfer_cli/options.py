@@ -78,6 +78,9 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                         commands=_RANDOM_WEIGHT_COMMANDS, metavar="NAME"),
     "quantization": EngineFlag("w4a16 or w3a16: round-to-nearest weight quantization at load.",
                                names=("--quant",)),
+    "convert_cache": EngineFlag("Keep the conversion of a GGUF whose Q5_K/Q6_K/... projections run as 8-bit "
+                                "round-to-nearest in the deepinfer cache (converted/), read by later loads; "
+                                "--no-convert-cache converts in memory and writes nothing.", default_text="on"),
     # a flag of its own for each field: SAMPLING_FLAGS
     "override_generation_config": EngineFlag("Sampling defaults over the model's.", commands=()),
 }

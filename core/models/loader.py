@@ -7,9 +7,12 @@
      of `model` when no shape is given), random weights. Tokenizer: the model's own when `model`
      has one, else the default model's if it is already on disk, else a ByteTokenizer.
    - no `model`: the default GGUF (fetched once, see core/weights/default_model.py).
-   - a `.gguf` file (or a directory holding exactly one): GGUF, dequantized to the model dtype; on the CPU
-     (unless DEEPINFER_CPU_WEIGHTS=dense) its Q4_0 / Q4_1 / Q4_K projections then become QuantLinears
-     holding the same codes (the converter's exact re-packing), for the CPU int4 product.
+   - a `.gguf` file (or a directory holding exactly one): GGUF, run directly (core/models/direct_load.py:
+     Q4_0 / Q4_1 / Q4_K projections re-packed exactly to W4A16, Q8_0 to W8A16, other quantized types
+     round-to-nearest to W8A16 and cached); dequantized to the model dtype instead (the reference path)
+     under DEEPINFER_CPU_WEIGHTS=dense on the CPU, and when `config.quantization` re-quantizes it.
+   - a GPTQ or AWQ directory (config.json's quantization_config, or quantize_config.json /
+     quant_config.json): run directly, every projection re-packed exactly at load (direct_load.py).
    - a directory whose manifest.json says `"format": "deepinfer-layered"` (core/weights/layered.py):
      its packed W4A16/W3A16 projections become QuantLinears as each layer's file is read, on a model
      built on the meta device, so no unquantized copy of them is ever made.
@@ -43,23 +46,33 @@ from torch import nn
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
+from deepinfer.core.models.assembly import check_complete, put_dense, put_layer
 from deepinfer.core.models.compaction import compact_weights
 from deepinfer.core.models.decoder import DecoderModel
+from deepinfer.core.models.direct_load import (
+    build_from_source,
+    load_progress,
+    open_direct_source,
+    plan_direct_load,
+    say,
+)
 from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.ops.quant_matmul import fragment_copy_bytes, prepare_products
 from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
 from deepinfer.core.quant.quant_linear import QuantLinear
-from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, put_quant_linear, quantize_projections
+from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, quantize_projections
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
 from deepinfer.core.weights import hf_safetensors, layered
+from deepinfer.core.weights.convert import cache as convert_cache
+from deepinfer.core.weights.convert.detect import detect_source as detect_checkpoint_kind
 from deepinfer.core.weights.default_model import default_model_path
 from deepinfer.core.weights.generation_defaults import (
     GenerationDefaults,
     gguf_generation_defaults,
     read_generation_config,
 )
-from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf
+from deepinfer.core.weights.gguf_reader import gguf_spec, iter_gguf_weights, open_gguf, read_field
 from deepinfer.core.weights.hub import parse_hub_id, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -131,15 +144,20 @@ def read_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
         kind = detect_source(path)
         if kind == "layered":
             loaded = _read_layered(path, config, device, dtype)
+        elif kind == "gguf" and _runs_gguf_directly(config, device):
+            loaded = _read_direct("gguf", _gguf_file(path), config, device, dtype)
         elif kind == "gguf":
             loaded = _read_gguf(_gguf_file(path), config, device, dtype)
+        elif kind in ("gptq", "awq"):
+            loaded = _read_direct(kind, path, config, device, dtype)
         else:
             loaded = _read_hf(path, config, device, dtype)
     return loaded if hub_name is None else dataclasses.replace(loaded, name=hub_name)
 
 
 def detect_source(path: Path) -> str:
-    """"hf" | "gguf" | "layered" for an existing path; ModelLoadError saying what is wrong otherwise."""
+    """"hf" | "gptq" | "awq" | "gguf" | "layered" for an existing path; ModelLoadError saying what is wrong
+    otherwise."""
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_file():
@@ -150,7 +168,7 @@ def detect_source(path: Path) -> str:
     if manifest.is_file() and hf_safetensors.read_json(manifest).get("format") == layered.FORMAT_NAME:
         return "layered"
     if hf_safetensors.is_hf_directory(path):
-        return "hf"
+        return detect_checkpoint_kind(path)[0]  # "hf", or a quantizer's export: "gptq" | "awq"
     if len(list(path.glob("*.gguf"))) == 1:
         return "gguf"
     raise ModelLoadError(f"no model in {path}: expected config.json + *.safetensors, one .gguf file, "
@@ -173,34 +191,59 @@ def _read_gguf(path: Path, config: EngineConfig, device: Any, dtype: torch.dtype
     spec = gguf_spec(reader)
     model = _build_model(spec, config, device, dtype)
     model.load_weights(iter_gguf_weights(reader, spec))
-    if config.quantization is None and torch.device(device).type == "cpu" and cpu_weights_mode() != "dense":
-        _pack_exact_projections(model, reader, spec, device)
     tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
         path.parent, gguf_file=path.name, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id),
         spec, path)
     return LoadedModel(spec, model, tokenizer, "gguf", path.stem, gguf_generation_defaults(reader, path))
 
 
-@torch.no_grad()
-def _pack_exact_projections(model: DecoderModel, reader: Any, spec: ModelSpec, device: Any) -> None:
-    """Swap every projection a GGUF stores as Q4_0 / Q4_1 / Q4_K for a QuantLinear of its own codes."""
-    from deepinfer.core.weights.convert.gguf import EXACT_TYPES, gguf_exact_to_packed, qk_row_order
-    from deepinfer.core.weights.convert.source import LINEAR_NAMES
-    from deepinfer.core.weights.gguf_reader import gguf_to_hf_name, layer_norm_names
+def _runs_gguf_directly(config: EngineConfig, device: Any) -> bool:
+    """A GGUF runs directly unless it is to be re-quantized or the CPU is told to keep weights dense."""
+    return config.quantization is None and not (torch.device(device).type == "cpu" and cpu_weights_mode() == "dense")
 
-    norm_names = layer_norm_names(spec)
-    for tensor in reader.tensors:
-        module = gguf_to_hf_name(tensor.name, norm_names).removesuffix(".weight")
-        if tensor.tensor_type.name not in EXACT_TYPES or module.rpartition(".")[2] not in LINEAR_NAMES:
-            continue
-        in_features, out_features = (int(d) for d in tensor.shape)  # GGUF shapes are innermost-first
-        row_order = None  # llama.cpp interleaves Q/K rows per head; iter_gguf_weights un-permutes them the same way
-        if spec.family in ("llama", "mistral") and module.endswith(("q_proj", "k_proj")):
-            row_order = qk_row_order(out_features, spec.num_heads if module.endswith("q_proj") else spec.num_kv_heads)
-        bias = model.get_submodule(module).bias
-        packed = gguf_exact_to_packed(tensor.data, tensor.tensor_type.name, out_features, in_features, row_order,
-                                      None if bias is None else bias.detach().clone())
-        put_quant_linear(model, module, packed, device)
+
+def _read_direct(kind: str, path: Path, config: EngineConfig, device: Any, dtype: torch.dtype) -> LoadedModel:
+    """A GPTQ / AWQ directory or a GGUF file converted at load (core/models/direct_load.py); a lossy
+    conversion is read from, or first written to, the conversion cache unless config.convert_cache is off."""
+    name = path.stem if kind == "gguf" else path.name
+    source = open_direct_source(kind, path)
+    try:
+        spec = ModelSpec.from_hf_config(source.config, where=str(path))
+        plan = plan_direct_load(source, path.name)
+        say(plan.runs_as)
+        if plan.lossy and config.convert_cache:
+            cached = convert_cache.cached_entry(path, plan.options)
+            if cached is None:
+                source.close()
+                with load_progress(f"converting {path.name}") as progress:
+                    cached = convert_cache.convert_into_cache(path, plan.options, plan.converted_bytes, progress)
+                if cached is None:
+                    say(f"not enough free space in {convert_cache.converted_dir()} for the conversion "
+                        f"(~{plan.converted_bytes / 2**30:.1f} GiB): converting in memory, nothing written")
+                    source = open_direct_source(kind, path)
+                else:
+                    say(f"conversion cached in {cached} (later loads read it; delete it to convert again)")
+            if cached is not None:
+                loaded = _read_layered(cached, config, device, dtype)
+                return dataclasses.replace(loaded, source_kind=kind, name=name)
+        with load_progress(f"loading {path.name}") as progress:
+            model = build_from_source(source, spec, dtype, device, _max_positions(spec, config), progress, str(path))
+        if kind == "gguf" and read_field(source.reader, "tokenizer.ggml.model") is not None:
+            tokenizer = Tokenizer.from_pretrained(path.parent, gguf_file=path.name, eos_token_ids=spec.eos_token_ids,
+                                                  bos_token_id=spec.bos_token_id)
+            generation = source.generation_defaults()
+        elif kind == "gguf":  # a GGUF without a vocabulary
+            tokenizer, generation = ByteTokenizer(spec.vocab_size), source.generation_defaults()
+        elif (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+            tokenizer = Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id)
+            generation = read_generation_config(path)
+        else:  # an export without a tokenizer, as its conversion would be: token ids in, token ids out
+            tokenizer, generation = ByteTokenizer(spec.vocab_size), read_generation_config(path)
+    finally:
+        source.close()
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer = _checked_tokenizer(tokenizer, spec, path)
+    return LoadedModel(spec, model, tokenizer, kind, name, generation)
 
 
 @torch.no_grad()
@@ -212,18 +255,10 @@ def _read_layered(path: Path, config: EngineConfig, device: Any, dtype: torch.dt
     if spec.num_layers != manifest["num_layers"]:
         raise ModelLoadError(f"{path}: config.json has {spec.num_layers} layers, the manifest {manifest['num_layers']}")
     model = DecoderModel.on_meta(spec, dtype, device, _max_positions(spec, config))
-    _put_dense(model, layered.read_embeddings(path, manifest), device)
+    put_dense(model, layered.read_embeddings(path, manifest), device)
     for index in range(spec.num_layers):
-        dense, packed = layered.read_layer(path, index, manifest)
-        _put_dense(model, dense, device)
-        for name, weight in packed.items():
-            if weight.bias is not None:
-                weight.bias = weight.bias.to(dtype)
-            put_quant_linear(model, name, weight, device)
-    missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+        put_layer(model, *layered.read_layer(path, index, manifest), device, dtype)
+    check_complete(model, str(path))
     model.requires_grad_(False)
     if manifest.get("tokenizer"):
         tokenizer = _checked_tokenizer(Tokenizer.from_pretrained(
@@ -250,7 +285,7 @@ def _dummy_spec(config: EngineConfig) -> tuple[ModelSpec, str, Tokenizer | None]
     kind = detect_source(path)
     if kind == "gguf":
         return gguf_spec(open_gguf(_gguf_file(path))), f"dummy-{path.stem}", None
-    if kind == "hf":
+    if kind in ("hf", "gptq", "awq"):  # a quantizer's export has an HF config.json too
         spec = ModelSpec.from_hf_config(hf_safetensors.read_hf_config(path))
         return spec, f"dummy-{path.stem}", Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids)
     raise UnsupportedModelError("dummy weights need an HF or GGUF model config, or --shape")
@@ -290,23 +325,6 @@ def _build_model(spec: ModelSpec, config: EngineConfig, device: Any, dtype: torc
     model = DecoderModel(spec, dtype=dtype, device=device, max_positions=_max_positions(spec, config))
     model.requires_grad_(False)
     return model.eval()
-
-
-def _put_dense(model: DecoderModel, tensors: dict[str, torch.Tensor], device: Any) -> None:
-    """Replace the model's (meta) parameters by `tensors` (HF names), each cast to its dtype after a shape check."""
-    for name, tensor in tensors.items():
-        if name == "lm_head.weight" and model.lm_head is None:
-            continue  # tied: the head is the embedding
-        try:
-            current = model.get_parameter(name)
-        except AttributeError:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model") from None
-        if tuple(current.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(current.shape)}")
-        module_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attr,
-                nn.Parameter(tensor.to(device=device, dtype=current.dtype), requires_grad=False))
 
 
 def dummy_tokenizer(spec: ModelSpec) -> Tokenizer | ByteTokenizer:

@@ -26,7 +26,8 @@ from deepinfer.core.errors import ModelLoadError
 
 # huggingface_hub's own rule for repo ids: ORG/NAME of letters, digits, '-', '_', '.'.
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<tag>[\w.+/-]+))?")
-CONFIG_FILES = ("config.json", "generation_config.json")
+# quantize_config.json / quant_config.json: a GPTQ / AWQ export's quantization, where config.json lacks it
+CONFIG_FILES = ("config.json", "generation_config.json", "quantize_config.json", "quant_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 SAFETENSORS_INDEX = "model.safetensors.index.json"

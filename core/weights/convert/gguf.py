@@ -2,6 +2,7 @@
 
 With --keep-8bit (or --bits 8) Q8_0 is re-packed exactly to 8 bits and the other non-exact types
 (Q5_K, Q6_K, F16, ...) are re-quantized to 8 bits; otherwise they go to 4 (or --bits 3) bits.
+With ConvertOptions.dense_float (the loader's direct load) F32/F16/BF16 projections stay dense.
 The blocks are decoded here, straight from the bytes (the layouts of ggml-quants.c):
     Q4_0  18 B / 32 weights:  d fp16, 16 B nibbles        W = (q - 8) * d
     Q4_1  20 B / 32 weights:  d fp16, m fp16, 16 B        W = q * d + m
@@ -49,6 +50,7 @@ from deepinfer.core.weights.gguf_reader import (
 
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # re-packed exactly to 4 bits
 EXACT_8BIT_TYPES = ("Q8_0",)  # re-packed exactly to 8 bits, with --keep-8bit
+FLOAT_TYPES = ("F32", "F16", "BF16")  # kept dense with ConvertOptions.dense_float
 DEFAULT_REQUANT_GROUP_SIZE = 32  # GGUF's own block granularity
 
 
@@ -199,10 +201,11 @@ class GGUFSource(ConversionSource):
         dense, packed = {}, {}
         for name in names:
             module, _, kind = name.rpartition(".")
-            is_linear = module.rpartition(".")[2] in LINEAR_NAMES
-            if is_linear and kind == "bias":
+            packs = module.rpartition(".")[2] in LINEAR_NAMES and not (
+                self.options.dense_float and self.tensors[f"{module}.weight"].tensor_type.name in FLOAT_TYPES)
+            if packs and kind == "bias":
                 continue  # travels with its weight
-            if not is_linear:
+            if not packs:
                 dense[name] = self._keep(name, summary)
                 continue
             bias = self._dequantized(f"{module}.bias") if f"{module}.bias" in self.tensors else None
@@ -259,7 +262,8 @@ class GGUFSource(ConversionSource):
         values = self._dequantized(name)
         if self.spec.norm_weight_offset and name.endswith("norm.weight"):
             values = values - self.spec.norm_weight_offset
-        stored_dtype = {"F32": torch.float32, "BF16": torch.bfloat16}.get(type_name, torch.float16)
+        stored_dtype = torch.float32 if self.options.dense_float else {
+            "F32": torch.float32, "BF16": torch.bfloat16}.get(type_name, torch.float16)
         kept = values.to(stored_dtype)
         max_error, mean_error = _abs_error(kept, values) if type_name not in ("F32", "F16", "BF16") else (None, None)
         summary.add(TensorRecord(name, KEPT, type_name, str(stored_dtype).removeprefix("torch."), values.numel(),

@@ -24,6 +24,9 @@ class ConvertOptions:
     group_size: int | None = None  # round-to-nearest group; default 128 for HF, 32 for GGUF; -1 per-channel
     sym: bool = False  # symmetric round-to-nearest (zero point 2**(bits-1)) instead of min/max
     keep_8bit: bool = False  # GGUF: Q8_0 exactly to 8 bits, the other non-4-bit types re-quantized to 8 bits
+    # GGUF, as the loader runs a file directly: float (F32/F16/BF16) projections stay dense and every dense
+    # tensor stays float32 (the model's dtype decides, as on the dequantizing path), so nothing loses bits.
+    dense_float: bool = False
 
     @property
     def rtn_bits(self) -> int:
