@@ -3,6 +3,7 @@ sampling settings (the check behind the default model's shipped sampling default
 
     python scripts/measure_default_sampling.py                      # the shipped defaults
     python scripts/measure_default_sampling.py --temperature 0.7 --top-p 0.9   # other settings
+    DEEPINFER_CPU_WEIGHTS=dense python scripts/measure_default_sampling.py      # another CPU layout
 
 A right answer contains the expected keyword (case-insensitive); a loop is an 8-token span that
 occurs three times within the first 200 tokens of an answer to an open prompt. Prints JSON objects
@@ -41,8 +42,11 @@ def main() -> None:
              if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") and v is not None}
     base = SamplingParams(**given)
     resolved = base.with_defaults(llm.sampling_defaults)
+    from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
+
     print(json.dumps({"settings": {k: getattr(resolved, k) for k in given} | {
-        k: llm.sampling_defaults.values[k] for k in llm.sampling_defaults.values if k not in given}}), flush=True)
+        k: llm.sampling_defaults.values[k] for k in llm.sampling_defaults.values if k not in given},
+        "cpu_weights": cpu_weights_mode()}), flush=True)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     start = time.perf_counter()
     conversations = [[{"role": "user", "content": q}] for q, _ in FACTUAL_QUESTIONS for _ in seeds]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.core.bench.cpu_bench import _summary, cpu_tables
+from deepinfer.core.bench.cpu_bench import _summary, cpu_tables, rotated
 
 
 def test_prefill_is_the_first_token_and_decode_the_rate_after_it():
@@ -34,3 +34,19 @@ def test_table_shows_decode_against_hf():
         console.print(table)
     text = console.export_text()
     assert "2.50x" in text and "1.00x" in text
+
+
+def test_decode_cpu_time_is_per_token_after_the_first():
+    # CPU seconds at each of 5 tokens: 0.5 s of CPU over the 4 tokens after the first -> 125 ms a token
+    summary = _summary([[1.0, 2.0]], prompt_len=10, short_runs=[[0.1, 0.2, 0.3, 0.4, 0.5]],
+                       short_cpu_runs=[[0.2, 0.3, 0.45, 0.6, 0.7]])
+    assert summary["decode_cpu_ms_per_token"]["runs"] == pytest.approx([125.0])
+    assert "decode_cpu_ms_per_token" not in _summary([[1.0, 2.0]], prompt_len=10, short_runs=[[0.1, 0.2]],
+                                                     short_cpu_runs=[[]])
+
+
+def test_each_repeat_starts_with_another_subject():
+    names = ["deepinfer_gguf", "deepinfer_converted", "hf_transformers"]
+    orders = [rotated(names, repeat) for repeat in range(4)]
+    assert [order[0] for order in orders] == names + names[:1]
+    assert all(sorted(order) == sorted(names) for order in orders)

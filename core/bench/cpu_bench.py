@@ -10,8 +10,15 @@ Each run is two requests, greedy with EOS ignored, of seeded random ids (the sam
 tokens. Prefill is the long prompt's time to its first token; decode is the rate of the tokens after the first
 ((output_len - 1) / (last - first token)): `decode_tokens_per_s` after the short prompt (a chat's first turns),
 `long_context_decode_tokens_per_s` after the long one. The engine runs with its
-prefix cache off, so a repeat pays its prefill again. The machine may be shared: the load average before and
-after is in the payload, and `repeats` gives mean ± std.
+prefix cache off, so a repeat pays its prefill again.
+
+The machine may be shared (CI's 2 cores serve several jobs): wall-clock rates then measure the neighbours as
+much as the code. So each repeat runs the subjects in a rotated order (repeat r starts with subject r mod 3:
+no subject always runs first, after the HF peer's allocations, or right after the other deepinfer subject), and
+the engine subjects also report the process CPU time per decoded token (`decode_cpu_ms_per_token`,
+time.process_time over every thread of the process, between the first and last token of the short request): what
+the work costs, whatever share of the cores it got. `converted_decode_cpu_vs_gguf` compares the conversion with
+its source on that figure. The load average before and after is in the payload, and `repeats` gives mean ± std.
 """
 
 from __future__ import annotations
@@ -42,32 +49,36 @@ def prompt_ids(workload: CpuWorkload, vocab_size: int, repeat: int) -> list[int]
     return torch.randint(100, vocab_size, (workload.prompt_len,), generator=generator).tolist()
 
 
-def _engine_run(llm, prompt: list[int], output_len: int) -> tuple[list[float], list[int]]:
-    """(receive time of each output token minus the send time, the tokens) of one request through LLMEngine."""
+def _engine_run(llm, prompt: list[int], output_len: int) -> tuple[list[float], list[int], list[float]]:
+    """(receive time of each output token minus the send time, the tokens, the process CPU time at each token
+    minus that at the send) of one request through LLMEngine."""
     from deepinfer.core.engine.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     group = engine.make_request_group(prompt, params)
     times: list[float] = []
+    cpu_times: list[float] = []
     tokens: list[int] = []
-    sent = time.perf_counter()
+    sent, sent_cpu = time.perf_counter(), time.process_time()
     engine.add_request_group(group)
     while engine.has_unfinished_requests():
         outputs, _ = engine.step()
-        now = time.perf_counter() - sent
+        now, now_cpu = time.perf_counter() - sent, time.process_time() - sent_cpu
         for output in outputs:
             produced = output.outputs[0].token_ids
             times.extend([now] * (len(produced) - len(tokens)))
+            cpu_times.extend([now_cpu] * (len(produced) - len(tokens)))
             tokens = list(produced)
-    return times, tokens
+    return times, tokens, cpu_times
 
 
-def _hf_run(model, prompt: list[int], output_len: int) -> tuple[list[float], list[int]]:
+def _hf_run(model, prompt: list[int], output_len: int) -> tuple[list[float], list[int], list[float]]:
+    """(token times, no tokens, no CPU times: the peer's clock is wall time only) of one model.generate."""
     from deepinfer.core.bench.hf_peer import generate_batch
 
     sent, step_times = generate_batch(model, [prompt], output_len, "cpu")
-    return [t - sent for t in step_times], []
+    return [t - sent for t in step_times], [], []
 
 
 def _stat(values: list[float]) -> dict:
@@ -79,13 +90,29 @@ def _decode_rates(runs: list[list[float]]) -> list[float]:
     return [(len(times) - 1) / (times[-1] - times[0]) for times in runs if len(times) > 1 and times[-1] > times[0]]
 
 
-def _summary(runs: list[list[float]], prompt_len: int, short_runs: list[list[float]] | None = None) -> dict:
-    """Token times of the long requests (and the short ones) -> prefill and decode statistics."""
+def _cpu_ms_per_token(runs: list[list[float]]) -> list[float]:
+    """Process CPU times at each token -> CPU milliseconds per token after the first, per run."""
+    return [1000 * (cpu[-1] - cpu[0]) / (len(cpu) - 1) for cpu in runs if len(cpu) > 1]
+
+
+def rotated(names: list[str], repeat: int) -> list[str]:
+    """The subjects in repeat `repeat`'s order: the list rotated left by `repeat`."""
+    shift = repeat % len(names)
+    return names[shift:] + names[:shift]
+
+
+def _summary(runs: list[list[float]], prompt_len: int, short_runs: list[list[float]] | None = None,
+             short_cpu_runs: list[list[float]] | None = None) -> dict:
+    """Token times of the long requests (and the short ones, with their CPU times) -> prefill and decode
+    statistics."""
     prefill = [times[0] for times in runs]
     summary = {"prefill_s": _stat(prefill), "prefill_tokens_per_s": _stat([prompt_len / s for s in prefill]),
                "long_context_decode_tokens_per_s": _stat(_decode_rates(runs))}
     if short_runs is not None:
         summary["decode_tokens_per_s"] = _stat(_decode_rates(short_runs))
+    cpu_ms = _cpu_ms_per_token(short_cpu_runs or [])
+    if cpu_ms:  # the HF peer has no CPU clock
+        summary["decode_cpu_ms_per_token"] = _stat(cpu_ms)
     return summary
 
 
@@ -112,17 +139,22 @@ def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=pr
         run_fns[kind](model, prompt_ids(workload, vocab_size, -1)[:SHORT_PROMPT_TOKENS], 2)
     times: dict[str, list[list[float]]] = {name: [] for name in subjects}
     short_times: dict[str, list[list[float]]] = {name: [] for name in subjects}
+    short_cpu_times: dict[str, list[list[float]]] = {name: [] for name in subjects}
     tokens: dict[str, list[int]] = {}
     for repeat in range(workload.repeats):
         prompt = prompt_ids(workload, vocab_size, repeat)
-        for name, (kind, model) in subjects.items():
+        for name in rotated(list(subjects), repeat):
+            kind, model = subjects[name]
             say(f"run {repeat + 1}/{workload.repeats}: {name}")
-            run_times, run_tokens = run_fns[kind](model, prompt, workload.output_len)
+            run_times, run_tokens, _ = run_fns[kind](model, prompt, workload.output_len)
             times[name].append(run_times)
-            short_times[name].append(run_fns[kind](model, prompt[-SHORT_PROMPT_TOKENS:], workload.output_len)[0])
+            short, _, short_cpu = run_fns[kind](model, prompt[-SHORT_PROMPT_TOKENS:], workload.output_len)
+            short_times[name].append(short)
+            short_cpu_times[name].append(short_cpu)
             if run_tokens and repeat == 0:
                 tokens[name] = run_tokens
-    results = {name: _summary(runs, workload.prompt_len, short_times[name]) for name, runs in times.items()}
+    results = {name: _summary(runs, workload.prompt_len, short_times[name], short_cpu_times[name])
+               for name, runs in times.items()}
     results["deepinfer_gguf"]["model"] = str(gguf)
     results["deepinfer_converted"]["model"] = str(converted)
     results["hf_transformers"].update({"model": str(gguf), "dtype": "float32", "loader": "transformers gguf_file="})
@@ -143,6 +175,8 @@ def run_cpu_benchmark(gguf: Path, converted: Path, workload: CpuWorkload, say=pr
         "gguf_prefill_speed_vs_hf": ratio("deepinfer_gguf", "hf_transformers", "prefill_s", inverse=True),
         "converted_prefill_speed_vs_hf": ratio("deepinfer_converted", "hf_transformers", "prefill_s", inverse=True),
         "converted_decode_vs_gguf": ratio("deepinfer_converted", "deepinfer_gguf", "decode_tokens_per_s"),
+        # > 1: the conversion spends more CPU per decoded token than its source
+        "converted_decode_cpu_vs_gguf": ratio("deepinfer_converted", "deepinfer_gguf", "decode_cpu_ms_per_token"),
         "converted_prefill_speed_vs_gguf": ratio("deepinfer_converted", "deepinfer_gguf", "prefill_s", inverse=True),
     }
     targets = {
@@ -182,7 +216,7 @@ def cpu_tables(payload: dict) -> list:
     table = Table(title=f"CPU, {payload['threads']} threads: {workload['prompt_len']}-token prompt (prefill), "
                         f"{workload['output_len']} greedy tokens after a {SHORT_PROMPT_TOKENS}-token prompt and "
                         f"after the long one")
-    for column in ("subject", "prefill s", "prefill tok/s", "decode tok/s", "decode vs HF",
+    for column in ("subject", "prefill s", "prefill tok/s", "decode tok/s", "decode vs HF", "decode CPU ms/tok",
                    f"decode at {workload['prompt_len']}"):
         table.add_column(column, justify="left" if column == "subject" else "right")
     hf_decode = payload["subjects"]["hf_transformers"]["decode_tokens_per_s"]["mean"]
@@ -191,5 +225,6 @@ def cpu_tables(payload: dict) -> list:
         versus = f"{decode / hf_decode:.2f}x" if decode and hf_decode else "-"
         table.add_row(name, format_mean_std(result["prefill_s"], 2), format_mean_std(result["prefill_tokens_per_s"]),
                       format_mean_std(result["decode_tokens_per_s"]), versus,
+                      format_mean_std(result.get("decode_cpu_ms_per_token")),
                       format_mean_std(result["long_context_decode_tokens_per_s"]))
     return [table]
