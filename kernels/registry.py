@@ -78,7 +78,7 @@ _OPS = (
              "paged GQA decode attention over the block table: split-K + reduce, or one 8-warp CTA a sequence "
              "and KV head (many sequences, bounds up to 1024), or a cluster of 4 such CTAs (few sequences, SM90+); "
              "fp16/bf16/int8 KV",
-             _names("paged_decode_kernel<{dt},{d},{int8},{pipe}{path}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
+             _names("paged_decode_kernel<{dt},{d},{kvq},{pipe}{path}>", dt=_DT, d=(64, 128, 256), kvq=(0, 1, 2),
                     pipe=(0, 1), path=_ATTENTION_PATHS)
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
