@@ -95,8 +95,8 @@ class KVCache:
             self.value_caches[layer][blocks, :, offsets] = value.to(self.dtype)
             return
         for cache, scales, x in ((self.key_caches, self.key_scales, key), (self.value_caches, self.value_scales, value)):
-            if self.quantized == "fp8":
-                cache[layer][blocks, :, offsets] = quantize_fp8(x, scales[layer])
+            if self.quantized == "fp8":  # as bytes: index_put serves uint8 on every device
+                cache[layer].view(torch.uint8)[blocks, :, offsets] = quantize_fp8(x, scales[layer]).view(torch.uint8)
                 continue
             q, scale = quantize_int8(x)
             cache[layer][blocks, :, offsets] = q

@@ -46,9 +46,9 @@ def write_kv_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: 
                              key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> None:
     block_size = key_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
-    if key_cache.dtype == FP8_DTYPE:
-        key_cache[blocks, :, offsets] = quantize_fp8(key, key_scales)
-        value_cache[blocks, :, offsets] = quantize_fp8(value, value_scales)
+    if key_cache.dtype == FP8_DTYPE:  # as bytes: index_put serves uint8 on every device
+        key_cache.view(torch.uint8)[blocks, :, offsets] = quantize_fp8(key, key_scales).view(torch.uint8)
+        value_cache.view(torch.uint8)[blocks, :, offsets] = quantize_fp8(value, value_scales).view(torch.uint8)
         return
     if key_cache.dtype != torch.int8:
         key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
