@@ -90,7 +90,7 @@ _OPS = (
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
              _names("rms_norm_kernel<{dt},{res},{offset}>", dt=_DT, res=(0, 1), offset=(0, 1))),
     KernelOp("rope_cache_write", rope_cache.SOURCE, "RoPE on q/k + paged KV-cache write (fp16/bf16/int8)",
-             _names("rope_cache_kernel<{dt},{int8},{rope}>", dt=_DT, int8=(0, 1), rope=(0, 1))),
+             _names("rope_cache_kernel<{dt},{kvq},{rope}>", dt=_DT, kvq=(0, 1, 2), rope=(0, 1))),
     KernelOp("act_and_mul", act_and_mul.SOURCE, "SiLU / GeLU-tanh gate times up",
              _names("act_and_mul_kernel<{dt},{act}>", dt=_DT, act=(0, 1))),
 )
