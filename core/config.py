@@ -35,7 +35,7 @@ class EngineConfig:
 
     # KV cache
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8 | fp8 | float16 | bfloat16 | float32
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None  # exact block count; overrides every memory budget (tests)
     gpu_memory_utilization: float = 0.90  # fraction of total device memory deepinfer may use
@@ -74,7 +74,7 @@ class EngineConfig:
         self.cpu_kv_cache_memory = parse_size(self.cpu_kv_cache_memory)
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}"),
-            (self.kv_cache_dtype in ("auto", "int8", "float16", "bfloat16", "float32"),
+            (self.kv_cache_dtype in ("auto", "int8", "fp8", "float16", "bfloat16", "float32"),
              f"unknown kv_cache_dtype {self.kv_cache_dtype!r}"),
             (self.block_size in (8, 16, 32, 64, 128), f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}"),
             (0.0 < self.gpu_memory_utilization <= 1.0,

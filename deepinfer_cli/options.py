@@ -52,7 +52,7 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "seed": EngineFlag("Seed of random weights (--dummy-weights) and of benchmark prompts.",
                        commands=_RANDOM_WEIGHT_COMMANDS),
     "block_size": EngineFlag("Tokens per KV-cache block: 8, 16, 32, 64 or 128."),
-    "kv_cache_dtype": EngineFlag("auto (the model dtype), int8, float16, bfloat16 or float32."),
+    "kv_cache_dtype": EngineFlag("auto (the model dtype), int8, fp8 (e4m3), float16, bfloat16 or float32."),
     "enable_prefix_caching": EngineFlag("Share full prompt blocks between requests.", default_text="on"),
     "num_gpu_blocks": EngineFlag("Exactly this many KV blocks; overrides every memory budget."),
     "gpu_memory_utilization": EngineFlag("Fraction of the GPU's memory deepinfer may use."),

@@ -1,8 +1,12 @@
 // Paged decode attention (one new query token per sequence) reading the block table directly, and (at the end of
 // this file) paged prefill attention of tiles of consecutive prompt tokens.
 //
-// KV cache per layer: [num_blocks, num_kv_heads, block_size, D], fp16/bf16 (DT) or int8 with fp16
-// per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale).
+// KV cache per layer: [num_blocks, num_kv_heads, block_size, D], one of (the KVQ template parameter)
+//   0: fp16/bf16 (DT);
+//   1: int8 with fp16 per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale);
+//   2: float8 e4m3 with one fp32 scale per KV head [num_kv_heads] (x = e4m3 * scale), fixed for the kernel's life.
+// Codes are converted to fp16/bf16 pairs in registers just before the mma that needs them; scales multiply the
+// scores (K) and fold into P (V), never the rows.
 //
 // One CTA per (kv head, 16-head tile of its query heads, sequence, split of the context): the query
 // heads that share a KV head are the 16 rows of the mma A operand, so each K/V row is read once for
@@ -26,6 +30,25 @@
 //     thread loads 4 consecutive d of a V row and ends with 8 consecutive outputs d = 32*vb + 8t + {0..7}.
 #include "common.cuh"
 
+// Four e4m3 codes -> two pairs of DT holding the codes' values times 2^-8 (the caller's scales carry the 2^8).
+// Each code's exponent and mantissa bits (e4m3 bias 7) land in a half's low exponent and high mantissa bits
+// (bias 15): a half of value 2^-8 * x, subnormals included, exactly; the kernels never store the NaN code 0x7F.
+// bf16 goes through the exact fp32 values of those halves.
+__device__ __forceinline__ void fp8x4_to_halves(u32 w, u32& p01, u32& p23) {
+  p01 = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
+  p23 = ((w & 0x7F0000u) >> 9) | ((w & 0x800000u) >> 8) | ((w & 0x7F000000u) >> 1) | (w & 0x80000000u);
+}
+
+template <int DT> __device__ __forceinline__ void fp8x4_to_pairs(u32 w, u32& p01, u32& p23) {
+  fp8x4_to_halves(w, p01, p23);
+  if constexpr (DT == 1) {
+    p01 = Num<1>::pack(half_bits_to_float(p01 & 0xFFFFu), half_bits_to_float(p01 >> 16));
+    p23 = Num<1>::pack(half_bits_to_float(p23 & 0xFFFFu), half_bits_to_float(p23 >> 16));
+  }
+}
+// What the kernels multiply an e4m3 cache's per-head scale by (fp8x4_to_pairs' 2^-8).
+constexpr float FP8_PAIR_SCALE = 256.0f;
+
 // A thread's slice of K and V rows: 8 consecutive elements of a K row (KW words as loaded) and 4 of a V
 // row (VW words). Rows are kept as loaded until the mma needs them as fp16/bf16 pairs, so a prefetched int8
 // tile holds half the registers of a converted one.
@@ -35,15 +58,15 @@
 // that way; the block tables, which a gather rewrites every replay, are the suspect), and only the wait makes the
 // cached path safe.
 // SHARED: `base` is a shared-memory tile (the prefill kernel's staged keys, 16-bit only), read with plain loads.
-template <int DT, int KV_INT8, bool SHARED = false>
+template <int DT, int KVQ, bool SHARED = false>
 struct KvRow {
-  static constexpr int KW = KV_INT8 ? 2 : 4, VW = KV_INT8 ? 1 : 2;
+  static constexpr int KW = KVQ ? 2 : 4, VW = KVQ ? 1 : 2;  // int8 and e4m3: one byte an element
   static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
     if constexpr (SHARED) {
-      static_assert(!KV_INT8, "staged tiles hold 16-bit rows");
+      static_assert(!KVQ, "staged tiles hold 16-bit rows");
       const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index);
       w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if constexpr (KV_INT8) {
+    } else if constexpr (KVQ) {
       const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
                             : make_uint2(0, 0);
       w[0] = v.x; w[1] = v.y;
@@ -55,10 +78,10 @@ struct KvRow {
   }
   static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
     if constexpr (SHARED) {
-      static_assert(!KV_INT8, "staged tiles hold 16-bit rows");
+      static_assert(!KVQ, "staged tiles hold 16-bit rows");
       const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index);
       w[0] = v.x; w[1] = v.y;
-    } else if constexpr (KV_INT8) {
+    } else if constexpr (KVQ) {
       w[0] = valid ? __ldcg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
     } else {
       const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
@@ -68,7 +91,10 @@ struct KvRow {
   }
   // 8 elements -> 4 pairs (d, d+1), (d+2, d+3), ...
   static __device__ __forceinline__ void pairs8(const u32 (&w)[KW], u32 (&p)[4]) {
-    if constexpr (KV_INT8) {
+    if constexpr (KVQ == 2) {
+      fp8x4_to_pairs<DT>(w[0], p[0], p[1]);
+      fp8x4_to_pairs<DT>(w[1], p[2], p[3]);
+    } else if constexpr (KVQ) {
       int8x4_to_pairs<DT>(w[0], p[0], p[1]);
       int8x4_to_pairs<DT>(w[1], p[2], p[3]);
     } else {
@@ -77,7 +103,9 @@ struct KvRow {
   }
   // 4 elements -> 2 pairs
   static __device__ __forceinline__ void pairs4(const u32 (&w)[VW], u32 (&p)[2]) {
-    if constexpr (KV_INT8) {
+    if constexpr (KVQ == 2) {
+      fp8x4_to_pairs<DT>(w[0], p[0], p[1]);
+    } else if constexpr (KVQ) {
       int8x4_to_pairs<DT>(w[0], p[0], p[1]);
     } else {
       p[0] = w[0]; p[1] = w[1];
@@ -88,9 +116,9 @@ struct KvRow {
 // What one 16-token tile needs from memory: the rows' addresses, int8 scales, and with PRELOAD
 // (D <= 128) the K and V rows themselves. K rows: tokens tile + 8*nt + g, elements 32c + 8t .. +7;
 // V rows: tokens tile + 2t, 2t+1, 2t+8, 2t+9 (index e), elements 32c + 4g .. +3.
-template <int DT, int D, int KV_INT8, int PRELOAD>
+template <int DT, int D, int KVQ, int PRELOAD>
 struct Tile {
-  using Row = KvRow<DT, KV_INT8>;
+  using Row = KvRow<DT, KVQ>;
   static constexpr int CH = PRELOAD ? D / 32 : 1;
   i64 krow[2], vrow[4];
   bool kvalid[2], vvalid[4];
@@ -105,10 +133,11 @@ struct TileContext {  // per CTA: where the sequence's rows live
   const u16* value_scales;
   const int* table;
   int log2_block_size, num_kv_heads, kv_head, end, g, t;
+  float key_head_scale, value_head_scale;  // e4m3 caches: the KV head's scales times FP8_PAIR_SCALE
 };
 
-template <int DT, int D, int KV_INT8, int PRELOAD>
-__device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int tile, const TileContext& ctx) {
+template <int DT, int D, int KVQ, int PRELOAD>
+__device__ __forceinline__ void fetch_tile(Tile<DT, D, KVQ, PRELOAD>& T, int tile, const TileContext& ctx) {
   const int block_size = 1 << ctx.log2_block_size;
   const i64 head_stride = (i64)block_size * D;
 #pragma unroll
@@ -117,8 +146,8 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
     T.kvalid[nt] = tok < ctx.end;
     const int blk = T.kvalid[nt] ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
     T.krow[nt] = ((i64)blk * ctx.num_kv_heads + ctx.kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
-    T.kscale[nt][0] = T.kscale[nt][1] = 1.0f;
-    if constexpr (KV_INT8) {
+    T.kscale[nt][0] = T.kscale[nt][1] = KVQ == 2 ? ctx.key_head_scale : 1.0f;
+    if constexpr (KVQ == 1) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // scales of this thread's score columns: tokens 2t, 2t+1
         const int ctok = tile + 8 * nt + 2 * ctx.t + e;
@@ -138,8 +167,8 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
     const int blk = T.vvalid[e] ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
     const i64 slot = (i64)blk * ctx.num_kv_heads + ctx.kv_head;
     T.vrow[e] = slot * head_stride + (i64)(tok & (block_size - 1)) * D;
-    T.vscale[e] = 1.0f;
-    if constexpr (KV_INT8) {
+    T.vscale[e] = KVQ == 2 ? ctx.value_head_scale : 1.0f;
+    if constexpr (KVQ == 1) {
       if (T.vvalid[e])
         T.vscale[e] = half_bits_to_float(__ldcg(ctx.value_scales + slot * block_size + (tok & (block_size - 1))));
     }
@@ -149,10 +178,10 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
     for (int c = 0; c < D / 32; ++c) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        KvRow<DT, KV_INT8>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kw[nt][c]);
+        KvRow<DT, KVQ>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kw[nt][c]);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        KvRow<DT, KV_INT8>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vw[e][c]);
+        KvRow<DT, KVQ>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vw[e][c]);
     }
   }
 }
@@ -162,8 +191,8 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KV_INT8, PRELOAD>& T, int
 // Keys at positions >= ctx.end are masked; with ROW_BOUNDS (rows of different query tokens, the prefill kernel)
 // row r sees keys [row_begin[r], row_end[r]) instead. SHARED (with PRELOAD = 0): ctx's caches are a staged tile
 // in shared memory, read chunk by chunk at T's row offsets.
-template <int DT, int D, int KV_INT8, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false>
-__device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>& T, int tile, const TileContext& ctx,
+template <int DT, int D, int KVQ, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false>
+__device__ __forceinline__ void attend_tile(const Tile<DT, D, KVQ, PRELOAD>& T, int tile, const TileContext& ctx,
                                             const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
                                             float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
                                             float (&row_sum)[2], const int (&row_begin)[2] = {0, 0},
@@ -185,11 +214,11 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>&
     for (int nt = 0; nt < 2; ++nt) {
       u32 kf[4];
       if constexpr (PRELOAD) {
-        KvRow<DT, KV_INT8>::pairs8(T.kw[nt][c], kf);
+        KvRow<DT, KVQ>::pairs8(T.kw[nt][c], kf);
       } else {
-        u32 kw[KvRow<DT, KV_INT8>::KW];
-        KvRow<DT, KV_INT8, SHARED>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kw);
-        KvRow<DT, KV_INT8>::pairs8(kw, kf);
+        u32 kw[KvRow<DT, KVQ>::KW];
+        KvRow<DT, KVQ, SHARED>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kw);
+        KvRow<DT, KVQ>::pairs8(kw, kf);
       }
       Num<DT>::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
       Num<DT>::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
@@ -250,11 +279,11 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KV_INT8, PRELOAD>&
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if constexpr (PRELOAD) {
-        KvRow<DT, KV_INT8>::pairs4(T.vw[e][c], vf[e]);
+        KvRow<DT, KVQ>::pairs4(T.vw[e][c], vf[e]);
       } else {
-        u32 vw[KvRow<DT, KV_INT8>::VW];
-        KvRow<DT, KV_INT8, SHARED>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vw);
-        KvRow<DT, KV_INT8>::pairs4(vw, vf[e]);
+        u32 vw[KvRow<DT, KVQ>::VW];
+        KvRow<DT, KVQ, SHARED>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vw);
+        KvRow<DT, KVQ>::pairs4(vw, vf[e]);
       }
     }
 #pragma unroll
@@ -460,13 +489,13 @@ __device__ __forceinline__ void write_partial(float* part_out, float* part_stats
 // may trade registers for more one-warp CTAs an SM. CLUSTER > 1 (the clustered path, SM90+): grid.z is CLUSTER
 // CTAs of one thread-block cluster, whose CLUSTER x WARPS warps take the context's tiles round robin and combine
 // in combine_warps, then combine_cluster; no split, no partials.
-template <int DT, int D, int KV_INT8, int PIPELINE, int WARPS = 1, int CLUSTER = 1>
+template <int DT, int D, int KVQ, int PIPELINE, int WARPS = 1, int CLUSTER = 1>
 __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_kernel(
     const u16* __restrict__ query,          // [B, H, D]
     const void* __restrict__ key_cache,     // [NB, KVH, BS, D]
     const void* __restrict__ value_cache,   // [NB, KVH, BS, D]
-    const u16* __restrict__ key_scales,     // [NB, KVH, BS] fp16 (int8 only)
-    const u16* __restrict__ value_scales,   // [NB, KVH, BS] fp16 (int8 only)
+    const u16* __restrict__ key_scales,     // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
+    const u16* __restrict__ value_scales,   // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
     const int* __restrict__ block_tables,   // [B, max_blocks]
     const int* __restrict__ seq_lens,       // [B]
     u16* __restrict__ out,                  // [B, H, D] (one split)
@@ -497,8 +526,12 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   const int window_start = window > 0 ? max(0, seq_len - window) : 0;
   const int begin = max(split * tokens_per_split, window_start);
   const int end = min(seq_len, (split + 1) * tokens_per_split);
+  // e4m3 scales are written once, before any step, so they are read at once (before the PDL wait)
+  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float value_head_scale =
+      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
   const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
-                        log2_block_size, num_kv_heads, kv_head, end, g, t};
+                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale, value_head_scale};
 
   const u16* qrows[2];
   bool qvalid[2];
@@ -525,24 +558,24 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   // Everything else (the query, the fresh rows, every write) waits.
   const bool settled_first_tile = first + 15 < seq_len - fresh_tokens;
   if constexpr (PRELOAD && PIPELINE) {
-    Tile<DT, D, KV_INT8, PRELOAD> a, b;
+    Tile<DT, D, KVQ, PRELOAD> a, b;
     if (!settled_first_tile) wait_for_prior_grids();
-    fetch_tile<DT, D, KV_INT8, PRELOAD>(a, first, ctx);
+    fetch_tile<DT, D, KVQ, PRELOAD>(a, first, ctx);
     if (settled_first_tile) wait_for_prior_grids();
     for (int tile = first; tile < end; tile += 2 * stride) {
-      fetch_tile<DT, D, KV_INT8, PRELOAD>(b, tile + stride, ctx);
-      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      fetch_tile<DT, D, KVQ, PRELOAD>(b, tile + stride, ctx);
+      attend_tile<DT, D, KVQ, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
       if (tile + stride >= end) break;
-      fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile + 2 * stride, ctx);
-      attend_tile<DT, D, KV_INT8, PRELOAD>(b, tile + stride, ctx, qrows, qvalid, scale, softcap, o, row_max,
+      fetch_tile<DT, D, KVQ, PRELOAD>(a, tile + 2 * stride, ctx);
+      attend_tile<DT, D, KVQ, PRELOAD>(b, tile + stride, ctx, qrows, qvalid, scale, softcap, o, row_max,
                                            row_sum);
     }
   } else {
     wait_for_prior_grids();
     for (int tile = first; tile < end; tile += stride) {
-      Tile<DT, D, KV_INT8, PRELOAD> a;
-      fetch_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx);
-      attend_tile<DT, D, KV_INT8, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      Tile<DT, D, KVQ, PRELOAD> a;
+      fetch_tile<DT, D, KVQ, PRELOAD>(a, tile, ctx);
+      attend_tile<DT, D, KVQ, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   }
 

@@ -31,6 +31,8 @@ from deepinfer.kernels.launch import clusters_available, f32, i32, launch, ptr
 
 SOURCE = "paged_attention.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+# The kernels' KVQ template argument of a quantized cache (0: the query dtype): kernels/paged_attention.cu
+_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
 DECODE_PATHS = ("split", "combined", "clustered")
@@ -79,7 +81,7 @@ def unsupported_reason(operands: AttentionOperands) -> str | None:
     head_dim = operands.head_dim
     if head_dim % 32 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (kernel needs a multiple of 32, at most {MAX_HEAD_DIM})"
-    if operands.kv_dtype not in (operands.dtype, torch.int8):
+    if operands.kv_dtype not in (operands.dtype, *_KV_CODES):
         return f"KV cache dtype {operands.kv_dtype} with query {operands.dtype}"
     if operands.block_size & (operands.block_size - 1):
         return f"block_size {operands.block_size} is not a power of two"
@@ -131,8 +133,8 @@ def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool, 
                  cluster: int = 1) -> str:
     """The split path's kernel (warps == 1) leaves WARPS at its default, the combined path's CLUSTER: the names
     the registry compiles ahead."""
-    dt, head_dim, int8 = _DTYPE_CODES[query.dtype], query.shape[-1], int(key_cache.dtype == torch.int8)
-    name = f"paged_decode_kernel<{dt},{head_dim},{int8},{int(pipelined)}"
+    dt, head_dim, kvq = _DTYPE_CODES[query.dtype], query.shape[-1], _KV_CODES.get(key_cache.dtype, 0)
+    name = f"paged_decode_kernel<{dt},{head_dim},{kvq},{int(pipelined)}"
     return name + (f",{warps},{cluster}>" if cluster > 1 else f",{warps}>" if warps > 1 else ">")
 
 
@@ -161,8 +163,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            tokens_per_split: int | None = None, fresh_tokens: int = 1) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D], on `path` (one of DECODE_PATHS).
 
-    key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype, or int8 with fp16
-    key_scales/value_scales [num_blocks, KVH, block_size]); block_tables [B, max_blocks] int32;
+    key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype; int8 with fp16
+    key_scales/value_scales [num_blocks, KVH, block_size]; or float8_e4m3fn with fp32 key_scales/value_scales
+    [KVH]); block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length including this token); max_seq_len >= every seq_len;
     pipelined: each tile's K/V loaded one tile ahead of its math (more bytes in flight per warp, fewer warps per SM);
     tokens_per_split: the split path's split size (default split_plan's);
@@ -183,7 +186,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if path == "clustered" and not clusters_available(index):
         raise ValueError("the clustered path needs thread-block clusters (SM90+)")
     dt = _DTYPE_CODES[query.dtype]
-    int8 = int(key_cache.dtype == torch.int8)
+    quantized = key_cache.dtype in _KV_CODES
     splits, per_split = plan_for(query, key_cache, max_seq_len, path, pipelined, tokens_per_split)
     warps = 1 if path == "split" else COMBINED_WARPS
     cluster = CLUSTER_CTAS if path == "clustered" else 1
@@ -198,8 +201,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_stats = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=device)
     launch(fn, (num_kv_heads * head_tiles, num_seqs, splits * cluster), (32 * warps, 1, 1), (
-        ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None),
-        ptr(value_scales if int8 else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
+        ptr(query), ptr(key_cache), ptr(value_cache), ptr(key_scales if quantized else None),
+        ptr(value_scales if quantized else None), ptr(block_tables), ptr(seq_lens), ptr(out), ptr(part_out),
         ptr(part_stats), i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
         i32(block_tables.shape[1]), i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0),
         i32(fresh_tokens)), index, cluster=(1, 1, cluster) if cluster > 1 else None)

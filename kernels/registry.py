@@ -79,7 +79,7 @@ _OPS = (
              "paged GQA decode attention over the block table: split-K + reduce, or one 8-warp CTA a sequence "
              "and KV head (many sequences, bounds up to 1024), or a cluster of 4 such CTAs (few sequences, SM90+); "
              "fp16/bf16/int8 KV",
-             _names("paged_decode_kernel<{dt},{d},{int8},{pipe}{path}>", dt=_DT, d=(64, 128, 256), int8=(0, 1),
+             _names("paged_decode_kernel<{dt},{d},{kvq},{pipe}{path}>", dt=_DT, d=(64, 128, 256), kvq=(0, 1, 2),
                     pipe=(0, 1), path=_ATTENTION_PATHS)
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
@@ -91,7 +91,7 @@ _OPS = (
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
              _names("rms_norm_kernel<{dt},{res},{offset}>", dt=_DT, res=(0, 1), offset=(0, 1))),
     KernelOp("rope_cache_write", rope_cache.SOURCE, "RoPE on q/k + paged KV-cache write (fp16/bf16/int8)",
-             _names("rope_cache_kernel<{dt},{int8},{rope}>", dt=_DT, int8=(0, 1), rope=(0, 1))),
+             _names("rope_cache_kernel<{dt},{kvq},{rope}>", dt=_DT, kvq=(0, 1, 2), rope=(0, 1))),
     KernelOp("act_and_mul", act_and_mul.SOURCE, "SiLU / GeLU-tanh gate times up",
              _names("act_and_mul_kernel<{dt},{act}>", dt=_DT, act=(0, 1))),
 )

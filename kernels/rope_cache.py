@@ -9,6 +9,8 @@ from deepinfer.kernels.launch import i32, i64, launch, ptr
 
 SOURCE = "rope_cache.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+# The kernel's KV_INT8 template argument of a quantized cache (0: the activations' dtype): kernels/rope_cache.cu
+_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 MAX_HEAD_DIM = 256
 
 
@@ -17,7 +19,7 @@ def unsupported_reason(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
     blocks (None when it can)."""
     if dtype not in _DTYPE_CODES:
         return f"dtype {dtype} (kernel takes float16/bfloat16)"
-    if kv_dtype not in (dtype, torch.int8):
+    if kv_dtype not in (dtype, *_KV_CODES):
         return f"KV cache dtype {kv_dtype} with activations {dtype}"
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (kernel needs an even head_dim of at most {MAX_HEAD_DIM})"
@@ -60,14 +62,14 @@ def rope_and_cache_write(query: torch.Tensor | None, key: torch.Tensor, value: t
     if num_tokens == 0:
         return query_out, key_out
     num_heads = query.shape[1] if has_rope else 0
-    int8 = int(key_cache.dtype == torch.int8)
+    kvq = _KV_CODES.get(key_cache.dtype, 0)
     block_size = key_cache.shape[2]
     index = key.device.index
-    name = f"rope_cache_kernel<{_DTYPE_CODES[key.dtype]},{int8},{int(has_rope)}>"
+    name = f"rope_cache_kernel<{_DTYPE_CODES[key.dtype]},{kvq},{int(has_rope)}>"
     heads_walked = num_heads + 2 * num_kv_heads  # q heads are skipped without rope (num_heads 0)
     launch(get_kernel(SOURCE, name, index), (num_tokens, -(-heads_walked // 4), 1), (128, 1, 1), (
         ptr(query if has_rope else None), ptr(key), ptr(value), ptr(cos), ptr(sin), ptr(query_out), ptr(key_out),
-        ptr(key_cache), ptr(value_cache), ptr(key_scales if int8 else None), ptr(value_scales if int8 else None),
+        ptr(key_cache), ptr(value_cache), ptr(key_scales if kvq else None), ptr(value_scales if kvq else None),
         ptr(slot_mapping.to(torch.int64).contiguous()), i32(num_heads), i32(num_kv_heads), i32(head_dim),
         i32(block_size.bit_length() - 1), i64(query.stride(0) if has_rope else 0), i64(key.stride(0)),
         i64(value.stride(0))), index)

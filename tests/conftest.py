@@ -161,7 +161,7 @@ class PagedRunner:
     """
 
     def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0,
-                 kv_dtype: torch.dtype | None = None, quantized_kv: bool = False) -> None:
+                 kv_dtype: torch.dtype | None = None, quantized_kv: str | None = None) -> None:
         import random
 
         from deepinfer.core.kv.cache import KVCache

@@ -153,15 +153,17 @@ class LogitsRecorder:
         return self.sampler.sample(logits, rows, grammar_mask)
 
 
-def test_int8_kv_stays_close_to_fp16(loaded):
+# e4m3 keeps 3 mantissa bits; the random model's near-flat logits turn its small errors into other greedy picks
+@pytest.mark.parametrize("kv_dtype,bound,agreement", [("int8", 0.02, 0.9), ("fp8", 0.06, 0.6)])
+def test_quantized_kv_stays_close_to_fp16(loaded, kv_dtype, bound, agreement):
     prompts = [prompt(length, 30 + i) for i, length in enumerate([5, 12, 24, 40, 57, 80])]
     runs = {}
-    for kv_dtype in ("float16", "int8"):
-        engine = make_engine(loaded, kv_cache_dtype=kv_dtype)
+    for dtype in ("float16", kv_dtype):
+        engine = make_engine(loaded, kv_cache_dtype=dtype)
         engine.runner.sampler = LogitsRecorder(engine.runner.sampler)
         outputs = run(engine, [(p, greedy(16)) for p in prompts])
-        runs[kv_dtype] = ([o.token_ids for o in outputs], engine.runner.sampler.logits)
-    (tokens16, logits16), (tokens8, logits8) = runs["float16"], runs["int8"]
+        runs[dtype] = ([o.token_ids for o in outputs], engine.runner.sampler.logits)
+    (tokens16, logits16), (tokens8, logits8) = runs["float16"], runs[kv_dtype]
     max_diff, agree, total = 0.0, 0, 0
     for p, t16, t8 in zip(prompts, tokens16, tokens8):
         steps = next((i for i, (a, b) in enumerate(zip(t16, t8)) if a != b), len(t16)) + 1
@@ -170,10 +172,10 @@ def test_int8_kv_stays_close_to_fp16(loaded):
         agree += sum(a == b for a, b in zip(t16, t8))
         total += len(t16)
     logit_scale = max(x.abs().max().item() for xs in logits16.values() for x in xs)
-    print(f"INT8 vs FP16 KV: max |logit diff| {max_diff:.4f} (logits up to {logit_scale:.2f}), "
+    print(f"{kv_dtype} vs FP16 KV: max |logit diff| {max_diff:.4f} (logits up to {logit_scale:.2f}), "
           f"greedy token agreement {agree}/{total}")
-    assert max_diff < 0.02 * logit_scale
-    assert agree >= 0.9 * total
+    assert max_diff < bound * logit_scale
+    assert agree >= agreement * total
 
 
 def test_sampling_parameters_are_wired_through(loaded):

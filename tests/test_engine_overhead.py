@@ -139,7 +139,7 @@ def _dequantized(layer: QuantLinear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend_type", [TorchPagedAttention, NativePagedAttention])
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "int8", "fp8"])
 def test_backend_with_kv_written_attends_over_what_the_caller_wrote(backend_type, quantized):
     block_size, heads, kv_heads, head_dim = 4, 4, 2, 8
     chunks = [SequenceChunk([3, 1], 5, 1), SequenceChunk([0, 2, 6], 0, 9)]  # a decode, then a prefill

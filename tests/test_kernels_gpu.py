@@ -443,8 +443,9 @@ def test_kernels_capture_and_replay_in_a_cuda_graph_bit_for_bit():
         assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dtype,bits,int8_kv,bound", [(FP16, 4, False, 5e-3), (BF16, 3, True, 3e-2)])
-def test_tiny_model_native_logits_match_the_reference_path(dtype, bits, int8_kv, bound):
+@pytest.mark.parametrize("dtype,bits,kv_quantization,bound", [(FP16, 4, None, 5e-3), (BF16, 3, "int8", 3e-2),
+                                                              (FP16, 4, "fp8", 3e-2)])
+def test_tiny_model_native_logits_match_the_reference_path(dtype, bits, kv_quantization, bound):
     """A 2-layer SmolLM2-shaped Llama (K = 576: not whole 128-code segments) quantized RTN G64, over prefill, mixed
     and decode steps: native kernels against every op forced onto torch (the W3 / int8-KV model's bound is wider:
     3-bit weights and int8 caches round more)."""
@@ -457,10 +458,10 @@ def test_tiny_model_native_logits_match_the_reference_path(dtype, bits, int8_kv,
     tokens = {name: torch.randint(0, VOCAB, (48,), generator=generator).to(DEVICE) for name in "abc"}
     with forced_reference(True):
         model.attention_backend = TorchPagedAttention()
-        reference = run_steps(model, DEVICE, int8_kv, tokens)
+        reference = run_steps(model, DEVICE, kv_quantization, tokens)
     with forced_reference(False):
         model.attention_backend = NativePagedAttention()
-        native = run_steps(model, DEVICE, int8_kv, tokens)
+        native = run_steps(model, DEVICE, kv_quantization, tokens)
     assert_close(native, reference, bound)
 
 
@@ -480,8 +481,8 @@ def test_dispatch_takes_the_kernel_on_gpu(caplog, monkeypatch):
         "kernel, reference (dtype torch.float32 (kernel takes float16/bfloat16))")
 
 
-@pytest.mark.parametrize("dtype,int8_kv", [(FP16, False), (BF16, True)])
-def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype, int8_kv, caplog, monkeypatch):
+@pytest.mark.parametrize("dtype,kv_quantization", [(FP16, None), (BF16, "int8"), (FP16, "fp8")])
+def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype, kv_quantization, caplog, monkeypatch):
     """The decoder rotates q/k and writes K/V with the rope_cache_write kernel, then calls the backend with
     kv_written=True: the native backend (paged decode kernel) and the torch backend (SDPA over the same
     cache) must give the same logits over prefill, mixed and decode steps, and neither writes K/V again."""
@@ -508,7 +509,7 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
         model.attention_backend = backend
         spec = model.spec
         cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, DEVICE,
-                        quantized=int8_kv)
+                        quantized=kv_quantization)
         rows = []
         with torch.no_grad():
             for step in steps:
@@ -520,7 +521,7 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
         logits[backend.name] = torch.cat(rows)
     messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer.ops"]
     assert "rope_cache_write: CUDA kernel" in messages and "paged_decode_attention: CUDA kernel" in messages
-    assert_close(logits["native"], logits["torch"], 2e-2 if int8_kv else 5e-3)
+    assert_close(logits["native"], logits["torch"], 2e-2 if kv_quantization else 5e-3)
 
 
 def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(caplog, monkeypatch):

@@ -87,7 +87,7 @@ def test_act_and_mul_reference_formulas():
         act_and_mul(gate, up, "relu")
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "int8", "fp8"])
 def test_rotary_and_cache_write_matches_hf_rope_and_kv_cache(quantized):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -117,7 +117,8 @@ def test_rotary_and_cache_write_matches_hf_rope_and_kv_cache(quantized):
     assert torch.equal(got.value_caches[0], expected.value_caches[0])
 
 
-@pytest.mark.parametrize("window,softcap,quantized", [(None, None, False), (5, None, False), (None, 20.0, True)])
+@pytest.mark.parametrize("window,softcap,quantized", [(None, None, None), (5, None, None), (None, 20.0, "int8"),
+                                                       (5, 20.0, "fp8")])
 def test_paged_decode_reference_matches_torch_backend(window, softcap, quantized):
     heads, kv_heads, head_dim, block_size = 6, 2, 8, 4
     cache = KVCache(1, 16, block_size, kv_heads, head_dim, torch.float32, "cpu", quantized)

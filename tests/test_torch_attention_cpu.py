@@ -71,7 +71,7 @@ def test_the_causal_path_serves_only_first_chunks():
     assert [group.starts_at_zero for group in backend._groups] == [False]
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "int8", "fp8"])
 def test_read_context_is_read_blocks_in_request_head_order(quantized):
     cache = KVCache(2, 12, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu", quantized=quantized)
     slots = torch.arange(12 * BLOCK)

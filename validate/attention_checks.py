@@ -9,7 +9,7 @@ from deepinfer.core.bench.paged_kv import random_paged_kv
 from deepinfer.core.ops.paged_attention import paged_decode_attention_reference
 from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compare, guarded, poisoned
 
-# (dtype, int8 KV, heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split, bound).
+# (dtype, KV storage (False: the dtype, True: int8, "fp8": e4m3), heads, kv heads, head_dim, block size, context lengths, window, softcap, tokens/split, bound).
 # bound: the max_seq_len passed (None: the longest context); a bound past every context is the CUDA-graph case,
 # whose block tables are as wide as the bound. Bounds up to COMBINED_MAX_SEQ_LEN (1024) without tokens/split run on
 # the combined path (one CTA of 8 warps a sequence) and the clustered path (a cluster of such CTAs), forced whatever
@@ -36,6 +36,15 @@ ATTENTION_CASES = (
     (torch.bfloat16, False, 32, 1, 128, 64, (1, 300, 999), 64, None, None, 1024),  # GQA 32: two head tiles
     (torch.bfloat16, False, 4, 4, 96, 64, (65, 129), None, None, None, None),
     (torch.float16, False, 16, 2, 128, 16, tuple(range(1, 1025, 33)), None, None, None, 1024),  # 32 sequences
+    # e4m3 caches: odd lengths, block sizes 8-128, windows, softcaps, GQA 1-16, head_dim 64-256, every path
+    (torch.float16, "fp8", 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
+    (torch.bfloat16, "fp8", 16, 2, 128, 32, (3, 129, 2049), 100, 50.0, None, None),
+    (torch.float16, "fp8", 9, 3, 64, 128, (5, 700, 1000), 256, None, None, None),
+    (torch.bfloat16, "fp8", 16, 2, 256, 64, (3, 129, 1000), 100, 50.0, None, 1024),
+    (torch.float16, "fp8", 8, 8, 64, 8, (1, 15, 16, 17, 300), None, None, None, 1024),
+    (torch.bfloat16, "fp8", 16, 2, 128, 16, (1, 15, 16, 17, 300, 1024), None, 30.0, None, None),
+    (torch.float16, "fp8", 16, 2, 128, 16, (1, 8191, 16384, 32767), None, None, None, None),  # few long streams
+    (torch.bfloat16, True, 16, 2, 128, 8, (1, 8191, 16384, 32767), None, None, None, None),
 )
 
 
@@ -54,7 +63,7 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
         for path, pipelined in ((p, pipe) for p in paths for pipe in ((True, False) if head_dim <= 128 else (True,))):
             context = (f"ctx={list(lengths)}" if len(lengths) <= 8
                        else f"{len(lengths)} ctx {min(lengths)}..{max(lengths)}")
-            case = (f"{path} {DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
+            case = (f"{path} {DTYPE_NAMES[dtype]} {'fp8' if int8 == 'fp8' else 'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
                     f"D={head_dim} bs={block_size} {context} bound={bound}" + (f" window={window}" if window else "")
                     + (f" softcap={softcap}" if softcap else "") + (f" tokens/split={per_split}" if per_split else "")
                     + ("" if pipelined else " in-step loads"))
@@ -63,8 +72,8 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
                     block_size=block_size, lengths=lengths, window=window, softcap=softcap, per_split=per_split,
                     bound=bound, pipelined=pipelined, case=case, path=path):
                 k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
-                    lengths, kv_heads, head_dim, block_size, dtype, int8, device,
-                    table_blocks=-(-bound // block_size))
+                    lengths, kv_heads, head_dim, block_size, dtype, int8 is True, device,
+                    table_blocks=-(-bound // block_size), fp8=int8 == "fp8")
                 seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
                 query = torch.randn(len(lengths), heads, head_dim, dtype=dtype, device=device)
                 scale = head_dim**-0.5

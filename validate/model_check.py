@@ -73,10 +73,10 @@ STEPS = (
 
 
 @torch.no_grad()
-def run_steps(model: DecoderModel, device, int8_kv: bool, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+def run_steps(model: DecoderModel, device, kv_quantization: str | None, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
     spec = model.spec
     cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, model.model.norm.weight.dtype,
-                    device, quantized=int8_kv)
+                    device, quantized=kv_quantization)
     tables = {"a": [3, 7, 1, 12], "b": [5, 0], "c": [9]}
     logits = []
     for step in STEPS:
@@ -89,19 +89,19 @@ def run_steps(model: DecoderModel, device, int8_kv: bool, tokens: dict[str, torc
     return torch.cat(logits)
 
 
-def check_tiny_model(device, dtype: torch.dtype, bits: int, group_size: int, int8_kv: bool,
+def check_tiny_model(device, dtype: torch.dtype, bits: int, group_size: int, kv_quantization: str | None,
                      rel_tol: float) -> CheckResult:
     case = (f"tiny Llama {str(dtype).removeprefix('torch.')} W{bits}A16 G{group_size} "
-            f"{'int8' if int8_kv else 'same-dtype'} KV: native vs reference logits")
+            f"{kv_quantization or 'same-dtype'} KV: native vs reference logits")
     model = build_tiny_llama(dtype, device, bits, group_size)
     generator = torch.Generator().manual_seed(1)
     tokens = {name: torch.randint(0, VOCAB, (48,), generator=generator).to(device) for name in "abc"}
     with forced_reference(True):
         model.attention_backend = TorchPagedAttention()
-        reference = run_steps(model, device, int8_kv, tokens)
+        reference = run_steps(model, device, kv_quantization, tokens)
     with forced_reference(False):
         model.attention_backend = NativePagedAttention()
-        native = run_steps(model, device, int8_kv, tokens)
+        native = run_steps(model, device, kv_quantization, tokens)
     result = compare("end_to_end", case, native, reference, rel_tol)
     agree = float((native.argmax(-1) == reference.argmax(-1)).float().mean())
     result.detail = f"argmax agreement {agree:.3f} over {native.shape[0]} next-token positions"

@@ -74,11 +74,12 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
     if "cuda_graph" in groups:
         results += guarded("cuda_graph", "capture + replay", lambda: check_cuda_graph(device))
     if "end_to_end" in groups:
-        for dtype, bits, group, int8_kv, tol in ((torch.float16, 4, 64, False, 5e-3),
-                                                 (torch.bfloat16, 3, 64, True, 3e-2)):
-            results += guarded("end_to_end", f"tiny Llama {dtype} W{bits}",
-                               lambda dtype=dtype, bits=bits, group=group, int8_kv=int8_kv, tol=tol:
-                               check_tiny_model(device, dtype, bits, group, int8_kv, tol))
+        for dtype, bits, group, kv_quantization, tol in ((torch.float16, 4, 64, None, 5e-3),
+                                                         (torch.bfloat16, 3, 64, "int8", 3e-2),
+                                                         (torch.float16, 4, 64, "fp8", 3e-2)):
+            results += guarded("end_to_end", f"tiny Llama {dtype} W{bits} {kv_quantization or 'same-dtype'} KV",
+                               lambda dtype=dtype, bits=bits, group=group, kv_quantization=kv_quantization, tol=tol:
+                               check_tiny_model(device, dtype, bits, group, kv_quantization, tol))
 
     report["results"] = [result.to_dict() for result in results]
     report["summary"] = summarize(results)

@@ -69,10 +69,10 @@ def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> li
     results = []
     num_tokens, num_blocks, block_size = 11, 20, 16
     for dtype in dtypes:
-        for int8 in (False, True):
+        for int8 in (False, True, "fp8"):
             for heads, kv_heads, head_dim, rope in ((32, 8, 128, True), (9, 3, 64, True), (8, 4, 256, True),
                                                     (32, 8, 128, False)):
-                case = (f"{DTYPE_NAMES[dtype]} {'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
+                case = (f"{DTYPE_NAMES[dtype]} {'fp8' if int8 == 'fp8' else 'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
                         f"D={head_dim} " + ("rope+write" if rope else "write only"))
 
                 def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim, rope=rope,
@@ -83,7 +83,12 @@ def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                     cos, sin = rope_tables(num_tokens, head_dim, dtype, device)
                     slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
                     shape = (num_blocks, kv_heads, block_size, head_dim)
-                    if int8:
+                    if int8 == "fp8":  # 0x7F, the NaN code the kernels never write; scales per KV head
+                        caches = [torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+                                  for _ in range(4)]
+                        scales = [torch.rand(kv_heads, device=device) + 0.05] * 2
+                        scales += scales
+                    elif int8:
                         caches = [torch.full(shape, -128, dtype=torch.int8, device=device) for _ in range(4)]
                         scales = [poisoned(shape[:3], torch.float16, device) for _ in range(4)]
                     else:
@@ -105,7 +110,7 @@ def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                     for name, got, want, got_s, want_s in (("k cache", caches[0], caches[2], scales[0], scales[2]),
                                                            ("v cache", caches[1], caches[3], scales[1], scales[3])):
                         got_rows, want_rows = got[blocks, :, offsets].float(), want[blocks, :, offsets].float()
-                        if int8:
+                        if int8 is True:  # e4m3 codes compare as they are (the same fixed scales)
                             got_rows = got_rows * got_s[blocks, :, offsets].float().unsqueeze(-1)
                             want_rows = want_rows * want_s[blocks, :, offsets].float().unsqueeze(-1)
                         result = compare("rope_cache_write", f"{case} {name}", got_rows, want_rows, REL_TOL[dtype])

@@ -279,25 +279,27 @@ def _torch_decode(query, k_cache, v_cache, tables, seq_lens, max_seq_len: int, s
 def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, contexts=ATTENTION_CONTEXTS,
                           heads: int = 32, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                           dtype: torch.dtype = torch.float16, int8: bool = False, repeats: int = 5,
-                          torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None) -> list[dict]:
+                          torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None,
+                          fp8: bool = False) -> list[dict]:
     """Decode attention on the path dispatch picks for each batch and context (core/ops/paged_attention_table.py),
-    with the pipelined loads or (`pipelined`) the other variant."""
+    with the pipelined loads or (`pipelined`) the other variant; over an int8 or (`fp8`) e4m3 cache."""
     from deepinfer.core.ops import paged_attention_table
     from deepinfer.core.ops.paged_attention import decode_path
     from deepinfer.kernels.paged_attention import AttentionOperands, paged_decode_attention, plan_for
 
     pipelined = paged_attention_table.PIPELINED if pipelined is None else pipelined
-    operands = AttentionOperands(dtype, heads, kv_heads, head_dim, torch.int8 if int8 else dtype, block_size)
+    kv_dtype = torch.int8 if int8 else torch.float8_e4m3fn if fp8 else dtype
+    operands = AttentionOperands(dtype, heads, kv_heads, head_dim, kv_dtype, block_size)
 
     records = []
-    element = 1 if int8 else torch.tensor([], dtype=dtype).element_size()
+    element = torch.tensor([], dtype=kv_dtype).element_size()
     for num_seqs in batches:
         for context in contexts:
             kv_bytes = 2 * num_seqs * context * kv_heads * (head_dim * element + (2 if int8 else 0))
             copies = max(1, min(256, -(-ROTATE_BYTES // kv_bytes)))
             lengths = [context] * (num_seqs * copies)
             k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
-                lengths, kv_heads, head_dim, block_size, dtype, int8, device, spare_blocks=0)
+                lengths, kv_heads, head_dim, block_size, dtype, int8, device, spare_blocks=0, fp8=fp8)
             seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
             query = torch.randn(num_seqs, heads, head_dim, dtype=dtype, device=device)
             outs = [torch.empty_like(query) for _ in range(copies)]
@@ -317,7 +319,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
             splits, per_split = plan_for(query, k_cache, context, path, pipelined)
             record = {
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "same",
+                "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "fp8" if fp8 else "same",
                 "pipelined": pipelined, "default_variant": pipelined == paged_attention_table.PIPELINED,
                 "path": path,
                 "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
@@ -326,7 +328,7 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                 "torch_us_mean": None, "speedup_vs_torch": None,
             }
             gathered = 2 * num_seqs * context * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-            if not int8 and gathered <= torch_baseline_max_bytes:
+            if kv_dtype == dtype and gathered <= torch_baseline_max_bytes:
                 baseline = functools.partial(_torch_decode, query, k_cache, v_cache, table_sets[0], seq_lens,
                                              context, scale)
                 for _ in range(2):
@@ -376,6 +378,8 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
         attention_records = bench_paged_attention(device, copy["gbps_mean"], repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096, 16384),
                                                    int8=True, repeats=repeats)
+        attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096, 16384),
+                                                   fp8=True, repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16,), contexts=(4096,),
                                                    heads=9, kv_heads=3, head_dim=64, repeats=repeats)
         attention_records += bench_paged_attention(device, copy["gbps_mean"], batches=(16, 64), contexts=(4096, 16384),

@@ -271,7 +271,7 @@ class LLMEngine:
             "family": self.spec.family,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": "int8" if self.kv_quantized else str(self.kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_quantized or str(self.kv_dtype).removeprefix("torch."),
             "attention_backend": getattr(backend, "name", type(backend).__name__),
             "kernels": kernel_summary(self.device),
             "cuda_graphs": graphs,

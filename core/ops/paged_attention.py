@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.core.kv.cache import code_scales
 from deepinfer.core.ops import dispatch
 from deepinfer.core.ops import paged_attention_table as table
 from deepinfer.kernels import paged_attention as kernels
@@ -54,7 +55,7 @@ def paged_decode_attention_reference(query: torch.Tensor, key_cache: torch.Tenso
     def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         x = cache[blocks].float()  # [B, nb, KVH, bs, D]
         if scales is not None:
-            x = x * scales[blocks].float().unsqueeze(-1)
+            x = x * code_scales(scales, blocks).float()
         return x.transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks * block_size, head_dim)
 
     keys, values = gather(key_cache, key_scales), gather(value_cache, value_scales)  # [B, KVH, S, D]

@@ -1,7 +1,8 @@
 """RoPE on q/k fused with the paged KV-cache write; and the cache write alone.
 
-Cache layout (core/kv/cache.py): [num_blocks, num_kv_heads, block_size, head_dim] per layer, int8
-with fp16 per-token, per-head scales [num_blocks, num_kv_heads, block_size] when quantized.
+Cache layout (core/kv/cache.py): [num_blocks, num_kv_heads, block_size, head_dim] per layer; int8 with fp16
+per-token, per-head scales [num_blocks, num_kv_heads, block_size], or float8 e4m3 with fixed per-head scales
+[num_kv_heads] float32 (the cache dtype says which).
 A token with flat slot s lands in block s // block_size at offset s % block_size.
 """
 
@@ -11,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer.core.kv.cache import quantize_int8
+from deepinfer.core.kv.cache import FP8_DTYPE, quantize_fp8, quantize_int8
 from deepinfer.core.ops import dispatch
 from deepinfer.kernels import rope_cache as kernels
 
@@ -45,6 +46,10 @@ def write_kv_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: 
                              key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> None:
     block_size = key_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [T]
+    if key_cache.dtype == FP8_DTYPE:  # as bytes: index_put serves uint8 on every device
+        key_cache.view(torch.uint8)[blocks, :, offsets] = quantize_fp8(key, key_scales).view(torch.uint8)
+        value_cache.view(torch.uint8)[blocks, :, offsets] = quantize_fp8(value, value_scales).view(torch.uint8)
+        return
     if key_cache.dtype != torch.int8:
         key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
         value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
@@ -58,7 +63,7 @@ def write_kv_cache_reference(key: torch.Tensor, value: torch.Tensor, key_cache: 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, key_scales: torch.Tensor | None = None,
                    value_scales: torch.Tensor | None = None) -> None:
-    """Store key/value [T, KVH, D] at slot_mapping [T] int64 (quantizing for an int8 cache)."""
+    """Store key/value [T, KVH, D] at slot_mapping [T] int64 (quantizing for an int8 or fp8 cache)."""
     case = CacheWriteCase((key.device, value.device, key_cache.device), key.dtype, key_cache.dtype, key.shape[-1],
                           key_cache.shape[2], True)
     if dispatch.decide(WRITE_OP, case, _reason, (key, value)):

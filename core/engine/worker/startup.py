@@ -28,7 +28,7 @@ from deepinfer.core.engine.worker.cuda_graphs import PaddedStepRunner
 from deepinfer.core.engine.worker.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from deepinfer.core.engine.worker.model_runner import ModelRunner
 from deepinfer.core.errors import DeepInferError
-from deepinfer.core.kv.cache import KVCache
+from deepinfer.core.kv.cache import QUANTIZATIONS, STORAGE_DTYPES, KVCache
 from deepinfer.core.kv.kv_manager import cdiv
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class EngineRuntime:
     """What start-up built around the model."""
 
     decode_mode: str  # "graphs" | "padded" | "eager"
-    kv_dtype: torch.dtype  # the model's dtype for "auto" and "int8"
-    kv_quantized: bool  # int8 KV with per-token-per-head scales
+    kv_dtype: torch.dtype  # the model's dtype for "auto", "int8" and "fp8"
+    kv_quantized: str | None  # "int8" or "fp8" (core/kv/cache.py QUANTIZATIONS), None for plain storage
     kv_budget: KVBudget
     max_model_len: int  # the model's (or the config's), lowered to what the pool holds
     kv_cache: KVCache
@@ -80,9 +80,9 @@ def start_up(config: EngineConfig, model, spec, device: torch.device, dtype: tor
 class _Startup:
     def __init__(self, config: EngineConfig, model, spec, device: torch.device, dtype: torch.dtype) -> None:
         self.config, self.model, self.spec, self.device, self.dtype = config, model, spec, device, dtype
-        self.kv_quantized = config.kv_cache_dtype == "int8"
-        self.kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # "auto" and "int8": the model's dtype
-        self.kv_storage_dtype = torch.int8 if self.kv_quantized else self.kv_dtype
+        self.kv_quantized = config.kv_cache_dtype if config.kv_cache_dtype in QUANTIZATIONS else None
+        self.kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # "auto", "int8" and "fp8": the model's dtype
+        self.kv_storage_dtype = STORAGE_DTYPES.get(self.kv_quantized, self.kv_dtype)
         self.decode_mode = "eager"
 
     def run(self, decode_mode: str | None) -> EngineRuntime:
