@@ -41,7 +41,7 @@ FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated 
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_TILE_TOKENS = (33, 256)  # the fragment kernel's 64-token tile (kernels/w4_fragment_gemm.py: LARGE_TILE) ...
-FRAGMENT_TILE_ROW = False  # ... serves there once `bench gemv` measures it faster than w4_gemm and dense (to be measured)
+FRAGMENT_TILE_ROW = False  # ... off: measured slower than w4_gemm and dense there (KERNELS.md)
 
 
 class ProductShape(NamedTuple):
@@ -233,8 +233,8 @@ PRODUCT_TABLE = (
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
     ProductRow("fragment", fragment_tile_serves, fragment,
                "the same kernel's 64-token tile at 33-256 tokens: each weight byte unpacked once for 64 tokens where "
-               "the 32-token shape re-reads it a token tile; off until bench gemv compares it with w4_gemm and "
-               "dequantize + cuBLAS on an H200 (to be measured)"),
+               "the 32-token shape re-reads it a token tile; off: slower than w4_gemm or dense at 64-256 tokens on "
+               "3B and 7B MLP products but one point (results/bench_gemv_qwen2.5-w4a16-fragment-64-tile_nvidia_h200.json)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
@@ -248,11 +248,11 @@ PRODUCT_TABLE = (
                "dequantize + cuBLAS costs about the same at any token count and beats the packed kernels beyond 32 "
                "tokens, beyond 64 on wide products (results/bench_gemv_dense_w4_nvidia_h200.json)"),
     ProductRow("tcs", lambda s: s.tokens <= TC_MAX_TOKENS and wide(s) and tc_takes(s), packed_kernel("tcs"),
-               "fastest on wide W4 products at 1-32 tokens (results/bench_gemv_tcs_bf16_nvidia_h200.json)"),
+               "fastest on wide W4 products at 1-32 tokens (6232077:results/bench_gemv_tcs_bf16_nvidia_h200.json)"),
     ProductRow("tc", lambda s: (s.tokens <= TC_FEW_TOKENS or (s.tokens <= TC_MAX_TOKENS and long_k(s))) and tc_takes(s),
                packed_kernel("tc"),
                "fastest W4 kernel at 2-8 tokens and on long K up to 32; at one token it ties gemv alone and wins "
-               "under programmatic dependent launch (results/bench_gemv_tc_registers_bf16_nvidia_h200.json, "
+               "under programmatic dependent launch (6232077:results/bench_gemv_tc_registers_bf16_nvidia_h200.json, "
                "e0c504d:results/pdl_and_l2_prefetch_experiments_qwen2.5-3b_nvidia_h200.json)"),
     ProductRow("stream", lambda s: s.tokens == 1 and long_k(s) and s.out_features <= s.in_features,
                packed_kernel("stream"),
