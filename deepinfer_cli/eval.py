@@ -50,7 +50,7 @@ def eval_command(text: TextOpt, model: ModelOpt = None, quantization: QuantOpt =
     from deepinfer.cli.bench import _write_and_show
     from deepinfer.core.bench.env_info import env_info
     from deepinfer.core.config import EngineConfig
-    from deepinfer.core.engine.startup import resolve_device, resolve_dtype
+    from deepinfer.core.engine.worker.startup import resolve_device, resolve_dtype
     from deepinfer.core.eval.quality import evaluate, quality_table
     from deepinfer.core.eval.windows import plan_windows
     from deepinfer.core.models.loader import load_model

@@ -2,14 +2,14 @@
 
 The engine computes logits for a request's last token only; an evaluation needs them at every position,
 so it drives the DecoderModel directly: the window is one prefill chunk (positions 0 .. T-1) in a fresh
-cache, staged as the engine's eager runner stages a step (core/engine/step_inputs.py).
+cache, staged as the engine's eager runner stages a step (core/engine/worker/step_inputs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.core.engine.step_inputs import SequenceChunk, build_attention_metadata
+from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.models.decoder import DecoderModel
 
