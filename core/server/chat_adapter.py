@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from deepinfer.core.server.protocol import ChatCompletionRequest
-from deepinfer.core.server.serving import ServingEngine
+from deepinfer.core.server.serving import ServingEngine, sse_json
 from deepinfer.core.server.serving_chat import PreparedChat, create_chat_completion
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
@@ -144,4 +144,4 @@ async def _read_chunks(events: AsyncIterator[str]) -> AsyncIterator[dict]:
 
 def named_sse(event: str, payload: dict) -> str:
     """One server-sent event with its name, as Anthropic and the Responses API stream them."""
-    return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"event: {event}\ndata: {sse_json(payload)}\n\n"

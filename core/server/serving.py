@@ -42,9 +42,19 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Code points that str.splitlines() (and clients built on it, such as httpx's aiter_lines) takes for
+# line ends although SSE ends lines only at CR / LF; JSON leaves them raw inside strings unless escaped.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: dict) -> str:
+    """`payload` as one line of JSON for an event's `data:`, UTF-8 kept, whatever text it holds."""
+    return json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+
+
 def sse(payload: dict | str) -> str:
     """One server-sent event as OpenAI streams them: `data: <json>` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else sse_json(payload)
     return f"data: {data}\n\n"
 
 
