@@ -78,6 +78,8 @@ def test_a_stream_sends_the_apis_events_and_the_same_response(client, answer):
     assert deltas == answer.output_text == events[-4].text
     final = events[-1].response
     assert final.output_text == answer.output_text and final.usage.output_tokens == answer.usage.output_tokens
+    assert [item.status for item in final.output] == [item.status for item in answer.output]
+    assert events[-2].item.status == answer.output[-1].status
 
 
 def test_a_function_call_round_trip(client):

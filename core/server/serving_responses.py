@@ -160,7 +160,8 @@ async def _events(envelope: _Envelope, chunks):
         else:
             closing = [event("response.function_call_arguments.done", **where, name=part.name,
                              arguments=part.text)]
-        done.append(_item(part, ids[part.index], "completed"))
+        # a part still open when max_output_tokens cut the reply is incomplete, as the non-streamed answer says
+        done.append(_item(part, ids[part.index], "incomplete" if reply.finish_reason == "length" else "completed"))
         return [*closing, event("response.output_item.done", output_index=part.index, item=done[-1])]
 
     try:
