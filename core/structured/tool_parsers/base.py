@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,38 @@ def held_prefix_len(text: str, marker: str) -> int:
         if text.endswith(marker[:length]):
             return length
     return 0
+
+
+def scan_tagged_calls(text: str, open_tag: str, close_tag: str, final: bool,
+                      draft: Callable[[int, int, int, bool], CallDraft]) -> Scan:
+    """The reply as content around `open_tag ... close_tag` blocks, one call each (Hermes, Qwen3-Coder).
+
+    `draft(start, body_end, block_end, closed)` makes a block's call: `start` where its open tag is,
+    `body_end` where its close tag is (the text's end while unclosed), `block_end` past the close tag.
+    Whitespace between or after calls is not content (kept back while streaming, dropped at the end),
+    and while streaming a tail that could be the start of the open tag is held back.
+    """
+    content: list[str] = []
+    calls: list[CallDraft] = []
+    pos = 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            tail = text[pos:]
+            if not final:
+                tail = tail[:len(tail) - held_prefix_len(tail, open_tag)]
+            content.append("" if calls and not tail.strip() else tail)
+            break
+        between = text[pos:start]
+        content.append("" if calls and not between.strip() else between)
+        close = text.find(close_tag, start)
+        body_end = close if close >= 0 else len(text)
+        block_end = close + len(close_tag) if close >= 0 else len(text)
+        calls.append(draft(start, body_end, block_end, close >= 0))
+        if close < 0:
+            break
+        pos = block_end
+    return Scan("".join(content), calls)
 
 
 class ToolParser:

@@ -12,7 +12,7 @@ from deepinfer.core.structured.tool_parsers.base import (
     Scan,
     ToolParser,
     draft_of,
-    held_prefix_len,
+    scan_tagged_calls,
 )
 from deepinfer.core.structured.tool_parsers.json_scan import read_object, skip_whitespace
 
@@ -23,29 +23,8 @@ class HermesToolParser(ToolParser):
     name = "hermes"
 
     def scan(self, text: str, final: bool, tools: list[FunctionTool] | None = None) -> Scan:
-        content: list[str] = []
-        calls: list[CallDraft] = []
-        pos = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[:len(tail) - held_prefix_len(tail, OPEN)]
-                if calls and not tail.strip():
-                    tail = ""  # whitespace after a call: kept back, dropped at the end
-                content.append(tail)
-                break
-            between = text[pos:start]
-            content.append("" if calls and not between.strip() else between)
-            close = text.find(CLOSE, start)
-            body_end = close if close >= 0 else len(text)
-            block_end = close + len(CLOSE) if close >= 0 else len(text)
-            calls.append(self._draft(text[:body_end], start, text[start:block_end], close >= 0 or final))
-            if close < 0:
-                break
-            pos = block_end
-        return Scan("".join(content), calls)
+        return scan_tagged_calls(text, OPEN, CLOSE, final, lambda start, body_end, block_end, closed: self._draft(
+            text[:body_end], start, text[start:block_end], closed or final))
 
     @staticmethod
     def _draft(text: str, start: int, raw: str, closed: bool) -> CallDraft:

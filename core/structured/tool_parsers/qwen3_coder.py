@@ -25,7 +25,7 @@ from deepinfer.core.structured.tool_parsers.base import (
     FunctionTool,
     Scan,
     ToolParser,
-    held_prefix_len,
+    scan_tagged_calls,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -67,26 +67,8 @@ class Qwen3CoderToolParser(ToolParser):
 
     def scan(self, text: str, final: bool, tools: list[FunctionTool] | None = None) -> Scan:
         schemas = {tool.name: tool.parameters.get("properties", {}) for tool in tools or []}
-        content: list[str] = []
-        calls: list[CallDraft] = []
-        pos = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[:len(tail) - held_prefix_len(tail, OPEN)]
-                content.append("" if calls and not tail.strip() else tail)
-                break
-            between = text[pos:start]
-            content.append("" if calls and not between.strip() else between)
-            close = text.find(CLOSE, start)
-            block_end = close + len(CLOSE) if close >= 0 else len(text)
-            calls.append(self._draft(text[start:block_end], close >= 0, schemas))
-            if close < 0:
-                break
-            pos = block_end
-        return Scan("".join(content), calls)
+        return scan_tagged_calls(text, OPEN, CLOSE, final, lambda start, body_end, block_end, closed: self._draft(
+            text[start:block_end], closed, schemas))
 
     @staticmethod
     def _draft(block: str, closed: bool, schemas: dict[str, dict]) -> CallDraft:
