@@ -31,6 +31,14 @@ def with_chat_template(model_dir, directory, template: str):
     return directory
 
 
+def tools_template_server(model_dir, directory, template: str, name: str) -> ServerThread:
+    """A started in-process server of the model at `model_dir` with chat template `template` (one that
+    renders tools), served as `name`: what the Anthropic and Responses API tests drive."""
+    model = with_chat_template(model_dir, directory, template)
+    config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
+    return ServerThread(config, ServerConfig(served_model_name=name, shutdown_timeout_s=1.0)).start()
+
+
 def free_port() -> int:
     """A loopback port nothing listens on now (for a `deepinfer serve` subprocess)."""
     with socket.socket() as sock:

@@ -16,11 +16,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import ServerThread, with_chat_template
+from server_helpers import tools_template_server
 from test_tool_parsers import QWEN_LIKE_TEMPLATE
-
-from deepinfer.core.config import EngineConfig
-from deepinfer.core.server.config import ServerConfig
 
 NAME = "tiny"
 WEATHER_SCHEMA = {"type": "object", "properties": {
@@ -36,9 +33,7 @@ GREEDY = {"extra_body": {"temperature": 0}}  # the client's own signature no lon
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    model = with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("anthropic") / "model", QWEN_LIKE_TEMPLATE)
-    config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
-    running = ServerThread(config, ServerConfig(served_model_name=NAME, shutdown_timeout_s=1.0)).start()
+    running = tools_template_server(tiny_llama_dir, tmp_path_factory.mktemp("anthropic") / "model", QWEN_LIKE_TEMPLATE, NAME)
     yield running
     running.stop()
 
