@@ -58,6 +58,9 @@ class EngineConfig:
     async_scheduling: bool = True
     dummy_weights: bool = False
     shape: str | None = None  # configs/shapes/<shape>.json for dummy-weight runs
+    # An HF directory or .gguf file whose tokenizer replaces the model's (vLLM's --tokenizer): e.g. a real
+    # vocabulary for a dummy-weight benchmark, whose own is one id per byte.
+    tokenizer: str | None = None
     quantization: str | None = None  # None | "w4a16" | "w3a16": round-to-nearest at load time (group 128)
     # A GPTQ / AWQ / GGUF checkpoint runs directly, converted at load (core/models/direct_load.py); a lossy
     # conversion (a GGUF's Q5_K / Q6_K projections to 8 bits) is kept in the conversion cache unless this is off.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -132,9 +133,6 @@ def host(
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens of each stream.")] = 128,
     long_prompt_len: Annotated[int, typer.Option(
         "--long-prompt-len", help="Tokens of the prompt mixed steps chunk.")] = 8192,
-    tokenizer: Annotated[str, typer.Option(
-        "--tokenizer", help="The stand-in's tokenizer: default (the default model's, when on disk) or byte "
-                            "(one id per byte).")] = "default",
     baseline: Annotated[str | None, typer.Option(
         "--baseline", help="A previous bench host JSON, kept in this one as `baseline` and set beside it.")] = None,
     output: OutputOpt = None,
@@ -151,8 +149,11 @@ def host(
     baseline_run = _json_file(baseline, "--baseline") if baseline else None
     if forward not in ("stand-in", "model"):
         fail(f"--forward takes stand-in or model, got {forward!r}")
-    if tokenizer not in ("default", "byte"):
-        fail(f"--tokenizer takes default or byte, got {tokenizer!r}")
+    # --tokenizer: the model's (the engine flag) with --forward model; the stand-in's otherwise: byte (one id
+    # per byte), a tokenizer path, or by default the default model's when it is on disk
+    tokenizer = engine.get("tokenizer") if forward == "stand-in" else None
+    if tokenizer is not None:
+        del engine["tokenizer"]
     config = engine_config(engine) if forward == "model" else _stand_in_config(engine)
     workload = HostWorkload(num_seqs=_int_list(num_seqs, "--num-seqs"),
                             modes=[m.strip() for m in modes.split(",") if m.strip()], steps=steps, repeats=repeats,
@@ -166,11 +167,18 @@ def host(
                       f"{point['front_end_cpu_us_per_token'] or 0:.2f} µs/token")
 
     stand_in_tokenizer = None
-    if tokenizer == "byte":
-        from deepinfer.core.bench.host_bench import STAND_IN_VOCAB_SIZE
+    if tokenizer is not None:
+        from deepinfer.core.bench.host_bench import STAND_IN_VOCAB_SIZE, stand_in_spec
+        from deepinfer.core.errors import ModelLoadError
+        from deepinfer.core.models.loader import load_given_tokenizer
         from deepinfer.core.tokenizer import ByteTokenizer
 
-        stand_in_tokenizer = ByteTokenizer(STAND_IN_VOCAB_SIZE)
+        try:
+            stand_in_tokenizer = (ByteTokenizer(STAND_IN_VOCAB_SIZE) if tokenizer == "byte" else
+                                  load_given_tokenizer(Path(tokenizer).expanduser(),
+                                                       stand_in_spec(STAND_IN_VOCAB_SIZE, config.max_model_len or 4096)))
+        except ModelLoadError as err:
+            fail(f"--tokenizer: {err}")
     payload = run_host_benchmark(config, workload, forward, on_point, stand_in_tokenizer)
     if baseline_run is not None:
         payload["baseline"] = {key: baseline_run.get(key) for key in ("env", "points", "fit", "workload")}
@@ -465,7 +473,6 @@ def cpu(
     GGUF: prefill time and decode tok/s at one thread count."""
     import sys
     import tempfile
-    from pathlib import Path
 
     import torch
     from rich.console import Console

@@ -76,6 +76,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                 commands=_RANDOM_WEIGHT_COMMANDS),
     "shape": EngineFlag("configs/shapes/NAME.json (or a config.json path) for --dummy-weights.",
                         commands=_RANDOM_WEIGHT_COMMANDS, metavar="NAME"),
+    "tokenizer": EngineFlag("HF directory or .gguf file whose tokenizer replaces the model's (e.g. a real "
+                            "vocabulary for --dummy-weights).", metavar="PATH"),
     "quantization": EngineFlag("w4a16 or w3a16: round-to-nearest weight quantization at load.",
                                names=("--quant",)),
     "convert_cache": EngineFlag("Keep the conversion of a GGUF whose Q5_K/Q6_K/... projections run as 8-bit "

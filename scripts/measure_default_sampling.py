@@ -26,7 +26,7 @@ from default_model_questions import FACTUAL_QUESTIONS, OPEN_PROMPTS, has_loop, i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
-                       ("--repetition-penalty", float)):
+                       ("--repetition-penalty", float), ("--presence-penalty", float), ("--frequency-penalty", float)):
         parser.add_argument(flag, type=kind, default=None, help="default: the model's")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated sampling seeds")
     parser.add_argument("--open-seeds", default="0", help="seeds of the open prompts")
@@ -39,7 +39,8 @@ def main() -> None:
 
     llm = LLM(device="cpu", max_num_seqs=64)
     given = {k: v for k, v in vars(args).items()
-             if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") and v is not None}
+             if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty") and v is not None}
     base = SamplingParams(**given)
     resolved = base.with_defaults(llm.sampling_defaults)
     from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode

@@ -46,7 +46,7 @@ LETTERS = {str(t): 100 for t in range(ord("a"), ord("z") + 1)}  # byte tokens: t
 
 SCENARIOS = {
     "alone": None,
-    # The request: 600k stop token ids (1.7 MiB of JSON), n=64, a seed.
+    # A hostile request: 600k stop token ids (1.7 MiB of JSON), n=64, a seed.
     "stop_token_ids_600k_n64_seed": {"prompt": "Hi", "n": 64, "seed": 1, "max_tokens": 2,
                                      "stop_token_ids": list(range(100)) * 6000},
     # The most stop_token_ids the server accepts now (1024).

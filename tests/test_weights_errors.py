@@ -165,6 +165,28 @@ def test_dummy_weights_from_a_shape_file_run(tmp_path, monkeypatch):
     assert torch.isfinite(loaded.model.compute_logits(hidden)).all()
 
 
+def test_a_given_tokenizer_replaces_the_dummy_models_byte_tokenizer(tmp_path, monkeypatch, tiny_tokenizer):
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "empty-cache"))
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 400,
+                                 "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2}))
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    loaded = load_model(EngineConfig(dummy_weights=True, shape=str(shape), tokenizer=str(tmp_path / "tok")),
+                        "cpu", torch.float32)
+    ids = tiny_tokenizer.encode("the quick brown fox")
+    assert loaded.tokenizer.encode("the quick brown fox") == ids  # the given vocabulary, not one id per byte
+    assert loaded.tokenizer.decode(ids) == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_model(EngineConfig(dummy_weights=True, shape=str(shape), tokenizer=str(tmp_path / "absent")),
+                   "cpu", torch.float32)
+    small = tmp_path / "small.json"
+    small.write_text(shape.read_text().replace('"vocab_size": 400', '"vocab_size": 300'))
+    with pytest.raises(ModelLoadError, match="more than the model's vocab_size 300"):
+        load_model(EngineConfig(dummy_weights=True, shape=str(small), tokenizer=str(tmp_path / "tok")),
+                   "cpu", torch.float32)
+
+
 def test_no_chat_template_is_a_clear_error(tiny_tokenizer):
     tokenizer = Tokenizer(tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer,
                                                    eos_token="<|im_end|>"))

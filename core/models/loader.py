@@ -6,6 +6,7 @@
    - `dummy_weights`: the shape of `configs/shapes/<shape>.json` (an HF config.json; or the config
      of `model` when no shape is given), random weights. Tokenizer: the model's own when `model`
      has one, else the default model's if it is already on disk, else a ByteTokenizer.
+   Any source's tokenizer gives way to `config.tokenizer` when it is set.
    - no `model`: the default GGUF (fetched once, see core/weights/default_model.py).
    - a `.gguf` file (or a directory holding exactly one): GGUF, run directly (core/models/direct_load.py:
      Q4_0 / Q4_1 / Q4_K projections re-packed exactly to W4A16, Q8_0 to W8A16, other quantized types
@@ -152,7 +153,21 @@ def read_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
             loaded = _read_direct(kind, path, config, device, dtype)
         else:
             loaded = _read_hf(path, config, device, dtype)
+    if config.tokenizer is not None:
+        loaded = dataclasses.replace(loaded, tokenizer=load_given_tokenizer(Path(config.tokenizer).expanduser(), loaded.spec))
     return loaded if hub_name is None else dataclasses.replace(loaded, name=hub_name)
+
+
+def load_given_tokenizer(path: Path, spec: ModelSpec) -> Tokenizer:
+    """config.tokenizer: an HF tokenizer directory or a GGUF's vocabulary, in place of the model's."""
+    if not path.exists():
+        raise ModelLoadError(f"tokenizer {path}: no such file or directory")
+    if path.is_file():
+        tokenizer = Tokenizer.from_pretrained(path.parent, gguf_file=path.name, eos_token_ids=spec.eos_token_ids,
+                                              bos_token_id=spec.bos_token_id)
+    else:
+        tokenizer = Tokenizer.from_pretrained(path, eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id)
+    return _checked_tokenizer(tokenizer, spec, path)
 
 
 def detect_source(path: Path) -> str:
