@@ -9,7 +9,8 @@ A finished choice carries vLLM's `stop_reason`: the stop string or stop token id
 With a reasoning parser (core/reasoning), the reply's reasoning is `reasoning_content` beside
 `content` (DeepSeek's and vLLM's shape: a message field, and a delta field while it streams), tool
 calls are parsed from the content only, and a structured-output or tool_choice constraint starts
-where the reasoning ends (core/structured/reasoning_gate.py). `max_tokens` counts both parts.
+where the reasoning ends (core/structured/reasoning_gate.py). `max_tokens` counts both parts;
+vLLM's `thinking_token_budget` caps the reasoning alone (the gate forces its end marker).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from deepinfer.core.server.serving import (
 )
 from deepinfer.core.server.unsupported import CHAT
 from deepinfer.core.structured.params import StructuredOutputsParams
+from deepinfer.core.structured.reasoning_gate import ReasoningSpan
 from deepinfer.core.structured.tool_parsers import ToolCallStream
 from deepinfer.core.structured.tools import ToolPlan
 
@@ -76,9 +78,11 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
                                    "structured output constraint", param="tool_choice")
         constraint, param = plan.constraint, "tools"
-    span = reasoning.grammar_span(tokenizer) if reasoning is not None else None
+    span = reasoning_span(reasoning, tokenizer, request.thinking_token_budget)
     if constraint is not None and span is not None:  # the constraint starts where the reasoning ends
         constraint = dataclasses.replace(constraint, reasoning=span)
+    elif span is not None and span.budget is not None:  # the budget alone: a gate with a free answer
+        constraint, param = StructuredOutputsParams(reasoning=span), "thinking_token_budget"
     # fields the request leaves unset: the model's defaults, under serve's sampling flags
     params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint).with_defaults(
         serving.engine.sampling_defaults)
@@ -92,6 +96,18 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
 def reasoning_split(parser: ReasoningParser | None, prompt: str) -> ReasoningSplit | None:
     """How the reply to `prompt` splits (None without a parser)."""
     return ReasoningSplit(parser, parser.opening(prompt)) if parser is not None else None
+
+
+def reasoning_span(reasoning: ReasoningSplit | None, tokenizer, budget: int | None) -> ReasoningSpan | None:
+    """The reasoning the reply's constraint lets through, capped at `budget` tokens (thinking_token_budget).
+    A budget on a model without a reasoning parser, or whose template closed the reasoning, has nothing
+    to cap."""
+    if reasoning is None:
+        return None
+    try:
+        return reasoning.grammar_span(tokenizer, budget)
+    except ValueError as err:
+        raise InvalidParameter(str(err), param="thinking_token_budget") from None
 
 
 async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prepared: PreparedChat,
