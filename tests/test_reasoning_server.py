@@ -56,14 +56,17 @@ def test_reasoning_is_returned_beside_the_content(client):
     assert message.reasoning_content == REASONING
     assert message.content == ANSWER
     assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 16  # the markers not counted
 
 
 def test_streamed_deltas_carry_reasoning_then_content(client):
-    chunks = list(client.chat.completions.create(model="qwen3", messages=ASK, stream=True, **GREEDY))
+    chunks = list(client.chat.completions.create(model="qwen3", messages=ASK, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     reasoning = "".join(d.reasoning_content or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)
     assert (reasoning, content) == (REASONING, ANSWER)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 16
     first_content = next(i for i, d in enumerate(deltas) if d.content)
     assert all(not d.reasoning_content for d in deltas[first_content:])  # no reasoning after the answer began
 
@@ -107,7 +110,7 @@ def test_thinking_token_budget_ends_the_reasoning_then_the_answer_follows(client
     budget = {"thinking_token_budget": 5, **constraint}
     reply = client.chat.completions.create(model="qwen3", messages=ASK, extra_body=budget, **GREEDY)
     assert (reply.choices[0].message.reasoning_content, reply.choices[0].message.content) == (BUDGETED, content)
-    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens_details.reasoning_tokens == 5
     chunks = list(client.chat.completions.create(model="qwen3", messages=ASK, extra_body=budget, stream=True,
                                                  **GREEDY))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -149,6 +152,14 @@ def test_responses_api_returns_a_reasoning_item(client):
     assert [item.type for item in reply.output] == ["reasoning", "message"]
     assert reply.output[0].content[0].text == REASONING
     assert reply.output_text == ANSWER
+    assert reply.usage.output_tokens_details.reasoning_tokens == 16
+    events = list(client.responses.create(model="qwen3", input=ASK[0]["content"], max_output_tokens=40,
+                                          temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    assert events[-1].type == "response.completed"
+    streamed = [item.model_dump(exclude={"id"}) for item in events[-1].response.output]
+    assert streamed == [item.model_dump(exclude={"id"}) for item in reply.output]
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 16
 
 
 def test_a_budget_needs_single_token_markers():

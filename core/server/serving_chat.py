@@ -110,6 +110,17 @@ def reasoning_span(reasoning: ReasoningSplit | None, tokenizer, budget: int | No
         raise InvalidParameter(str(err), param="thinking_token_budget") from None
 
 
+def chat_usage(outputs: list[RequestOutput], reasoning: ReasoningSplit | None, tokenizer) -> dict:
+    """The request's usage; with a reasoning parser also OpenAI's `completion_tokens_details.reasoning_tokens`
+    (left out when the markers are not single tokens to count)."""
+    counted = usage(outputs)
+    if reasoning is not None:
+        counts = [reasoning.num_reasoning_tokens(c.text, c.token_ids, tokenizer) for o in outputs for c in o.outputs]
+        if None not in counts:
+            counted["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+    return counted
+
+
 async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prepared: PreparedChat,
                                  raw_request: Request):
     await serving.compile_constraint(prepared.constraint, prepared.constraint_param)
@@ -152,7 +163,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
             "created": created,
             "model": serving.model_name,
             "choices": choices,
-            "usage": usage([output]),
+            "usage": chat_usage([output], reasoning, serving.engine.tokenizer),
             "system_fingerprint": None,
         })
 
@@ -199,7 +210,8 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         if not request.include_usage:
             return []
         return [{"id": request_id, "object": "chat.completion.chunk", "created": created,
-                 "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(outputs)}]
+                 "model": serving.model_name, "system_fingerprint": None, "choices": [],
+                 "usage": chat_usage(outputs, reasoning, serving.engine.tokenizer)}]
 
     return EventStreamResponse(stream_events(serving, streams, chunks_of, final_chunks),
                                on_close=lambda: serving.release(streams))
