@@ -216,3 +216,5 @@ def test_llm_chat_returns_both_parts(model_dir):
     assert closed.outputs[0].reasoning_content is None
     (forced,) = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=40, structured_outputs={"choice": ["Rome"]}))
     assert (forced.outputs[0].reasoning_content, forced.outputs[0].content) == (REASONING, "Rome")
+    (capped,) = llm.chat(ASK, params, thinking_token_budget=5)
+    assert (capped.outputs[0].reasoning_content, capped.outputs[0].content) == (BUDGETED, ANSWER)
