@@ -142,6 +142,11 @@ def test_messages_api_returns_thinking_blocks_capped_by_budget_tokens(claude):
         final = stream.get_final_message()
     assert thinking == BUDGETED
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in capped.content]
+    silent = claude.messages.create(**ask, thinking={"type": "disabled"})
+    assert [b.type for b in silent.content] == ["text"]  # the template closed the reasoning
+    counted = claude.messages.count_tokens(model="qwen3", messages=ASK, thinking={"type": "disabled"})
+    assert counted.input_tokens == silent.usage.input_tokens + silent.usage.cache_read_input_tokens
+    assert counted.input_tokens > plain.usage.input_tokens + plain.usage.cache_read_input_tokens
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(**{**ask, "max_tokens": 5}, thinking={"type": "enabled", "budget_tokens": 5})
     assert "budget_tokens" in err.value.body["error"]["message"]
