@@ -66,10 +66,8 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
     serving.check_model(request.model)
     plan = serving.tool_plan(request)
     tokenizer = serving.engine.tokenizer
-    template = getattr(tokenizer, "chat_template", None)
-    variables = request.template_variables(template.source if template is not None else None)
     prompt = render_chat_prompt(tokenizer, request.messages, request.add_generation_prompt, serving.tool_parser,
-                                plan, variables)
+                                plan, template_variables(serving, request))
     reasoning = reasoning_split(serving.reasoning_parser, prompt)
     prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=request.add_special_tokens)
     constraint, param = request.structured_outputs_params(), request.structured_outputs_param()
@@ -91,6 +89,12 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
     if reasoning is not None and reasoning.parser.needs_special_tokens(tokenizer):
         params = dataclasses.replace(params, skip_special_tokens=False)
     return request, PreparedChat(PreparedPrompt(prompt_ids, params), plan, constraint, param, reasoning)
+
+
+def template_variables(serving: ServingEngine, request: ChatCompletionRequest) -> dict:
+    """The variables the model's chat template gets beside the messages (chat_template_kwargs, reasoning_effort)."""
+    template = getattr(serving.engine.tokenizer, "chat_template", None)
+    return request.template_variables(template.source if template is not None else None)
 
 
 def reasoning_split(parser: ReasoningParser | None, prompt: str) -> ReasoningSplit | None:

@@ -35,7 +35,7 @@ from deepinfer.core.server.errors import InvalidParameter, anthropic_error_body
 from deepinfer.core.server.preprocess import parse_json_object, validate
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import EventStreamResponse, ServingEngine
-from deepinfer.core.server.serving_chat import PreparedChat, prepare_chat_request
+from deepinfer.core.server.serving_chat import PreparedChat, prepare_chat_request, template_variables
 
 # Chat finish_reason -> Anthropic stop_reason ("stop" is end_turn unless a stop sequence ended it).
 # "abort" (the server ended the request at shutdown) has no Anthropic reason; the turn just ends.
@@ -62,9 +62,8 @@ def count_tokens(serving: ServingEngine, body: bytes) -> dict:
     chat = validate(parse_json_object(body), CountTokensRequest).chat_request()
     serving.check_model(chat.model)
     tokenizer = serving.engine.tokenizer
-    template = getattr(tokenizer, "chat_template", None)
-    variables = chat.template_variables(template.source if template is not None else None)
-    text = render_chat_prompt(tokenizer, chat.messages, True, serving.tool_parser, serving.tool_plan(chat), variables)
+    text = render_chat_prompt(tokenizer, chat.messages, True, serving.tool_parser, serving.tool_plan(chat),
+                              template_variables(serving, chat))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
