@@ -21,7 +21,8 @@ reply to calls; `llm.parse_tool_calls(output)` reads the calls back (docs/STRUCT
 Reasoning models: each sample `llm.chat` returns is a ChatCompletionOutput, its thinking in
 `reasoning_content` and its answer in `content` (core/reasoning; the parser is detected from the
 chat template, or `reasoning_parser="qwen3" | "deepseek_r1" | "none"`); `chat_template_kwargs`
-reach the template (`{"enable_thinking": False}`), and a constraint starts after the reasoning.
+reach the template (`{"enable_thinking": False}`), a constraint starts after the reasoning, and
+`thinking_token_budget=N` ends the reasoning after N tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.reasoning import ReasoningSplit, make_reasoning_parser
+from deepinfer.core.structured.params import StructuredOutputsParams
 from deepinfer.core.structured.tool_parsers import ToolCall, ToolParser, make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan, render_chat
 
@@ -94,11 +96,13 @@ class LLM:
         tool_call_parser: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         reasoning_parser: str | None = None,
+        thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `tools`, `tool_choice`, `parallel_tool_calls`: as in OpenAI's API; `tool_call_parser`: the
         call format (a TOOL_PARSERS name; default: detected from the template);
-        `chat_template_kwargs`: more template variables; `reasoning_parser`: see the module docstring."""
+        `chat_template_kwargs`: more template variables; `reasoning_parser`: see the module docstring;
+        `thinking_token_budget`: at most this many tokens of reasoning, then its end marker is forced."""
         tokenizer = self.engine.tokenizer
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for c in conversations for m in c)
@@ -126,23 +130,32 @@ class LLM:
             params_list = [replace(p, structured_outputs=plan.constraint) for p in params_list]
         if plan is not None and plan.parses_calls and parser.needs_special_tokens:
             params_list = [replace(p, skip_special_tokens=False) for p in params_list]
-        params_list = [self._after_reasoning(p, split) for p, split in zip(params_list, splits)]
+        params_list = [self._after_reasoning(p, split, thinking_token_budget) for p, split in zip(params_list, splits)]
         prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(prompts, params_list)
         for output, split in zip(outputs, splits):
             output.outputs = [ChatCompletionOutput.of(c, split) for c in output.outputs]
         return outputs
 
-    def _after_reasoning(self, params: SamplingParams, split: ReasoningSplit | None) -> SamplingParams:
-        """`params` with its constraint starting after the reasoning (and the markers kept in the text)."""
+    def _after_reasoning(self, params: SamplingParams, split: ReasoningSplit | None,
+                         budget: int | None) -> SamplingParams:
+        """`params` with its constraint starting after the reasoning, which `budget` caps (and the markers
+        kept in the text)."""
         if split is None:
             return params
         if split.parser.needs_special_tokens(self.engine.tokenizer):
             params = replace(params, skip_special_tokens=False)
-        span = split.grammar_span(self.engine.tokenizer)
-        if params.structured_outputs is None or span is None:
+        try:
+            span = split.grammar_span(self.engine.tokenizer, budget)
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
+        if span is None:
             return params
-        return replace(params, structured_outputs=replace(params.structured_outputs, reasoning=span))
+        if params.structured_outputs is not None:
+            return replace(params, structured_outputs=replace(params.structured_outputs, reasoning=span))
+        if budget is not None:  # the budget alone: the gate with a free answer
+            return replace(params, structured_outputs=StructuredOutputsParams(reasoning=span))
+        return params
 
     def _tool_parser(self, name: str | None = None) -> ToolParser:
         """The tool-call parser `name`, or the one the chat template's format calls for."""

@@ -2,8 +2,8 @@
 
 Its layers add nothing (attention and MLP outputs are zero), so each next token depends on the
 current one only, and its head is built so that greedy decoding follows one chain of tokens:
-the generation prompt's last token ("\\n") -> "<think>" "The capital" "</think>" "Paris." then
-the end token. The reply is therefore known in advance, and every deviation (a mask that forbids
+the generation prompt's last token ("\\n") -> "<think>", a sentence of 16 tokens, "</think>",
+"Paris." then the end token. The reply is therefore known in advance, and every deviation (a mask that forbids
 the reasoning, a constraint that picks other tokens) shows in the text.
 """
 
@@ -16,7 +16,7 @@ import torch
 from conftest import build_tiny_tokenizer, save_tiny_model
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
-REASONING = "The capital"
+REASONING = "The quick brown fox jumps over the lazy dog"  # 16 distinct tokens
 ANSWER = "Paris."
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # added, non-special tokens as in Qwen3
 

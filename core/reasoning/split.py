@@ -36,15 +36,39 @@ class ReasoningSplit:
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
-    def grammar_span(self, tokenizer) -> ReasoningSpan | None:
-        """The reasoning a constraint must let through before it applies (core/structured/reasoning_gate.py);
-        None when the template closed it, or when its markers are not single tokens to gate on (the
-        constraint then applies from the reply's first token)."""
+    def grammar_span(self, tokenizer, budget: int | None = None) -> ReasoningSpan | None:
+        """The reasoning a constraint must let through before it applies (core/structured/reasoning_gate.py),
+        at most `budget` tokens long when one is given; None when the template closed it, or when its
+        markers are not single tokens to gate on (the constraint then applies from the reply's first
+        token). Raises ValueError for a budget on such markers, which nothing could enforce."""
+        if self.opening is Opening.CLOSED:
+            return None
         ids = self.parser.marker_token_ids(tokenizer)
-        if self.opening is Opening.CLOSED or ids is None:
+        if ids is None:
+            if budget is not None:
+                raise ValueError(f"a reasoning budget needs {self.parser.start} and {self.parser.end} to be "
+                                 f"single tokens of the vocabulary; this model's are not")
             return None
         start_id, end_id = ids
-        return ReasoningSpan(end_id, start_id if self.opening is Opening.OPTIONAL else None)
+        return ReasoningSpan(end_id, start_id if self.opening is Opening.OPTIONAL else None, budget)
+
+    def num_reasoning_tokens(self, text: str, token_ids: list[int], tokenizer) -> int | None:
+        """How many of the finished reply's tokens are its reasoning: those between the markers (the
+        markers not counted, as a reasoning budget counts them); None when the markers are not single
+        tokens to find among the ids."""
+        if self.split(text)[0] is None:
+            return 0
+        ids = self.parser.marker_token_ids(tokenizer)
+        if ids is None:
+            return None
+        start_id, end_id = ids
+        first = 0
+        if self.opening is Opening.OPTIONAL:
+            if start_id not in token_ids:
+                return None  # the text opened its reasoning without the marker token
+            first = token_ids.index(start_id) + 1
+        thought = token_ids[first:]
+        return thought.index(end_id) if end_id in thought else len(thought)
 
     def _scan(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content) of the reply so far; while not `final`, text that may still

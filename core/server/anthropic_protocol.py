@@ -5,7 +5,8 @@ translate into OpenAI chat messages (an assistant turn's tool_use blocks into it
 each tool_result into a `tool` turn), `tools` with `input_schema` into function tools, and
 `tool_choice` auto / any / tool / none into auto / required / a named function / none; the chat
 path then renders, constrains and parses them as it does its own; `output_config.format` (a JSON
-Schema) is its structured output. Earlier `thinking` blocks are
+Schema) is its structured output; `thinking` switches the template's `enable_thinking` and its
+`budget_tokens` is the chat path's `thinking_token_budget`. Earlier `thinking` blocks are
 dropped, as chat templates drop earlier reasoning. `cache_control` is ignored (the prefix cache
 needs no marks) and so is `metadata`. Images, documents and Anthropic's server tools (web search,
 code execution, ...) are a 400.
@@ -123,13 +124,15 @@ class MessagesRequest(_Conversation):
     output_config: OutputConfig | None = None
 
     def to_chat_request(self) -> ChatCompletionRequest:
-        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        thinking = self.thinking
+        budget = thinking.budget_tokens if thinking is not None and thinking.type != "disabled" else None
         if budget is not None and budget >= self.max_tokens:
             # The reasoning counts against max_tokens, as Anthropic's does: its budget must leave room for the answer.
             raise InvalidParameter(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                    f"({self.max_tokens})", param="thinking.budget_tokens")
         sampling = {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "stream": self.stream,
-                    "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+                    "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "thinking_token_budget": budget}  # the chat path caps the reasoning at the budget
         if self.stream:
             sampling["stream_options"] = {"include_usage": True}  # message_delta reports the output tokens
         output = self.output_config

@@ -241,6 +241,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the template writes BOS and the other special tokens as text
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking)
     reasoning_effort: str | None = None  # given to templates that read it
+    thinking_token_budget: Int | None = Field(None, ge=0)  # vLLM's cap on the reasoning's tokens
 
     def check(self) -> None:
         """Reject what pydantic's field checks cannot see (400s, before the engine sees anything)."""

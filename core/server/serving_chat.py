@@ -9,7 +9,8 @@ A finished choice carries vLLM's `stop_reason`: the stop string or stop token id
 With a reasoning parser (core/reasoning), the reply's reasoning is `reasoning_content` beside
 `content` (DeepSeek's and vLLM's shape: a message field, and a delta field while it streams), tool
 calls are parsed from the content only, and a structured-output or tool_choice constraint starts
-where the reasoning ends (core/structured/reasoning_gate.py). `max_tokens` counts both parts.
+where the reasoning ends (core/structured/reasoning_gate.py). `max_tokens` counts both parts;
+vLLM's `thinking_token_budget` caps the reasoning alone (the gate forces its end marker).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from deepinfer.core.server.serving import (
 )
 from deepinfer.core.server.unsupported import CHAT
 from deepinfer.core.structured.params import StructuredOutputsParams
+from deepinfer.core.structured.reasoning_gate import ReasoningSpan
 from deepinfer.core.structured.tool_parsers import ToolCallStream
 from deepinfer.core.structured.tools import ToolPlan
 
@@ -64,10 +66,8 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
     serving.check_model(request.model)
     plan = serving.tool_plan(request)
     tokenizer = serving.engine.tokenizer
-    template = getattr(tokenizer, "chat_template", None)
-    variables = request.template_variables(template.source if template is not None else None)
     prompt = render_chat_prompt(tokenizer, request.messages, request.add_generation_prompt, serving.tool_parser,
-                                plan, variables)
+                                plan, template_variables(serving, request))
     reasoning = reasoning_split(serving.reasoning_parser, prompt)
     prompt_ids = serving.tokenize(prompt, param="messages", add_special_tokens=request.add_special_tokens)
     constraint, param = request.structured_outputs_params(), request.structured_outputs_param()
@@ -76,9 +76,11 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
             raise InvalidParameter("tool_choice 'required' or a named function cannot be combined with another "
                                    "structured output constraint", param="tool_choice")
         constraint, param = plan.constraint, "tools"
-    span = reasoning.grammar_span(tokenizer) if reasoning is not None else None
+    span = reasoning_span(reasoning, tokenizer, request.thinking_token_budget)
     if constraint is not None and span is not None:  # the constraint starts where the reasoning ends
         constraint = dataclasses.replace(constraint, reasoning=span)
+    elif span is not None and span.budget is not None:  # the budget alone: a gate with a free answer
+        constraint, param = StructuredOutputsParams(reasoning=span), "thinking_token_budget"
     # fields the request leaves unset: the model's defaults, under serve's sampling flags
     params = serving.sampling_params(request, prompt_ids, structured_outputs=constraint).with_defaults(
         serving.engine.sampling_defaults)
@@ -89,9 +91,38 @@ def prepare_chat_request(serving: ServingEngine, request: ChatCompletionRequest
     return request, PreparedChat(PreparedPrompt(prompt_ids, params), plan, constraint, param, reasoning)
 
 
+def template_variables(serving: ServingEngine, request: ChatCompletionRequest) -> dict:
+    """The variables the model's chat template gets beside the messages (chat_template_kwargs, reasoning_effort)."""
+    template = getattr(serving.engine.tokenizer, "chat_template", None)
+    return request.template_variables(template.source if template is not None else None)
+
+
 def reasoning_split(parser: ReasoningParser | None, prompt: str) -> ReasoningSplit | None:
     """How the reply to `prompt` splits (None without a parser)."""
     return ReasoningSplit(parser, parser.opening(prompt)) if parser is not None else None
+
+
+def reasoning_span(reasoning: ReasoningSplit | None, tokenizer, budget: int | None) -> ReasoningSpan | None:
+    """The reasoning the reply's constraint lets through, capped at `budget` tokens (thinking_token_budget).
+    A budget on a model without a reasoning parser, or whose template closed the reasoning, has nothing
+    to cap."""
+    if reasoning is None:
+        return None
+    try:
+        return reasoning.grammar_span(tokenizer, budget)
+    except ValueError as err:
+        raise InvalidParameter(str(err), param="thinking_token_budget") from None
+
+
+def chat_usage(outputs: list[RequestOutput], reasoning: ReasoningSplit | None, tokenizer) -> dict:
+    """The request's usage; with a reasoning parser also OpenAI's `completion_tokens_details.reasoning_tokens`
+    (left out when the markers are not single tokens to count)."""
+    counted = usage(outputs)
+    if reasoning is not None:
+        counts = [reasoning.num_reasoning_tokens(c.text, c.token_ids, tokenizer) for o in outputs for c in o.outputs]
+        if None not in counts:
+            counted["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+    return counted
 
 
 async def create_chat_completion(serving: ServingEngine, request: ChatCompletionRequest, prepared: PreparedChat,
@@ -136,7 +167,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
             "created": created,
             "model": serving.model_name,
             "choices": choices,
-            "usage": usage([output]),
+            "usage": chat_usage([output], reasoning, serving.engine.tokenizer),
             "system_fingerprint": None,
         })
 
@@ -183,7 +214,8 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         if not request.include_usage:
             return []
         return [{"id": request_id, "object": "chat.completion.chunk", "created": created,
-                 "model": serving.model_name, "system_fingerprint": None, "choices": [], "usage": usage(outputs)}]
+                 "model": serving.model_name, "system_fingerprint": None, "choices": [],
+                 "usage": chat_usage(outputs, reasoning, serving.engine.tokenizer)}]
 
     return EventStreamResponse(stream_events(serving, streams, chunks_of, final_chunks),
                                on_close=lambda: serving.release(streams))

@@ -35,7 +35,7 @@ from deepinfer.core.server.errors import InvalidParameter, anthropic_error_body
 from deepinfer.core.server.preprocess import parse_json_object, validate
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import EventStreamResponse, ServingEngine
-from deepinfer.core.server.serving_chat import PreparedChat, prepare_chat_request
+from deepinfer.core.server.serving_chat import PreparedChat, prepare_chat_request, template_variables
 
 # Chat finish_reason -> Anthropic stop_reason ("stop" is end_turn unless a stop sequence ended it).
 # "abort" (the server ended the request at shutdown) has no Anthropic reason; the turn just ends.
@@ -57,17 +57,19 @@ def prepare_message(serving: ServingEngine, body: bytes) -> PreparedMessage:
 
 
 def count_tokens(serving: ServingEngine, body: bytes) -> dict:
-    """The prompt's tokens as the model would see them (template and tools), like /tokenize: no length limit."""
+    """The prompt's tokens as the model would see them (template, tools and `thinking`'s template variable),
+    like /tokenize: no length limit."""
     chat = validate(parse_json_object(body), CountTokensRequest).chat_request()
     serving.check_model(chat.model)
-    text = render_chat_prompt(serving.engine.tokenizer, chat.messages, True, serving.tool_parser,
-                              serving.tool_plan(chat))
+    tokenizer = serving.engine.tokenizer
+    text = render_chat_prompt(tokenizer, chat.messages, True, serving.tool_parser, serving.tool_plan(chat),
+                              template_variables(serving, chat))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         raise InvalidParameter(f"the text is not valid Unicode: {err.reason} at position {err.start}",
                                param="messages") from None
-    return {"input_tokens": len(serving.engine.tokenizer.encode(text, add_special_tokens=False))}
+    return {"input_tokens": len(tokenizer.encode(text, add_special_tokens=False))}
 
 
 def _stop(finish_reason: str | None, stop_reason, stop_sequences: list[str] | None) -> tuple[str, str | None]:

@@ -18,7 +18,7 @@ Bounds, so hostile input costs little:
   after a deadline, cancelling a compile still queued.
 
 A constraint with a reasoning span (params.py) is wrapped so that it starts after the reasoning
-(reasoning_gate.py).
+(reasoning_gate.py); a reasoning budget alone is the gate's grammar only.
 
 Regex class escapes (\\d \\w \\s) in regex constraints and schema patterns are read as ECMA-262 reads
 them (regex_classes.py) before llguidance sees them.
@@ -37,7 +37,7 @@ from collections import OrderedDict
 
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.structured.matcher import RequestGrammar
-from deepinfer.core.structured.params import StructuredOutputsParams
+from deepinfer.core.structured.params import FREE, StructuredOutputsParams
 from deepinfer.core.structured.reasoning_gate import gated_grammar
 from deepinfer.core.structured.regex_classes import ecma_regex_classes, ecma_schema_patterns
 
@@ -63,12 +63,15 @@ def parser_limits():
     return llguidance.LLParserLimits(max_lexer_states=20_000, step_lexer_fuel=70_000, verbose_errors=False)
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar (its JSON form) for the constraint. Raises GrammarError."""
+def grammar_text(params: StructuredOutputsParams) -> str | None:
+    """The llguidance grammar (its JSON form) for the constraint; None for a reasoning budget alone,
+    which the reasoning gate writes whole. Raises GrammarError."""
     import llguidance
 
     matcher = llguidance.LLMatcher
     try:
+        if params.kind == FREE:
+            return None
         if params.json is not None:
             schema = ecma_schema_patterns(params.json)
             return matcher.grammar_from_json_schema(schema, defaults={**JSON_OPTIONS, "lenient": not params.strict})

@@ -9,7 +9,9 @@ Exactly one of:
 - `grammar`: a context-free grammar, in llama.cpp's GBNF or llguidance's Lark syntax.
 
 `reasoning`: the reasoning the reply may start with, which the constraint does not apply to
-(reasoning_gate.py); the server sets it for a reasoning model's chat requests.
+(reasoning_gate.py); the server sets it for a reasoning model's chat requests. A span with a
+budget may also stand alone, with none of the kinds above (kind "free"): the reasoning is capped
+and the answer is free.
 
 `strict` (JSON only): True refuses a schema that uses a keyword the grammar engine cannot enforce
 (the request gets a 400 that names it); False ignores such keywords, as a best effort (OpenAI's
@@ -30,6 +32,7 @@ MAX_CONSTRAINT_CHARS = 128 * 1024  # room for an agent's many tools (each parame
 MAX_CHOICES = 1024
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+FREE = "free"  # no constraint of its own: only the reasoning span's budget
 
 
 @dataclass
@@ -43,8 +46,11 @@ class StructuredOutputsParams:
     reasoning: ReasoningSpan | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpan):
+            raise TypeError("reasoning must be a ReasoningSpan")
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
+        budget_alone = not given and self.reasoning is not None and self.reasoning.budget is not None
+        if len(given) != 1 and not budget_alone:
             raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, grammar"
                              + (f"; got {', '.join(given)}" if given else ""))
         if isinstance(self.json, str):
@@ -68,13 +74,11 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if not isinstance(self.json_object, bool) or not isinstance(self.strict, bool):
             raise TypeError("json_object and strict must be booleans")
-        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpan):
-            raise TypeError("reasoning must be a ReasoningSpan")
         _check_size(self.kind, len(self.text))
 
     @property
     def kind(self) -> str:
-        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+        return next((kind for kind in KINDS if getattr(self, kind) not in (None, False)), FREE)
 
     @property
     def text(self) -> str:
@@ -85,7 +89,7 @@ class StructuredOutputsParams:
                 return jsonlib.dumps(self.json, separators=(",", ":"), ensure_ascii=False)
             except (ValueError, RecursionError) as err:
                 raise ValueError(f"the JSON schema cannot be serialized: {err}") from None
-        if self.json_object:
+        if self.json_object or self.kind == FREE:
             return ""
         if self.choice is not None:
             return jsonlib.dumps(self.choice, ensure_ascii=False)
