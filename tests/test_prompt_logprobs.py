@@ -1,8 +1,7 @@
-"""Prompt logprobs against HF transformers: `SamplingParams(prompt_logprobs=k)` through `LLM.generate`,
-and completions' `echo` + `logprobs` driven as lm-evaluation-harness's `local-completions` drives it
-for loglikelihood tasks (its request: token-id prompts context + continuation, `echo: true, logprobs: 1,
-max_tokens: 1, temperature: 0`; its reading: the sum of `token_logprobs[ctxlen:-1]`, greedy when each
-token's logprob is the largest of its `top_logprobs`), on the tiny random Llama and on SmolLM2's GGUF.
+"""Prompt logprobs against HF transformers on the tiny random Llama: `SamplingParams(prompt_logprobs=k)`
+through `LLM.generate`, completions' `echo` + `logprobs` driven as lm-evaluation-harness's
+`local-completions` drives it for loglikelihood tasks (tests/local_completions.py; SmolLM2's GGUF is
+driven the same way in tests/test_gguf.py), vLLM's `prompt_logprobs` on both endpoints.
 
 The reference is `log_softmax` of HF's fp32 logits at every prompt position. The engine runs chunked
 prefill (a step budget smaller than the prompts) and a prefix cache, so the chunk gathering and the
@@ -11,23 +10,17 @@ disabled cache hit are what is checked, not one forward over the whole prompt.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
+from local_completions import TOLERANCE, check_against_hf, hf_prompt_logprobs
 from server_helpers import ServerThread
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.server.config import ServerConfig
-
-TOLERANCE = 1e-4  # as the other logprob tests: fp32 on both sides, different kernels
-
-
-def hf_prompt_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
-    """[P - 1, V]: row i is the distribution of prompt token i + 1."""
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([token_ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
 
 
 def assert_matches_hf(entries, token_ids: list[int], reference: torch.Tensor, num_top: int) -> None:
@@ -77,53 +70,6 @@ def test_a_cached_prompt_is_scored_again_and_samples_share_one_score(tiny_llm):
     assert len(sampled.outputs) == 2
 
 
-def local_completions_payload(model: str, contexts_and_continuations: list[tuple[list[int], list[int]]]) -> dict:
-    """The body lm-evaluation-harness's local-completions sends for a batch of loglikelihood requests."""
-    return {"model": model, "prompt": [context + continuation for context, continuation in contexts_and_continuations],
-            "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
-
-
-def local_completions_scores(answer: dict, context_lengths: list[int]) -> list[tuple[float, bool]]:
-    """(loglikelihood, is_greedy) of each request, read from the answer as lm-evaluation-harness reads it."""
-    scores = []
-    for choice, context_length in zip(sorted(answer["choices"], key=lambda c: c["index"]), context_lengths):
-        logprobs = choice["logprobs"]
-        token_logprobs = logprobs["token_logprobs"][context_length:-1]
-        top_logprobs = logprobs["top_logprobs"][context_length:-1]
-        greedy = all(value == max(top.values()) for value, top in zip(token_logprobs, top_logprobs))
-        scores.append((sum(token_logprobs), greedy))
-    return scores
-
-
-def hf_scores(hf_model, cases: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-    scores = []
-    for context, continuation in cases:
-        reference = hf_prompt_logprobs(hf_model, context + continuation)[len(context) - 1:]
-        values = reference.gather(1, torch.tensor(continuation)[:, None])[:, 0]
-        scores.append((values.sum().item(), bool((reference.argmax(dim=-1) == torch.tensor(continuation)).all())))
-    return scores
-
-
-def check_local_completions(server: ServerThread, name: str, hf_model, cases, tokenizer_decode) -> None:
-    answer = httpx.post(server.base_url + "/v1/completions", json=local_completions_payload(name, cases),
-                        timeout=120).json()
-    context_lengths = [len(context) for context, _ in cases]
-    for (got, got_greedy), (want, want_greedy) in zip(local_completions_scores(answer, context_lengths),
-                                                      hf_scores(hf_model, cases), strict=True):
-        assert got == pytest.approx(want, abs=TOLERANCE * 10)
-        assert got_greedy == want_greedy
-    for choice, (context, continuation) in zip(sorted(answer["choices"], key=lambda c: c["index"]), cases):
-        logprobs = choice["logprobs"]
-        prompt_ids = context + continuation
-        assert len(logprobs["tokens"]) == len(prompt_ids) + 1  # the prompt's tokens, then the one generated
-        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-        assert logprobs["tokens"][:len(prompt_ids)] == [tokenizer_decode([t]) for t in prompt_ids]
-        offsets = logprobs["text_offset"]
-        assert offsets[0] == 0 and all(offsets[i + 1] - offsets[i] == len(logprobs["tokens"][i])
-                                       for i in range(len(offsets) - 1))
-        assert choice["text"].startswith(tokenizer_decode(prompt_ids))
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tiny_models):
     model_dir, hf_model = tiny_models["llama"]
@@ -139,8 +85,8 @@ def test_local_completions_loglikelihood_matches_hf(tiny_server, tiny_tokenizer)
     context = tiny_tokenizer.encode("The capital of France is")
     cases = [(context, tiny_tokenizer.encode(" Paris.")), (context, tiny_tokenizer.encode(" the quick brown fox")),
              ([(5 * i + 1) % 300 + 3 for i in range(30)], [17, 42, 99])]
-    check_local_completions(server, "tiny", hf_model, cases,
-                            lambda ids: tiny_tokenizer.decode(ids, skip_special_tokens=False))
+    check_against_hf(server.base_url, "tiny", hf_model, cases,
+                     lambda ids: tiny_tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def test_echo_without_generation_and_vllm_prompt_logprobs(tiny_server, tiny_tokenizer):
@@ -177,21 +123,20 @@ def test_echo_without_generation_and_vllm_prompt_logprobs(tiny_server, tiny_toke
     assert last["logprob"] == pytest.approx(chat_reference[-1, chat_ids[-1]].item(), abs=TOLERANCE)
 
 
-@pytest.mark.slow
-def test_local_completions_loglikelihood_on_smollm2_matches_hf(smollm2_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                    dtype=torch.float32).eval()
-    config = EngineConfig(model=str(smollm2_gguf), device="cpu", dtype="float32", max_model_len=256,
-                          max_num_batched_tokens=8, max_num_seqs=4)
-    server = ServerThread(config, ServerConfig(served_model_name="smollm2")).start()
-    try:
-        context = tokenizer.encode("The capital of France is")
-        cases = [(context, tokenizer.encode(" Paris", add_special_tokens=False)),
-                 (context, tokenizer.encode(" a city in Europe", add_special_tokens=False))]
-        check_local_completions(server, "smollm2", hf_model, cases,
-                                lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    finally:
-        server.stop()
+def test_a_streamed_echo_carries_the_prompt_logprobs_in_its_first_chunk(tiny_server, tiny_tokenizer):
+    """The stream's logprobs, joined, are the non-streamed answer's: prompt tokens first, text offsets continued."""
+    server, _ = tiny_server
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 4, "echo": True, "logprobs": 1,
+            "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text = ""
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                text += choice["text"]
+                for key in joined:
+                    joined[key] += choice["logprobs"][key]
+    assert text == whole["text"]
+    assert joined == whole["logprobs"]
