@@ -200,7 +200,7 @@ def gemv(
         "--shapes", help="Comma-separated in x out feature pairs.")] = "2048x2048,2048x11008,4096x4096,4096x14336,"
                                                                       "14336x4096,8192x8192",
     batches: Annotated[str, typer.Option("--batches", help="Comma-separated token counts.")] = "1,2,4,8,16,32,64",
-    bits: Annotated[str, typer.Option("--bits", help="Comma-separated weight bit widths (4, 3).")] = "4,3",
+    bits: Annotated[str, typer.Option("--bits", help="Comma-separated weight bit widths (4, 3, 8).")] = "4,3",
     attention: Annotated[bool, typer.Option(help="Also time paged decode attention.")] = True,
     dtype: Annotated[str, typer.Option("--dtype", help="Activation dtype of the quantized products: "
                                                        "float16 | bfloat16.")] = "float16",
@@ -208,8 +208,9 @@ def gemv(
     device: Annotated[int, typer.Option("--device", help="CUDA device index.")] = 0,
     output: OutputOpt = None,
 ) -> None:
-    """W4A16/W3A16 kernels and paged decode attention: achieved bandwidth vs device copy bandwidth; from 16
-    tokens also the W4 GEMM, cuBLAS on the dense weight, and each product's share of its floor."""
+    """W4A16/W3A16/W8A16 kernels and paged decode attention: achieved bandwidth vs device copy bandwidth; from 16
+    tokens also the W4 GEMM, cuBLAS on the dense weight (at every count for 8-bit), and each product's share of its
+    floor."""
     from deepinfer.kernels import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()

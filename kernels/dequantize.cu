@@ -1,4 +1,4 @@
-// Dequantize a PackedWeight (core/quant/packed.py) into a dense [N, K] fp16/bf16 matrix, in the
+// Dequantize a PackedWeight (core/quant/packed.py, 3, 4 or 8 bits) into a dense [N, K] fp16/bf16 matrix, in the
 // stored column order (an act-order permutation stays on the activation side).
 // Many-token products (prefill chunks, large decode batches) then run on cuBLAS: one read of the
 // packed weight plus one write and one read of the dense copy cost less than the W4 tensor-core
@@ -6,7 +6,8 @@
 // Numerics are core.quant.packing.dequantize's: fp32, (q - z) * s or q * s + z with each operation
 // rounded on its own (no fused multiply-add), then rounded to DT.
 // One thread dequantizes one unit: a 32-bit word (8 codes, 16 bytes out) for W4, so a warp's loads are 128
-// contiguous bytes and its stores 512; a run of 32 codes (3 words, 64 bytes out) for W3. A unit lies inside one
+// contiguous bytes and its stores 512; two words (8 codes, 16 bytes out) for W8; a run of 32 codes (3 words, 64 bytes
+// out) for W3. A unit lies inside one
 // group because the group size is a multiple of 32. Grid: (row, 256-unit block of the row), so no thread
 // divides a flat index by the row length. SCALE_F32: scales/zeros are float32 (else float16).
 #include "common.cuh"
@@ -15,6 +16,8 @@ template <int BITS>
 __device__ __forceinline__ float code_at(const u32* words, int c) {
   if constexpr (BITS == 4) {
     return (float)((words[c >> 3] >> ((c & 7) * 4)) & 0xFu);
+  } else if constexpr (BITS == 8) {
+    return (float)((words[c >> 2] >> ((c & 3) * 8)) & 0xFFu);
   } else {  // 32 codes in a 96-bit little-endian run, code c at bit 3c
     const int bit = 3 * c, word = bit >> 5, shift = bit & 31;
     u32 value = words[word] >> shift;
@@ -41,7 +44,7 @@ __global__ void __launch_bounds__(256) dequantize_kernel(
     int rows, int in_features, int group_size) {
   launch_dependents();
   wait_for_prior_grids();
-  constexpr int CODES = BITS == 4 ? 8 : 32, WORDS = CODES * BITS / 32;  // a unit's codes and packed words
+  constexpr int CODES = BITS == 3 ? 32 : 8, WORDS = CODES * BITS / 32;  // a unit's codes and packed words
   const int row = blockIdx.x, unit = blockIdx.y * blockDim.x + threadIdx.x;
   if (unit >= in_features / CODES) return;
   const i64 group = (i64)row * (in_features / group_size) + unit * CODES / group_size;

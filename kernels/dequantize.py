@@ -1,4 +1,4 @@
-"""Launcher of dequantize.cu: a PackedWeight's codes, scales and zeros -> dense [N, K] fp16/bf16."""
+"""Launcher of dequantize.cu: a PackedWeight's codes (3, 4 or 8 bits), scales and zeros -> dense [N, K] fp16/bf16."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def unsupported_reason(dtype: torch.dtype, weight: PackedOperands) -> str | None
     """Why the kernel cannot dequantize this weight into `dtype` (None when it can)."""
     if dtype not in _DTYPE_CODES:
         return f"output dtype {dtype} (kernel writes float16/bfloat16)"
-    return packed_layout_reason(weight)
+    return packed_layout_reason(weight, (3, 4, 8))
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
@@ -27,7 +27,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     in_features = qweight.shape[1] * 32 // bits
     if out is None:
         out = torch.empty(rows, in_features, dtype=dtype, device=qweight.device)
-    units = in_features // (8 if bits == 4 else 32)  # a thread's codes: a word (W4) or a 3-word run (W3)
+    units = in_features // (32 if bits == 3 else 8)  # a thread's codes: a word (W4), two (W8) or a 3-word run (W3)
     index = qweight.device.index
     name = (f"dequantize_kernel<{_DTYPE_CODES[dtype]},{bits},{_ZERO_MODES[zero_mode]},"
             f"{int(scales.dtype == torch.float32)}>")

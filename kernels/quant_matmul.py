@@ -67,9 +67,10 @@ def packed_operands(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                           qweight.data_ptr() % 16 == 0)
 
 
-def packed_layout_reason(weight: PackedOperands) -> str | None:
-    """Why a packed weight is outside what every W4/W3 kernel reads (None when it is inside)."""
-    if weight.bits not in (3, 4):
+def packed_layout_reason(weight: PackedOperands, bit_widths: tuple[int, ...] = (3, 4)) -> str | None:
+    """Why a packed weight is outside what every W4/W3 kernel reads (None when it is inside); `bit_widths`: the
+    code widths of the kernel asking (dequantize.cu and w8_gemm.cu read 8-bit codes too)."""
+    if weight.bits not in bit_widths:
         return f"{weight.bits}-bit weights"
     if weight.scales_dtype not in (torch.float16, torch.float32) or weight.zeros_dtype != weight.scales_dtype:
         return f"scales {weight.scales_dtype} / zeros {weight.zeros_dtype}"

@@ -17,6 +17,7 @@ from deepinfer.kernels import (
     rope_cache,
     w4_fragment_gemm,
     w4_gemm,
+    w8_gemm,
 )
 
 
@@ -72,9 +73,14 @@ _OPS = (
              "tokens scale fp32 group sums, a 64-token tile (more through token tiles) the unpacked weights; an "
              "epilogue with SiLU / GeLU-tanh gate times up over an interleaved gate/up layout",
              w4_fragment_gemm.instantiations()),
+    KernelOp("w8_gemm", w8_gemm.SOURCE,
+             "W8A16 product on tensor cores (mma.sync, SM80+) reading the 8-bit packed weight (GGUF Q8_0, RTN 8-bit), "
+             "dequantized in registers with the reference's fp32 arithmetic; 16 rows a CTA of 8 warps splitting K; "
+             "1-64 tokens",
+             w8_gemm.instantiations()),
     KernelOp("dequantize", dequantize.SOURCE,
-             "W4/W3 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
-             _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3), mode=(0, 1), f32=(0, 1))),
+             "W4/W3/W8 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
+             _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3, 8), mode=(0, 1), f32=(0, 1))),
     KernelOp("paged_decode_attention", paged_attention.SOURCE,
              "paged GQA decode attention over the block table: split-K + reduce, or one 8-warp CTA a sequence "
              "and KV head (many sequences, bounds up to 1024), or a cluster of 4 such CTAs (few sequences, SM90+); "

@@ -10,8 +10,8 @@ loop (the backward branch whose body holds the most tensor-core instructions) an
 - copies: global and shared loads and stores, cp.async and its waits, barriers, mbarrier operations;
 - other: everything else (unpacking, zero points, scales, addresses, loop control).
 
-The weight bytes a warp multiplies in one trip of the loop are 128 bytes (a 16 x 16 tile of 4-bit codes) per HMMA
-over the number of HMMA that share one weight fragment (the kernel's 8-token tiles), and 128 bytes per HGMMA (a
+The weight bytes a warp multiplies in one trip of the loop are 128 bytes (a 16 x 16 tile of 4-bit codes; 256 of 8-bit
+codes) per HMMA over the number of HMMA that share one weight fragment (the kernel's 8-token tiles), and 128 bytes per HGMMA (a
 warpgroup's 64 x 16 tile over its 4 warps, all tokens in one instruction). "other per weight byte" is the budget:
 the kernels marked `gated` fail the run above BUDGET (LARGE_TILE_BUDGET for the 64-token tile).
 
@@ -61,6 +61,7 @@ class Kernel:
     gated: bool  # fails the run above its budget
     archs: tuple[str, ...] = ARCHS
     budget: float = BUDGET
+    tile_bytes: int = 128  # weight bytes of one HMMA's 16 x 16 tile (256 for 8-bit codes)
 
 
 KERNELS = (
@@ -75,6 +76,9 @@ KERNELS = (
            ("90",)),
     Kernel("tc TT=4 (up to 32 tokens)", "quant_matmul.cu", "quant_tc_gemv_kernel<1,4,0,0>", 4, False),
     Kernel("tcs TT=4 (wide, up to 32 tokens)", "quant_matmul.cu", "quant_tcs_kernel<1,4,0,0>", 4, False),
+    # the W8 product (whole zero points, as Q8_0's), at one token tile and at eight (up to 64 tokens)
+    *(Kernel(f"w8_gemm TT={tt} bf16", "w8_gemm.cu", f"w8_gemm_kernel<1,{tt},0,0>", tt, False, tile_bytes=256)
+      for tt in (1, 8)),
 )
 
 
@@ -184,7 +188,7 @@ def measure(kernels: tuple[Kernel, ...], workdir: Path) -> list[dict]:
                     raise SystemExit(f"{kernel.name} not found in the SASS of {source} for sm_{arch}")
                 body = main_loop(code[mangled])
                 counts = classify(body)
-                weight_bytes = 128 * (counts["hgmma"] + counts["hmma"] / kernel.reuse)
+                weight_bytes = kernel.tile_bytes * (counts["hgmma"] + counts["hmma"] / kernel.reuse)
                 records.append({
                     "kernel": kernel.label, "name": kernel.name, "arch": f"sm_{arch}", "gated": kernel.gated,
                     "budget": kernel.budget if kernel.gated else None,

@@ -2,7 +2,7 @@
 tile and graph thresholds) on the CPU, with the CUDA checks passed and every launcher and torch reference
 replaced by a recorder, against tests/dispatch_choices.json.
 
-The JSON holds the choices the dispatch policy makes (W4/W3 products per token count, shape, bits,
+The JSON holds the choices the dispatch policy makes (W4/W3/W8 products per token count, shape, bits,
 group size and dtype; the fused q/k/v + RoPE and gate/up + activation epilogues; the paged decode
 attention's path per batch and context bound; the prefill tile size and the CUDA-graph buckets that tile;
 the small ops' kernel-or-reference choice). A refactor of the dispatch must leave every entry as it is; a
@@ -63,6 +63,7 @@ def recorded(monkeypatch):
     from deepinfer.kernels import rope_cache as krc
     from deepinfer.kernels import w4_fragment_gemm as kf
     from deepinfer.kernels import w4_gemm as kw
+    from deepinfer.kernels import w8_gemm as kw8
 
     monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
     monkeypatch.setattr(kp, "multiprocessors", lambda index: 132)
@@ -77,6 +78,7 @@ def recorded(monkeypatch):
 
     for module, name, launcher in (
             (kq, "quant_matmul", chosen_kernel), (kd, "dequantize", _raise("dense")), (kw, "w4_gemm", _raise("w4_gemm")),
+            (kw8, "w8_gemm", _raise("w8_gemm")),
             (kf, "w4_fragment_gemm", _raise("fragment")), (quant_matmul_table, "fragment_weight", lambda *args: ()),
             (kq, "quant_matmul_rope_cache", _raise("fused")), (kq, "quant_matmul_act_and_mul", _raise("fused")),
             (kp, "paged_decode_attention", chosen_path), (kp, "paged_prefill_attention", _raise("prefill")),

@@ -17,6 +17,10 @@ def test_bench_times_every_kernel_that_serves_a_token_count():
     assert quant_points(256) == ["fragment", "w4_gemm", "dense", "cublas"]
     assert quant_points(257) == ["dense", "cublas"]  # the fragment kernel and the GEMM: up to 256 tokens
     assert quant_points(64, bits=3) == ["staged", "dense", "cublas"]  # the GEMM and fragment read 4-bit codes
+    # 8-bit: the W8 kernel up to 64 tokens, against cuBLAS on the dense weight at every count
+    assert quant_points(1, bits=8) == ["w8_gemm", "cublas"]
+    assert quant_points(64, bits=8) == ["w8_gemm", "dense", "cublas"]
+    assert quant_points(65, bits=8) == ["dense", "cublas"]
     assert quant_points(257) == ["dense", "cublas"]
 
 

@@ -118,6 +118,30 @@ def test_greedy_matches_transformers(ours, reference):
     assert ours.tokenizer.decode(ours_tokens[0]) == "The capital of France is Paris."
 
 
+
+def test_lm_eval_loglikelihood_through_the_server_matches_transformers(ours, reference):
+    """lm-evaluation-harness's local-completions loglikelihood requests against a server of this GGUF, whose
+    prefill runs in chunks of 8 tokens: the continuations' summed logprobs and greediness equal HF's."""
+    from local_completions import check_against_hf
+    from server_helpers import ServerThread
+
+    from deepinfer.core.engine.frontend.async_engine import AsyncEngine
+    from deepinfer.core.server.config import ServerConfig
+
+    hf_model, hf_tokenizer = reference
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=32,
+                          max_num_batched_tokens=8, max_num_seqs=4)
+    server = ServerThread(config, ServerConfig(served_model_name="smollm2", shutdown_timeout_s=1.0),
+                          engine_factory=lambda engine_config: AsyncEngine(engine_config, ours)).start()
+    try:
+        context = hf_tokenizer.encode("The capital of France is")
+        cases = [(context, hf_tokenizer.encode(" Paris", add_special_tokens=False)),
+                 (context, hf_tokenizer.encode(" a city in Europe", add_special_tokens=False))]
+        check_against_hf(server.base_url, "smollm2", hf_model, cases,
+                         lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False))
+    finally:
+        server.stop()
+
 # --- GGUF files of other architectures, written the way llama.cpp's convert_hf_to_gguf.py does ---
 
 _GGUF_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA", "gemma2": "GEMMA2"}

@@ -37,7 +37,7 @@ from deepinfer.core.ops import dispatch
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.kernels import quant_matmul as kq
 from deepinfer.validate.compare import poisoned
-from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight
+from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight, w8_case_weight
 
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 FP16, BF16 = torch.float16, torch.bfloat16
@@ -131,6 +131,31 @@ def test_tensor_core_w4_kernels_match_the_fp32_product(kernel, tokens, out_featu
     assert_close(out, fp32_product(x, packed), BOUND[dtype])
 
 
+# The W8 kernel: (tokens, out_features, in_features, group size, zero points, fp32 scales). Zero points "q8_0" (128,
+# GGUF Q8_0 as re-packed), "int", "frac" or "min" (validate/inputs.py w8_case_weight).
+W8_CASES = [
+    (1, 2048, 2048, 32, "q8_0", False),
+    (3, 1000, 4096, 32, "q8_0", False),  # N not a multiple of the 16 rows a CTA takes
+    (16, 1536, 576, 64, "frac", False),  # K = 576: not whole 64-code segments of the 8 warps
+    (32, 2048, 2048, 128, "min", True),
+    (64, 2560, 2048, 128, "int", False),
+    (100, 2048, 2048, 32, "q8_0", False),  # two 64-token CTA columns
+]
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("tokens,out_features,in_features,group_size,zeros,f32_scales", W8_CASES)
+def test_w8_kernel_matches_the_fp32_product(tokens, out_features, in_features, group_size, zeros, f32_scales, dtype):
+    from deepinfer.kernels.w8_gemm import w8_gemm
+
+    packed = w8_case_weight(out_features, in_features, group_size, zeros, f32_scales, dtype, DEVICE)
+    x = torch.randn(tokens, in_features, dtype=dtype, device=DEVICE)
+    out = poisoned((tokens, out_features), dtype, DEVICE)
+    w8_gemm(x, packed.qweight, packed.scales, packed.zeros, group_size, packed.zero_mode, packed.integer_zeros,
+            packed.bias, out=out)
+    assert_close(out, fp32_product(x, packed), BOUND[dtype])
+
+
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("tokens,in_features,out_features,path", [
     (5, 1024, 640, "tc"), (40, 1024, 640, "dense"), (40, 2048, 2560, "w4_gemm")])
@@ -150,7 +175,7 @@ def test_the_product_op_gathers_act_order_columns_on_its_table_row(tokens, in_fe
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("bits,zero_mode,scale_dtype,group_size", [
     (4, "zero", FP16, 128), (3, "zero", FP16, 128), (4, "min", torch.float32, 32), (3, "min", torch.float32, 32),
-    (4, "zero", FP16, 2048)])  # per-channel
+    (4, "zero", FP16, 2048), (8, "zero", FP16, 32), (8, "min", torch.float32, 128)])  # per-channel; 8-bit
 def test_dequantize_kernel_is_bit_identical_to_the_reference(bits, zero_mode, scale_dtype, group_size, dtype):
     from deepinfer.kernels.dequantize import dequantize as dequantize_kernel
 

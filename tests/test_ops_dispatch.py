@@ -421,12 +421,19 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     gate_up_weight = kf.gate_up_layout(packed.qweight, packed.scales, packed.zeros, 128, 512, half)
     kf.w4_fragment_gemm_act_and_mul(torch.randn(40, 512, dtype=half), gate_up_weight, "silu",
                                     bias=torch.randn(256, dtype=half))
+    from deepinfer.kernels import w8_gemm as kw8
+
+    monkeypatch.setattr(kw8, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+    eight = quantize_rtn(torch.randn(256, 512), bits=8, group_size=32)
+    kw8.w8_gemm(torch.randn(5, 512, dtype=half), eight.qweight, eight.scales, eight.zeros, 32, eight.zero_mode,
+                eight.integer_zeros, bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
                      "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
-                     "w4_gemm_kernel", "w4_fragment_gemm_kernel"}
+                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel"}
     from deepinfer.kernels.compiler import SOURCE_DIR, source_text
 
     in_sources = {name for path in SOURCE_DIR.glob("*.cu") for name in

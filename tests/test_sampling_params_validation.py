@@ -27,6 +27,7 @@ from deepinfer.core.models.loader import load_model
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("logprobs", True, "logprobs must be an integer, got bool"),
+    ("prompt_logprobs", 1.5, "prompt_logprobs must be an integer, got float"),
     ("n", True, "n must be an integer, got bool"),
     ("max_tokens", 2.5, "max_tokens must be an integer, got float"),
     ("max_tokens", 2.0, "max_tokens must be an integer, got float"),
@@ -63,6 +64,7 @@ from deepinfer.core.models.loader import load_model
     ("ignore_eos", "yes", "ignore_eos must be true or false"),
     ("skip_special_tokens", 1, "skip_special_tokens must be true or false"),
     ("logprobs", 21, r"logprobs must be in \[0, 20\]"),
+    ("prompt_logprobs", 21, r"prompt_logprobs must be in \[0, 20\]"),
 ])
 def test_bad_values_are_refused_with_a_clear_value_error(field, value, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -137,7 +137,9 @@ def test_options_that_cannot_be_combined_are_400(client):
     assert_error(client.post("/v1/chat/completions", json=chat(top_logprobs=2)), 400, "requires logprobs")
     assert_error(client.post("/v1/chat/completions", json=chat(stream_options={"include_usage": True})), 400,
                  "stream")
-    assert_error(client.post("/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}), 400, "echo")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "only allowed with echo")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "stream": True, "prompt_logprobs": 1}), 400,
+                 "prompt_logprobs")
     assert_error(client.post("/v1/completions", json={"prompt": "x", "n": 2, "best_of": 3}), 400, "best_of")
 
 

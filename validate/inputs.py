@@ -37,6 +37,19 @@ def tc_case_weight(out_features: int, in_features: int, group_size: int, zeros_k
     return packed
 
 
+def w8_case_weight(out_features: int, in_features: int, group_size: int, zeros_kind: str, f32_scales: bool,
+                   bias_dtype: torch.dtype | None, device):
+    """A random 8-bit PackedWeight with the zero points a W8 case names (validate/quant_matmul_checks.py W8_CASES)."""
+    scale_dtype = torch.float32 if f32_scales else torch.float16
+    packed = random_packed(out_features, in_features, group_size, 8, "min" if zeros_kind == "min" else "zero",
+                           scale_dtype, device, bias_dtype=bias_dtype)
+    if zeros_kind == "q8_0":
+        packed = replace(packed, zeros=torch.full_like(packed.zeros, 128.0))
+    elif zeros_kind == "frac":
+        packed = replace(packed, zeros=(packed.zeros.float() + 0.37).to(scale_dtype))
+    return packed
+
+
 def rope_tables(num_tokens: int, head_dim: int, dtype: torch.dtype, device):
     """cos/sin [T, D/2] of random positions (base 10000), in `dtype`."""
     positions = torch.randint(0, 4096, (num_tokens,), device=device).float()

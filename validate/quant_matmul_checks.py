@@ -1,5 +1,5 @@
-"""The W4A16/W3A16 product kernels against the fp32 product of the dequantized weight, each on its own cases and
-with an explicit kernel choice; the dense path (dequantize bit-identical to the reference's); and the fused
+"""The W4A16/W3A16 and W8A16 product kernels against the fp32 product of the dequantized weight, each on its own cases
+and with an explicit kernel choice; the dense path (dequantize bit-identical to the reference's); and the fused
 epilogues against the unfused kernels they replace (the same bits) and the fp32 reference."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from deepinfer.core.ops.activation import act_and_mul_reference
 from deepinfer.core.ops.rotary import apply_rotary_reference
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compare, guarded, poisoned
-from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight
+from deepinfer.validate.inputs import random_packed, rope_tables, tc_case_weight, w8_case_weight
 
 
 def reference_product(x: torch.Tensor, packed) -> torch.Tensor:
@@ -243,7 +243,7 @@ def check_dequantize(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Che
 
     results = []
     for dtype in dtypes:
-        for bits in (4, 3):
+        for bits in (4, 3, 8):
             for zero_mode, scale_dtype, group_size in (("zero", torch.float16, 128), ("min", torch.float32, 32),
                                                        ("zero", torch.float16, 2048)):
                 case = f"{DTYPE_NAMES[dtype]} W{bits} {zero_mode} N=1000 K=2048 G={group_size} scales {scale_dtype}"
@@ -416,3 +416,61 @@ def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16
             results += guarded("quant_matmul_act_and_mul", case, run)
     return results
 
+
+
+# The W8 product (kernels/w8_gemm.py): (tokens, out_features, in_features, group size, zeros, fp32 scales, bias, tiles
+# or None for the launcher's), zeros "q8_0" (GGUF Q8_0 as re-packed: zero point 128, fp16 scales, G = 32), "int"
+# (round-to-nearest asymmetric: whole zero points), "frac" (zero points that are not whole numbers) or "min". One token
+# to 64, more through grid.y, N off the 16-row CTAs, K off the 64-code segments (K = 576, SmolLM2's hidden size).
+W8_CASES = (
+    (1, 2048, 2048, 32, "q8_0", False, False, None),
+    (1, 11008, 2048, 128, "int", False, True, None),
+    (3, 1000, 4096, 32, "q8_0", False, False, None),
+    (8, 2048, 11008, 128, "int", True, False, None),
+    (9, 2560, 2048, 32, "q8_0", False, True, None),
+    (16, 1536, 576, 64, "frac", False, False, None),
+    (24, 22016, 2048, 32, "q8_0", False, False, None),
+    (32, 2048, 2048, 128, "min", True, True, None),
+    (48, 1000, 2048, 2048, "int", False, False, None),  # one group a row
+    (64, 4096, 4096, 32, "q8_0", False, True, None),
+    (100, 2048, 2048, 32, "q8_0", False, False, None),  # two CTA columns of 64 tokens
+    (5, 40, 160, 32, "min", False, False, 8),  # a partial row tile, K = 2.5 segments, a tile wider than the tokens
+)
+
+
+def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """The W8 kernel on its cases against the fp32 product of the reference dequantizer's weight, and through
+    core.ops' dispatch (an act-order permutation on the activation side)."""
+    from deepinfer.kernels import w8_gemm as w8
+
+    results = []
+    for m, n, k, g, zeros_kind, f32_scales, with_bias, tiles in W8_CASES:
+        for dtype in dtypes:
+            case = (f"{DTYPE_NAMES[dtype]} W8 {zeros_kind}-zeros M={m} N={n} K={k} G={g}"
+                    + (f" tiles={tiles}" if tiles else "") + (" fp32-scales" if f32_scales else "")
+                    + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, zeros_kind=zeros_kind, f32_scales=f32_scales, with_bias=with_bias,
+                    tiles=tiles, dtype=dtype, case=case):
+                packed = w8_case_weight(n, k, g, zeros_kind, f32_scales, dtype if with_bias else None, device)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode, packed.integer_zeros,
+                           packed.bias, tiles=tiles, out=out)
+                return compare("w8_gemm", case, out, reference_product(x, packed), REL_TOL[dtype])
+
+            results += guarded("w8_gemm", case, run)
+    for dtype in dtypes:
+        case = f"{DTYPE_NAMES[dtype]} W8 act-order via core.ops M=7 N=640 K=1024 G=32"
+
+        def run_dispatch(dtype=dtype, case=case):
+            from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
+            from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
+
+            packed = random_packed(640, 1024, 32, 8, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
+            assert product_row(ProductShape(7, 1024, 640, 8, 32)).kernel == "w8_gemm"
+            x = torch.randn(7, 1024, device=device, dtype=dtype)
+            return compare("w8_gemm", case, op_quant_matmul(x, packed), reference_product(x, packed), REL_TOL[dtype])
+
+        results += guarded("w8_gemm", case, run_dispatch)
+    return results

@@ -1,4 +1,4 @@
-"""`deepinfer bench gemv`: achieved bandwidth of the W4A16/W3A16 kernels and of paged decode attention.
+"""`deepinfer bench gemv`: achieved bandwidth of the W4A16/W3A16/W8A16 kernels and of paged decode attention.
 
 Both are memory-bound at decode, so each is timed against the bytes it must move, divided by the
 device-to-device copy bandwidth measured in the same run (bytes read + written):
@@ -9,7 +9,9 @@ FLOPs over the cuBLAS rate on an 8192^3 product in the activation dtype, measure
 and two more points: the W4 GEMM (kernels/w4_gemm.py, its planned launch) and cuBLAS on the dense
 weight (what the same model unquantized runs). Up to 256 tokens the W4 kernel over its fragment layout
 (kernels/w4_fragment_gemm.py, its planned launch: the 64-token tile beyond 32 tokens; the layout made once per
-weight copy) is timed too.
+weight copy) is timed too. 8-bit weights (`bits` 8) time the W8 kernel (kernels/w8_gemm.py) up to 64 tokens and
+cuBLAS on the dense weight at every token count (what 8-bit is held to: at least bf16's speed), the dense path
+from 16 tokens.
 Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
 the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
 `repeats` such timings give mean ± std per call.
@@ -36,8 +38,9 @@ TARGET_REPEAT_SECONDS = 0.02
 # kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the W4 GEMM up to its largest
 # batch, the dense path and cuBLAS on the dense weight always
 KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("ksplit", 32), ("staged", 64),
-                     ("fragment", 256), ("w4_gemm", 256), ("dense", 1 << 30), ("cublas", 1 << 30))
+                     ("fragment", 256), ("w4_gemm", 256), ("w8_gemm", 64), ("dense", 1 << 30), ("cublas", 1 << 30))
 W4_ONLY = ("w4_gemm", "fragment")
+W8_POINTS = ("w8_gemm", "dense", "cublas")  # the kernels timed on 8-bit weights (the others read 4- and 3-bit codes)
 # "dense": kernels/dequantize.cu into an [N, K] copy, then cuBLAS (the path of many tokens); "w4_gemm": the
 # tensor-core GEMM on the packed weight (4-bit only); "cublas": cuBLAS on a dense weight made once, not a W4 path
 MANY_TOKEN_KERNELS = ("w4_gemm", "dense", "cublas")
@@ -106,9 +109,13 @@ def _random_weight(in_features: int, out_features: int, bits: int, group_size: i
 def quant_points(num_tokens: int, tc_takes: bool = True, bits: int = 4) -> list[str]:
     """The kernels timed at one token count: every kernel of KERNEL_MAX_TOKENS that serves it (tc and tcs where
     `tc_takes`, the W4 GEMM for 4-bit weights, the many-token kernels from MANY_TOKENS_FROM)."""
+    if bits == 8:  # cuBLAS on the dense weight at every count: the bf16 speed 8-bit weights are held to
+        return [kernel for kernel, most in KERNEL_MAX_TOKENS if kernel in W8_POINTS and num_tokens <= most
+                and not (kernel == "dense" and num_tokens < MANY_TOKENS_FROM)]
     return [kernel for kernel, most in KERNEL_MAX_TOKENS
             if num_tokens <= most and not (kernel in MANY_TOKEN_KERNELS and num_tokens < MANY_TOKENS_FROM)
-            and not (kernel in ("tc", "tcs") and not tc_takes) and not (kernel in W4_ONLY and bits != 4)]
+            and not (kernel in ("tc", "tcs") and not tc_takes) and not (kernel in W4_ONLY and bits != 4)
+            and kernel != "w8_gemm"]
 
 
 def product_floor_us(num_tokens: int, in_features: int, out_features: int, weight_bytes: int, copy_gbps: float,
@@ -211,7 +218,7 @@ class _ProductOperands:
 
     def tile(self, kernel: str, num_tokens: int, in_features: int, out_features: int, device_index: int) -> str:
         """The launch a point timed: the packed kernels' tile, the GEMM's planned shape and K splits."""
-        from deepinfer.kernels import w4_fragment_gemm, w4_gemm
+        from deepinfer.kernels import w4_fragment_gemm, w4_gemm, w8_gemm
         from deepinfer.kernels.quant_matmul import default_tile
 
         if kernel == "fragment":
@@ -220,11 +227,13 @@ class _ProductOperands:
         if kernel == "w4_gemm":
             config, splits = w4_gemm.plan(num_tokens, out_features, in_features, device_index)
             return f"{config.label}/splits={splits}"
+        if kernel == "w8_gemm":
+            return str(w8_gemm.token_tiles(num_tokens))
         return "-" if kernel in ("dense", "cublas") else str(default_tile(kernel, num_tokens))
 
     def launches(self, kernel: str, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple[Callable[[], None], int]:
         """(a function making one launch per weight copy, how many it makes)."""
-        from deepinfer.kernels import w4_fragment_gemm, w4_gemm
+        from deepinfer.kernels import w4_fragment_gemm, w4_gemm, w8_gemm
         from deepinfer.kernels.quant_matmul import quant_matmul
 
         weights, bits, group_size = self.weights, self.bits, self.group_size
@@ -253,6 +262,12 @@ class _ProductOperands:
             def launch_all() -> None:
                 for weight, (sz, zmode), out in zip(weights, pairs, outs):
                     w4_gemm.w4_gemm(x, weight["qweight"], sz, zmode, group_size, out=out)
+            return launch_all, len(weights)
+        if kernel == "w8_gemm":
+            def launch_all() -> None:
+                for weight, out in zip(weights, outs):
+                    w8_gemm.w8_gemm(x, weight["qweight"], weight["scales"], weight["zeros"], group_size, "zero", True,
+                                    out=out)
             return launch_all, len(weights)
 
         def launch_all() -> None:
@@ -403,7 +418,7 @@ def gemv_tables(payload: dict) -> list:
     copy = payload["copy_bandwidth"]
     dtype = next((r["dtype"] for r in payload["quant_matmul"]), "float16")
     rate = payload.get("matmul_tflops")
-    quant = Table(title=f"W4A16/W3A16 matmul, {dtype} activations, G128 (copy bandwidth "
+    quant = Table(title=f"W4A16/W3A16/W8A16 matmul, {dtype} activations, G128 (copy bandwidth "
                         f"{copy['gbps_mean']:.0f} ± {copy['gbps_std']:.0f} GB/s"
                         + (f", cuBLAS {rate:.0f} TFLOP/s" if rate else "") + ")")
     for column in ("in x out", "bits", "tokens", "kernel", "us / call", "GB/s", "% copy BW", "% floor"):

@@ -79,6 +79,8 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # any collection of ids is taken
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
+    # Top alternatives per prompt token (vLLM's prompt_logprobs); None = none. The first prompt token has none.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # The output must follow this JSON schema, regex, choice or grammar (a dict of its fields works too).
     structured_outputs: StructuredOutputsParams | None = None
@@ -113,6 +115,8 @@ class SamplingParams:
         self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.structured_outputs is not None:
             try:
                 self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)

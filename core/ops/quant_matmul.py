@@ -1,4 +1,4 @@
-"""quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16 PackedWeight; every QuantLinear routes here.
+"""quant_matmul: y = x @ W.T (+ bias) for a W4A16/W3A16/W8A16 PackedWeight; every QuantLinear routes here.
 
 On CUDA with fp16/bf16 activations and a weight the kernels read (kernels/quant_matmul.py: unsupported_reason),
 the row of core/ops/quant_matmul_table.py that serves the product's token count and shape runs it: one of the
@@ -29,6 +29,7 @@ from deepinfer.core.ops.quant_matmul_table import (
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w8_gemm as kernels_w8
 
 OP = "quant_matmul"
 
@@ -56,6 +57,8 @@ class ProductCase(NamedTuple):
 
 
 def product_reason(case: ProductCase) -> str | None:
+    if case.weight.bits == 8:  # the W8 kernel's rows (core/ops/quant_matmul_table.py)
+        return kernels_w8.unsupported_reason(case.dtype, case.weight)
     return kernels.unsupported_reason(case.dtype, case.weight)
 
 

@@ -1,4 +1,4 @@
-"""Which kernel serves a W4A16/W3A16 product: one table, the first row that serves a shape wins.
+"""Which kernel serves a W4A16/W3A16/W8A16 product: one table, the first row that serves a shape wins.
 
 A product is described by its ProductShape (tokens M, in_features K, out_features N, bits, group size); each row
 names a kernel, the shapes it serves, its launcher and the measurement that put it there (docs/KERNELS.md has the
@@ -24,6 +24,7 @@ from deepinfer.kernels import dequantize as kernels_dequantize
 from deepinfer.kernels import quant_matmul as kernels
 from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
 from deepinfer.kernels import w4_gemm as kernels_gemm
+from deepinfer.kernels import w8_gemm as kernels_w8
 
 KERNEL_MAX_TOKENS = 32  # the packed-weight kernels serve up to this many tokens on any shape
 WIDE_KERNEL_MAX_TOKENS = 64  # ... and up to this many where the product is wide (out_features >= 3 x in_features)
@@ -42,6 +43,7 @@ FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_TILE_TOKENS = (33, 256)  # the fragment kernel's 64-token tile (kernels/w4_fragment_gemm.py: LARGE_TILE) ...
 FRAGMENT_TILE_ROW = False  # ... off: measured slower than w4_gemm and dense there (KERNELS.md)
+W8_MAX_TOKENS = kernels_w8.MAX_TOKENS  # the W8 kernel's tokens; beyond them an 8-bit product is the dense row's
 
 
 class ProductShape(NamedTuple):
@@ -214,6 +216,13 @@ def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return kernels_gemm.w4_gemm(rows, packed.qweight, sz, zmode, packed.group_size, packed.bias)
 
 
+def w8(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """kernels/w8_gemm.cu: tensor cores reading the 8-bit codes, dequantized in registers."""
+    dispatch.use_kernel("w8_gemm", None)
+    return kernels_w8.w8_gemm(rows, packed.qweight, packed.scales, packed.zeros, packed.group_size, packed.zero_mode,
+                              packed.integer_zeros, packed.bias)
+
+
 class ProductRow(NamedTuple):
     kernel: str  # the name dispatch logs and bench gemv marks as "auto"
     serves: Callable[[ProductShape], bool]
@@ -222,6 +231,10 @@ class ProductRow(NamedTuple):
 
 
 PRODUCT_TABLE = (
+    ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS, w8,
+               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-64 tokens, the only packed 8-bit kernel; beyond, the dense "
+               "row (the W4 rows below read 4- and 3-bit codes); its speed against bf16 is measured by bench gemv "
+               "--bits 8 (docs/KERNELS.md)"),
     ProductRow("fragment", fragment_serves, fragment,
                "on an H200 with bf16 activations (W4, G = 128), faster than every other kernel: at 9-16 tokens on "
                "Qwen2.5-3B's and 7B's products of 2048 x 2048 and more (at 16: 3B gate/up 12.8 us against tcs's 17.2, "

@@ -20,8 +20,8 @@ per-channel):
              so groups are contiguous; the layer then computes W' @ x[input_perm].
     bias: [N] or None, in the model dtype.
 
-The CUDA kernels (kernels/) take 3 and 4 bits; 8-bit weights (GGUF Q8_0 kept exactly, or
-`deepinfer convert --keep-8bit` / `--bits 8`) run on the torch reference on every device.
+The CUDA kernels (kernels/) take 3, 4 and 8 bits: 8-bit weights (GGUF Q8_0 kept exactly, a GGUF's other
+types converted to 8 bits, `deepinfer convert --keep-8bit` / `--bits 8`) on kernels/w8_gemm.cu.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""Token log-probabilities in the two shapes OpenAI defines.
+"""Token log-probabilities in the two shapes OpenAI defines, and vLLM's prompt logprobs.
 
 Chat (`logprobs: true, top_logprobs: k`):
     {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}
 Completions (legacy `logprobs: k`):
     {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}, ...], "text_offset": [...]}
+    With `echo` the prompt's tokens come first, the first one's logprob and top_logprobs null (nothing
+    precedes it), as OpenAI's and vLLM's answers have it (what lm-evaluation-harness reads).
+Prompt logprobs (vLLM's `prompt_logprobs: k`), one entry per prompt token, the first null:
+    [null, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...]: the prompt token and the k most likely.
 """
 
 from __future__ import annotations
@@ -49,9 +53,19 @@ def chat_logprobs(entries: list[TokenLogprob], num_top: int, token_text: TokenSt
 
 
 def completion_logprobs(entries: list[TokenLogprob], num_top: int, token_text: TokenStrings,
-                        text_offset: int = 0) -> dict:
-    """`text_offset` is where the first of these tokens starts in the choice's text (streams continue it)."""
+                        text_offset: int = 0, prompt_token_ids: list[int] | None = None,
+                        prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict:
+    """`text_offset` is where the first of these tokens starts in the choice's text (streams continue it).
+    `prompt_token_ids` and their `prompt_logprobs` (RequestOutput's, the first None): echo's, listed first."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    if prompt_token_ids:
+        first = token_text(prompt_token_ids[0])
+        tokens.append(first)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        offsets.append(text_offset)
+        text_offset += len(first)
+        entries = list(prompt_logprobs[1:]) + list(entries)
     for entry in entries:
         text = token_text(entry.token_id)
         tokens.append(text)
@@ -65,3 +79,19 @@ def completion_logprobs(entries: list[TokenLogprob], num_top: int, token_text: T
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[TokenLogprob | None], num_top: int,
+                         token_text: TokenStrings) -> list[dict | None]:
+    """RequestOutput.prompt_logprobs in vLLM's shape: per prompt token, its own entry and the num_top best."""
+    shown: list[dict | None] = []
+    for entry in prompt_logprobs:
+        if entry is None:
+            shown.append(None)
+            continue
+        alternatives = {str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(token_id)}
+                        for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1)}
+        alternatives[str(entry.token_id)] = {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                             "decoded_token": token_text(entry.token_id)}
+        shown.append(alternatives)
+    return shown

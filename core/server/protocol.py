@@ -116,6 +116,7 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: top alternatives per prompt token
     # Structured outputs (one source at most)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -134,6 +135,8 @@ class _SamplingFields(BaseModel):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidParameter("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         if isinstance(self.stop, str) and len(self.stop) > MAX_STOP_STRING_CHARS:
             raise InvalidParameter(f"stop: String should have at most {MAX_STOP_STRING_CHARS} characters",
                                    param="stop")
@@ -197,7 +200,8 @@ class _SamplingFields(BaseModel):
         return biases
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None, logit_bias: dict[int, float] | None,
-                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's params; the sampling fields it does not set stay None (the caller fills them
         with the engine's SamplingDefaults)."""
         try:
@@ -216,6 +220,7 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=logit_bias,
                 structured_outputs=structured_outputs,
@@ -276,14 +281,14 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, logit_bias, structured_outputs)
+        return self._sampling_params(max_tokens, logprobs, logit_bias, structured_outputs, self.prompt_logprobs)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's legacy default
+    max_tokens: Int | None = Field(16, ge=0)  # OpenAI's legacy default; 0 only with echo (the prompt alone)
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the choice starts with the prompt; with logprobs, so do its logprobs (the first null)
     best_of: Int | None = Field(None, ge=1)
     add_special_tokens: bool = True
 
@@ -291,9 +296,9 @@ class CompletionRequest(_SamplingFields):
         self._check_common()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameter("best_of other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidParameter("echo with logprobs is not supported (it needs the prompt's log-probabilities)",
-                                   param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameter("max_tokens 0 asks for no completion: it is only allowed with echo",
+                                   param="max_tokens")
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a string or token ids; a single prompt is a batch of one."""
@@ -313,9 +318,22 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt and its logprobs (vLLM's); one token is made and dropped."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the choices' logprobs start with the prompt's (echo with logprobs)."""
+        return self.echo and self.logprobs is not None
+
     def to_sampling_params(self, max_tokens: int, logit_bias: dict[int, float] | None = None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs, logit_bias, structured_outputs)
+        # The engine scores the prompt once, for the larger of what echo's logprobs and prompt_logprobs show.
+        wanted = [k for k in (self.logprobs if self.echo_logprobs else None, self.prompt_logprobs) if k is not None]
+        return self._sampling_params(max_tokens, self.logprobs, logit_bias, structured_outputs,
+                                     max(wanted) if wanted else None)
 
 
 def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:

@@ -185,6 +185,8 @@ class ServingEngine:
                                    f"max_waiting_requests={self.max_waiting_requests}", param="prompt")
         requested = request.requested_max_tokens
         max_tokens = requested if requested is not None else self.max_model_len - num_prompt
+        if requested == 0:  # completions' echo without generation (protocol.py): one token is made, then dropped
+            max_tokens = 1
         if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
             raise APIError(
                 400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

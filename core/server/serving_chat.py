@@ -26,7 +26,7 @@ from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutp
 from deepinfer.core.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter
-from deepinfer.core.server.logprobs import chat_logprobs
+from deepinfer.core.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from deepinfer.core.server.preprocess import parse_body
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import (
@@ -169,6 +169,9 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
             "choices": choices,
             "usage": chat_usage([output], reasoning, serving.engine.tokenizer),
             "system_fingerprint": None,
+            # vLLM's: the rendered prompt's logprobs, beside the choices (a stream cannot ask: protocol.py)
+            **({} if request.prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(
+                output.prompt_logprobs, request.prompt_logprobs, serving.token_text)}),
         })
 
     usage_field = {"usage": None} if request.include_usage else {}

@@ -3,7 +3,9 @@
 A request may carry a list of prompts (strings or token-id lists). Each becomes its own engine
 request with `n` samples; choice `prompt_index * n + sample_index` is the sample's, as OpenAI
 numbers them, and usage adds up every prompt. With `echo`, each choice's text starts with its
-prompt. A structured-output constraint applies to every prompt's samples.
+prompt, and with `logprobs` so do its logprobs (the engine scores the prompt: SamplingParams.prompt_logprobs);
+`max_tokens: 0` with echo answers the prompt alone. vLLM's `prompt_logprobs` puts the prompt's logprobs
+in its own shape on each choice. A structured-output constraint applies to every prompt's samples.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutput
-from deepinfer.core.server.logprobs import completion_logprobs
+from deepinfer.core.server.logprobs import completion_logprobs, vllm_prompt_logprobs
 from deepinfer.core.server.preprocess import parse_body
 from deepinfer.core.server.protocol import CompletionRequest
 from deepinfer.core.server.serving import (
@@ -61,13 +63,33 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
     num_top = request.logprobs or 0
     created = int(time.time())
 
-    def logprobs_of(entries, text_offset: int = 0) -> dict | None:
+    echo_only = request.echo_only  # the generated token is dropped: text, logprobs and usage are the prompt's
+
+    def logprobs_of(entries, text_offset: int = 0, output: RequestOutput | None = None) -> dict | None:
+        """`output`: the choice's first logprobs with echo, which start with its prompt's."""
         if request.logprobs is None:
             return None
-        return completion_logprobs(entries, num_top, serving.token_text, text_offset)
+        prompt_ids = output.prompt_token_ids if output is not None and request.echo else None
+        return completion_logprobs([] if echo_only else entries, num_top, serving.token_text, text_offset,
+                                   prompt_ids, output.prompt_logprobs if prompt_ids else None)
 
     def echo_of(prompt_index: int) -> str:
         return prompts[prompt_index].text or ""
+
+    def generated(text: str) -> str:
+        return "" if echo_only else text
+
+    def usage_of(outputs: list[RequestOutput]) -> dict:
+        counts = usage(outputs)
+        if echo_only:
+            counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
+        return counts
+
+    def prompt_logprobs_field(output: RequestOutput) -> dict:
+        if request.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(output.prompt_logprobs, request.prompt_logprobs,
+                                                        serving.token_text)}
 
     if not request.stream:
         outputs = await final_outputs(serving, streams, raw_request)
@@ -79,11 +101,12 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
             "model": serving.model_name,
             "choices": [{
                 "index": prompt_index * n + c.index,
-                "text": echo_of(prompt_index) + c.text,
-                "logprobs": logprobs_of(c.logprobs or []),
+                "text": echo_of(prompt_index) + generated(c.text),
+                "logprobs": logprobs_of(c.logprobs or [], output=output),
                 "finish_reason": c.finish_reason,
+                **prompt_logprobs_field(output),
             } for prompt_index, output in enumerate(outputs) for c in output.outputs],
-            "usage": usage(outputs),
+            "usage": usage_of(outputs),
             "system_fingerprint": None,
         })
 
@@ -92,23 +115,24 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
     logprob_text_length: dict[int, int] = {}
     started: set[int] = set()  # choices whose first chunk (carrying the echoed prompt) was sent
 
-    def choice_delta(prompt_index: int, completion: CompletionOutput) -> dict | None:
-        if not (completion.delta_text or completion.delta_logprobs or completion.finish_reason):
-            return None
+    def choice_delta(prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> dict | None:
         index = prompt_index * n + completion.index
-        text = completion.delta_text
-        if index not in started:
+        first = index not in started
+        if not (first or completion.delta_text or completion.delta_logprobs or completion.finish_reason):
+            return None
+        text = generated(completion.delta_text)
+        if first:
             started.add(index)
             text = echo_of(prompt_index) + text
         logprobs = None
         if request.logprobs is not None:
             offset = logprob_text_length.get(index, 0)
-            logprobs = logprobs_of(completion.delta_logprobs or [], offset)
+            logprobs = logprobs_of(completion.delta_logprobs or [], offset, output if first else None)
             logprob_text_length[index] = offset + sum(len(t) for t in logprobs["tokens"])
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
 
     def chunks_of(prompt_index: int, output: RequestOutput) -> list[dict]:
-        choices = (choice_delta(prompt_index, c) for c in output.outputs)
+        choices = (choice_delta(prompt_index, output, c) for c in output.outputs)
         return [{"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
                  "system_fingerprint": None, "choices": [choice], **usage_field}
                 for choice in choices if choice is not None]
@@ -117,7 +141,7 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
         if not request.include_usage:
             return []
         return [{"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
-                 "system_fingerprint": None, "choices": [], "usage": usage(outputs)}]
+                 "system_fingerprint": None, "choices": [], "usage": usage_of(outputs)}]
 
     return EventStreamResponse(stream_events(serving, streams, chunks_of, final_chunks),
                                on_close=lambda: serving.release(streams))

@@ -43,7 +43,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "web_search_options": Unsupported("web search", (None,), frozenset((CHAT,))),
     # sampling and output options of vLLM's that deepinfer's sampler does not have
     "suffix": Unsupported("a suffix (fill-in-the-middle)", (None, ""), frozenset((COMPLETIONS,))),
-    "prompt_logprobs": Unsupported("prompt log-probabilities"),
     "min_tokens": Unsupported("a minimum number of tokens", (None, 0)),
     "bad_words": Unsupported("banned words", (None, [])),
     "allowed_token_ids": Unsupported("a restricted vocabulary"),

@@ -162,7 +162,7 @@ class OutputProcessor:
                     finished, sample.num_cached_tokens,
                     RequestMetrics(metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
                                    metrics.last_token_time, metrics.finished_time if finished else None),
-                    sample.error))
+                    sample.error, sample.prompt_logprobs))
                 # The snapshot took the delta lists.
                 completion.delta_text, completion.delta_token_ids, completion.delta_logprobs = "", [], None
             else:
@@ -195,6 +195,7 @@ class OutputProcessor:
             num_cached_tokens=max(s.num_cached_tokens for s in samples),
             metrics=_group_metrics(samples),
             error=next((s.error for s in samples if s.error), None),
+            prompt_logprobs=samples[0].prompt_logprobs,
         )
 
 

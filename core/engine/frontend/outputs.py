@@ -15,6 +15,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens at this step, best first
+    rank: int | None = None  # 1 + the tokens more likely than this one (prompt logprobs only)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed alone (finish_reason "error")
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     # The single-sample view most callers want (vLLM keeps these under outputs[0]).
     @property

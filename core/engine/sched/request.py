@@ -71,6 +71,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, what the model computes
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # Prompt token i's logprob at index i, the first None; grows as chunks are applied. The request's
+        # samples share one prompt, so only the first sample scores it.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None and sample_index == 0 else None)
         self.num_computed_tokens = 0  # K/V computed by applied steps
         self.num_inflight_tokens = 0  # positions after those that launched, unapplied steps compute
         self.num_pending_tokens = 0  # tokens launched steps sample, not appended yet (0, 1; 2 briefly)
@@ -105,6 +109,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are asked for and some are still to compute (no prefix-cache hit may skip them)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

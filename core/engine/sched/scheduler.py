@@ -152,7 +152,8 @@ class Scheduler:
                     f"shorten the prompt or give the KV cache more memory"))
                 out.failed.append(request)
                 continue
-            cached_blocks = self.kv.find_cached_blocks(request)
+            # A request still scoring its prompt computes every prompt position (core/engine/worker/prompt_logprobs.py).
+            cached_blocks = [] if request.scores_prompt else self.kv.find_cached_blocks(request)
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, cached_blocks):
@@ -215,6 +216,7 @@ class Scheduler:
         sampled: list[Request] = []
         finished = False
         tokens, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         kv, running, new_prompt_tokens = self.kv, RequestStatus.RUNNING, 0
         max_model_len, append = self.max_model_len, sampled.append
         for chunk in scheduler_output.chunks:
@@ -237,6 +239,8 @@ class Scheduler:
             elif status is running:  # past the prompt no new full prompt block can be cached
                 request.num_inflight_tokens -= num_tokens
                 request.num_computed_tokens += num_tokens
+            if prompt_logprobs and request.request_id in prompt_logprobs:
+                _extend_prompt_logprobs(request, *prompt_logprobs[request.request_id])
             if not chunk.sample:
                 continue
             request.num_pending_tokens -= 1
@@ -310,3 +314,13 @@ class Scheduler:
             assert len(table) >= self.kv.blocks_needed(request.next_position), f"{request} lacks blocks"
             assert request.num_pending_tokens <= 1, f"{request} has more than one step in flight"
             assert request.num_missing_tokens >= 0, f"{request} is scheduled past its tokens"
+
+
+def _extend_prompt_logprobs(request: Request, first: int, entries: list) -> None:
+    """Append a chunk's prompt logprobs (those of prompt tokens first, first + 1, ...) that the request lacks:
+    a chunk recomputed after a preemption scores positions it has already."""
+    have = len(request.prompt_logprobs)
+    if first > have:
+        raise RuntimeError(f"request {request.request_id!r}: prompt logprobs from token {first} arrived "
+                           f"with only {have} before them")
+    request.prompt_logprobs += entries[have - first:]

@@ -67,3 +67,5 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request_id -> token (sampling chunks)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for requests that asked for logprobs
+    # request_id -> (index of the first prompt token scored, entries), for chunks that score prompt tokens
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

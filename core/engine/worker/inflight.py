@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
+    from deepinfer.core.engine.worker.prompt_logprobs import PromptLogprobs
     from deepinfer.core.engine.worker.sampler import SamplerOutput
 
 
@@ -25,13 +26,15 @@ _request_id = attrgetter("request.request_id")
 
 class InflightStep:
     """What a launched step computes: the tokens sampled for `sampling_chunks` (in that order) on
-    the device at once, on the host once `result` has waited for them."""
+    the device at once, on the host once `result` has waited for them; and the prompt logprobs of
+    the chunks that score prompt tokens."""
 
     def __init__(self, scheduler_output: SchedulerOutput, sampling_chunks: list[ScheduledChunk],
-                 sampled: SamplerOutput | None) -> None:
+                 sampled: SamplerOutput | None, prompt_logprobs: PromptLogprobs | None = None) -> None:
         self.scheduler_output = scheduler_output
         self.sampling_chunks = sampling_chunks
         self.sampled = sampled  # None when no chunk samples
+        self.prompt_logprobs = prompt_logprobs  # None when no chunk scores prompt tokens
         self._request_ids = list(map(_request_id, sampling_chunks))
         self._rows = dict(zip(self._request_ids, range(len(sampling_chunks))))
 
@@ -60,6 +63,8 @@ class InflightStep:
     def result(self) -> ModelRunnerOutput:
         """Waits for the sampled tokens (and logprobs) to reach the host."""
         out = ModelRunnerOutput()
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs = self.prompt_logprobs.by_request()
         if self.sampled is None:
             return out
         sampled = self.sampled

@@ -14,11 +14,13 @@ Per step:
    device runs the forward (core/structured/step_mask.py).
 4. The sampler draws one token per sampling chunk on the device and starts copying the tokens
    (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync.
+5. Chunks of requests that ask for prompt logprobs also score their prompt positions
+   (core/engine/worker/prompt_logprobs.py), from the same hidden states.
 
 Steps that fit a token bucket (decodes, and mixed or prefill steps whose per-token attention stays
 cheap) can instead go to a PaddedStepRunner (core/engine/worker/cuda_graphs.py), which pads them to a
 bucket and replays a CUDA graph ("graphs") or runs the padded step eagerly ("padded"); the others
-run eagerly as above.
+run eagerly as above, as do steps that score prompt tokens (they need every row's hidden state).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from operator import attrgetter
 import torch
 
 from deepinfer.core.engine.sched.request import Request
-from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from deepinfer.core.engine.worker.cuda_graphs import PaddedStepRunner
 from deepinfer.core.engine.worker.inflight import InflightStep
+from deepinfer.core.engine.worker.prompt_logprobs import gather_prompt_logprobs, wants_prompt_logprobs
 from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow
 from deepinfer.core.engine.worker.step_inputs import StepInputs, request_stager
 from deepinfer.core.kv.cache import KVCache
@@ -65,7 +68,9 @@ class ModelRunner:
         """Enqueue the step (inputs, forward, logits, sampling) without waiting for the device.
         `previous`: the step in flight, whose sampled tokens are this step's pending input tokens."""
         chunks = scheduler_output.chunks
-        if self.step_runner is not None and self.step_runner.serves(chunks):
+        prompt_logprobs = None
+        scores_prompt = wants_prompt_logprobs(chunks)
+        if self.step_runner is not None and not scores_prompt and self.step_runner.serves(chunks):
             # [n, vocab] float32, the sampling chunks'
             logits = self.step_runner.run(chunks, previous, scheduler_output.block_tables)
             sampling_chunks = list(compress(chunks, map(_sample, chunks)))
@@ -75,20 +80,28 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_cache)
             sampling_chunks = inputs.sampling_chunks
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if sampling_chunks else None
+            if scores_prompt:
+                prompt_logprobs = gather_prompt_logprobs(self.model, hidden, _ordered(chunks))
         if not sampling_chunks:
-            return InflightStep(scheduler_output, [], None)
+            return InflightStep(scheduler_output, [], None, prompt_logprobs)
         rows = [chunk.request.sampling_row or sampling_row(chunk.request) for chunk in sampling_chunks]
         # After the forward is enqueued: the host fills the masks while the device runs it.
         grammar_mask = step_grammar_mask(sampling_chunks, previous.token_of if previous is not None else None,
                                          logits.shape[1], self.device)
-        return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows, grammar_mask))
+        return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows, grammar_mask),
+                            prompt_logprobs)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,
                        previous: InflightStep | None = None) -> StepInputs:
-        chunks = scheduler_output.chunks
-        if sum(chunk.num_tokens for chunk in chunks) != len(chunks):  # not all decodes
-            chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # stable: decodes first
-        return self._stager.stage_requests(chunks, previous, scheduler_output.block_tables)
+        return self._stager.stage_requests(_ordered(scheduler_output.chunks), previous,
+                                           scheduler_output.block_tables)
+
+
+def _ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """The chunks in the order an eager step lays out their rows: decodes (one token) first."""
+    if sum(chunk.num_tokens for chunk in chunks) != len(chunks):  # not all decodes
+        return sorted(chunks, key=lambda c: c.num_tokens != 1)  # stable
+    return chunks
 
 
 def sampling_row(request: Request) -> SamplingRow:

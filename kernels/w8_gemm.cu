@@ -1,0 +1,171 @@
+// W8A16 product on tensor cores for 1 to 64 tokens: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), reading the
+// 8-bit PackedWeight of core/quant/packed.py as it is stored (qweight int32 [N, K/4], code j of word w is k = 4w + j
+// at bits 8j; GGUF Q8_0 re-packed exactly, or round-to-nearest 8-bit), dequantized in registers.
+//
+// w8_gemm_kernel<DT, TT, ZMODE>: a CTA of 8 warps owns 16 output rows (the mma.sync m16n8k16 A operand) and TT
+// 8-token tiles (the n = 8 operand); warp w takes the 64-code segments w, w + 8, w + 16, ... of K, so the CTA streams
+// its rows front to back with no split-K pass over global memory, and the warps' sums meet in shared memory, added
+// in warp order (deterministic), as quant_matmul.cu's ksplit kernel does.
+//
+// Thread (g = lane / 4, t = lane % 4) holds rows g and g + 8 and, of each segment, the 16 codes at k = 64 seg + 16 t
+// (one 16-byte load a row): word j of them gives mma step j, its codes (0, 1) as the A pair of k (2t, 2t + 1) and
+// (2, 3) as that of k (2t + 8, 2t + 9). The activations take the same physical k: for step j the two words at
+// x[tok][64 seg + 16 t + 4 j ..], so the B pairs load in natural order (two 16-byte loads a token and segment). Every
+// k of the segment meets exactly one step, so the sum is unchanged.
+//
+// Dequantization is core.quant.packing.dequantize's fp32 arithmetic, each operation rounded on its own, then one
+// rounding to DT (the weight equals the reference's dequantized weight bit for bit): a code byte placed under the
+// exponent of 2^23 (one PRMT) is 2^23 + q exactly, then
+//   ZMODE 0 (zero points, all whole numbers, Q8_0's 128): (2^23 + q) - (2^23 + z) = q - z exactly, times s;
+//   ZMODE 1 ("min"): q * s + m;   ZMODE 2 (zero points that are not whole numbers): (q - z) * s.
+// A 16-code span lies in one group (group sizes are multiples of 32), so each thread loads one scale and zero a row.
+#include "common.cuh"
+
+constexpr int W8_WARPS = 8;
+constexpr int W8_SEGMENT = 64;  // codes of K per warp step: 16 per thread of a quad
+constexpr float TWO_23 = 8388608.0f;
+
+// Code c of a word as the float 2^23 + code: the byte under the exponent bits of 2^23 (0x4B000000).
+template <int C>
+__device__ __forceinline__ float magic_code(u32 word) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440 | C));
+}
+
+template <int ZMODE>
+__device__ __forceinline__ float dequant(float magic_q, float s, float z) {
+  if constexpr (ZMODE == 0) {
+    return __fmul_rn(__fsub_rn(magic_q, z), s);  // z holds 2^23 + zero point
+  } else if constexpr (ZMODE == 1) {
+    return __fadd_rn(__fmul_rn(__fsub_rn(magic_q, TWO_23), s), z);
+  } else {
+    return __fmul_rn(__fsub_rn(__fsub_rn(magic_q, TWO_23), z), s);
+  }
+}
+
+template <int SCALE_F32>
+__device__ __forceinline__ float load_group_value(const void* base, i64 index) {
+  if constexpr (SCALE_F32) {
+    return __ldg(reinterpret_cast<const float*>(base) + index);
+  } else {
+    return Num<0>::to_float(__ldg(reinterpret_cast<const u16*>(base) + index));
+  }
+}
+
+// One segment of a thread's two rows: 4 words each and their group's scale and zero term.
+struct W8Segment {
+  uint4 codes[2];
+  float s[2], z[2];
+};
+
+template <int ZMODE, int SCALE_F32>
+__device__ __forceinline__ void load_w8_segment(W8Segment& d, int seg, int num_segs, const u32* __restrict__ qweight,
+                                                const void* __restrict__ scales, const void* __restrict__ zeros,
+                                                int row0, int t, int N, int K, int group_size) {
+  const int kc = seg * W8_SEGMENT + 16 * t;
+  const int num_groups = K / group_size;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    const bool valid = seg < num_segs && kc < K && row < N;
+    d.codes[r] = valid ? __ldg(reinterpret_cast<const uint4*>(qweight + (i64)row * (K / 4) + kc / 4))
+                       : make_uint4(0, 0, 0, 0);
+    float s = 0.0f, z = 0.0f;
+    if (valid) {
+      const i64 group = (i64)row * num_groups + kc / group_size;
+      s = load_group_value<SCALE_F32>(scales, group);
+      z = load_group_value<SCALE_F32>(zeros, group);
+    }
+    d.s[r] = s;
+    d.z[r] = ZMODE == 0 ? z + TWO_23 : z;  // exact: a whole zero point of at most 2^23
+  }
+}
+
+// The A pairs of one word of a row: (codes 0, 1) and (codes 2, 3), dequantized.
+template <int DT, int ZMODE>
+__device__ __forceinline__ void word_pairs(u32 word, float s, float z, u32& lo, u32& hi) {
+  lo = Num<DT>::pack(dequant<ZMODE>(magic_code<0>(word), s, z), dequant<ZMODE>(magic_code<1>(word), s, z));
+  hi = Num<DT>::pack(dequant<ZMODE>(magic_code<2>(word), s, z), dequant<ZMODE>(magic_code<3>(word), s, z));
+}
+
+template <int DT, int TT, int ZMODE>
+__device__ __forceinline__ void mma_w8_segment(const W8Segment& d, int seg, int num_segs, const u16* __restrict__ x,
+                                               int tok0, int g, int t, int M, int K, float (&acc)[TT][4]) {
+  if (seg >= num_segs) return;  // uniform across the warp
+  const int kc = seg * W8_SEGMENT + 16 * t;
+  u32 a[4][4];  // [step j][a0, a1, a2, a3]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const u32 words[4] = {d.codes[r].x, d.codes[r].y, d.codes[r].z, d.codes[r].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) word_pairs<DT, ZMODE>(words[j], d.s[r], d.z[r], a[j][r], a[j][r + 2]);
+  }
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+    const int tok = tok0 + tt * 8 + g;
+    const bool valid = tok < M && kc < K;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + (i64)tok * K + kc);
+    const uint4 u0 = valid ? __ldg(xv) : make_uint4(0, 0, 0, 0);
+    const uint4 u1 = valid ? __ldg(xv + 1) : make_uint4(0, 0, 0, 0);
+    const u32 b[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};  // x[kc + 2i], x[kc + 2i + 1]
+#pragma unroll
+    for (int j = 0; j < 4; ++j) Num<DT>::mma(acc[tt], a[j][0], a[j][1], a[j][2], a[j][3], b[2 * j], b[2 * j + 1]);
+  }
+}
+
+template <int DT, int TT, int ZMODE, int SCALE_F32>
+__global__ void __launch_bounds__(256) w8_gemm_kernel(
+    const u16* __restrict__ x,         // [M, K]
+    const u32* __restrict__ qweight,   // [N, K / 4]
+    const void* __restrict__ scales,   // [N, K / G]
+    const void* __restrict__ zeros,    // [N, K / G]
+    const u16* __restrict__ bias,      // [N] or null
+    u16* __restrict__ out,             // [M, N]
+    int M, int N, int K, int group_size) {
+  __shared__ float partial[W8_WARPS][TT * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16 + g;
+  const int tok0 = blockIdx.y * 8 * TT;
+  const int num_segs = (K + W8_SEGMENT - 1) / W8_SEGMENT;
+  launch_dependents();
+
+  // Two segments in flight: the next one's weights load while this one's multiply.
+  W8Segment cur, nxt;
+  load_w8_segment<ZMODE, SCALE_F32>(cur, warp, num_segs, qweight, scales, zeros, row0, t, N, K, group_size);
+  wait_for_prior_grids();
+
+  float acc[TT][4];
+#pragma unroll
+  for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int seg = warp; seg < num_segs; seg += 2 * W8_WARPS) {
+    load_w8_segment<ZMODE, SCALE_F32>(nxt, seg + W8_WARPS, num_segs, qweight, scales, zeros, row0, t, N, K,
+                                      group_size);
+    mma_w8_segment<DT, TT, ZMODE>(cur, seg, num_segs, x, tok0, g, t, M, K, acc);
+    load_w8_segment<ZMODE, SCALE_F32>(cur, seg + 2 * W8_WARPS, num_segs, qweight, scales, zeros, row0, t, N, K,
+                                      group_size);
+    mma_w8_segment<DT, TT, ZMODE>(nxt, seg + W8_WARPS, num_segs, x, tok0, g, t, M, K, acc);
+  }
+
+  // The warps' sums meet in shared memory; warp 0 adds them in warp order and stores the tile.
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < W8_WARPS; ++w) sum += partial[w][tt * 4 + e][lane];
+      // c0..c3 = (row g, token 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1)
+      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
+      if (row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
+      }
+    }
+  }
+}
