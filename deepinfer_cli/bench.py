@@ -124,7 +124,8 @@ def host(
     ] = "decode,mixed",
     forward: Annotated[str, typer.Option(
         "--forward", help="stand-in: a forward and sampler that cost nothing, on the CPU; model: the real "
-                          "model and sampler on --device (a GPU).")] = "stand-in",
+                          "model and sampler on --device (a GPU), with the device time of the same steps "
+                          "and wall/GPU beside wall and CPU.")] = "stand-in",
     steps: Annotated[int, typer.Option("--steps", help="Timed steps per point (and as many for the phases).")] = 64,
     repeats: Annotated[int, typer.Option(
         "--repeats", help="Timed passes per point; the least disturbed (cheapest core) is kept.")] = 3,
