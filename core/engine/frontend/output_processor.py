@@ -91,6 +91,7 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}
         # sample's request id -> (its group, its live completion, its detokenizer): one lookup per token
         self._samples: dict[str, tuple[RequestGroup, CompletionOutput, IncrementalDetokenizer]] = {}
+        self.samples: dict[str, Request] = {}  # sample's request id -> its Request, while its group is open
 
     def add(self, group: RequestGroup) -> None:
         group.detokenizers = [IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params,
@@ -98,6 +99,14 @@ class OutputProcessor:
         self.groups[group.request_id] = group
         for sample, completion, detokenizer in zip(group.samples, group.completions, group.detokenizers):
             self._samples[sample.request_id] = (group, completion, detokenizer)
+            self.samples[sample.request_id] = sample
+
+    def remove(self, request_id: str) -> None:
+        """Forget a request that never ran (the engine refused it)."""
+        group = self.groups.pop(request_id, None)
+        for sample in group.samples if group is not None else ():
+            self._samples.pop(sample.request_id, None)
+            self.samples.pop(sample.request_id, None)
 
     def append_tokens(
         self, sampled: list[Request], stats: IterationStats
@@ -180,6 +189,7 @@ class OutputProcessor:
                 del groups[parent_id]
                 for sample in samples:
                     self._samples.pop(sample.request_id, None)
+                    self.samples.pop(sample.request_id, None)
                 stats.finished_requests.append(_finished_stats(group))
         return outputs
 
