@@ -9,6 +9,10 @@ Sampling fields a SamplingParams leaves unset (temperature, top_p, top_k, min_p,
 repetition_penalty) take the model's defaults (its generation_config.json or GGUF metadata), with
 `override_generation_config={...}` over them: `llm.sampling_defaults` says which and from where.
 
+`LLM(..., engine_process=True)` runs the engine core in its own process (core/engine/frontend/core_client.py);
+this process then tokenizes, detokenizes and matches stop strings, and `generate` gives the same outputs.
+`llm.shutdown()` stops that process (it also ends with this one).
+
 Every prompt is validated before anything runs, so a bad one raises (InvalidRequestError,
 PromptTooLongError) without wasting the others' work. Prompts are fed to the engine as its
 bounded waiting queue has room, and run together in continuous batches.
@@ -26,6 +30,7 @@ reach the template (`{"enable_thinking": False}`), and a constraint starts after
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -44,10 +49,25 @@ Messages = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`engine_args` are EngineConfig fields (dtype, device, max_num_seqs, kv_cache_dtype, ...)."""
+    def __init__(self, model: str | None = None, engine_process: bool = False, **engine_args: Any) -> None:
+        """`engine_args` are EngineConfig fields (dtype, device, max_num_seqs, kv_cache_dtype, ...).
+        `engine_process`: the engine core in its own process (an EngineCoreClient), else in this thread."""
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        self._loop: asyncio.AbstractEventLoop | None = None  # drives the engine process's client
+        if engine_process:
+            from deepinfer.core.engine.frontend.core_client import EngineCoreClient
+
+            self.engine = EngineCoreClient(self.config)
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(self.engine.start())
+        else:
+            self.engine = LLMEngine(self.config)
+
+    def shutdown(self) -> None:
+        """Stop the engine process (with `engine_process`; nothing to do otherwise)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.shutdown())
+            self._loop.close()
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:
@@ -73,6 +93,8 @@ class LLM:
                        for params in _normalize_params(sampling_params, len(prompt_list))]
         groups = [self.engine.make_request_group(prompt, params)
                   for prompt, params in zip(prompt_list, params_list)]
+        if self._loop is not None:
+            return self._loop.run_until_complete(self._generate_in_engine_process(groups))
         results: dict[str, RequestOutput] = {}
         pending = list(reversed(groups))
         while pending or self.engine.has_unfinished_requests():
@@ -82,6 +104,23 @@ class LLM:
             for output in outputs:
                 if output.finished:
                     results[output.request_id] = output
+        return [results[group.request_id] for group in groups]
+
+    async def _generate_in_engine_process(self, groups: list) -> list[RequestOutput]:
+        """Feed the groups to the engine process as its waiting queue has room (at most
+        max_waiting_requests samples not finished), each one's final output in the order given."""
+        results: dict[str, RequestOutput] = {}
+        pending, following, open_samples = list(reversed(groups)), {}, 0
+        while pending or following:
+            while pending and open_samples + len(pending[-1].samples) <= self.config.max_waiting_requests:
+                group = pending.pop()
+                following[asyncio.ensure_future(_final(self.engine.add_request_group(group)))] = group
+                open_samples += len(group.samples)
+            done, _ = await asyncio.wait(following, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = following.pop(task)
+                open_samples -= len(group.samples)
+                results[group.request_id] = task.result()
         return [results[group.request_id] for group in groups]
 
     def chat(
@@ -155,6 +194,14 @@ class LLM:
                          tool_call_parser: str | None = None) -> tuple[str | None, list[ToolCall]]:
         """A chat output's reply (sample `index`) -> (content outside the calls or None, the tool calls)."""
         return self._tool_parser(tool_call_parser).extract(output.outputs[index].text)
+
+
+async def _final(stream) -> RequestOutput:
+    """A stream's last output (the finished one)."""
+    output = None
+    async for output in stream:
+        pass
+    return output
 
 
 def _normalize_prompts(prompts) -> list[Prompt]:

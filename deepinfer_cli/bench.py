@@ -34,6 +34,10 @@ def concurrency(
         "--peer", help="hf: also run HF transformers model.generate (static batches) on the same prompts.")] = None,
     json_schema: Annotated[str | None, typer.Option(
         "--json-schema", help="A JSON Schema file; every request's output is constrained to it.")] = None,
+    engine_process: Annotated[bool, typer.Option(
+        "--engine-process/--no-engine-process",
+        help="Run the engine core in its own process; the clients, detokenization and stop strings stay in "
+             "this one (as serve --engine-process).")] = False,
     repeats: RepeatsOpt = 1,
     output: OutputOpt = None,
     verbose: VerboseOpt = False,
@@ -59,7 +63,7 @@ def concurrency(
 
         peer_source = hf_peer_source(config, cuda_device_of(config) or "cpu")
     with _progress() as progress:
-        payload = run_concurrency_benchmark(config, workload, peer_source, progress)
+        payload = run_concurrency_benchmark(config, workload, peer_source, progress, engine_process)
     _finish("concurrency", config, payload, concurrency_tables(payload), output)
 
 
@@ -143,7 +147,8 @@ def host(
     *,
     engine: dict,
 ) -> None:
-    """The engine loop's host cost per step and per running sequence, and where it goes."""
+    """The engine loop's host cost per step and per running sequence, and where it goes (the engine in this
+    process: the front end's share is measured beside the core's, on the same thread)."""
     _setup_logging(verbose)
     from rich.console import Console
 

@@ -268,6 +268,16 @@ class LLMEngine:
 
     # Introspection -------------------------------------------------------------------------------
 
+    def weight_summary(self) -> dict:
+        """How the model holds its weights: quantized linears (and their bit widths), bytes of its tensors."""
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return {
+            "quantized_linears": len(quantized),
+            "quantized_bits": sorted({m.bits for m in quantized}),
+            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
+        }
+
     def health(self) -> dict:
         kv = self.scheduler.kv
         pool, prefix = kv.pool, kv.prefix_cache

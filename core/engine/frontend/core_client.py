@@ -83,6 +83,7 @@ class EngineCoreClient(EngineFrontend):
         self.model_name = ready["model_name"]
         self.max_model_len = ready["max_model_len"]
         self.sampling_defaults = ready["sampling_defaults"]
+        self.weights = ready["weights"]  # how the engine's model holds its weights (LLMEngine.weight_summary)
         self.eos_token_ids = frozenset(ready["eos_token_ids"])
         self._health = ready["health"]
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
@@ -108,18 +109,30 @@ class EngineCoreClient(EngineFrontend):
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> RequestStream:
         self._check_open()
+        return self.add_request_group(self.make_request_group(prompt, params, request_id, cache_salt))
+
+    def make_request_group(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                           cache_salt: str | None = None) -> RequestGroup:
+        """Validate and tokenize one request (thread-safe), as LLMEngine's of the same name; its samples are
+        this side's view of the engine's. Raises InvalidRequestError, PromptTooLongError."""
         prompt_text, token_ids, params = check_request(
             prompt, params, self.tokenizer, self.spec.vocab_size, self.max_model_len,
             self.config.max_waiting_requests, cache_salt)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # a bad grammar is refused here, at once
         request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        stream = self._open_stream(request_id)
         samples = make_samples(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                                cache_salt=cache_salt, arrival_time=time.monotonic())
-        with self._outputs_lock:  # its samples are this side's view of the engine's ones
-            self.output_processor.add(RequestGroup(request_id, prompt_text, token_ids, params, samples))
-        self._send(ADD, (request_id, token_ids, params, cache_salt))
+        return RequestGroup(request_id, prompt_text, token_ids, params, samples)
+
+    def add_request_group(self, group: RequestGroup) -> RequestStream:
+        """Send a validated request to the engine. -> its stream (EngineDeadError, InvalidRequestError
+        for an id in use raise at once; a full queue comes as the stream's QueueFullError)."""
+        self._check_open()
+        stream = self._open_stream(group.request_id)
+        with self._outputs_lock:
+            self.output_processor.add(group)
+        self._send(ADD, (group.request_id, group.prompt_token_ids, group.params, group.samples[0].cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:

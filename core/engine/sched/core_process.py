@@ -57,7 +57,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.send(codec.encode(READY, {
         "tokenizer": engine.tokenizer, "spec": engine.spec, "model_name": engine.model_name,
         "max_model_len": engine.max_model_len, "sampling_defaults": engine.sampling_defaults,
-        "eos_token_ids": engine.eos_token_ids, "health": engine.health()}))
+        "eos_token_ids": engine.eos_token_ids, "weights": engine.weight_summary(), "health": engine.health()}))
     try:
         _serve(engine, inputs, outputs, codec, parent)
     finally:
