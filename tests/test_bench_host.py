@@ -54,9 +54,9 @@ def test_the_stand_in_engine_streams_exactly_the_stand_in_tokens(async_schedulin
 
 def test_every_point_runs_its_mode_and_the_spans_are_taken_out():
     result = InflightStep.result
-    append = IncrementalDetokenizer.append
+    append = IncrementalDetokenizer.append_text
     payload = run_host_benchmark(BASE, small_workload(), tokenizer=BYTES)
-    assert InflightStep.result is result and IncrementalDetokenizer.append is append
+    assert InflightStep.result is result and IncrementalDetokenizer.append_text is append
     assert [(p["mode"], p["num_seqs"]) for p in payload["points"]] == [
         ("decode", 1), ("decode", 3), ("mixed", 1), ("mixed", 3)]
     for point in payload["points"]:

@@ -247,7 +247,7 @@ def instrument(engine: LLMEngine, clock: PhaseClock, phases: tuple[str, ...] = P
         (engine.scheduler, "update", "update"),
         (engine.output_processor, "append_tokens", "output"),
         (engine.output_processor, "make_outputs", "output"),
-        (detokenizer_module.IncrementalDetokenizer, "append", "detokenize"),
+        (detokenizer_module.IncrementalDetokenizer, "append_text", "detokenize"),
     ]
     if runner.step_runner is not None:
         spans += [(runner.step_runner.buffers, "load", "staging"), (runner.step_runner, "replay", "forward"),
