@@ -41,8 +41,8 @@ def test_messages_are_one_frame_each_and_come_back_as_the_objects_sent():
     assert (kind, request_id, ids, salt) == (ADD, "r1", [1, 2, 3], None)
     assert decoded_params == params and decoded_params.stop.failure_tables == params.stop.failure_tables
     assert codec.decode(codec.encode(ABORT, ["r1#0", "r1#1"])) == (ABORT, ["r1#0", "r1#1"])
-    records = [("r1", [17], None, (12.5, 8), None), ("r2", [], None, None, ("abort", None, None, 13.0))]
-    assert codec.decode(codec.encode(OUTPUTS, ([], records, stats, None)))[1][1:3] == (records, stats)
+    step = (["r1", "r2"], [17, 4], None, [("r1", 12.5, 8)], [("r2", "abort", None, None, 13.0)])
+    assert codec.decode(codec.encode(OUTPUTS, ([], step, stats, None)))[1][1:3] == (step, stats)
     # The framing itself is msgpack: an independent decoder reads the kind and the plain payloads.
     assert msgspec.msgpack.decode(codec.encode(ABORT, "r1")) == ["abort", "r1"]
     with pytest.raises(msgspec.DecodeError):

@@ -11,7 +11,7 @@ Front end -> engine: ADD (request id, prompt token ids, params, cache salt), ABO
 ids), FINISH ([(sample id, finish reason, stop reason, error)]: samples the front end finished, on a stop
 string or a detokenization error), SHUTDOWN. Engine -> front end: READY (what the front end needs:
 tokenizer, spec, limits, sampling defaults), OUTPUTS (one step's [(request id, error)] of requests it
-refused, its sampled tokens and finishes as core/engine/core_outputs.py's records, its IterationStats and,
+refused, its sampled tokens and finishes as core/engine/core_outputs.py's lists, its IterationStats and,
 at most every 50 ms and whenever the engine goes idle, its health dict), FAILED (start-up failed: reason).
 """
 

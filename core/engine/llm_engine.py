@@ -116,6 +116,7 @@ class LLMEngine:
         self._pending_stats = IterationStats()  # finishes outside a step (aborts), reported by the next
         self._inflight: InflightStep | None = None  # launched, not applied yet (async scheduling)
         self._ids = itertools.count()
+        self.sampled: list[Request] = []  # the samples the last core_step gave a token
 
     # Requests ------------------------------------------------------------------------------------
 
@@ -187,9 +188,10 @@ class LLMEngine:
         return self.output_processor.make_outputs(touched, stats), stats
 
     def core_step(self) -> tuple[list[Request], IterationStats]:
-        """`step` without the outputs: -> the samples the applied step gave a token or finished (in that
-        order, one may come twice), and the step's stats."""
+        """`step` without the outputs: -> the samples the applied step gave a token or finished (one may
+        come twice), and the step's stats; `sampled` then holds those that got a token (one each), in order."""
         stats, self._pending_stats = self._pending_stats, IterationStats()
+        self.sampled = []
         touched: list[Request] = []
         launched, failed, failure = None, None, None
         try:
@@ -235,6 +237,7 @@ class LLMEngine:
             return self._fail(requests, err)
         stats.num_prompt_tokens += step_stats.num_prompt_tokens
         stats.num_generation_tokens += len(sampled)
+        self.sampled += sampled
         if self.output_processor is None:  # the front end detokenizes
             return sampled + sampling_failed
         stopped, failed = self.output_processor.append_tokens(sampled, stats)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, FINISH, OUTPUTS, READY, SHUTDOWN, MessageCodec
-from deepinfer.core.engine.core_outputs import apply_records, finish_sample
+from deepinfer.core.engine.core_outputs import apply_core_outputs, finish_sample
 from deepinfer.core.engine.frontend.engine_frontend import EngineFrontend
 from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.frontend.outputs import RequestOutput
@@ -190,26 +190,26 @@ class EngineCoreClient(EngineFrontend):
             kind, payload = self._recv_codec.decode(self._output.recv())
             if kind != OUTPUTS:
                 continue
-            refused, records, stats, health = payload
+            refused, step, stats, health = payload
             if health is not None:
                 self._health = health
             try:
-                deliveries = self._process(refused, records, stats)
+                deliveries = self._process(refused, step, stats)
             except Exception:  # a bug here must not stop the outputs of later steps
                 logger.exception("processing the engine's outputs failed")
                 continue
             self._post(deliveries)
             self._notify_listeners(stats)
 
-    def _process(self, refused: list, records: list, stats: IterationStats
+    def _process(self, refused: list, step: tuple, stats: IterationStats
                  ) -> list[tuple[str, RequestOutput | BaseException]]:
-        """One engine step's records -> [(request id, RequestOutput or error)]; sends FINISH for the samples
+        """One engine step's outputs -> [(request id, RequestOutput or error)]; sends FINISH for the samples
         a stop string (or a failed detokenization) ended here."""
         processor, finishes = self.output_processor, []
         with self._outputs_lock:
             for request_id, _ in refused:
                 processor.remove(request_id)
-            sampled, touched, discarded = apply_records(records, processor.samples)
+            sampled, touched, discarded = apply_core_outputs(step, processor.samples)
             stats.num_generation_tokens -= discarded  # computed after the sample ended: never an output
             stopped, failed = processor.append_tokens(sampled, stats)
             now = time.monotonic()

@@ -5,7 +5,7 @@ then loops: while a request is queued, running or in flight it takes whatever in
 without waiting and runs a step, sending that step's outputs; when idle it blocks on its input
 socket, so an idle engine burns no core. The engine has no output processor here (LLMEngine's
 `detokenize=False`): what crosses to the front end are each step's sampled token ids, logprobs and
-finishes (core/engine/core_outputs.py's records); the front end detokenizes, matches stop strings,
+finishes (core/engine/core_outputs.py); the front end detokenizes, matches stop strings,
 builds the outputs, and sends back FINISH for the samples it ended, which the loop frees before its next
 step.
 
@@ -23,7 +23,7 @@ import time
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, FINISH, OUTPUTS, READY, SHUTDOWN, MessageCodec
-from deepinfer.core.engine.core_outputs import core_records
+from deepinfer.core.engine.core_outputs import core_outputs
 from deepinfer.core.engine.sched.request import RequestStatus
 from deepinfer.core.errors import InvalidRequestError, QueueFullError
 
@@ -70,7 +70,6 @@ def _serve(engine, inputs, outputs, codec: MessageCodec, parent: int) -> None:
     import zmq
 
     health_at = 0.0
-    sent: dict[str, int] = {}  # per unfinished sample: its output tokens sent so far
     while True:
         if not engine.has_unfinished_requests() and not inputs.poll(PARENT_CHECK_MS):
             if os.getppid() != parent:
@@ -92,11 +91,10 @@ def _serve(engine, inputs, outputs, codec: MessageCodec, parent: int) -> None:
             elif kind == FINISH:  # the front end has these samples' final outputs already
                 for sample_id, reason, stop_reason, error in payload:
                     engine.finish([sample_id], RequestStatus(reason), stop_reason=stop_reason, error=error)
-                    sent.pop(sample_id, None)
         touched, stats = engine.core_step()  # also after aborts alone: it reports their finishes
-        records = core_records(finished + touched, sent)
+        step = core_outputs(engine.sampled, finished + touched)
         now = time.monotonic()
         health = None
         if not engine.has_unfinished_requests() or now - health_at >= HEALTH_INTERVAL_S:
             health, health_at = engine.health(), now
-        outputs.send(codec.encode(OUTPUTS, (refused, records, stats, health)))
+        outputs.send(codec.encode(OUTPUTS, (refused, step, stats, health)))
