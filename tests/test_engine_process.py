@@ -266,3 +266,42 @@ def test_a_killed_engine_process_ends_the_open_stream_and_the_server_exits_non_z
     errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
     assert errors and errors[0]["error"]["code"] == "engine_dead", events[-3:]
     assert "engine process" in stderr
+
+
+def test_chat_with_the_engine_in_its_own_process_answers_as_in_process(engine_config, in_process):
+    """`deepinfer chat --engine-process`: the chat's engine on its loop thread is the engine process's client."""
+    from deepinfer.cli.chat_engine import ChatEngine
+
+    prompt_ids = [5, 9, 33, 71, 2, 8]
+    expected, _ = _in_process_finals(in_process, {"chat": (prompt_ids, greedy(16))})
+    chat = ChatEngine()
+    try:
+        chat.load(engine_config, engine_process=True)
+        pieces = []
+        answer = chat.stream_answer(prompt_ids, greedy(16), pieces.append)
+        assert chat.engine.process.is_alive()
+    finally:
+        chat.shutdown()
+    assert answer.text == "".join(pieces) == expected["chat"].outputs[0].text
+    assert answer.finish_reason == "length" and not answer.interrupted
+    assert chat.engine.process.exitcode == 0
+
+
+def test_bench_concurrency_runs_with_the_engine_in_its_own_process(tmp_path, tiny_llama_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from deepinfer.cli.main import app
+
+    output = tmp_path / "concurrency.json"
+    args = ["bench", "concurrency", "--model", str(tiny_llama_dir), "--engine-process", "--quantization", "w4a16",
+            "--concurrency", "2", "--prompt-len", "8", "--output-len", "3", "--num-requests", "4", "-o", str(output)]
+    monkeypatch.setattr("sys.argv", ["deepinfer", *args])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    data = json.loads(output.read_text())
+    assert data["engine_process"] is True
+    # The engine process's model, reported across: 3 layers x (qkv, o, gate_up, down), all 4-bit.
+    assert data["weights"]["quantized_linears"] == 12 and data["weights"]["quantized_bits"] == [4]
+    (run,) = data["levels"][0]["repeats"]
+    assert run["num_failed"] == 0 and run["output_tokens"] == 12 and run["max_running"] == 2
+    assert [r["output_len"] for r in run["requests"]] == [3] * 4
