@@ -1,6 +1,8 @@
 """The engine core in its own process: message framing, the client against the in-process engine
-(greedy tokens equal, aborts, bad input, stats), a clean shutdown, and the server when the engine
-process is killed (its open stream ends, new requests get a 503, the server exits non-zero)."""
+(greedy tokens equal; stop strings, n > 1 and logprobs equal, with the front end detokenizing; aborts,
+bad input, stats), `LLM`, chat and bench concurrency with the engine in its own process, a clean
+shutdown, and the server when the engine process is killed (its open stream ends, new requests get a
+503, the server exits non-zero)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,10 @@ With a step in flight, a step whose launch fails is reported after the step in f
 (its requests keep the tokens that step gave them, then fail); an abort finishes the request at
 once and discards what the step in flight computed for it.
 
+The engine core of an engine in its own process (`detokenize=False`, core/engine/sched/core_process.py)
+has no output processor: its `core_step` is `step` without the outputs, and the front end, which
+detokenizes and matches stop strings there, ends samples through `finish`.
+
 Not thread-safe: `LLM` calls it from one thread, `AsyncEngine` from its engine thread. Only
 `make_request_group` (validation and tokenization) may run on another thread.
 """
