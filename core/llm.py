@@ -110,17 +110,29 @@ class LLM:
         """Feed the groups to the engine process as its waiting queue has room (at most
         max_waiting_requests samples not finished), each one's final output in the order given."""
         results: dict[str, RequestOutput] = {}
-        pending, following, open_samples = list(reversed(groups)), {}, 0
-        while pending or following:
+        finished: asyncio.Queue = asyncio.Queue()  # (group, error or None) as each one ends
+
+        async def follow(stream, group) -> None:
+            try:
+                async for output in stream:  # the last one is the finished output
+                    results[group.request_id] = output
+            except BaseException as err:  # noqa: BLE001 -- raised below, on the caller's side
+                finished.put_nowait((group, err))
+            else:
+                finished.put_nowait((group, None))
+
+        pending, tasks, running, open_samples = list(reversed(groups)), set(), 0, 0
+        while pending or running:
             while pending and open_samples + len(pending[-1].samples) <= self.config.max_waiting_requests:
                 group = pending.pop()
-                following[asyncio.ensure_future(_final(self.engine.add_request_group(group)))] = group
-                open_samples += len(group.samples)
-            done, _ = await asyncio.wait(following, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                group = following.pop(task)
-                open_samples -= len(group.samples)
-                results[group.request_id] = task.result()
+                running, open_samples = running + 1, open_samples + len(group.samples)
+                task = asyncio.ensure_future(follow(self.engine.add_request_group(group), group))
+                tasks.add(task)  # the event loop keeps only weak references to tasks
+                task.add_done_callback(tasks.discard)
+            group, error = await finished.get()
+            if error is not None:
+                raise error
+            running, open_samples = running - 1, open_samples - len(group.samples)
         return [results[group.request_id] for group in groups]
 
     def chat(
@@ -194,14 +206,6 @@ class LLM:
                          tool_call_parser: str | None = None) -> tuple[str | None, list[ToolCall]]:
         """A chat output's reply (sample `index`) -> (content outside the calls or None, the tool calls)."""
         return self._tool_parser(tool_call_parser).extract(output.outputs[index].text)
-
-
-async def _final(stream) -> RequestOutput:
-    """A stream's last output (the finished one)."""
-    output = None
-    async for output in stream:
-        pass
-    return output
 
 
 def _normalize_prompts(prompts) -> list[Prompt]:
