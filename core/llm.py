@@ -9,6 +9,10 @@ Sampling fields a SamplingParams leaves unset (temperature, top_p, top_k, min_p,
 repetition_penalty) take the model's defaults (its generation_config.json or GGUF metadata), with
 `override_generation_config={...}` over them: `llm.sampling_defaults` says which and from where.
 
+`LLM(..., engine_process=True)` runs the engine core in its own process (core/engine/frontend/core_client.py);
+this process then tokenizes, detokenizes and matches stop strings, and `generate` gives the same outputs.
+`llm.shutdown()` stops that process (it also ends with this one).
+
 Every prompt is validated before anything runs, so a bad one raises (InvalidRequestError,
 PromptTooLongError) without wasting the others' work. Prompts are fed to the engine as its
 bounded waiting queue has room, and run together in continuous batches.
@@ -27,6 +31,7 @@ reach the template (`{"enable_thinking": False}`), a constraint starts after the
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -46,10 +51,25 @@ Messages = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`engine_args` are EngineConfig fields (dtype, device, max_num_seqs, kv_cache_dtype, ...)."""
+    def __init__(self, model: str | None = None, engine_process: bool = False, **engine_args: Any) -> None:
+        """`engine_args` are EngineConfig fields (dtype, device, max_num_seqs, kv_cache_dtype, ...).
+        `engine_process`: the engine core in its own process (an EngineCoreClient), else in this thread."""
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        self._loop: asyncio.AbstractEventLoop | None = None  # drives the engine process's client
+        if engine_process:
+            from deepinfer.core.engine.frontend.core_client import EngineCoreClient
+
+            self.engine = EngineCoreClient(self.config)
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(self.engine.start())
+        else:
+            self.engine = LLMEngine(self.config)
+
+    def shutdown(self) -> None:
+        """Stop the engine process (with `engine_process`; nothing to do otherwise)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.shutdown())
+            self._loop.close()
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:
@@ -75,6 +95,8 @@ class LLM:
                        for params in _normalize_params(sampling_params, len(prompt_list))]
         groups = [self.engine.make_request_group(prompt, params)
                   for prompt, params in zip(prompt_list, params_list)]
+        if self._loop is not None:
+            return self._loop.run_until_complete(self._generate_in_engine_process(groups))
         results: dict[str, RequestOutput] = {}
         pending = list(reversed(groups))
         while pending or self.engine.has_unfinished_requests():
@@ -84,6 +106,35 @@ class LLM:
             for output in outputs:
                 if output.finished:
                     results[output.request_id] = output
+        return [results[group.request_id] for group in groups]
+
+    async def _generate_in_engine_process(self, groups: list) -> list[RequestOutput]:
+        """Feed the groups to the engine process as its waiting queue has room (at most
+        max_waiting_requests samples not finished), each one's final output in the order given."""
+        results: dict[str, RequestOutput] = {}
+        finished: asyncio.Queue = asyncio.Queue()  # (group, error or None) as each one ends
+
+        async def follow(stream, group) -> None:
+            try:
+                async for output in stream:  # the last one is the finished output
+                    results[group.request_id] = output
+            except BaseException as err:  # noqa: BLE001 -- raised below, on the caller's side
+                finished.put_nowait((group, err))
+            else:
+                finished.put_nowait((group, None))
+
+        pending, tasks, running, open_samples = list(reversed(groups)), set(), 0, 0
+        while pending or running:
+            while pending and open_samples + len(pending[-1].samples) <= self.config.max_waiting_requests:
+                group = pending.pop()
+                running, open_samples = running + 1, open_samples + len(group.samples)
+                task = asyncio.ensure_future(follow(self.engine.add_request_group(group), group))
+                tasks.add(task)  # the event loop keeps only weak references to tasks
+                task.add_done_callback(tasks.discard)
+            group, error = await finished.get()
+            if error is not None:
+                raise error
+            running, open_samples = running - 1, open_samples - len(group.samples)
         return [results[group.request_id] for group in groups]
 
     def chat(

@@ -35,6 +35,10 @@ def concurrency(
         "--peer", help="hf: also run HF transformers model.generate (static batches) on the same prompts.")] = None,
     json_schema: Annotated[str | None, typer.Option(
         "--json-schema", help="A JSON Schema file; every request's output is constrained to it.")] = None,
+    engine_process: Annotated[bool, typer.Option(
+        "--engine-process/--no-engine-process",
+        help="Run the engine core in its own process; the clients, detokenization and stop strings stay in "
+             "this one (as serve --engine-process).")] = False,
     repeats: RepeatsOpt = 1,
     output: OutputOpt = None,
     verbose: VerboseOpt = False,
@@ -60,7 +64,7 @@ def concurrency(
 
         peer_source = hf_peer_source(config, cuda_device_of(config) or "cpu")
     with _progress() as progress:
-        payload = run_concurrency_benchmark(config, workload, peer_source, progress)
+        payload = run_concurrency_benchmark(config, workload, peer_source, progress, engine_process)
     _finish("concurrency", config, payload, concurrency_tables(payload), output)
 
 
@@ -125,7 +129,8 @@ def host(
     ] = "decode,mixed",
     forward: Annotated[str, typer.Option(
         "--forward", help="stand-in: a forward and sampler that cost nothing, on the CPU; model: the real "
-                          "model and sampler on --device (a GPU).")] = "stand-in",
+                          "model and sampler on --device (a GPU), with the device time of the same steps "
+                          "and wall/GPU beside wall and CPU.")] = "stand-in",
     steps: Annotated[int, typer.Option("--steps", help="Timed steps per point (and as many for the phases).")] = 64,
     repeats: Annotated[int, typer.Option(
         "--repeats", help="Timed passes per point; the least disturbed (cheapest core) is kept.")] = 3,
@@ -140,7 +145,8 @@ def host(
     *,
     engine: dict,
 ) -> None:
-    """The engine loop's host cost per step and per running sequence, and where it goes."""
+    """The engine loop's host cost per step and per running sequence, and where it goes (the engine in this
+    process: the front end's share is measured beside the core's, on the same thread)."""
     _setup_logging(verbose)
     from rich.console import Console
 

@@ -27,6 +27,10 @@ def chat(
     reasoning_parser: Annotated[str | None, typer.Option(
         "--reasoning-parser", help="qwen3 | deepseek_r1 | none: how the model writes its thinking, shown dimmed and "
                                    "apart from the answer (default: detected from its chat template).")] = None,
+    engine_process: Annotated[bool, typer.Option(
+        "--engine-process/--no-engine-process",
+        help="Run the engine core in its own process (this one keeps the terminal, tokenization and "
+             "detokenization).")] = False,
     *,
     engine: dict,
 ) -> None:
@@ -52,12 +56,12 @@ def chat(
     if reasoning_parser not in (None, NO_PARSER, *REASONING_PARSERS):
         fail(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} or none, got {reasoning_parser!r}")
     if prompt is not None:
-        _one_answer(config, params, prompt, system, reasoning_parser)
+        _one_answer(config, params, prompt, system, reasoning_parser, engine_process)
     else:
-        _interactive(config, params, system, model_label, reasoning_parser)
+        _interactive(config, params, system, model_label, reasoning_parser, engine_process)
 
 
-def _load(config, quiet: bool):
+def _load(config, quiet: bool, engine_process: bool):
     """A loaded ChatEngine. Ctrl-C while the model loads leaves at once (exit 130): the SIGINT handler
     exits itself, so no library's `except` on the way can swallow a KeyboardInterrupt."""
     from contextlib import nullcontext
@@ -77,16 +81,17 @@ def _load(config, quiet: bool):
         flush_and_exit(130)
 
     with sigint_handler(leave), status:
-        chat.load(config)
+        chat.load(config, engine_process)
     return chat
 
 
-def _one_answer(config, params, prompt: str, system: str | None, reasoning_parser: str | None) -> None:
+def _one_answer(config, params, prompt: str, system: str | None, reasoning_parser: str | None,
+                engine_process: bool) -> None:
     """Only the answer is printed: a reasoning model's thinking is left out."""
     from deepinfer.cli.conversation import Conversation
     from deepinfer.core.reasoning import ReasoningSplit, make_reasoning_parser
 
-    chat = _load(config, quiet=True)
+    chat = _load(config, quiet=True, engine_process=engine_process)
     params = params.with_defaults(chat.engine.sampling_defaults)
     try:
         tokenizer = chat.engine.tokenizer
@@ -113,13 +118,14 @@ def _one_answer(config, params, prompt: str, system: str | None, reasoning_parse
         chat.shutdown()
 
 
-def _interactive(config, params, system: str | None, model_label: str, reasoning_parser: str | None) -> None:
+def _interactive(config, params, system: str | None, model_label: str, reasoning_parser: str | None,
+                 engine_process: bool) -> None:
     from deepinfer.cli.conversation import Conversation
     from deepinfer.cli.repl import ChatRepl
     from deepinfer.core.reasoning import make_reasoning_parser
     from deepinfer.core.weights.default_model import cache_root
 
-    chat = _load(config, quiet=False)
+    chat = _load(config, quiet=False, engine_process=engine_process)
     defaults = chat.engine.sampling_defaults
     try:
         ChatRepl(chat, params.with_defaults(defaults), Conversation(system), model_label,

@@ -1,4 +1,4 @@
-"""An AsyncEngine on its own event loop thread, driven from the main thread by `deepinfer chat`.
+"""An AsyncEngine (or an engine process's EngineCoreClient) on its own event loop thread, driven from the main thread by `deepinfer chat`.
 
 The main thread keeps the terminal (prompt_toolkit's prompt, printing tokens) and the signals:
 Python delivers SIGINT to the main thread only, so Ctrl-C reaches the REPL wherever the engine
@@ -36,13 +36,19 @@ class ChatEngine:
         self._thread.start()
         self.engine = None
 
-    def load(self, config) -> None:
-        """Build and start the AsyncEngine on the loop thread (imports too), the main thread only waiting."""
+    def load(self, config, engine_process: bool = False) -> None:
+        """Build and start the AsyncEngine (or, with `engine_process`, the EngineCoreClient of an engine core in
+        its own process) on the loop thread (imports too), the main thread only waiting."""
 
         async def build():
-            from deepinfer.core.engine.frontend.async_engine import AsyncEngine
+            if engine_process:
+                from deepinfer.core.engine.frontend.core_client import EngineCoreClient
 
-            engine = AsyncEngine(config)
+                engine = EngineCoreClient(config)
+            else:
+                from deepinfer.core.engine.frontend.async_engine import AsyncEngine
+
+                engine = AsyncEngine(config)
             await engine.start()
             return engine
 

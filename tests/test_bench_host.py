@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from deepinfer import SamplingParams
 from deepinfer.core.bench import host_bench
@@ -53,9 +54,9 @@ def test_the_stand_in_engine_streams_exactly_the_stand_in_tokens(async_schedulin
 
 def test_every_point_runs_its_mode_and_the_spans_are_taken_out():
     result = InflightStep.result
-    append = IncrementalDetokenizer.append
+    append = IncrementalDetokenizer.append_text
     payload = run_host_benchmark(BASE, small_workload(), tokenizer=BYTES)
-    assert InflightStep.result is result and IncrementalDetokenizer.append is append
+    assert InflightStep.result is result and IncrementalDetokenizer.append_text is append
     assert [(p["mode"], p["num_seqs"]) for p in payload["points"]] == [
         ("decode", 1), ("decode", 3), ("mixed", 1), ("mixed", 3)]
     for point in payload["points"]:
@@ -68,6 +69,7 @@ def test_every_point_runs_its_mode_and_the_spans_are_taken_out():
             assert point["decode_tokens_per_step"] >= n
             assert point["decode_tokens_per_step"] + point["prefill_tokens_per_step"] == BASE.max_num_batched_tokens
         assert set(point["phases_us_per_step"]) == set(host_bench.PHASES)
+        assert point["gpu_us_per_step"] is None and point["wall_over_gpu"] is None  # the CPU has no device time
         assert point["phases_us_per_step"]["detokenize"] > 0 and point["phases_us_per_step"]["schedule"] > 0
         assert 0 < point["core_cpu_us_per_step"] < point["cpu_us_per_step_mean"] * point["steps"]
         repeats = point["core_cpu_us_per_step_repeats"]  # the least disturbed timed pass is kept
@@ -121,3 +123,33 @@ def test_the_same_measurement_runs_inside_the_real_engine(tiny_llama_dir):
     for point in payload["points"]:
         assert point["steps"] == 3 and point["decode_tokens_per_step"] >= point["num_seqs"]
         assert point["phases_us_per_step"]["forward"] > 0 and point["phases_us_per_step"]["sampling"] > 0
+
+
+class _FakeEvent:
+    """A CUDA event's interface over a hand-set device clock (milliseconds)."""
+
+    clock_ms = 0.0
+
+    def record(self) -> None:
+        self.at_ms = _FakeEvent.clock_ms
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_the_step_gpu_timer_gives_each_launch_the_device_time_between_its_events():
+    from deepinfer.core.bench.step_gpu_time import StepGpuTimer, cuda_step_timer
+
+    class Runner:
+        def launch(self, device_ms):
+            _FakeEvent.clock_ms += device_ms  # the device's work between the two events
+            return device_ms
+
+    runner, synced = Runner(), []
+    timer = StepGpuTimer(runner, _FakeEvent, lambda: synced.append(True))
+    assert [runner.launch(2.0), runner.launch(0.5)] == [2.0, 0.5] and timer.num_launches == 2
+    assert timer.read() == pytest.approx([0.002, 0.0005]) and synced == [True]
+    assert timer.num_launches == 0
+    timer.close()
+    assert "launch" not in runner.__dict__
+    assert cuda_step_timer(runner, torch.device("cpu")) is None  # no CUDA device: no device time

@@ -333,7 +333,7 @@ def test_a_request_whose_detokenization_fails_fails_alone(loaded):
     def explode(token_id):
         raise UnicodeError("cannot decode")
 
-    engine.output_processor.groups["bad"].detokenizers[0].append = explode
+    engine.output_processor.groups["bad"].detokenizers[0].append_text = explode
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step()[0] if o.finished})

@@ -1,6 +1,8 @@
 """The engine core in its own process: message framing, the client against the in-process engine
-(greedy tokens equal, aborts, bad input, stats), a clean shutdown, and the server when the engine
-process is killed (its open stream ends, new requests get a 503, the server exits non-zero)."""
+(greedy tokens equal; stop strings, n > 1 and logprobs equal, with the front end detokenizing; aborts,
+bad input, stats), `LLM`, chat and bench concurrency with the engine in its own process, a clean
+shutdown, and the server when the engine process is killed (its open stream ends, new requests get a
+503, the server exits non-zero)."""
 
 from __future__ import annotations
 
@@ -35,13 +37,14 @@ def test_messages_are_one_frame_each_and_come_back_as_the_objects_sent():
     params = SamplingParams(temperature=0.5, max_tokens=7, stop=["\n\n"], seed=3)
     stats = IterationStats(num_running=2, num_generation_tokens=5, inter_token_latencies_s=[0.01, 0.02],
                            finished_requests=[FinishedRequestStats("length", 4, 7, 0.5, 0.1, 0.01)])
-    add = codec.encode(ADD, ("r1", "Hello", [1, 2, 3], params, None))
+    add = codec.encode(ADD, ("r1", [1, 2, 3], params, None))
     assert isinstance(add, bytes)
-    kind, (request_id, text, ids, decoded_params, salt) = codec.decode(add)
-    assert (kind, request_id, text, ids, salt) == (ADD, "r1", "Hello", [1, 2, 3], None)
+    kind, (request_id, ids, decoded_params, salt) = codec.decode(add)
+    assert (kind, request_id, ids, salt) == (ADD, "r1", [1, 2, 3], None)
     assert decoded_params == params and decoded_params.stop.failure_tables == params.stop.failure_tables
-    assert codec.decode(codec.encode(ABORT, "r1")) == (ABORT, "r1")
-    assert codec.decode(codec.encode(OUTPUTS, ([], stats, None)))[1][1] == stats
+    assert codec.decode(codec.encode(ABORT, ["r1#0", "r1#1"])) == (ABORT, ["r1#0", "r1#1"])
+    step = (["r1", "r2"], [17, 4], None, [("r1", 12.5, 8)], [("r2", "abort", None, None, 13.0)])
+    assert codec.decode(codec.encode(OUTPUTS, ([], step, stats, None)))[1][1:3] == (step, stats)
     # The framing itself is msgpack: an independent decoder reads the kind and the plain payloads.
     assert msgspec.msgpack.decode(codec.encode(ABORT, "r1")) == ["abort", "r1"]
     with pytest.raises(msgspec.DecodeError):
@@ -78,17 +81,28 @@ async def collect(stream):
     return [out async for out in stream]
 
 
-def test_greedy_tokens_and_text_equal_the_in_process_engine(client, engine_config, loop):
+@pytest.fixture(scope="module")
+def in_process(engine_config):
+    return LLMEngine(engine_config)
+
+
+def _in_process_finals(engine, requests) -> tuple[dict, int]:
+    """The in-process engine's final outputs by request id, and the generation tokens its stats count."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=request_id)
+    finals, generated = {}, 0
+    while engine.has_unfinished_requests():
+        outputs, stats = engine.step()
+        generated += stats.num_generation_tokens
+        finals.update({out.request_id: out for out in outputs if out.finished})
+    return finals, generated
+
+
+def test_greedy_tokens_and_text_equal_the_in_process_engine(client, in_process, loop):
     prompts = ["Once upon a time", [5, 9, 33, 71, 2, 8], "The capital of"]
     lengths = [24, 9, 17]
-    engine = LLMEngine(engine_config)
-    for index, (prompt, length) in enumerate(zip(prompts, lengths)):
-        engine.add_request(prompt, greedy(length), request_id=f"r{index}")
-    expected = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step()[0]:
-            if out.finished:
-                expected[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text)
+    finals, _ = _in_process_finals(in_process, {f"r{i}": (p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths))})
+    expected = {rid: (out.outputs[0].token_ids, out.outputs[0].text) for rid, out in finals.items()}
     client.stats.clear()
 
     async def run():
@@ -108,6 +122,73 @@ def test_greedy_tokens_and_text_equal_the_in_process_engine(client, engine_confi
         time.sleep(0.05)  # the stats of the last step come with its outputs, on the client's thread
     assert sum(s.num_generation_tokens for s in client.stats) == sum(lengths)  # /metrics' counts are exact
     assert sorted(f.num_generation_tokens for s in client.stats for f in s.finished_requests) == sorted(lengths)
+
+
+def test_stop_strings_samples_and_logprobs_equal_the_in_process_engine(client, in_process, loop):
+    """The front end detokenizes and matches stop strings: it cuts where the in-process engine cuts, tells
+    the engine to free the sample, and drops (and does not count) what the engine computed meanwhile."""
+    probe, _ = _in_process_finals(in_process, {"p": ("Once upon a time", greedy(40))})
+    text = probe["p"].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop and len(text) > 4
+    requests = {
+        "stop": ("Once upon a time", greedy(40, stop=[stop])),
+        "stop-late": ("Once upon a time", greedy(40, stop=["\x07never", stop])),
+        "n2": ("The capital of", SamplingParams(temperature=0.9, max_tokens=12, n=2, seed=7, logprobs=2)),
+        "plain": ([5, 9, 33, 71], greedy(15)),
+    }
+    expected, expected_generated = _in_process_finals(in_process, requests)
+    assert expected["stop"].outputs[0].finish_reason == "stop" and expected["stop"].outputs[0].stop_reason == stop
+    client.stats.clear()
+
+    async def run():
+        streams = {rid: client.add_request(p, params, request_id=rid) for rid, (p, params) in requests.items()}
+        return {rid: await collect(stream) for rid, stream in streams.items()}
+
+    results = loop.run_until_complete(run())
+    for request_id, outputs in results.items():
+        final, want = outputs[-1], expected[request_id]
+        assert final.finished
+        for index, (got, ref) in enumerate(zip(final.outputs, want.outputs, strict=True)):
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+                ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason), (request_id, index)
+            assert "".join(out.outputs[index].delta_text for out in outputs) == ref.text  # no text lost or doubled
+            assert [t for out in outputs for t in out.outputs[index].delta_token_ids] == ref.token_ids
+            if ref.logprobs is not None:
+                # The same tokens ranked; the values to float rounding (the two engines batch differently).
+                assert [[t for t, _ in lp.top] for lp in got.logprobs] == [[t for t, _ in lp.top] for lp in ref.logprobs]
+                assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    deadline = time.monotonic() + 10
+    while sum(len(s.finished_requests) for s in client.stats) < len(requests) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # The tokens the engine computed past a stop string are not counted, as in-process.
+    assert sum(s.num_generation_tokens for s in client.stats) == expected_generated
+    deadline = time.monotonic() + 10
+    while client.read_health()["blocks"]["num_used"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.read_health()["blocks"]["num_used"] == 0  # the stopped samples were freed in the engine
+
+
+def test_llm_with_the_engine_in_its_own_process_generates_what_the_in_process_engine_does(engine_config, in_process):
+    from deepinfer import LLM
+
+    fields = {k: getattr(engine_config, k) for k in ("device", "dtype", "max_model_len", "num_gpu_blocks", "block_size")}
+    llm = LLM(engine_config.model, engine_process=True, max_waiting_requests=2, **fields)  # 4 samples: fed in turns
+    try:
+        prompts = ["Once upon a time", [5, 9, 33, 71], "The capital of"]
+        params = [greedy(20, stop=["e t"]), greedy(9), SamplingParams(temperature=0.8, max_tokens=10, n=2, seed=3)]
+        outputs = llm.generate(prompts, params)
+        assert llm.engine.process.is_alive()
+    finally:
+        llm.shutdown()
+    assert llm.engine.process.exitcode == 0
+    resolved = [p.with_defaults(llm.sampling_defaults) for p in params]
+    expected, _ = _in_process_finals(in_process, {f"e{i}": (p, q) for i, (p, q) in enumerate(zip(prompts, resolved))})
+    for index, output in enumerate(outputs):
+        want = expected[f"e{index}"]
+        assert [(c.token_ids, c.text, c.finish_reason) for c in output.outputs] == [
+            (c.token_ids, c.text, c.finish_reason) for c in want.outputs]
+        assert output.prompt == (prompts[index] if isinstance(prompts[index], str) else None)
 
 
 def test_abort_crosses_the_boundary_and_frees_the_sequence(client, loop):
@@ -187,3 +268,42 @@ def test_a_killed_engine_process_ends_the_open_stream_and_the_server_exits_non_z
     errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
     assert errors and errors[0]["error"]["code"] == "engine_dead", events[-3:]
     assert "engine process" in stderr
+
+
+def test_chat_with_the_engine_in_its_own_process_answers_as_in_process(engine_config, in_process):
+    """`deepinfer chat --engine-process`: the chat's engine on its loop thread is the engine process's client."""
+    from deepinfer.cli.chat_engine import ChatEngine
+
+    prompt_ids = [5, 9, 33, 71, 2, 8]
+    expected, _ = _in_process_finals(in_process, {"chat": (prompt_ids, greedy(16))})
+    chat = ChatEngine()
+    try:
+        chat.load(engine_config, engine_process=True)
+        pieces = []
+        answer = chat.stream_answer(prompt_ids, greedy(16), pieces.append)
+        assert chat.engine.process.is_alive()
+    finally:
+        chat.shutdown()
+    assert answer.text == "".join(pieces) == expected["chat"].outputs[0].text
+    assert answer.finish_reason == "length" and not answer.interrupted
+    assert chat.engine.process.exitcode == 0
+
+
+def test_bench_concurrency_runs_with_the_engine_in_its_own_process(tmp_path, tiny_llama_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from deepinfer.cli.main import app
+
+    output = tmp_path / "concurrency.json"
+    args = ["bench", "concurrency", "--model", str(tiny_llama_dir), "--engine-process", "--quantization", "w4a16",
+            "--concurrency", "2", "--prompt-len", "8", "--output-len", "3", "--num-requests", "4", "-o", str(output)]
+    monkeypatch.setattr("sys.argv", ["deepinfer", *args])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    data = json.loads(output.read_text())
+    assert data["engine_process"] is True
+    # The engine process's model, reported across: 3 layers x (qkv, o, gate_up, down), all 4-bit.
+    assert data["weights"]["quantized_linears"] == 12 and data["weights"]["quantized_bits"] == [4]
+    (run,) = data["levels"][0]["repeats"]
+    assert run["num_failed"] == 0 and run["output_tokens"] == 12 and run["max_running"] == 2
+    assert [r["output_len"] for r in run["requests"]] == [3] * 4

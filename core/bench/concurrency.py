@@ -96,13 +96,14 @@ def _level_runs(workload: ConcurrencyWorkload, concurrency: int, vocab_size: int
 
 
 async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, levels: list[dict],
-                        progress: SweepProgress) -> None:
+                        progress: SweepProgress, engine_process: bool = False) -> None:
     """Fills `info` and appends one entry per finished level to `levels` (kept if interrupted)."""
     progress.level_started("loading", 1)
-    engine = await engine_client.start_engine(config)
+    engine = await engine_client.start_engine(config, engine_process=engine_process)
     recorder = engine_client.StepRecorder()
     engine.add_stats_listener(recorder)
-    device = engine_client.cuda_device_of(engine.config)
+    # The device memory is the engine process's, out of this one's reach (and CUDA is not started here).
+    device = None if engine_process else engine_client.cuda_device_of(engine.config)
     vocab_size = engine.spec.vocab_size
     info.update(model_name=engine.model_name, vocab_size=vocab_size, engine_config=asdict(engine.config),
                 weights=engine_client.weight_summary(engine), health=engine.health())
@@ -197,9 +198,12 @@ def compare_levels(levels: list[dict], peer_levels: list[dict] | None) -> None:
 
 
 def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict | None = None,
-                              progress: SweepProgress | None = None) -> dict:
+                              progress: SweepProgress | None = None, engine_process: bool = False) -> dict:
     """The whole sweep (peer first when asked, then the engine); the JSON payload without env info.
 
+    `engine_process`: the engine core runs in its own process (EngineCoreClient), the clients, detokenization
+    and stop strings in this one; the payload says so (`engine_process`) and has no peak memory (it is the
+    engine process's).
     `peer`: None, or {"device", "dtype", "config_json" | "model_dir"} for the HF transformers peer.
     `progress` hears of every request and of every finished level.
     Interrupted (Ctrl-C, `timeout -s INT`), it returns the levels finished so far, marked "interrupted".
@@ -212,7 +216,7 @@ def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict 
     try:
         if peer is not None:
             _peer_sweep(peer, workload, peer_info, peer_levels, progress)
-        asyncio.run(_engine_sweep(config, workload, engine_info, levels, progress))
+        asyncio.run(_engine_sweep(config, workload, engine_info, levels, progress, engine_process))
     except KeyboardInterrupt:
         interrupted = True
         logger.warning("interrupted: keeping the %d engine level(s) finished so far", len(levels))
@@ -222,6 +226,7 @@ def run_concurrency_benchmark(config, workload: ConcurrencyWorkload, peer: dict 
     compare_levels(levels, peer_levels)
     return {
         "benchmark": "concurrency",
+        "engine_process": engine_process,
         "workload": asdict(workload),
         **engine_info,
         "peer": peer_info,

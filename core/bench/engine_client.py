@@ -140,15 +140,21 @@ def peak_memory(device: str | None) -> dict:
             "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
 
 
-async def start_engine(config, loaded_model=None):
-    """Build (loads the model unless `loaded_model` is given, blocking) and start an AsyncEngine.
+async def start_engine(config, loaded_model=None, engine_process: bool = False):
+    """Build (loads the model unless `loaded_model` is given, blocking) and start an AsyncEngine, or with
+    `engine_process` an EngineCoreClient (the engine core in its own process, which loads the model itself).
 
     A quantized run whose model holds no quantized linear would publish bf16 numbers under a W4A16
     label, so that is an error here rather than a footnote.
     """
-    from deepinfer.core.engine.frontend.async_engine import AsyncEngine
+    if engine_process:
+        from deepinfer.core.engine.frontend.core_client import EngineCoreClient
 
-    engine = AsyncEngine(config, loaded_model)
+        engine = EngineCoreClient(config)
+    else:
+        from deepinfer.core.engine.frontend.async_engine import AsyncEngine
+
+        engine = AsyncEngine(config, loaded_model)
     await engine.start()
     weights = weight_summary(engine)
     if config.quantization is not None and weights["quantized_linears"] == 0:
@@ -168,16 +174,7 @@ def loaded_model_of(engine):
 
 def weight_summary(engine) -> dict:
     """How the loaded model holds its weights: quantized linears (and their bit widths), bytes on the device."""
-    from deepinfer.core.quant.quant_linear import QuantLinear
-
-    model = engine.engine.model
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    tensors = [*model.parameters(), *model.buffers()]
-    return {
-        "quantized_linears": len(quantized),
-        "quantized_bits": sorted({m.bits for m in quantized}),
-        "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
-    }
+    return engine.weights if hasattr(engine, "weights") else engine.engine.weight_summary()
 
 
 async def warm_up(engine, vocab_size: int, prompt_len: int, output_len: int = 4, structured_outputs=None) -> None:

@@ -29,6 +29,11 @@ microsecond each) add to what they measure; the phase table comes from that pass
 stop strings, snapshots) and the forward, the median over the timed steps (as are the front end's and
 the forward's figures), from the cheapest of `repeats` timed passes. `fit` is a least-squares line of the core's CPU µs per step over N: its slope
 is the cost per running sequence, its intercept the fixed cost per step.
+
+On a CUDA device (`--forward model`) the timed passes also take the device time of the same steps
+(core/bench/step_gpu_time.py: CUDA events on the engine's stream around each launch, read after the
+pass, nothing synchronized inside a step) and report the step's wall time over it (`wall_over_gpu`;
+1.0: the host is hidden behind the device). Without one (the stand-in) both are None.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from deepinfer.core.bench.step_gpu_time import cuda_step_timer
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend import detokenizer as detokenizer_module
 from deepinfer.core.engine.llm_engine import LLMEngine
@@ -241,7 +247,7 @@ def instrument(engine: LLMEngine, clock: PhaseClock, phases: tuple[str, ...] = P
         (engine.scheduler, "update", "update"),
         (engine.output_processor, "append_tokens", "output"),
         (engine.output_processor, "make_outputs", "output"),
-        (detokenizer_module.IncrementalDetokenizer, "append", "detokenize"),
+        (detokenizer_module.IncrementalDetokenizer, "append_text", "detokenize"),
     ]
     if runner.step_runner is not None:
         spans += [(runner.step_runner.buffers, "load", "staging"), (runner.step_runner, "replay", "forward"),
@@ -262,6 +268,7 @@ class StepSample:
     decode_tokens: int
     prefill_tokens: int
     output_tokens: int
+    gpu_s: float | None = None  # the device time of the step this call launched (CUDA only)
 
 
 class _Point:
@@ -335,18 +342,28 @@ class _Point:
             engine.step()
 
 
-def _pass(engine: LLMEngine, point: _Point, steps: int, clock: PhaseClock,
-          phases: tuple[str, ...]) -> tuple[list[StepSample], list[dict[str, float]]]:
-    """`steps` steps with spans on `phases`: (the steps, each step's span seconds per phase)."""
+def _pass(engine: LLMEngine, point: _Point, steps: int, clock: PhaseClock, phases: tuple[str, ...],
+          gpu_time: bool = False) -> tuple[list[StepSample], list[dict[str, float]]]:
+    """`steps` steps with spans on `phases`: (the steps, each step's span seconds per phase). `gpu_time`: on a
+    CUDA device each step also gets the device time of the step it launched (events read after the pass)."""
     instrument(engine, clock, phases)
-    samples, per_step = [], []
+    timer = cuda_step_timer(engine.runner, engine.device) if gpu_time else None
+    samples, per_step, launches = [], [], []
     try:
         gc.collect()
         for _ in range(steps):
             samples.append(point.step())
             per_step.append(clock.take())
+            if timer is not None:
+                launches.append(timer.num_launches)
+        if timer is not None:
+            seconds = timer.read()
+            for sample, (first, last) in zip(samples, zip([0] + launches, launches)):
+                sample.gpu_s = sum(seconds[first:last])
     finally:
         clock.close()
+        if timer is not None:
+            timer.close()
     return samples, per_step
 
 
@@ -371,8 +388,8 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     point = _Point(engine, workload, mode, num_seqs, pool, rng)
     try:
         point.warm_up()
-        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward", "collect"))
-                 for _ in range(workload.repeats)]
+        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward", "collect"),
+                       gpu_time=True) for _ in range(workload.repeats)]
         phase_pass = _pass(engine, point, workload.steps, PhaseClock(time.thread_time), PHASES)
     finally:
         point.finish()
@@ -393,6 +410,8 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     phases = {p: statistics.fmean(spans.get(p, 0.0) for spans in phase_spans) * 1e6 for p in PHASES if p != "other"}
     phases["other"] = max(0.0, phase_cpu * 1e6 - sum(phases.values()))
     front_phases = sum(phases[p] for p in FRONT_END_PHASES)
+    gpu = [s.gpu_s for s in samples if s.gpu_s is not None]
+    wall_mean = statistics.fmean(s.wall_s for s in samples)
     return {
         "mode": mode,
         "num_seqs": num_seqs,
@@ -402,6 +421,10 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "output_tokens_per_step": output_tokens,
         "cpu_us_per_step": _summary([s.cpu_s for s in samples]),
         "wall_us_per_step": _summary([s.wall_s for s in samples]),
+        # The device time of the same steps (CUDA events around each launch, read after the pass) and the
+        # step's wall time over it: 1.0 is a host wholly hidden behind the device. None without a CUDA device.
+        "gpu_us_per_step": _summary(gpu) if gpu else None,
+        "wall_over_gpu": wall_mean / statistics.fmean(gpu) if gpu and statistics.fmean(gpu) > 0 else None,
         "cpu_us_per_step_mean": cpu_mean * 1e6,
         # Medians over the timed steps: the core (the step less front end and forward), front end, forward.
         "cpu_us_per_seq": cpu_mean * 1e6 / num_seqs,
@@ -517,17 +540,18 @@ def host_tables(payload: dict) -> list:
     title = (f"deepinfer bench host ({payload['forward']} forward, {payload['device']}): prompt "
              f"{workload['prompt_len']}, long prompt {workload['long_prompt_len']}, {workload['steps']} steps a point")
     totals = Table(title=title, title_justify="left")
-    for name in ("mode", "seqs", "tokens/step", "CPU µs/step p50", "CPU µs/step", "wall µs/step", "core µs/step",
-                 "core µs/seq", "front µs/token"):
+    for name in ("mode", "seqs", "tokens/step", "CPU µs/step p50", "CPU µs/step", "wall µs/step", "GPU µs/step",
+                 "wall/GPU", "core µs/step", "core µs/seq", "front µs/token"):
         totals.add_column(name, justify="right", no_wrap=True)
     phases = Table(title="where a step's time goes, CPU µs per step (phase pass)", title_justify="left")
     for name in ("mode", "seqs", *PHASES):
         phases.add_column(name, justify="right", no_wrap=True)
     for point in payload["points"]:
         tokens = point["decode_tokens_per_step"] + point["prefill_tokens_per_step"]
-        front = point["front_end_cpu_us_per_token"]
+        front, gpu, ratio = point["front_end_cpu_us_per_token"], point.get("gpu_us_per_step"), point.get("wall_over_gpu")
         totals.add_row(point["mode"], str(point["num_seqs"]), f"{tokens:.0f}", f"{point['cpu_us_per_step']['p50']:.0f}",
                        f"{point['cpu_us_per_step_mean']:.0f}", f"{point['wall_us_per_step']['mean']:.0f}",
+                       "-" if gpu is None else f"{gpu['mean']:.0f}", "-" if ratio is None else f"{ratio:.2f}",
                        f"{point['core_cpu_us_per_step']:.0f}", f"{point['core_cpu_us_per_seq']:.2f}",
                        "-" if front is None else f"{front:.2f}")
         phases.add_row(point["mode"], str(point["num_seqs"]),

@@ -7,9 +7,11 @@ travels as a msgpack extension holding its pickle: SamplingParams, RequestOutput
 the tokenizer are Python objects that must come back as themselves (msgspec would turn a dataclass
 into a dict), as vLLM V1 frames the Python objects of its engine-core messages.
 
-Front end -> engine: ADD (request id, prompt text, prompt token ids, params, cache salt), ABORT (request
-id), SHUTDOWN. Engine -> front end: READY (what the front end needs: tokenizer, spec, limits,
-sampling defaults), OUTPUTS (one step's [(request id, RequestOutput or error)], its IterationStats and,
+Front end -> engine: ADD (request id, prompt token ids, params, cache salt), ABORT (the request's sample
+ids), FINISH ([(sample id, finish reason, stop reason, error)]: samples the front end finished, on a stop
+string or a detokenization error), SHUTDOWN. Engine -> front end: READY (what the front end needs:
+tokenizer, spec, limits, sampling defaults), OUTPUTS (one step's [(request id, error)] of requests it
+refused, its sampled tokens and finishes as core/engine/core_outputs.py's lists, its IterationStats and,
 at most every 50 ms and whenever the engine goes idle, its health dict), FAILED (start-up failed: reason).
 """
 
@@ -20,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
 READY, OUTPUTS, FAILED = "ready", "outputs", "failed"
 
 _PICKLE_EXT = 1

@@ -37,6 +37,10 @@ With a step in flight, a step whose launch fails is reported after the step in f
 (its requests keep the tokens that step gave them, then fail); an abort finishes the request at
 once and discards what the step in flight computed for it.
 
+The engine core of an engine in its own process (`detokenize=False`, core/engine/sched/core_process.py)
+has no output processor: its `core_step` is `step` without the outputs, and the front end, which
+detokenizes and matches stop strings there, ends samples through `finish`.
+
 Not thread-safe: `LLM` calls it from one thread, `AsyncEngine` from its engine thread. Only
 `make_request_group` (validation and tokenization) may run on another thread.
 """
@@ -46,14 +50,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.frontend.request_checks import check_request
 from deepinfer.core.engine.sampling_params import SamplingDefaults, SamplingParams
-from deepinfer.core.engine.sched.request import Request, RequestStatus
+from deepinfer.core.engine.sched.request import Request, RequestStatus, make_samples
 from deepinfer.core.engine.sched.scheduler import Scheduler
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.engine.worker.backends import kernel_summary
@@ -71,13 +74,16 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None,
-                 decode_mode: str | None = None) -> None:
+                 decode_mode: str | None = None, detokenize: bool = True) -> None:
         """`loaded_model`: a ready model (core.models.loader.load_model) to run instead of loading
         `config.model`; it may be shared with other engines, so it is used as it is (with
         `config.quantization` it must already be quantized).
         `decode_mode`: how decode steps, and mixed steps a graph serves, run: "graphs" (CUDA graphs),
         "padded" (the graphs' padded inputs run eagerly: a test and debugging aid), "eager"; None:
-        graphs on a GPU with the native attention backend unless `enforce_eager`, else eager."""
+        graphs on a GPU with the native attention backend unless `enforce_eager`, else eager.
+        `detokenize`: False for the engine core of an engine in its own process (core/engine/sched/core_process.py),
+        whose front end detokenizes, matches stop strings and builds the outputs: the engine then has no
+        output processor, `core_step` is its step, and `finish` ends the requests the front end decides."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -109,11 +115,12 @@ class LLMEngine:
             KVCacheManager(self.kv_budget.num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting_requests=config.max_waiting_requests, max_model_len=self.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer) if detokenize else None
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self._pending_stats = IterationStats()  # finishes outside a step (aborts), reported by the next
         self._inflight: InflightStep | None = None  # launched, not applied yet (async scheduling)
         self._ids = itertools.count()
+        self.sampled: list[Request] = []  # the samples the last core_step gave a token
 
     # Requests ------------------------------------------------------------------------------------
 
@@ -127,27 +134,20 @@ class LLMEngine:
         if params.structured_outputs is not None:  # a cache hit when the server compiled it already
             compiled_grammar = self.grammars.compile(params.structured_outputs)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        now = time.monotonic()
-        samples = []
-        for index in range(params.n):
-            sample_params = params
-            if params.n > 1 and params.seed is not None:
-                sample_params = replace(params, seed=params.seed + index)  # vLLM: each sample its own seed
-            sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            sample = Request(sample_id, token_ids, sample_params, eos_token_ids=self.eos_token_ids,
-                             cache_salt=cache_salt, parent_id=request_id, sample_index=index,
-                             arrival_time=now)
-            sample.generator = make_generator(sample_params, self.device)
+        samples = make_samples(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+                               cache_salt=cache_salt, arrival_time=time.monotonic())
+        for sample in samples:
+            sample.generator = make_generator(sample.params, self.device)
             if compiled_grammar is not None:
                 sample.grammar = compiled_grammar.new_request_grammar()
-            if index > 0 and self.config.enable_prefix_caching:
+            if sample.sample_index > 0 and self.config.enable_prefix_caching:
                 sample.wait_for = samples[0]  # share the first sample's prompt blocks
-            samples.append(sample)
         return RequestGroup(request_id, prompt_text, token_ids, params, samples)
 
     def add_request_group(self, group: RequestGroup) -> None:
         """Queue a validated request. Raises QueueFullError or InvalidRequestError (id in use)."""
-        if group.request_id in self.output_processor.groups or any(
+        processor = self.output_processor
+        if (processor is not None and group.request_id in processor.groups) or any(
                 s.request_id in self.scheduler.requests for s in group.samples):
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         if not self.scheduler.has_room(len(group.samples)):
@@ -155,7 +155,8 @@ class LLMEngine:
                 f"the waiting queue is full ({self.scheduler.max_waiting_requests} requests); retry later")
         for sample in group.samples:
             self.scheduler.add_request(sample)
-        self.output_processor.add(group)
+        if processor is not None:
+            processor.add(group)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> str:
@@ -172,6 +173,12 @@ class LLMEngine:
                                                  RequestStatus.FINISHED_ABORTED)
         return self.output_processor.make_outputs(aborted or group.samples, self._pending_stats)
 
+    def finish(self, sample_ids: list[str], status: RequestStatus, stop_reason: str | int | None = None,
+               error: str | None = None) -> list[Request]:
+        """Finish these samples now and free their blocks (without an output processor: the front end's
+        aborts and its stop-string or detokenization finishes). -> the samples it finished."""
+        return self.scheduler.finish_requests(sample_ids, status, error=error, stop_reason=stop_reason)
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a step's outputs are still to come."""
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
@@ -181,7 +188,14 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], IterationStats]:
         """Schedule and launch the next step, then apply the step in flight (async scheduling) or the
         one just launched. -> the outputs of the requests the applied step (and aborts, failures) touched."""
+        touched, stats = self.core_step()
+        return self.output_processor.make_outputs(touched, stats), stats
+
+    def core_step(self) -> tuple[list[Request], IterationStats]:
+        """`step` without the outputs: -> the samples the applied step gave a token or finished (one may
+        come twice), and the step's stats; `sampled` then holds those that got a token (one each), in order."""
         stats, self._pending_stats = self._pending_stats, IterationStats()
+        self.sampled = []
         touched: list[Request] = []
         launched, failed, failure = None, None, None
         try:
@@ -210,7 +224,7 @@ class LLMEngine:
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.scheduler.kv.usage
-        return self.output_processor.make_outputs(touched, stats), stats
+        return touched, stats
 
     def _apply_inflight(self, stats: IterationStats) -> list[Request]:
         """Wait for the step in flight's tokens and apply them as a synchronous step would."""
@@ -227,6 +241,9 @@ class LLMEngine:
             return self._fail(requests, err)
         stats.num_prompt_tokens += step_stats.num_prompt_tokens
         stats.num_generation_tokens += len(sampled)
+        self.sampled += sampled
+        if self.output_processor is None:  # the front end detokenizes
+            return sampled + sampling_failed
         stopped, failed = self.output_processor.append_tokens(sampled, stats)
         for request, stop in stopped:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED,
@@ -257,6 +274,16 @@ class LLMEngine:
                                               RequestStatus.FINISHED_ERROR, error=message)
 
     # Introspection -------------------------------------------------------------------------------
+
+    def weight_summary(self) -> dict:
+        """How the model holds its weights: quantized linears (and their bit widths), bytes of its tensors."""
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return {
+            "quantized_linears": len(quantized),
+            "quantized_bits": sorted({m.bits for m in quantized}),
+            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
+        }
 
     def health(self) -> dict:
         kv = self.scheduler.kv

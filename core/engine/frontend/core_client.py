@@ -1,12 +1,17 @@
 """EngineCoreClient: the front end's side of an engine core in its own process (core_process.py).
 
 The same surface as AsyncEngine (add_request -> RequestStream, abort, stats listeners, health,
-start, shutdown), so the server, chat and the benchmarks take either. The front end keeps what it
-can do without the model: validation and tokenization (core/engine/frontend/request_checks.py, so bad input
-is refused at once on the caller's thread), grammar compilation for validation, chat templates,
-metrics. The engine process sends each step's outputs and IterationStats; a thread here hands them
-to the streams (one event-loop wake-up per step) and to the stats listeners, so /metrics counts
-exactly what the engine did.
+start, shutdown; both are EngineFrontends, core/engine/frontend/engine_frontend.py), so the server,
+chat, `LLM` and the benchmarks take either. The front end keeps what it can do without the model:
+validation and tokenization (core/engine/frontend/request_checks.py, so bad input is refused at once on
+the caller's thread), grammar compilation for validation, chat templates, metrics, and the output
+processing: the engine process sends each step's sampled token ids, logprobs and finishes
+(core/engine/core_outputs.py) with its IterationStats, and a thread here applies them to its own view
+of each sample and runs the OutputProcessor (detokenization, stop strings, snapshots, token timings),
+off the engine's loop. A stop string (or a failed detokenization) it finds ends the sample here at
+once and goes to the engine as FINISH; the tokens the engine computed for it meanwhile are dropped
+and taken out of the step's generation count, so the outputs, and /metrics, are what the in-process
+engine gives.
 
 An engine process that dies (killed, crashed) is noticed within POLL_MS: every open stream ends with
 EngineDeadError (a 503 on the server), new requests are refused, and `on_dead` callbacks run (the
@@ -22,17 +27,23 @@ import logging
 import multiprocessing
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, MessageCodec
-from deepinfer.core.engine.frontend.async_engine import RequestStream, _put_all
+from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, FINISH, OUTPUTS, READY, SHUTDOWN, MessageCodec
+from deepinfer.core.engine.core_outputs import apply_core_outputs, finish_sample
+from deepinfer.core.engine.frontend.engine_frontend import EngineFrontend
+from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
+from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.frontend.request_checks import check_request
+from deepinfer.core.engine.frontend.request_stream import RequestStream
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.sched.core_process import run_engine_core
+from deepinfer.core.engine.sched.request import RequestStatus, make_samples
 from deepinfer.core.engine.stats import IterationStats
-from deepinfer.core.errors import DeepInferError, EngineDeadError, InvalidRequestError
+from deepinfer.core.errors import DeepInferError, EngineDeadError
 from deepinfer.core.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -41,14 +52,17 @@ POLL_MS = 100  # how often the output thread checks that the engine process is a
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineFrontend):
+    thread_name = "deepinfer-engine-client"
+    engine_kind = "engine process"
+
     def __init__(self, config: EngineConfig) -> None:
         """Starts the engine process and waits until its model is loaded (blocking, as AsyncEngine's
         constructor). Raises DeepInferError with the engine's reason when it cannot start."""
         import torch
         import zmq
 
-        self.config = config
+        super().__init__(config)
         self._socket_dir = tempfile.TemporaryDirectory(prefix="deepinfer-engine-")
         input_address = f"ipc://{Path(self._socket_dir.name) / 'input'}"
         output_address = f"ipc://{Path(self._socket_dir.name) / 'output'}"
@@ -60,8 +74,8 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe; callers come from many
         self._send_codec, self._recv_codec = MessageCodec(), MessageCodec()
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address, torch.get_num_threads()), name="deepinfer-engine-core",
-            daemon=True)
+            target=run_engine_core, args=(config, input_address, output_address, torch.get_num_threads()),
+            name="deepinfer-engine-core", daemon=True)
         self.process.start()
         ready = self._wait_ready()
         self.tokenizer = ready["tokenizer"]
@@ -69,17 +83,14 @@ class EngineCoreClient:
         self.model_name = ready["model_name"]
         self.max_model_len = ready["max_model_len"]
         self.sampling_defaults = ready["sampling_defaults"]
+        self.weights = ready["weights"]  # how the engine's model holds its weights (LLMEngine.weight_summary)
+        self.eos_token_ids = frozenset(ready["eos_token_ids"])
         self._health = ready["health"]
-        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, frozenset(ready["eos_token_ids"]))
-        self._streams: dict[str, RequestStream] = {}
-        self._streams_lock = threading.Lock()
-        self._listeners: list[Callable[[IterationStats], None]] = []
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._outputs_lock = threading.Lock()  # the output processor: callers add and abort, the thread steps
         self._dead_callbacks: list[Callable[[], None]] = []
         self._ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._dead: BaseException | None = None
 
     def _wait_ready(self) -> dict:
         while not self._output.poll(POLL_MS):
@@ -93,54 +104,45 @@ class EngineCoreClient:
             raise DeepInferError(payload if kind == FAILED else f"unexpected first engine message {kind!r}")
         return payload
 
-    async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._receive, name="deepinfer-engine-client", daemon=True)
-        self._thread.start()
-
     # Requests ------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> RequestStream:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine process stopped: {self._dead}")
-        if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
-        if self._thread is None:
-            raise EngineDeadError("the engine is not running; call `await engine.start()` first")
+        self._check_open()
+        return self.add_request_group(self.make_request_group(prompt, params, request_id, cache_salt))
+
+    def make_request_group(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                           cache_salt: str | None = None) -> RequestGroup:
+        """Validate and tokenize one request (thread-safe), as LLMEngine's of the same name; its samples are
+        this side's view of the engine's. Raises InvalidRequestError, PromptTooLongError."""
         prompt_text, token_ids, params = check_request(
             prompt, params, self.tokenizer, self.spec.vocab_size, self.max_model_len,
             self.config.max_waiting_requests, cache_salt)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # a bad grammar is refused here, at once
         request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            stream = RequestStream(request_id, self)
-            self._streams[request_id] = stream
-        self._send(ADD, (request_id, prompt_text, token_ids, params, cache_salt))
+        samples = make_samples(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+                               cache_salt=cache_salt, arrival_time=time.monotonic())
+        return RequestGroup(request_id, prompt_text, token_ids, params, samples)
+
+    def add_request_group(self, group: RequestGroup) -> RequestStream:
+        """Send a validated request to the engine. -> its stream (EngineDeadError, InvalidRequestError
+        for an id in use raise at once; a full queue comes as the stream's QueueFullError)."""
+        self._check_open()
+        stream = self._open_stream(group.request_id)
+        with self._outputs_lock:
+            self.output_processor.add(group)
+        self._send(ADD, (group.request_id, group.prompt_token_ids, group.params, group.samples[0].cache_salt))
         return stream
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None):
-        """add_request + iterate; leaving the loop early (break, cancel) aborts the request."""
-        stream = self.add_request(prompt, params, request_id, cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.abort()
-
     def abort(self, request_id: str) -> None:
-        if self._dead is None and not self._stopping:
-            self._send(ABORT, request_id)
-
-    def add_stats_listener(self, listener: Callable[[IterationStats], None]) -> None:
-        """`listener(IterationStats)` is called from the client's receiving thread after every engine step."""
-        self._listeners.append(listener)
+        if self._dead is not None or self._stopping:
+            return
+        with self._outputs_lock:
+            group = self.output_processor.groups.get(request_id)
+            sample_ids = [] if group is None else [s.request_id for s in group.samples if not s.is_finished]
+        if sample_ids:
+            self._send(ABORT, sample_ids)
 
     def add_dead_callback(self, callback: Callable[[], None]) -> None:
         """`callback()` runs (on the receiving thread) once, if the engine process dies."""
@@ -177,7 +179,7 @@ class EngineCoreClient:
         with self._send_lock:
             self._input.send(self._send_codec.encode(kind, payload))
 
-    def _receive(self) -> None:
+    def _run(self) -> None:
         while True:
             if not self._output.poll(POLL_MS):
                 if self.process.is_alive():
@@ -188,32 +190,40 @@ class EngineCoreClient:
             kind, payload = self._recv_codec.decode(self._output.recv())
             if kind != OUTPUTS:
                 continue
-            deliveries, stats, health = payload
+            refused, step, stats, health = payload
             if health is not None:
                 self._health = health
-            self._post(deliveries)
-            if stats is None:
+            try:
+                deliveries = self._process(refused, step, stats)
+            except Exception:  # a bug here must not stop the outputs of later steps
+                logger.exception("processing the engine's outputs failed")
                 continue
-            for listener in self._listeners:
-                try:
-                    listener(stats)
-                except Exception:  # a listener's bug must not stop the outputs
-                    logger.exception("stats listener %r failed", listener)
+            self._post(deliveries)
+            self._notify_listeners(stats)
 
-    def _post(self, deliveries) -> None:
-        if self._loop is None:  # never started: no stream was handed out
-            return
-        puts = []
-        with self._streams_lock:
-            for request_id, item in deliveries:
-                stream = self._streams.get(request_id)
-                if stream is None:
-                    continue
-                if isinstance(item, BaseException) or item.finished:
-                    del self._streams[request_id]
-                puts.append((stream, item))
-        if puts:
-            self._loop.call_soon_threadsafe(_put_all, puts)
+    def _process(self, refused: list, step: tuple, stats: IterationStats
+                 ) -> list[tuple[str, RequestOutput | BaseException]]:
+        """One engine step's outputs -> [(request id, RequestOutput or error)]; sends FINISH for the samples
+        a stop string (or a failed detokenization) ended here."""
+        processor, finishes = self.output_processor, []
+        with self._outputs_lock:
+            for request_id, _ in refused:
+                processor.remove(request_id)
+            sampled, touched, discarded = apply_core_outputs(step, processor.samples)
+            stats.num_generation_tokens -= discarded  # computed after the sample ended: never an output
+            stopped, failed = processor.append_tokens(sampled, stats)
+            now = time.monotonic()
+            for sample, stop in stopped:
+                finish_sample(sample, RequestStatus.FINISHED_STOPPED, now, stop_reason=stop)
+                finishes.append((sample.request_id, RequestStatus.FINISHED_STOPPED.value, stop, None))
+            for sample, message in failed:
+                finish_sample(sample, RequestStatus.FINISHED_ERROR, now, error=message)
+                finishes.append((sample.request_id, RequestStatus.FINISHED_ERROR.value, None, message))
+                touched.append(sample)
+            outputs = processor.make_outputs(touched, stats)
+        if finishes:
+            self._send(FINISH, finishes)
+        return list(refused) + [(output.request_id, output) for output in outputs]
 
     def _die(self, reason: str) -> None:
         self._dead = EngineDeadError(reason)
@@ -224,14 +234,6 @@ class EngineCoreClient:
                 callback()
             except Exception:
                 logger.exception("engine-death callback %r failed", callback)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._streams_lock:
-            deliveries = [(request_id, error) for request_id in self._streams]
-        try:
-            self._post(deliveries)
-        except RuntimeError:  # the event loop is already closed
-            pass
 
     def _close(self) -> None:
         self._input.close(linger=0)

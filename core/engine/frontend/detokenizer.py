@@ -45,7 +45,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: set[int]
     ) -> None:
-        self._params = params
+        self._max_tokens = params.max_tokens
         self._stop_token_ids = params.stop_token_ids  # a frozenset, shared by the request's samples
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_matcher = StopStringMatcher(params.stop, params.stop.failure_tables) if params.stop else None
@@ -69,46 +69,47 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> DetokenizerStep:
         """Takes the next sampled token; returns the text it releases and whether the sample ended."""
-        if self.finished:
+        delta_text = self.append_text(token_id)
+        return DetokenizerStep(delta_text, self.finished, self.finish_reason, self.stop_reason)
+
+    def append_text(self, token_id: int) -> str:
+        """`append` without the step object (the output processor's path, once per token): -> the text the
+        token releases; `finish_reason` and `stop_reason` say whether and why the sample ended."""
+        if self.finish_reason is not None:
             raise RuntimeError(f"detokenizer: token {token_id} appended after finish ({self.finish_reason})")
-        self.output_token_ids.append(token_id)
-        text_len_before = len(self._text)
-        at_max_tokens = len(self.output_token_ids) >= self._params.max_tokens
+        output_ids = self.output_token_ids
+        output_ids.append(token_id)
+        text = self._text
+        text_len_before = len(text)
         decoder = self._decoder
         if token_id in self._stop_token_ids or token_id in self._eos_token_ids:
             # The stop token's own text is not part of the output.
-            self._text += decoder.flush()
-            self._finish("stop", token_id if token_id in self._stop_token_ids else None)
+            text += decoder.flush()
+            self.finish_reason = "stop"
+            self.stop_reason = token_id if token_id in self._stop_token_ids else None
         else:
-            self._text += decoder.next(token_id)
-            if at_max_tokens:
-                self._text += decoder.flush()
-                self._finish("length", None)
-        self._check_stop_strings(text_len_before)
-        return DetokenizerStep(self._release(), self.finished, self.finish_reason, self.stop_reason)
-
-    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
-        self.finish_reason = reason
-        self.stop_reason = stop_reason
-
-    def _check_stop_strings(self, text_len_before: int) -> None:
-        """Cuts the text before the earliest stop string that the new text completes."""
-        if self._stop_matcher is None or len(self._text) == text_len_before:
-            return
-        match = self._stop_matcher.feed(self._text[text_len_before:])
-        if match is not None:
-            index, stop = match
-            self._text = self._text[:index]
-            self._finish("stop", stop)
-
-    def _release(self) -> str:
-        """Returns the text that can be streamed now, holding back a possible stop-string start."""
-        end = len(self._text)
-        if not self.finished and self._stop_matcher is not None:
-            end -= self._stop_matcher.held_back
-        delta = self._text[self._num_streamed:end] if end > self._num_streamed else ""
-        self._num_streamed = max(self._num_streamed, end)
-        return delta
+            text += decoder.next(token_id)
+            if len(output_ids) >= self._max_tokens:
+                text += decoder.flush()
+                self.finish_reason = "length"
+        matcher = self._stop_matcher
+        if matcher is None:
+            end = len(text)
+        else:
+            if len(text) != text_len_before:
+                # Only the new text goes to the matcher; the text is cut before the earliest stop it completes.
+                match = matcher.feed(text[text_len_before:])
+                if match is not None:
+                    text = text[:match[0]]
+                    self.finish_reason, self.stop_reason = "stop", match[1]
+            # Hold back a tail that could still grow into a stop string, until it is resolved.
+            end = len(text) if self.finish_reason is not None else len(text) - matcher.held_back
+        self._text = text
+        streamed = self._num_streamed
+        if end <= streamed:
+            return ""
+        self._num_streamed = end
+        return text[streamed:end]
 
 
 class _WindowDecoder:

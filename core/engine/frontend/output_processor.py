@@ -91,6 +91,7 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}
         # sample's request id -> (its group, its live completion, its detokenizer): one lookup per token
         self._samples: dict[str, tuple[RequestGroup, CompletionOutput, IncrementalDetokenizer]] = {}
+        self.samples: dict[str, Request] = {}  # sample's request id -> its Request, while its group is open
 
     def add(self, group: RequestGroup) -> None:
         group.detokenizers = [IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params,
@@ -98,6 +99,14 @@ class OutputProcessor:
         self.groups[group.request_id] = group
         for sample, completion, detokenizer in zip(group.samples, group.completions, group.detokenizers):
             self._samples[sample.request_id] = (group, completion, detokenizer)
+            self.samples[sample.request_id] = sample
+
+    def remove(self, request_id: str) -> None:
+        """Forget a request that never ran (the engine refused it)."""
+        group = self.groups.pop(request_id, None)
+        for sample in group.samples if group is not None else ():
+            self._samples.pop(sample.request_id, None)
+            self.samples.pop(sample.request_id, None)
 
     def append_tokens(
         self, sampled: list[Request], stats: IterationStats
@@ -116,30 +125,30 @@ class OutputProcessor:
                 completion.logprobs.append(request.logprobs[-1])
                 completion.delta_logprobs = (completion.delta_logprobs or []) + [request.logprobs[-1]]
             metrics = request.metrics
-            if metrics.first_token_time is None:
+            if metrics.first_token_time is not None:
+                inter_token_latencies.append(now - metrics.last_token_time)
+            else:
                 metrics.first_token_time = now
                 if not any(s.metrics.first_token_time is not None for s in group.samples if s is not request):
                     # The request's first token, of any sample: counted once per request, like its finish.
                     stats.time_to_first_tokens_s.append(now - metrics.arrival_time)
                     stats.request_prompt_tokens += len(group.prompt_token_ids)
                     stats.request_cached_tokens += request.num_cached_tokens
-            else:
-                inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
             try:
-                step = detokenizer.append(token_id)
+                delta_text = detokenizer.append_text(token_id)
             except Exception as err:  # one request's decoding error fails that request only
                 logger.exception("detokenizing request %s failed", request.request_id)
                 failed.append((request, f"detokenization failed: {type(err).__name__}: {err}"))
                 continue
-            if step.delta_text:
-                completion.delta_text += step.delta_text
-                completion.text += step.delta_text
-            if step.finished and isinstance(step.stop_reason, str):
+            if delta_text:
+                completion.delta_text += delta_text
+                completion.text += delta_text
+            if detokenizer.finish_reason is not None and isinstance(detokenizer.stop_reason, str):
                 if not request.is_finished:
-                    stopped.append((request, step.stop_reason))
+                    stopped.append((request, detokenizer.stop_reason))
                 elif request.status is RequestStatus.FINISHED_LENGTH:  # the last token also completed a stop
-                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, step.stop_reason
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_reason
         return stopped, failed
 
     def make_outputs(self, requests: list[Request], stats: IterationStats) -> list[RequestOutput]:
@@ -180,6 +189,7 @@ class OutputProcessor:
                 del groups[parent_id]
                 for sample in samples:
                     self._samples.pop(sample.request_id, None)
+                    self.samples.pop(sample.request_id, None)
                 stats.finished_requests.append(_finished_stats(group))
         return outputs
 

@@ -35,7 +35,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)  # one per request and step: slots make it small and quick to build
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -44,7 +44,7 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

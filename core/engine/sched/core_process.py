@@ -3,8 +3,11 @@
 It builds the LLMEngine (model, KV pool, CUDA graphs), says READY with what the front end needs,
 then loops: while a request is queued, running or in flight it takes whatever input has arrived
 without waiting and runs a step, sending that step's outputs; when idle it blocks on its input
-socket, so an idle engine burns no core. The output processor (detokenizer, stop strings) still runs
-here, beside the scheduler: what crosses to the front end are finished RequestOutputs.
+socket, so an idle engine burns no core. The engine has no output processor here (LLMEngine's
+`detokenize=False`): what crosses to the front end are each step's sampled token ids, logprobs and
+finishes (core/engine/core_outputs.py); the front end detokenizes, matches stop strings,
+builds the outputs, and sends back FINISH for the samples it ended, which the loop frees before its next
+step.
 
 It ends on SHUTDOWN, when its input socket's peer (the front end) is gone, or when the front-end
 process is (its parent id changes: a killed front end leaves no orphan engine). SIGINT is ignored
@@ -19,7 +22,9 @@ import signal
 import time
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, MessageCodec
+from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, FINISH, OUTPUTS, READY, SHUTDOWN, MessageCodec
+from deepinfer.core.engine.core_outputs import core_outputs
+from deepinfer.core.engine.sched.request import RequestStatus
 from deepinfer.core.errors import InvalidRequestError, QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -44,7 +49,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         from deepinfer.core.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, detokenize=False)
     except Exception as err:  # noqa: BLE001 -- the front end reports it
         outputs.send(codec.encode(FAILED, f"{type(err).__name__}: {err}"))
         outputs.close(linger=1000)
@@ -52,7 +57,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.send(codec.encode(READY, {
         "tokenizer": engine.tokenizer, "spec": engine.spec, "model_name": engine.model_name,
         "max_model_len": engine.max_model_len, "sampling_defaults": engine.sampling_defaults,
-        "eos_token_ids": engine.eos_token_ids, "health": engine.health()}))
+        "eos_token_ids": engine.eos_token_ids, "weights": engine.weight_summary(), "health": engine.health()}))
     try:
         _serve(engine, inputs, outputs, codec, parent)
     finally:
@@ -70,25 +75,26 @@ def _serve(engine, inputs, outputs, codec: MessageCodec, parent: int) -> None:
             if os.getppid() != parent:
                 return
             continue
-        deliveries = []
+        refused, finished = [], []
         while inputs.poll(0):
             kind, payload = codec.decode(inputs.recv(zmq.NOBLOCK))
             if kind == SHUTDOWN:
                 return
             if kind == ADD:
-                request_id, prompt_text, token_ids, params, cache_salt = payload
+                request_id, token_ids, params, cache_salt = payload
                 try:
-                    group = engine.make_request_group(token_ids, params, request_id, cache_salt)
-                    group.prompt = prompt_text
-                    engine.add_request_group(group)
+                    engine.add_request_group(engine.make_request_group(token_ids, params, request_id, cache_salt))
                 except (QueueFullError, InvalidRequestError) as err:
-                    deliveries.append((request_id, err))
+                    refused.append((request_id, err))
             elif kind == ABORT:
-                deliveries += [(out.request_id, out) for out in engine.abort(payload)]
-        step_outputs, stats = engine.step()  # also after aborts alone: it reports their finishes
-        deliveries += [(out.request_id, out) for out in step_outputs]
+                finished += engine.finish(payload, RequestStatus.FINISHED_ABORTED)
+            elif kind == FINISH:  # the front end has these samples' final outputs already
+                for sample_id, reason, stop_reason, error in payload:
+                    engine.finish([sample_id], RequestStatus(reason), stop_reason=stop_reason, error=error)
+        touched, stats = engine.core_step()  # also after aborts alone: it reports their finishes
+        step = core_outputs(engine.sampled, finished + touched)
         now = time.monotonic()
         health = None
         if not engine.has_unfinished_requests() or now - health_at >= HEALTH_INTERVAL_S:
             health, health_at = engine.health(), now
-        outputs.send(codec.encode(OUTPUTS, (deliveries, stats, health)))
+        outputs.send(codec.encode(OUTPUTS, (refused, step, stats, health)))

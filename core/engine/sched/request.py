@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import replace
 from typing import Any
 
 from deepinfer.core.engine.frontend.outputs import RequestMetrics, TokenLogprob
@@ -134,3 +135,20 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
                 f"{self.num_tokens}, prompt={self.num_prompt_tokens})")
+
+
+def make_samples(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 eos_token_ids: frozenset[int], cache_salt: str | None, arrival_time: float) -> list[Request]:
+    """The `params.n` Requests of one user request: sample i is `request_id` when n is 1, else
+    `request_id#i`, seeded `seed + i` (vLLM: each sample its own seed). The engine core schedules
+    these; the front end of an engine in its own process keeps the same ones as its view of the core's."""
+    samples = []
+    for index in range(params.n):
+        sample_params = params
+        if params.n > 1 and params.seed is not None:
+            sample_params = replace(params, seed=params.seed + index)
+        sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        samples.append(Request(sample_id, prompt_token_ids, sample_params, eos_token_ids=eos_token_ids,
+                               cache_salt=cache_salt, parent_id=request_id, sample_index=index,
+                               arrival_time=arrival_time))
+    return samples
