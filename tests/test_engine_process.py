@@ -191,6 +191,22 @@ def test_llm_with_the_engine_in_its_own_process_generates_what_the_in_process_en
         assert output.prompt == (prompts[index] if isinstance(prompts[index], str) else None)
 
 
+def test_prompt_logprobs_cross_the_boundary(client, loop, in_process):
+    prompt = [5, 9, 33, 71, 12, 40]
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    expected, _ = _in_process_finals(in_process, {"p": (prompt, params)})
+
+    async def run():
+        return await collect(client.add_request(prompt, params, request_id="p"))
+
+    final = loop.run_until_complete(run())[-1]
+    want = expected["p"].prompt_logprobs
+    assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == len(prompt) == len(want)
+    for got, ref in zip(final.prompt_logprobs[1:], want[1:]):
+        assert (got.token_id, got.rank, [t for t, _ in got.top]) == (ref.token_id, ref.rank, [t for t, _ in ref.top])
+        assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+
+
 def test_abort_crosses_the_boundary_and_frees_the_sequence(client, loop):
     async def run():
         stream = client.add_request("Tell me a long story", greedy(200), request_id="long")

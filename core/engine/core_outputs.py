@@ -4,8 +4,9 @@ The core (core/engine/sched/core_process.py) sends, per step, plain lists, no ob
 
     sample_ids, token_ids   the samples the step gave a token (one each) and those tokens, in order
     logprobs                None, or per sampled sample its TokenLogprob (None where not asked for)
-    starts                  [(sample id, first scheduled time, prompt tokens the prefix cache served)] of the
-                            samples whose first token this is, or that finished before any
+    starts                  [(sample id, first scheduled time, prompt tokens the prefix cache served, prompt
+                            logprobs or None)] of the samples whose first token this is, or that finished
+                            before any (a request scoring its prompt has scored it all by then)
     finishes                [(sample id, finish reason, stop reason, error, finished time)] of the samples
                             the core finished (EOS, stop token, max_tokens, abort, error)
 
@@ -32,25 +33,31 @@ def core_outputs(sampled: list[Request], touched: list[Request]) -> tuple:
     logprobs = None
     if any(request.logprobs is not None for request in sampled):
         logprobs = [None if request.logprobs is None else request.logprobs[-1] for request in sampled]
-    starts = [(request.request_id, request.metrics.first_scheduled_time, request.num_cached_tokens)
-              for request in sampled if len(request.output_token_ids) == 1]
+    starts = [_start(request) for request in sampled if len(request.output_token_ids) == 1]
     finishes = []
     for request in dict.fromkeys(request for request in touched if request.status in FINISHED_STATUSES):
         if not request.output_token_ids:
-            starts.append((request.request_id, request.metrics.first_scheduled_time, request.num_cached_tokens))
+            starts.append(_start(request))
         finishes.append((request.request_id, request.status.value, request.stop_reason, request.error,
                          request.metrics.finished_time))
     return sample_ids, token_ids, logprobs, starts, finishes
+
+
+def _start(request: Request) -> tuple:
+    return (request.request_id, request.metrics.first_scheduled_time, request.num_cached_tokens,
+            request.prompt_logprobs)
 
 
 def apply_core_outputs(outputs: tuple, samples: dict[str, Request]) -> tuple[list[Request], list[Request], int]:
     """Apply one core step's `core_outputs` to the front end's samples (`samples`: by sample id).
     -> (the samples that got a token, the samples touched, tokens discarded: of samples already finished)."""
     sample_ids, token_ids, logprobs, starts, finishes = outputs
-    for sample_id, first_scheduled_time, num_cached_tokens in starts:
+    for sample_id, first_scheduled_time, num_cached_tokens, prompt_logprobs in starts:
         sample = samples.get(sample_id)
         if sample is not None:
             sample.metrics.first_scheduled_time, sample.num_cached_tokens = first_scheduled_time, num_cached_tokens
+            if prompt_logprobs is not None:
+                sample.prompt_logprobs = prompt_logprobs
     sampled, discarded, finished = [], 0, FINISHED_STATUSES
     for index, (sample_id, token_id) in enumerate(zip(sample_ids, token_ids)):
         sample = samples.get(sample_id)
