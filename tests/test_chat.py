@@ -172,9 +172,9 @@ def test_chat_prompt_writes_the_generated_text_byte_for_byte(smollm2_gguf):
     question = ("Write two long sentences about the sea with a :smile: emoji code, [bold]square brackets[/bold] "
                 "and    runs of spaces.")
     expected = LLM(str(smollm2_gguf)).chat([{"role": "user", "content": question}],
-                                           SamplingParams(temperature=0, max_tokens=80))[0].text
+                                           SamplingParams(temperature=0, max_tokens=40))[0].text
     result = subprocess.run([sys.executable, "-m", "deepinfer", "chat", "--model", str(smollm2_gguf), "--prompt",
-                             question, "--temperature", "0", "--max-tokens", "80"], check=False, capture_output=True,
+                             question, "--temperature", "0", "--max-tokens", "40"], check=False, capture_output=True,
                             timeout=300, env={**os.environ, "COLUMNS": "20"})
     assert result.returncode == 0, result.stderr
     assert len(expected) > 60 and "\n" not in expected.strip()  # longer than the 20 columns it must not wrap at
