@@ -43,7 +43,8 @@ FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_TILE_TOKENS = (33, 256)  # the fragment kernel's 64-token tile (kernels/w4_fragment_gemm.py: LARGE_TILE) ...
 FRAGMENT_TILE_ROW = False  # ... off: measured slower than w4_gemm and dense there (KERNELS.md)
-W8_MAX_TOKENS = kernels_w8.MAX_TOKENS  # the W8 kernel's tokens; beyond them an 8-bit product is the dense row's
+W8_MAX_TOKENS = 32  # the W8 kernel's row: at 64 tokens the dense row was faster on every product measured
+W8_MAX_IN_FEATURES = 4096  # ... and on a long K (11008) at every token count: a CTA walks all of K
 
 
 class ProductShape(NamedTuple):
@@ -231,10 +232,14 @@ class ProductRow(NamedTuple):
 
 
 PRODUCT_TABLE = (
-    ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS, w8,
-               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-64 tokens, the only packed 8-bit kernel; beyond, the dense "
-               "row (the W4 rows below read 4- and 3-bit codes); its speed against bf16 is measured by bench gemv "
-               "--bits 8 (docs/KERNELS.md)"),
+    ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS and s.in_features <= W8_MAX_IN_FEATURES,
+               w8,
+               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-32 tokens with K <= 4096, where it beats the dense row "
+               "(dequantize, then cuBLAS) on an H200: Qwen2.5-3B's 2048 x 2560 at 32 tokens 8.4 us against 11.0, "
+               "2048 x 22016 51.3 against 63.5; at 64 tokens and on 11008 x 2048 (35.7 against 33.3 at one token) the "
+               "dense row is faster (results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json)"),
+    ProductRow("dense", lambda s: s.bits == 8, dense,
+               "the 8-bit products the w8_gemm row leaves (the packed rows below read 4- and 3-bit codes)"),
     ProductRow("fragment", fragment_serves, fragment,
                "on an H200 with bf16 activations (W4, G = 128), faster than every other kernel: at 9-16 tokens on "
                "Qwen2.5-3B's and 7B's products of 2048 x 2048 and more (at 16: 3B gate/up 12.8 us against tcs's 17.2, "
@@ -247,7 +252,7 @@ PRODUCT_TABLE = (
     ProductRow("fragment", fragment_tile_serves, fragment,
                "the same kernel's 64-token tile at 33-256 tokens: each weight byte unpacked once for 64 tokens where "
                "the 32-token shape re-reads it a token tile; off: slower than w4_gemm or dense at 64-256 tokens on "
-               "3B and 7B MLP products but one point (results/bench_gemv_qwen2.5-w4a16-fragment-64-tile_nvidia_h200.json)"),
+               "3B and 7B MLP products but one point (05ae79d:results/bench_gemv_qwen2.5-w4a16-fragment-64-tile_nvidia_h200.json)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
