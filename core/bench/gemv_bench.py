@@ -390,10 +390,12 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
 
 
 def _attention_path_label(record: dict) -> str:
-    """'combined' (one CTA of warps a sequence and KV head, no reduce), 'clustered' (a cluster of such CTAs) or the
-    split path's split count (also for records that lack the path)."""
+    """'combined' (one CTA of warps a sequence and KV head, no reduce), 'clustered' (a cluster of such CTAs), the
+    combined_split path's or the split path's split count (also for records that lack the path)."""
     path = record.get("path")
-    return path if path in ("combined", "clustered") else f"split {record['splits']}"
+    if path in ("combined", "clustered"):
+        return path
+    return f"{'combined_split' if path == 'combined_split' else 'split'} {record['splits']}"
 
 
 def gemv_tables(payload: dict) -> list:

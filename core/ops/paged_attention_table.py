@@ -22,6 +22,10 @@ COMBINED_MAX_SEQ_LEN = 1024
 # The combined path by default only from this many CTAs (sequences x KV heads x head tiles): with one CTA a
 # sequence and KV head, a few sequences leave most SMs idle while each warp walks its tiles one after another.
 COMBINED_MIN_CTAS = 64
+# Long bounds with at most multiprocessors / FEW_STREAMS_SM_SHARE CTAs a split (8 Qwen2.5-3B streams on an H200's 132
+# SMs) take the combined_split path: one-warp splits enough to fill the GPU would each cover a few tiles and write a
+# partial of every query head of the KV head.
+FEW_STREAMS_SM_SHARE = 8
 # Each tile's K/V loaded one tile ahead of its math (the pipelined variant; head_dim <= 128 takes it).
 PIPELINED = True
 # Buckets of at least this many tokens attend prefill chunks in tiles (paged_prefill_attention); smaller steps
@@ -66,6 +70,9 @@ DECODE_TABLE = (
     DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
               "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
               "(e0c504d:results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
+    DecodeRow("combined_split", lambda s: not short_bound(s) and ctas(s) * FEW_STREAMS_SM_SHARE <= s.multiprocessors,
+              "few sequences at long bounds: the combined path's CTAs over splits, one partial a CTA "
+              "(bench gemv's attention rows at 1-8 streams of 8k-32k; not yet measured against split)"),
     DecodeRow("split", lambda s: True,
               "long bounds, and few sequences without clusters: the context spread over the GPU "
               "(results/bench_gemv_w4a16-w3a16-attention_nvidia_h200.json)"),
