@@ -72,12 +72,22 @@ struct KvRow {
   static constexpr int KW = 4, VW = 2;
   static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
     const uint4* at = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index);
-    const uint4 v = SHARED ? *at : valid ? __ldcg(at) : make_uint4(0, 0, 0, 0);
+    uint4 v;
+    if constexpr (SHARED) {
+      v = *at;
+    } else {
+      v = valid ? __ldcg(at) : make_uint4(0, 0, 0, 0);
+    }
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
   static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
     const uint2* at = reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index);
-    const uint2 v = SHARED ? *at : valid ? __ldcg(at) : make_uint2(0, 0);
+    uint2 v;
+    if constexpr (SHARED) {
+      v = *at;
+    } else {
+      v = valid ? __ldcg(at) : make_uint2(0, 0);
+    }
     w[0] = v.x; w[1] = v.y;
   }
 };
@@ -134,16 +144,12 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, PRELOAD>& T, int tile, co
   }
 }
 
-// The online softmax's update after a tile's scores s [NT n-tiles][c0..c3] (masked ones -inf): running max and
-// sum of this thread's two rows, o rescaled by the change of max, s replaced by the probabilities P.
+// The online softmax's update after a tile's scores s [NT n-tiles][c0..c3] (masked ones -inf) whose max over this
+// thread's columns of each of its two rows is tile_max: running max and sum of the rows, o rescaled by the change of
+// max, s replaced by the probabilities P.
 template <int NT, int NTILES>
-__device__ __forceinline__ void softmax_update(float (&s)[NT][4], float (&o)[NTILES][4][4], float (&row_max)[2],
-                                               float (&row_sum)[2]) {
-  float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+__device__ __forceinline__ void softmax_update(float (&s)[NT][4], float (&tile_max)[2], float (&o)[NTILES][4][4],
+                                               float (&row_max)[2], float (&row_sum)[2]) {
   float alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -210,6 +216,7 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int t
       Num<DT>::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
     }
   }
+  float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -223,9 +230,10 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int t
         v = tok < ctx.end ? v : -INFINITY;  // a tile starts at or after the range's first token
       }
       s[nt][e] = v;
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
     }
   }
-  softmax_update(s, o, row_max, row_sum);
+  softmax_update(s, tile_max, o, row_max, row_sum);
   // P as the A operand (k = the tile's 16 tokens)
   const u32 pa0 = Num<DT>::pack(s[0][0], s[0][1]);  // row g, tok 2t, 2t+1
   const u32 pa1 = Num<DT>::pack(s[0][2], s[0][3]);  // row g+8
@@ -394,6 +402,7 @@ __device__ __forceinline__ void attend_code_tile(const CodeTile<D, TOKENS>& T, i
       }
     }
   }
+  float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -403,10 +412,12 @@ __device__ __forceinline__ void attend_code_tile(const CodeTile<D, TOKENS>& T, i
           KVQ == 2 ? ctx.key_head_scale : half_bits_to_float((u16)(T.kscale[nt] >> (16 * (e & 1))));
       float v = s[nt][e] * scale * key_scale;
       if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-      s[nt][e] = tok >= begin && tok < ctx.end ? v : -INFINITY;
+      v = tok >= begin && tok < ctx.end ? v : -INFINITY;
+      s[nt][e] = v;
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
     }
   }
-  softmax_update(s, o, row_max, row_sum);
+  softmax_update(s, tile_max, o, row_max, row_sum);
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     // P of the k-step's 16 tokens as the A operand, V scales folded in (0 for masked tokens, whose P is 0 and
@@ -434,6 +445,30 @@ __device__ __forceinline__ void attend_code_tile(const CodeTile<D, TOKENS>& T, i
       for (int b = 0; b < 4; ++b) Num<DT>::mma(o[w][b], pa0, pa1, pa2, pa3, b0[b], b1[b]);
     }
   }
+}
+
+// The decode kernel's tile steps over either cache (begin: the range's first token, which only code tiles read).
+template <int KVQ, int DT, int D, int PRELOAD>
+__device__ __forceinline__ void fetch_kv_tile(Tile<DT, D, PRELOAD>& T, int tile, int, const TileContext& ctx) {
+  fetch_tile<DT, D, PRELOAD>(T, tile, ctx);
+}
+template <int KVQ, int D, int TOKENS>
+__device__ __forceinline__ void fetch_kv_tile(CodeTile<D, TOKENS>& T, int tile, int begin, const TileContext& ctx) {
+  fetch_code_tile<D, KVQ, TOKENS>(T, tile, begin, ctx);
+}
+template <int DT, int KVQ, int D, int PRELOAD>
+__device__ __forceinline__ void attend_kv_tile(const Tile<DT, D, PRELOAD>& T, int tile, int, const TileContext& ctx,
+                                               const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
+                                               float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
+                                               float (&row_sum)[2]) {
+  attend_tile<DT, D, PRELOAD>(T, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+}
+template <int DT, int KVQ, int D, int TOKENS>
+__device__ __forceinline__ void attend_kv_tile(const CodeTile<D, TOKENS>& T, int tile, int begin,
+                                               const TileContext& ctx, const u16* const (&qrows)[2],
+                                               const bool (&qvalid)[2], float scale, float softcap,
+                                               float (&o)[D / 32][4][4], float (&row_max)[2], float (&row_sum)[2]) {
+  attend_code_tile<DT, D, KVQ, TOKENS>(T, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
 }
 
 // fn(c, e, sum) over the fragments of the rows this thread writes out (rows g and g + 8 below heads_here):
@@ -625,11 +660,12 @@ template <int D, int KVQ = 0>
 __device__ __forceinline__ void write_partial(float* part_out, float* part_stats, i64 base,
                                               const float (&o)[D / 32][4][4], int r, float row_max, float row_sum,
                                               int t) {
+  float* row = part_out + base * D;
 #pragma unroll
   for (int c = 0; c < D / 32; ++c)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<float4*>(part_out + base * D + fragment_column<D, KVQ>(c, t, h)) =
+      *reinterpret_cast<float4*>(row + fragment_column<D, KVQ>(c, t, h)) =
           make_float4(o[c][0][2 * r + h], o[c][1][2 * r + h], o[c][2][2 * r + h], o[c][3][2 * r + h]);
   if (t == 0) {
     part_stats[base * 2] = row_max;
@@ -715,38 +751,24 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   // Everything else (the query, the fresh rows, every write) waits.
   const bool settled_first_tile = first + TILE - 1 < seq_len - fresh_tokens;
   using KvTile = typename Pick<KVQ != 0, CodeTile<D, TILE>, Tile<DT, D, PRELOAD>>::type;
-  auto fetch = [&](KvTile& T, int tile) {
-    if constexpr (KVQ) {
-      fetch_code_tile<D, KVQ, TILE>(T, tile, begin, ctx);
-    } else {
-      fetch_tile<DT, D, PRELOAD>(T, tile, ctx);
-    }
-  };
-  auto attend = [&](const KvTile& T, int tile) {
-    if constexpr (KVQ) {
-      attend_code_tile<DT, D, KVQ, TILE>(T, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
-    } else {
-      attend_tile<DT, D, PRELOAD>(T, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
-    }
-  };
   if constexpr (PRELOAD && PIPELINE) {
     KvTile a, b;
     if (!settled_first_tile) wait_for_prior_grids();
-    fetch(a, first);
+    fetch_kv_tile<KVQ>(a, first, begin, ctx);
     if (settled_first_tile) wait_for_prior_grids();
     for (int tile = first; tile < end; tile += 2 * stride) {
-      fetch(b, tile + stride);
-      attend(a, tile);
+      fetch_kv_tile<KVQ>(b, tile + stride, begin, ctx);
+      attend_kv_tile<DT, KVQ>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
       if (tile + stride >= end) break;
-      fetch(a, tile + 2 * stride);
-      attend(b, tile + stride);
+      fetch_kv_tile<KVQ>(a, tile + 2 * stride, begin, ctx);
+      attend_kv_tile<DT, KVQ>(b, tile + stride, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   } else {
     wait_for_prior_grids();
     for (int tile = first; tile < end; tile += stride) {
       KvTile a;
-      fetch(a, tile);
-      attend(a, tile);
+      fetch_kv_tile<KVQ>(a, tile, begin, ctx);
+      attend_kv_tile<DT, KVQ>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   }
 
