@@ -30,32 +30,38 @@
 //     thread loads 4 consecutive d of a V row and ends with 8 consecutive outputs d = 32*vb + 8t + {0..7}.
 #include "common.cuh"
 
-// Four e4m3 codes -> two pairs of DT holding the codes' values times 2^-8 (the caller's scales carry the 2^8).
-// Each code's exponent and mantissa bits (e4m3 bias 7) land in a half's low exponent and high mantissa bits
-// (bias 15): a half of value 2^-8 * x, subnormals included, exactly; the kernels never store the NaN code 0x7F.
-// bf16 goes through the exact fp32 values of those halves.
-__device__ __forceinline__ void fp8x4_to_halves(u32 w, u32& p01, u32& p23) {
-  p01 = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
-  p23 = ((w & 0x7F0000u) >> 9) | ((w & 0x800000u) >> 8) | ((w & 0x7F000000u) >> 1) | (w & 0x80000000u);
-}
-
-template <int DT> __device__ __forceinline__ void fp8x4_to_pairs(u32 w, u32& p01, u32& p23) {
-  fp8x4_to_halves(w, p01, p23);
-  if constexpr (DT == 1) {
-    p01 = Num<1>::pack(half_bits_to_float(p01 & 0xFFFFu), half_bits_to_float(p01 >> 16));
-    p23 = Num<1>::pack(half_bits_to_float(p23 & 0xFFFFu), half_bits_to_float(p23 >> 16));
+// Four int8 or e4m3 codes (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3), the code tiles'
+// mma operands. int8 exactly; e4m3 exactly on SM89+ (cvt), elsewhere as the codes' values times 2^-8: each code's
+// exponent and mantissa bits (e4m3 bias 7) land in a half's low exponent and high mantissa bits (bias 15), a half
+// of value 2^-8 * x, subnormals included (the caller's scales carry the 2^8: FP8_PAIR_SCALE). The kernels never
+// store the NaN code 0x7F.
+template <int KVQ> __device__ __forceinline__ void codes_to_halves(u32 w, u32& p01, u32& p23) {
+  if constexpr (KVQ == 2) {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}"
+        : "=r"(p01), "=r"(p23) : "r"(w));
+#else
+    p01 = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
+    p23 = ((w & 0x7F0000u) >> 9) | ((w & 0x800000u) >> 8) | ((w & 0x7F000000u) >> 1) | (w & 0x80000000u);
+#endif
+  } else {
+    int8x4_to_halves(w, p01, p23);
   }
 }
-// What the kernels multiply an e4m3 cache's per-head scale by (fp8x4_to_pairs' 2^-8).
+// What the kernels multiply an e4m3 cache's per-head scale by (codes_to_halves' 2^-8 before SM89)
+#if __CUDA_ARCH__ >= 890
+constexpr float FP8_PAIR_SCALE = 1.0f;
+#else
 constexpr float FP8_PAIR_SCALE = 256.0f;
+#endif
 
-// Four int8 or e4m3 codes (one u32, byte i = element i) -> pairs (e0, e1) and (e2, e3) of DT for the mma; e4m3
-// pairs carry fp8x4_to_pairs' 2^-8.
-template <int DT, int KVQ> __device__ __forceinline__ void codes_to_pairs(u32 w, u32& p01, u32& p23) {
-  if constexpr (KVQ == 2) {
-    fp8x4_to_pairs<DT>(w, p01, p23);
+// Two DT values (one word) -> the same two as an fp16 pair: the code tiles multiply in fp16 (bf16 queries are exact
+// there between 2^-14 and 65504).
+template <int DT> __device__ __forceinline__ u32 halves_of(u32 w) {
+  if constexpr (DT == 1) {
+    return Num<0>::pack(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
   } else {
-    int8x4_to_pairs<DT>(w, p01, p23);
+    return w;
   }
 }
 
@@ -110,7 +116,7 @@ struct TileContext {  // per CTA: where the sequence's rows live
   const u16* value_scales;
   const int* table;
   int log2_block_size, num_kv_heads, kv_head, end, g, t;
-  float key_head_scale, value_head_scale;  // e4m3 caches: the KV head's scales times FP8_PAIR_SCALE
+  float key_head_scale;  // e4m3 caches: the KV head's scale times FP8_PAIR_SCALE
 };
 
 template <int DT, int D, int PRELOAD>
@@ -389,15 +395,16 @@ __device__ __forceinline__ void attend_code_tile(const CodeTile<D, TOKENS>& T, i
       for (int r = 0; r < 2; ++r) {
         const uint4 v = qvalid[r] ? __ldg(reinterpret_cast<const uint4*>(qrows[r] + S::k_column(k, t) + 8 * i))
                                   : make_uint4(0, 0, 0, 0);
-        qf[r][0] = v.x; qf[r][1] = v.y; qf[r][2] = v.z; qf[r][3] = v.w;
+        qf[r][0] = halves_of<DT>(v.x); qf[r][1] = halves_of<DT>(v.y);
+        qf[r][2] = halves_of<DT>(v.z); qf[r][3] = halves_of<DT>(v.w);
       }
 #pragma unroll
       for (int w = 0; w < 2; ++w) {  // k-step: codes 8i + 4w .. + 3 of the chunk, Q words 2w, 2w + 1
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           u32 b0, b1;
-          codes_to_pairs<DT, KVQ>(T.k[nt][k * S::KB / 4 + 2 * i + w], b0, b1);
-          Num<DT>::mma(s[nt], qf[0][2 * w], qf[1][2 * w], qf[0][2 * w + 1], qf[1][2 * w + 1], b0, b1);
+          codes_to_halves<KVQ>(T.k[nt][k * S::KB / 4 + 2 * i + w], b0, b1);
+          Num<0>::mma(s[nt], qf[0][2 * w], qf[1][2 * w], qf[0][2 * w + 1], qf[1][2 * w + 1], b0, b1);
         }
       }
     }
@@ -420,29 +427,41 @@ __device__ __forceinline__ void attend_code_tile(const CodeTile<D, TOKENS>& T, i
   softmax_update(s, tile_max, o, row_max, row_sum);
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
-    // P of the k-step's 16 tokens as the A operand, V scales folded in (0 for masked tokens, whose P is 0 and
-    // whose scales may be anything)
-    float vs[4];  // V rows e: tokens 16ks + 2t + (e & 1) + 8 (e >> 1)
+    // P of the k-step's 16 tokens as the A operand, in [0, 1]: folding small V scales into it would push its
+    // products below fp16's normal range at long contexts, so int8 scales multiply the V pairs (and e4m3's head
+    // scale the output, in the kernel)
+    const u32 pa0 = Num<0>::pack(s[2 * ks][0], s[2 * ks][1]);          // row g, tok 2t, 2t+1
+    const u32 pa1 = Num<0>::pack(s[2 * ks][2], s[2 * ks][3]);          // row g+8
+    const u32 pa2 = Num<0>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);  // row g, tok 2t+8, 2t+9
+    const u32 pa3 = Num<0>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);  // row g+8
+    // int8: the fp16 scales of V rows (2t, 2t+1) and (2t+8, 2t+9) as pairs, 0 for masked tokens (whose P is 0 and
+    // whose scales may be anything, NaN included)
+    u32 vs[2] = {0u, 0u};
+    if constexpr (KVQ == 1) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int nt = 2 * ks + (e >> 1), tok = tile + 8 * nt + 2 * t + (e & 1);
-      vs[e] = KVQ == 2 ? ctx.value_head_scale
-              : tok >= begin && tok < ctx.end ? half_bits_to_float((u16)(T.vscale[nt] >> (16 * (e & 1))))
-                                              : 0.0f;
+      for (int h = 0; h < 2; ++h) {
+        const int tok = tile + 16 * ks + 8 * h + 2 * t;
+        const u32 lo = tok >= begin && tok < ctx.end ? 0x0000FFFFu : 0u;
+        const u32 hi = tok + 1 >= begin && tok + 1 < ctx.end ? 0xFFFF0000u : 0u;
+        vs[h] = T.vscale[2 * ks + h] & (lo | hi);
+      }
     }
-    const u32 pa0 = Num<DT>::pack(s[2 * ks][0] * vs[0], s[2 * ks][1] * vs[1]);      // row g, tok 2t, 2t+1
-    const u32 pa1 = Num<DT>::pack(s[2 * ks][2] * vs[0], s[2 * ks][3] * vs[1]);      // row g+8
-    const u32 pa2 = Num<DT>::pack(s[2 * ks + 1][0] * vs[2], s[2 * ks + 1][1] * vs[3]);  // row g, tok 2t+8, 2t+9
-    const u32 pa3 = Num<DT>::pack(s[2 * ks + 1][2] * vs[2], s[2 * ks + 1][3] * vs[3]);  // row g+8
 #pragma unroll
     for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: n-tiles 4w .. 4w + 3
       u32 b0[4], b1[4];  // per n-tile: (V[2t][d], V[2t+1][d]) and (V[2t+8][d], V[2t+9][d])
-      codes_to_pairs<DT, KVQ>(__byte_perm(T.v[ks][0][w], T.v[ks][1][w], 0x5140), b0[0], b0[1]);
-      codes_to_pairs<DT, KVQ>(__byte_perm(T.v[ks][0][w], T.v[ks][1][w], 0x7362), b0[2], b0[3]);
-      codes_to_pairs<DT, KVQ>(__byte_perm(T.v[ks][2][w], T.v[ks][3][w], 0x5140), b1[0], b1[1]);
-      codes_to_pairs<DT, KVQ>(__byte_perm(T.v[ks][2][w], T.v[ks][3][w], 0x7362), b1[2], b1[3]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][0][w], T.v[ks][1][w], 0x5140), b0[0], b0[1]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][0][w], T.v[ks][1][w], 0x7362), b0[2], b0[3]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][2][w], T.v[ks][3][w], 0x5140), b1[0], b1[1]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][2][w], T.v[ks][3][w], 0x7362), b1[2], b1[3]);
+      if constexpr (KVQ == 1) {
 #pragma unroll
-      for (int b = 0; b < 4; ++b) Num<DT>::mma(o[w][b], pa0, pa1, pa2, pa3, b0[b], b1[b]);
+        for (int b = 0; b < 4; ++b) {
+          b0[b] = Num<0>::mul(b0[b], vs[0]);
+          b1[b] = Num<0>::mul(b1[b], vs[1]);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) Num<0>::mma(o[w][b], pa0, pa1, pa2, pa3, b0[b], b1[b]);
     }
   }
 }
@@ -723,7 +742,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   const float value_head_scale =
       KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
   const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
-                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale, value_head_scale};
+                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
 
   const u16* qrows[2];
   bool qvalid[2];
@@ -772,6 +791,14 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
     }
   }
 
+  if constexpr (KVQ == 2) {  // P V summed the codes' values: the head's scale multiplies the result
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c][j][e] *= value_head_scale;
+  }
   // full row sums across the quad (the 4 threads of a row share its running max)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
