@@ -77,24 +77,24 @@ template <bool SHARED = false>
 struct KvRow {
   static constexpr int KW = 4, VW = 2;
   static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
-    const uint4* at = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index);
-    uint4 v;
     if constexpr (SHARED) {
-      v = *at;
+      const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index);
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     } else {
-      v = valid ? __ldcg(at) : make_uint4(0, 0, 0, 0);
+      const uint4 v = valid ? __ldcg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
+                            : make_uint4(0, 0, 0, 0);
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
   static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
-    const uint2* at = reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index);
-    uint2 v;
     if constexpr (SHARED) {
-      v = *at;
+      const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index);
+      w[0] = v.x; w[1] = v.y;
     } else {
-      v = valid ? __ldcg(at) : make_uint2(0, 0);
+      const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
+                            : make_uint2(0, 0);
+      w[0] = v.x; w[1] = v.y;
     }
-    w[0] = v.x; w[1] = v.y;
   }
 };
 
