@@ -5,13 +5,14 @@
 //   0: fp16/bf16 (DT);
 //   1: int8 with fp16 per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale);
 //   2: float8 e4m3 with one fp32 scale per KV head [num_kv_heads] (x = e4m3 * scale), fixed for the kernel's life.
-// Codes are converted to fp16/bf16 pairs in registers just before the mma that needs them; scales multiply the
-// scores (K) and fold into P (V), never the rows.
+// Codes are read in tiles of their own (CodeTile: 32 tokens, 16-byte loads) and converted to fp16 pairs in
+// registers just before the mma that needs them; K scales multiply the scores, int8 V scales the V pairs, the e4m3
+// V scale the output.
 //
 // One CTA per (kv head, 16-head tile of its query heads, sequence, split of the context): the query
 // heads that share a KV head are the 16 rows of the mma A operand, so each K/V row is read once for
-// all of them. The split's tokens are walked in tiles of 16 with an online softmax (flash decoding);
-// Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
+// all of them. The split's tokens are walked in tiles (16 tokens of a 16-bit cache) with an online softmax (flash
+// decoding); Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
 //
 // Two ways to cover a context, one kernel (the WARPS template parameter):
 //   split path (WARPS = 1): one warp per CTA, the context cut into splits across CTAs (grid.z) sized
@@ -21,9 +22,11 @@
 //     (warp w: tiles w, w + WARPS, ...) up to its real seq_len, then combine their softmax states in
 //     shared memory (combine_warps) and write the output: one kernel, no partials, and latency that
 //     follows the real context, not the graph's bound. Short contexts, where the reduce kernel's launch
-//     and round trips would cost more than walking the tiles.
+//     and round trips would cost more than walking the tiles. With splits > 1 (the combined_split path)
+//     each CTA writes the partial of its split instead: few long streams, one partial a CTA.
 //
-// Operand permutations (any permutation of a reduction axis is fine if both operands share it):
+// Operand permutations of 16-bit tiles (any permutation of a reduction axis is fine if both operands share it;
+// code tiles have their own, CodeSlices):
 //   Q.K^T, reduction over d: thread t takes d = 32c + 8t + {0..7} of each 32-wide chunk c; k-step
 //     (c, s) pairs are d = 32c + 8t + 4s + {0,1} (a0/b0) and + {2,3} (a2/b1).
 //   P.V, output columns: in each 32-wide d block, n-tile j column g is d = 32*vb + 4g + j, so a
