@@ -46,6 +46,9 @@ ATTENTION_CASES = (
     (torch.bfloat16, "fp8", 16, 2, 128, 16, (1, 15, 16, 17, 300, 1024), None, 30.0, None, None),
     (torch.float16, "fp8", 16, 2, 128, 16, (1, 8191, 16384, 32767), None, None, None, None),  # few long streams
     (torch.bfloat16, True, 16, 2, 128, 8, (1, 8191, 16384, 32767), None, None, None, None),
+    # code tiles' narrower row slices: head_dim 96 (8-byte K, 4-byte V loads) and 32, windows from mid-tile
+    (torch.bfloat16, "fp8", 4, 4, 96, 64, (65, 129, 1500), 70, None, None, None),
+    (torch.float16, True, 8, 2, 32, 8, (3, 40, 2100), 33, 20.0, None, None),
 )
 
 
