@@ -118,6 +118,14 @@ def test_the_combined_split_path_puts_a_cta_an_sm_over_splits_then_the_reduce(la
     assert kp.plan_for(query, cache, 5000, "combined_split", True) == (20, 256)
 
 
+def test_code_tiles_load_in_step_in_ctas_of_8_warps():
+    assert table.PIPELINED
+    for quantized in (False, True):
+        assert table.decode_pipelined("split", quantized)
+    for path in ("combined", "clustered", "combined_split"):
+        assert table.decode_pipelined(path, False) and not table.decode_pipelined(path, True), path
+
+
 def test_quantized_caches_need_blocks_of_8_tokens():
     for kv_dtype in (torch.int8, torch.float8_e4m3fn):
         for block_size, served in ((4, False), (8, True), (128, True)):

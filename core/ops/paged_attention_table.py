@@ -26,7 +26,11 @@ COMBINED_MIN_CTAS = 64
 # SMs) take the combined_split path: one-warp splits enough to fill the GPU would each cover a few tiles and write a
 # partial of every query head of the KV head.
 FEW_STREAMS_SM_SHARE = 8
-# Each tile's K/V loaded one tile ahead of its math (the pipelined variant; head_dim <= 128 takes it).
+# Each tile's K/V loaded one tile ahead of its math (the pipelined variant; head_dim <= 128 takes it), except the
+# code tiles of int8 / e4m3 caches in CTAs of 8 warps (combined, clustered, combined_split paths), whose pipelined
+# variants spill 32-148 bytes: 8 Qwen2.5-3B streams at 32k on combined_split 54.6 against 62.4 µs (int8) and 46.3
+# against 47.6 (e4m3) in step (H200; on the split path the pipelined code tiles stay ahead, 191.8 against 215.5 µs
+# at 64 streams of 16k for int8, 172.6 against 231.7 for e4m3).
 PIPELINED = True
 # Buckets of at least this many tokens attend prefill chunks in tiles (paged_prefill_attention); smaller steps
 # carry short chunks, often at long contexts, which the decode kernel spreads over more CTAs than a few tiles.
@@ -77,6 +81,11 @@ DECODE_TABLE = (
               "long bounds, and few sequences without clusters: the context spread over the GPU "
               "(results/bench_gemv_w4a16-w3a16-attention_nvidia_h200.json)"),
 )
+
+
+def decode_pipelined(path: str, quantized: bool) -> bool:
+    """Whether the decode kernel on `path` loads each tile one tile ahead (`quantized`: an int8 or e4m3 cache)."""
+    return PIPELINED and not (quantized and path != "split")
 
 
 @cache
