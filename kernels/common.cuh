@@ -41,6 +41,11 @@ template <> struct Num<0> {  // float16
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
   }
+  static __device__ __forceinline__ u32 mul(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
   static __device__ __forceinline__ u32 fma(u32 a, u32 b, u32 c) {
     u32 d;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -167,26 +172,12 @@ __device__ __forceinline__ float cluster_load(u32 address) {
 __device__ __forceinline__ u32 pair_of_los(u32 a, u32 b) { return __byte_perm(a, b, 0x5410); }
 __device__ __forceinline__ u32 pair_of_his(u32 a, u32 b) { return __byte_perm(a, b, 0x7632); }
 
-// Four signed int8 values (one u32, byte i = element i) -> pairs (e0, e1) and (e2, e3), exact.
-template <int DT> __device__ __forceinline__ void int8x4_to_pairs(u32 w, u32& p01, u32& p23);
-
-template <>
-__device__ __forceinline__ void int8x4_to_pairs<0>(u32 w, u32& p01, u32& p23) {
+// Four signed int8 values (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3), exact.
+__device__ __forceinline__ void int8x4_to_halves(u32 w, u32& p01, u32& p23) {
   // flip the sign bit: byte u = e + 128; half (0x64 << 8 | u) = 1024 + u; minus 1152 = e
   const u32 u = w ^ 0x80808080u;
   p01 = Num<0>::sub(__byte_perm(u, 0x64646464u, 0x4140), 0x64806480u);
   p23 = Num<0>::sub(__byte_perm(u, 0x64646464u, 0x4342), 0x64806480u);
-}
-
-template <>
-__device__ __forceinline__ void int8x4_to_pairs<1>(u32 w, u32& p01, u32& p23) {
-  // bf16 has too few mantissa bits for a 256-value magic; go through exact fp32 values
-  const u32 u = w ^ 0x80808080u;
-  float e[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(0x4B000000u | ((u >> (8 * i)) & 0xFFu)) - 8388736.0f;
-  p01 = Num<1>::pack(e[0], e[1]);
-  p23 = Num<1>::pack(e[2], e[3]);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

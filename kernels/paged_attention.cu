@@ -5,13 +5,14 @@
 //   0: fp16/bf16 (DT);
 //   1: int8 with fp16 per-token, per-head scales [num_blocks, num_kv_heads, block_size] (x = int8 * scale);
 //   2: float8 e4m3 with one fp32 scale per KV head [num_kv_heads] (x = e4m3 * scale), fixed for the kernel's life.
-// Codes are converted to fp16/bf16 pairs in registers just before the mma that needs them; scales multiply the
-// scores (K) and fold into P (V), never the rows.
+// Codes are read in tiles of their own (CodeTile: 32 tokens, 16-byte loads) and converted to fp16 pairs in
+// registers just before the mma that needs them; K scales multiply the scores, int8 V scales the V pairs, the e4m3
+// V scale the output.
 //
 // One CTA per (kv head, 16-head tile of its query heads, sequence, split of the context): the query
 // heads that share a KV head are the 16 rows of the mma A operand, so each K/V row is read once for
-// all of them. The split's tokens are walked in tiles of 16 with an online softmax (flash decoding);
-// Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
+// all of them. The split's tokens are walked in tiles (16 tokens of a 16-bit cache) with an online softmax (flash
+// decoding); Q.K^T and P.V both run on mma.sync m16n8k16 with fp32 accumulation.
 //
 // Two ways to cover a context, one kernel (the WARPS template parameter):
 //   split path (WARPS = 1): one warp per CTA, the context cut into splits across CTAs (grid.z) sized
@@ -21,55 +22,67 @@
 //     (warp w: tiles w, w + WARPS, ...) up to its real seq_len, then combine their softmax states in
 //     shared memory (combine_warps) and write the output: one kernel, no partials, and latency that
 //     follows the real context, not the graph's bound. Short contexts, where the reduce kernel's launch
-//     and round trips would cost more than walking the tiles.
+//     and round trips would cost more than walking the tiles. With splits > 1 (the combined_split path)
+//     each CTA writes the partial of its split instead: few long streams, one partial a CTA.
 //
-// Operand permutations (any permutation of a reduction axis is fine if both operands share it):
+// Operand permutations of 16-bit tiles (any permutation of a reduction axis is fine if both operands share it;
+// code tiles have their own, CodeSlices):
 //   Q.K^T, reduction over d: thread t takes d = 32c + 8t + {0..7} of each 32-wide chunk c; k-step
 //     (c, s) pairs are d = 32c + 8t + 4s + {0,1} (a0/b0) and + {2,3} (a2/b1).
 //   P.V, output columns: in each 32-wide d block, n-tile j column g is d = 32*vb + 4g + j, so a
 //     thread loads 4 consecutive d of a V row and ends with 8 consecutive outputs d = 32*vb + 8t + {0..7}.
 #include "common.cuh"
 
-// Four e4m3 codes -> two pairs of DT holding the codes' values times 2^-8 (the caller's scales carry the 2^8).
-// Each code's exponent and mantissa bits (e4m3 bias 7) land in a half's low exponent and high mantissa bits
-// (bias 15): a half of value 2^-8 * x, subnormals included, exactly; the kernels never store the NaN code 0x7F.
-// bf16 goes through the exact fp32 values of those halves.
-__device__ __forceinline__ void fp8x4_to_halves(u32 w, u32& p01, u32& p23) {
-  p01 = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
-  p23 = ((w & 0x7F0000u) >> 9) | ((w & 0x800000u) >> 8) | ((w & 0x7F000000u) >> 1) | (w & 0x80000000u);
-}
-
-template <int DT> __device__ __forceinline__ void fp8x4_to_pairs(u32 w, u32& p01, u32& p23) {
-  fp8x4_to_halves(w, p01, p23);
-  if constexpr (DT == 1) {
-    p01 = Num<1>::pack(half_bits_to_float(p01 & 0xFFFFu), half_bits_to_float(p01 >> 16));
-    p23 = Num<1>::pack(half_bits_to_float(p23 & 0xFFFFu), half_bits_to_float(p23 >> 16));
+// Four int8 or e4m3 codes (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3), the code tiles'
+// mma operands. int8 exactly; e4m3 exactly on SM89+ (cvt), elsewhere as the codes' values times 2^-8: each code's
+// exponent and mantissa bits (e4m3 bias 7) land in a half's low exponent and high mantissa bits (bias 15), a half
+// of value 2^-8 * x, subnormals included (the caller's scales carry the 2^8: FP8_PAIR_SCALE). The kernels never
+// store the NaN code 0x7F.
+template <int KVQ> __device__ __forceinline__ void codes_to_halves(u32 w, u32& p01, u32& p23) {
+  if constexpr (KVQ == 2) {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}"
+        : "=r"(p01), "=r"(p23) : "r"(w));
+#else
+    p01 = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
+    p23 = ((w & 0x7F0000u) >> 9) | ((w & 0x800000u) >> 8) | ((w & 0x7F000000u) >> 1) | (w & 0x80000000u);
+#endif
+  } else {
+    int8x4_to_halves(w, p01, p23);
   }
 }
-// What the kernels multiply an e4m3 cache's per-head scale by (fp8x4_to_pairs' 2^-8).
+// What the kernels multiply an e4m3 cache's per-head scale by (codes_to_halves' 2^-8 before SM89)
+#if __CUDA_ARCH__ >= 890
+constexpr float FP8_PAIR_SCALE = 1.0f;
+#else
 constexpr float FP8_PAIR_SCALE = 256.0f;
+#endif
 
-// A thread's slice of K and V rows: 8 consecutive elements of a K row (KW words as loaded) and 4 of a V
-// row (VW words). Rows are kept as loaded until the mma needs them as fp16/bf16 pairs, so a prefetched int8
-// tile holds half the registers of a converted one.
+// Two DT values (one word) -> the same two as an fp16 pair: the code tiles multiply in fp16 (bf16 queries are exact
+// there between 2^-14 and 65504).
+template <int DT> __device__ __forceinline__ u32 halves_of(u32 w) {
+  if constexpr (DT == 1) {
+    return Num<0>::pack(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  } else {
+    return w;
+  }
+}
+
+// A thread's slice of 16-bit K and V rows: 8 consecutive elements of a K row (KW words) and 4 of a V row (VW
+// words).
 // Cache rows, block tables, lengths and scales are read with ld.global.cg (L2, the point of coherence), not
 // through the SM's non-coherent read-only cache: paged_decode_kernel reads some of them before its PDL wait,
 // where a line that cache kept from an earlier kernel may predate writes since (a CUDA-graph test read stale data
 // that way; the block tables, which a gather rewrites every replay, are the suspect), and only the wait makes the
 // cached path safe.
-// SHARED: `base` is a shared-memory tile (the prefill kernel's staged keys, 16-bit only), read with plain loads.
-template <int DT, int KVQ, bool SHARED = false>
+// SHARED: `base` is a shared-memory tile (the prefill kernel's staged keys), read with plain loads.
+template <bool SHARED = false>
 struct KvRow {
-  static constexpr int KW = KVQ ? 2 : 4, VW = KVQ ? 1 : 2;  // int8 and e4m3: one byte an element
+  static constexpr int KW = 4, VW = 2;
   static __device__ __forceinline__ void load8(const void* base, i64 index, bool valid, u32 (&w)[KW]) {
     if constexpr (SHARED) {
-      static_assert(!KVQ, "staged tiles hold 16-bit rows");
       const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index);
       w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if constexpr (KVQ) {
-      const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(base) + index))
-                            : make_uint2(0, 0);
-      w[0] = v.x; w[1] = v.y;
     } else {
       const uint4 v = valid ? __ldcg(reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + index))
                             : make_uint4(0, 0, 0, 0);
@@ -78,52 +91,25 @@ struct KvRow {
   }
   static __device__ __forceinline__ void load4(const void* base, i64 index, bool valid, u32 (&w)[VW]) {
     if constexpr (SHARED) {
-      static_assert(!KVQ, "staged tiles hold 16-bit rows");
       const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index);
       w[0] = v.x; w[1] = v.y;
-    } else if constexpr (KVQ) {
-      w[0] = valid ? __ldcg(reinterpret_cast<const u32*>(reinterpret_cast<const signed char*>(base) + index)) : 0u;
     } else {
       const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(base) + index))
                             : make_uint2(0, 0);
       w[0] = v.x; w[1] = v.y;
     }
   }
-  // 8 elements -> 4 pairs (d, d+1), (d+2, d+3), ...
-  static __device__ __forceinline__ void pairs8(const u32 (&w)[KW], u32 (&p)[4]) {
-    if constexpr (KVQ == 2) {
-      fp8x4_to_pairs<DT>(w[0], p[0], p[1]);
-      fp8x4_to_pairs<DT>(w[1], p[2], p[3]);
-    } else if constexpr (KVQ) {
-      int8x4_to_pairs<DT>(w[0], p[0], p[1]);
-      int8x4_to_pairs<DT>(w[1], p[2], p[3]);
-    } else {
-      p[0] = w[0]; p[1] = w[1]; p[2] = w[2]; p[3] = w[3];
-    }
-  }
-  // 4 elements -> 2 pairs
-  static __device__ __forceinline__ void pairs4(const u32 (&w)[VW], u32 (&p)[2]) {
-    if constexpr (KVQ == 2) {
-      fp8x4_to_pairs<DT>(w[0], p[0], p[1]);
-    } else if constexpr (KVQ) {
-      int8x4_to_pairs<DT>(w[0], p[0], p[1]);
-    } else {
-      p[0] = w[0]; p[1] = w[1];
-    }
-  }
 };
 
-// What one 16-token tile needs from memory: the rows' addresses, int8 scales, and with PRELOAD
-// (D <= 128) the K and V rows themselves. K rows: tokens tile + 8*nt + g, elements 32c + 8t .. +7;
+// What one 16-token tile of a 16-bit cache needs from memory: the rows' addresses and with PRELOAD (D <= 128)
+// the K and V rows themselves. K rows: tokens tile + 8*nt + g, elements 32c + 8t .. +7;
 // V rows: tokens tile + 2t, 2t+1, 2t+8, 2t+9 (index e), elements 32c + 4g .. +3.
-template <int DT, int D, int KVQ, int PRELOAD>
+template <int DT, int D, int PRELOAD>
 struct Tile {
-  using Row = KvRow<DT, KVQ>;
   static constexpr int CH = PRELOAD ? D / 32 : 1;
   i64 krow[2], vrow[4];
   bool kvalid[2], vvalid[4];
-  float kscale[2][2], vscale[4];
-  u32 kw[2][CH][Row::KW], vw[4][CH][Row::VW];  // as loaded
+  u32 kw[2][CH][KvRow<>::KW], vw[4][CH][KvRow<>::VW];
 };
 
 struct TileContext {  // per CTA: where the sequence's rows live
@@ -133,11 +119,11 @@ struct TileContext {  // per CTA: where the sequence's rows live
   const u16* value_scales;
   const int* table;
   int log2_block_size, num_kv_heads, kv_head, end, g, t;
-  float key_head_scale, value_head_scale;  // e4m3 caches: the KV head's scales times FP8_PAIR_SCALE
+  float key_head_scale;  // e4m3 caches: the KV head's scale times FP8_PAIR_SCALE
 };
 
-template <int DT, int D, int KVQ, int PRELOAD>
-__device__ __forceinline__ void fetch_tile(Tile<DT, D, KVQ, PRELOAD>& T, int tile, const TileContext& ctx) {
+template <int DT, int D, int PRELOAD>
+__device__ __forceinline__ void fetch_tile(Tile<DT, D, PRELOAD>& T, int tile, const TileContext& ctx) {
   const int block_size = 1 << ctx.log2_block_size;
   const i64 head_stride = (i64)block_size * D;
 #pragma unroll
@@ -146,53 +132,69 @@ __device__ __forceinline__ void fetch_tile(Tile<DT, D, KVQ, PRELOAD>& T, int til
     T.kvalid[nt] = tok < ctx.end;
     const int blk = T.kvalid[nt] ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
     T.krow[nt] = ((i64)blk * ctx.num_kv_heads + ctx.kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
-    T.kscale[nt][0] = T.kscale[nt][1] = KVQ == 2 ? ctx.key_head_scale : 1.0f;
-    if constexpr (KVQ == 1) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {  // scales of this thread's score columns: tokens 2t, 2t+1
-        const int ctok = tile + 8 * nt + 2 * ctx.t + e;
-        if (ctok < ctx.end) {
-          const int cblk = __ldcg(ctx.table + (ctok >> ctx.log2_block_size));
-          T.kscale[nt][e] = half_bits_to_float(
-              __ldcg(ctx.key_scales + ((i64)cblk * ctx.num_kv_heads + ctx.kv_head) * block_size +
-                     (ctok & (block_size - 1))));
-        }
-      }
-    }
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int tok = tile + 2 * ctx.t + (e & 1) + 8 * (e >> 1);
     T.vvalid[e] = tok < ctx.end;
     const int blk = T.vvalid[e] ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
-    const i64 slot = (i64)blk * ctx.num_kv_heads + ctx.kv_head;
-    T.vrow[e] = slot * head_stride + (i64)(tok & (block_size - 1)) * D;
-    T.vscale[e] = KVQ == 2 ? ctx.value_head_scale : 1.0f;
-    if constexpr (KVQ == 1) {
-      if (T.vvalid[e])
-        T.vscale[e] = half_bits_to_float(__ldcg(ctx.value_scales + slot * block_size + (tok & (block_size - 1))));
-    }
+    T.vrow[e] = ((i64)blk * ctx.num_kv_heads + ctx.kv_head) * head_stride + (i64)(tok & (block_size - 1)) * D;
   }
   if constexpr (PRELOAD) {
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        KvRow<DT, KVQ>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kw[nt][c]);
+        KvRow<>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], T.kw[nt][c]);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        KvRow<DT, KVQ>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vw[e][c]);
+        KvRow<>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], T.vw[e][c]);
     }
   }
 }
 
-// One tile of the online softmax: S = Q K^T, running max/sum update, O = O * alpha + P V.
+// The online softmax's update after a tile's scores s [NT n-tiles][c0..c3] (masked ones -inf) whose max over this
+// thread's columns of each of its two rows is tile_max: running max and sum of the rows, o rescaled by the change of
+// max, s replaced by the probabilities P.
+template <int NT, int NTILES>
+__device__ __forceinline__ void softmax_update(float (&s)[NT][4], float (&tile_max)[2], float (&o)[NTILES][4][4],
+                                               float (&row_max)[2], float (&row_sum)[2]) {
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
+    const float new_max = fmaxf(row_max[r], tile_max[r]);
+    const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing seen yet
+    alpha[r] = __expf(row_max[r] - base);
+    row_max[r] = new_max;
+    row_sum[r] *= alpha[r];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = __expf(s[nt][2 * r + e] - base);
+        row_sum[r] += p;
+        s[nt][2 * r + e] = p;
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < NTILES; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o[c][j][0] *= alpha[0]; o[c][j][1] *= alpha[0];
+      o[c][j][2] *= alpha[1]; o[c][j][3] *= alpha[1];
+    }
+}
+
+// One tile of the online softmax over a 16-bit cache: S = Q K^T, running max/sum update, O = O * alpha + P V.
 // qrows: this thread's two query rows (row g and g+8) offset by 8t; q rows past the tile's heads are zero.
 // Keys at positions >= ctx.end are masked; with ROW_BOUNDS (rows of different query tokens, the prefill kernel)
 // row r sees keys [row_begin[r], row_end[r]) instead. SHARED (with PRELOAD = 0): ctx's caches are a staged tile
 // in shared memory, read chunk by chunk at T's row offsets.
-template <int DT, int D, int KVQ, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false>
-__device__ __forceinline__ void attend_tile(const Tile<DT, D, KVQ, PRELOAD>& T, int tile, const TileContext& ctx,
+template <int DT, int D, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false>
+__device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int tile, const TileContext& ctx,
                                             const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
                                             float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
                                             float (&row_sum)[2], const int (&row_begin)[2] = {0, 0},
@@ -214,11 +216,10 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KVQ, PRELOAD>& T, 
     for (int nt = 0; nt < 2; ++nt) {
       u32 kf[4];
       if constexpr (PRELOAD) {
-        KvRow<DT, KVQ>::pairs8(T.kw[nt][c], kf);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kf[i] = T.kw[nt][c][i];
       } else {
-        u32 kw[KvRow<DT, KVQ>::KW];
-        KvRow<DT, KVQ, SHARED>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kw);
-        KvRow<DT, KVQ>::pairs8(kw, kf);
+        KvRow<SHARED>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kf);
       }
       Num<DT>::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
       Num<DT>::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
@@ -230,7 +231,7 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KVQ, PRELOAD>& T, 
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tok = tile + 8 * nt + 2 * ctx.t + (e & 1);
-      float v = s[nt][e] * scale * T.kscale[nt][e & 1];
+      float v = s[nt][e] * scale;
       if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
       if constexpr (ROW_BOUNDS) {
         v = tok >= row_begin[e >> 1] && tok < row_end[e >> 1] ? v : -INFINITY;
@@ -241,49 +242,22 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KVQ, PRELOAD>& T, 
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
     }
   }
-  float alpha[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
-    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
-    const float new_max = fmaxf(row_max[r], tile_max[r]);
-    const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row with nothing seen yet
-    alpha[r] = __expf(row_max[r] - base);
-    row_max[r] = new_max;
-    row_sum[r] *= alpha[r];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float p = __expf(s[nt][2 * r + e] - base);
-        row_sum[r] += p;
-        s[nt][2 * r + e] = p;
-      }
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      o[c][j][0] *= alpha[0]; o[c][j][1] *= alpha[0];
-      o[c][j][2] *= alpha[1]; o[c][j][3] *= alpha[1];
-    }
-  // P as the A operand (k = the tile's 16 tokens); int8 V scales fold into P
-  const u32 pa0 = Num<DT>::pack(s[0][0] * T.vscale[0], s[0][1] * T.vscale[1]);  // row g, tok 2t, 2t+1
-  const u32 pa1 = Num<DT>::pack(s[0][2] * T.vscale[0], s[0][3] * T.vscale[1]);  // row g+8
-  const u32 pa2 = Num<DT>::pack(s[1][0] * T.vscale[2], s[1][1] * T.vscale[3]);  // row g, tok 2t+8, 2t+9
-  const u32 pa3 = Num<DT>::pack(s[1][2] * T.vscale[2], s[1][3] * T.vscale[3]);  // row g+8
+  softmax_update(s, tile_max, o, row_max, row_sum);
+  // P as the A operand (k = the tile's 16 tokens)
+  const u32 pa0 = Num<DT>::pack(s[0][0], s[0][1]);  // row g, tok 2t, 2t+1
+  const u32 pa1 = Num<DT>::pack(s[0][2], s[0][3]);  // row g+8
+  const u32 pa2 = Num<DT>::pack(s[1][0], s[1][1]);  // row g, tok 2t+8, 2t+9
+  const u32 pa3 = Num<DT>::pack(s[1][2], s[1][3]);  // row g+8
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     u32 vf[4][2];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if constexpr (PRELOAD) {
-        KvRow<DT, KVQ>::pairs4(T.vw[e][c], vf[e]);
+        vf[e][0] = T.vw[e][c][0];
+        vf[e][1] = T.vw[e][c][1];
       } else {
-        u32 vw[KvRow<DT, KVQ>::VW];
-        KvRow<DT, KVQ, SHARED>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vw);
-        KvRow<DT, KVQ>::pairs4(vw, vf[e]);
+        KvRow<SHARED>::load4(ctx.value_cache, T.vrow[e] + 32 * c + 4 * ctx.g, T.vvalid[e], vf[e]);
       }
     }
 #pragma unroll
@@ -295,6 +269,228 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, KVQ, PRELOAD>& T, 
       Num<DT>::mma(o[c][j], pa0, pa1, pa2, pa3, b0, b1);
     }
   }
+}
+
+// ---- Quantized caches (int8, e4m3): tiles of codes -------------------------------------------------------------
+// A one-byte code streams at a 16-bit element's bandwidth only with as many bytes in flight a warp and whole
+// sectors a load: a quantized tile is 32 tokens (D <= 128; 16 for wider heads, whose rows would not fit the
+// registers twice), so a tile's codes are the bytes of a 16-bit tile of 16 tokens, and each thread loads 16 codes
+// at once (8 where a head's row is too short to give each thread 16), so that a warp's load covers whole 32-byte
+// sectors. The rows are cut between threads in another order than the 16-bit tiles' (any permutation of a
+// reduction axis works if both operands share it; the output columns' permutation is undone when they are written):
+//   K (Q.K^T, reduction over d): thread t holds chunks k of KB codes of its K rows at d = 4 KB k + KB t; its k-step
+//     w (4 codes, word w of its slice) pairs with Q at the same d. A tile's 32 tokens are 4 n-tiles of 8 rows.
+//   V (P.V, output columns): thread g holds chunks k of VB codes of its V rows at d = 8 VB k + VB g; n-tile
+//     j = VB k + i has column n at d = 8 VB k + VB n + i, so the mma's B operand (V[2t][d], V[2t+1][d]) of column
+//     g pairs byte i of two rows (one byte_perm for 4 columns), and the thread ends with outputs of columns 2t
+//     and 2t + 1, the VB consecutive d at 8 VB k + VB (2t + h) (fragment_column).
+// Tiles start at multiples of 16 tokens (the range's first token masks the ones before it), so each 8-token group
+// of a tile lies in one block (block_size >= 8): a block-table read per group, the same for the whole warp, and
+// the int8 scales of a thread's tokens 2t, 2t + 1 of a group are one 4-byte load.
+template <int D>
+struct CodeSlices {
+  static constexpr int KB = (D / 4) % 16 == 0 ? 16 : 8, KWORDS = D / 16;
+  static constexpr int VB = (D / 8) % 16 == 0 ? 16 : (D / 8) % 8 == 0 ? 8 : 4, VWORDS = D / 32;
+  static __device__ __forceinline__ int k_column(int k, int t) { return 4 * KB * k + KB * t; }
+  static __device__ __forceinline__ int v_column(int k, int g) { return 8 * VB * k + VB * g; }
+};
+
+// The first d of the 4 outputs o[c][0..3][2r + h] of this thread (t = lane % 4): 16-bit caches (KVQ = 0) d =
+// 32c + 8t + 4h + j for o[c][j]; code tiles n-tile 4c + j, column 2t + h (CodeSlices).
+template <int D, int KVQ>
+__device__ __forceinline__ int fragment_column(int c, int t, int h) {
+  if constexpr (KVQ) {
+    constexpr int VB = CodeSlices<D>::VB;
+    return 8 * VB * (4 * c / VB) + VB * (2 * t + h) + 4 * c % VB;
+  } else {
+    return 32 * c + 8 * t + 4 * h;
+  }
+}
+
+// BYTES (4, 8 or 16) codes at p into BYTES / 4 words; zeros where !valid.
+template <int BYTES>
+__device__ __forceinline__ void load_codes(const unsigned char* p, bool valid, u32* w) {
+  if constexpr (BYTES == 16) {
+    const uint4 v = valid ? __ldcg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else if constexpr (BYTES == 8) {
+    const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(p)) : make_uint2(0, 0);
+    w[0] = v.x; w[1] = v.y;
+  } else {
+    w[0] = valid ? __ldcg(reinterpret_cast<const u32*>(p)) : 0u;
+  }
+}
+
+// A thread's codes of a TOKENS-token tile, as loaded (converted to pairs just before their mma): K rows
+// tile + 8nt + g; V rows tile + 16ks + 2t + (e & 1) + 8 (e >> 1); int8: the fp16 K and V scales of tokens
+// tile + 8nt + 2t and + 1 (low, high half), which are also its score columns and V rows.
+template <int D, int TOKENS>
+struct CodeTile {
+  static constexpr int NT = TOKENS / 8, KS = TOKENS / 16;
+  u32 k[NT][CodeSlices<D>::KWORDS];
+  u32 v[KS][4][CodeSlices<D>::VWORDS];
+  u32 kscale[NT], vscale[NT];
+};
+
+// The tile type of a cache: TRUE_TYPE for codes, FALSE_TYPE for 16-bit rows.
+template <bool CODES, typename TRUE_TYPE, typename FALSE_TYPE> struct Pick { using type = TRUE_TYPE; };
+template <typename TRUE_TYPE, typename FALSE_TYPE> struct Pick<false, TRUE_TYPE, FALSE_TYPE> {
+  using type = FALSE_TYPE;
+};
+
+// begin: the range's first token (tile >= begin & ~15); rows outside [begin, ctx.end) load as zeros.
+template <int D, int KVQ, int TOKENS>
+__device__ __forceinline__ void fetch_code_tile(CodeTile<D, TOKENS>& T, int tile, int begin, const TileContext& ctx) {
+  using S = CodeSlices<D>;
+  constexpr int NT = TOKENS / 8;
+  const int block_size = 1 << ctx.log2_block_size, g = ctx.g, t = ctx.t;
+  i64 first_row[NT];  // the group's first token's row of [num_blocks * KVH * block_size]
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int group = tile + 8 * nt;
+    const bool live = group + 8 > begin && group < ctx.end;
+    const int blk = live ? __ldcg(ctx.table + (group >> ctx.log2_block_size)) : 0;
+    first_row[nt] = ((i64)blk * ctx.num_kv_heads + ctx.kv_head) * block_size + (group & (block_size - 1));
+  }
+  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache);
+  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int ktok = tile + 8 * nt + g;
+#pragma unroll
+    for (int k = 0; k < S::KWORDS * 4 / S::KB; ++k)
+      load_codes<S::KB>(keys + (first_row[nt] + g) * D + S::k_column(k, t), ktok >= begin && ktok < ctx.end,
+                        &T.k[nt][k * S::KB / 4]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int vtok = tile + 8 * nt + 2 * t + h;
+#pragma unroll
+      for (int k = 0; k < S::VWORDS * 4 / S::VB; ++k)
+        load_codes<S::VB>(values + (first_row[nt] + 2 * t + h) * D + S::v_column(k, g),
+                          vtok >= begin && vtok < ctx.end, &T.v[nt >> 1][2 * (nt & 1) + h][k * S::VB / 4]);
+    }
+    if constexpr (KVQ == 1) {  // any value: the scales of masked tokens are never used
+      T.kscale[nt] = __ldcg(reinterpret_cast<const u32*>(ctx.key_scales + first_row[nt] + 2 * t));
+      T.vscale[nt] = __ldcg(reinterpret_cast<const u32*>(ctx.value_scales + first_row[nt] + 2 * t));
+    }
+  }
+}
+
+// attend_tile over a code tile: keys outside [begin, ctx.end) are masked. qrows: this thread's two query rows
+// (row g and g+8) at d = 0; o[c][j] is n-tile 4c + j of CodeSlices' V order.
+template <int DT, int D, int KVQ, int TOKENS>
+__device__ __forceinline__ void attend_code_tile(const CodeTile<D, TOKENS>& T, int tile, int begin,
+                                                 const TileContext& ctx, const u16* const (&qrows)[2],
+                                                 const bool (&qvalid)[2], float scale, float softcap,
+                                                 float (&o)[D / 32][4][4], float (&row_max)[2], float (&row_sum)[2]) {
+  using S = CodeSlices<D>;
+  constexpr int NT = TOKENS / 8, KS = TOKENS / 16;
+  const int t = ctx.t;
+  float s[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < S::KWORDS * 4 / S::KB; ++k) {
+#pragma unroll
+    for (int i = 0; i < S::KB / 8; ++i) {  // 8 d of the chunk a time: Q re-read each tile (L1 hits), 2 k-steps
+      u32 qf[2][4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint4 v = qvalid[r] ? __ldg(reinterpret_cast<const uint4*>(qrows[r] + S::k_column(k, t) + 8 * i))
+                                  : make_uint4(0, 0, 0, 0);
+        qf[r][0] = halves_of<DT>(v.x); qf[r][1] = halves_of<DT>(v.y);
+        qf[r][2] = halves_of<DT>(v.z); qf[r][3] = halves_of<DT>(v.w);
+      }
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {  // k-step: codes 8i + 4w .. + 3 of the chunk, Q words 2w, 2w + 1
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          u32 b0, b1;
+          codes_to_halves<KVQ>(T.k[nt][k * S::KB / 4 + 2 * i + w], b0, b1);
+          Num<0>::mma(s[nt], qf[0][2 * w], qf[1][2 * w], qf[0][2 * w + 1], qf[1][2 * w + 1], b0, b1);
+        }
+      }
+    }
+  }
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = tile + 8 * nt + 2 * t + (e & 1);
+      const float key_scale =
+          KVQ == 2 ? ctx.key_head_scale : half_bits_to_float((u16)(T.kscale[nt] >> (16 * (e & 1))));
+      float v = s[nt][e] * scale * key_scale;
+      if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+      v = tok >= begin && tok < ctx.end ? v : -INFINITY;
+      s[nt][e] = v;
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
+    }
+  }
+  softmax_update(s, tile_max, o, row_max, row_sum);
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    // P of the k-step's 16 tokens as the A operand, in [0, 1]: folding small V scales into it would push its
+    // products below fp16's normal range at long contexts, so int8 scales multiply the V pairs (and e4m3's head
+    // scale the output, in the kernel)
+    const u32 pa0 = Num<0>::pack(s[2 * ks][0], s[2 * ks][1]);          // row g, tok 2t, 2t+1
+    const u32 pa1 = Num<0>::pack(s[2 * ks][2], s[2 * ks][3]);          // row g+8
+    const u32 pa2 = Num<0>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);  // row g, tok 2t+8, 2t+9
+    const u32 pa3 = Num<0>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);  // row g+8
+    // int8: the fp16 scales of V rows (2t, 2t+1) and (2t+8, 2t+9) as pairs, 0 for masked tokens (whose P is 0 and
+    // whose scales may be anything, NaN included)
+    u32 vs[2] = {0u, 0u};
+    if constexpr (KVQ == 1) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = tile + 16 * ks + 8 * h + 2 * t;
+        const u32 lo = tok >= begin && tok < ctx.end ? 0x0000FFFFu : 0u;
+        const u32 hi = tok + 1 >= begin && tok + 1 < ctx.end ? 0xFFFF0000u : 0u;
+        vs[h] = T.vscale[2 * ks + h] & (lo | hi);
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: n-tiles 4w .. 4w + 3
+      u32 b0[4], b1[4];  // per n-tile: (V[2t][d], V[2t+1][d]) and (V[2t+8][d], V[2t+9][d])
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][0][w], T.v[ks][1][w], 0x5140), b0[0], b0[1]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][0][w], T.v[ks][1][w], 0x7362), b0[2], b0[3]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][2][w], T.v[ks][3][w], 0x5140), b1[0], b1[1]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[ks][2][w], T.v[ks][3][w], 0x7362), b1[2], b1[3]);
+      if constexpr (KVQ == 1) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          b0[b] = Num<0>::mul(b0[b], vs[0]);
+          b1[b] = Num<0>::mul(b1[b], vs[1]);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) Num<0>::mma(o[w][b], pa0, pa1, pa2, pa3, b0[b], b1[b]);
+    }
+  }
+}
+
+// The decode kernel's tile steps over either cache (begin: the range's first token, which only code tiles read).
+template <int KVQ, int DT, int D, int PRELOAD>
+__device__ __forceinline__ void fetch_kv_tile(Tile<DT, D, PRELOAD>& T, int tile, int, const TileContext& ctx) {
+  fetch_tile<DT, D, PRELOAD>(T, tile, ctx);
+}
+template <int KVQ, int D, int TOKENS>
+__device__ __forceinline__ void fetch_kv_tile(CodeTile<D, TOKENS>& T, int tile, int begin, const TileContext& ctx) {
+  fetch_code_tile<D, KVQ, TOKENS>(T, tile, begin, ctx);
+}
+template <int DT, int KVQ, int D, int PRELOAD>
+__device__ __forceinline__ void attend_kv_tile(const Tile<DT, D, PRELOAD>& T, int tile, int, const TileContext& ctx,
+                                               const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
+                                               float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
+                                               float (&row_sum)[2]) {
+  attend_tile<DT, D, PRELOAD>(T, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+}
+template <int DT, int KVQ, int D, int TOKENS>
+__device__ __forceinline__ void attend_kv_tile(const CodeTile<D, TOKENS>& T, int tile, int begin,
+                                               const TileContext& ctx, const u16* const (&qrows)[2],
+                                               const bool (&qvalid)[2], float scale, float softcap,
+                                               float (&o)[D / 32][4][4], float (&row_max)[2], float (&row_sum)[2]) {
+  attend_code_tile<DT, D, KVQ, TOKENS>(T, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
 }
 
 // fn(c, e, sum) over the fragments of the rows this thread writes out (rows g and g + 8 below heads_here):
@@ -464,19 +660,35 @@ __device__ __forceinline__ uint4 output_piece(const float (&oc)[4][4], int r, fl
   return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
+// The 8 outputs of d block c of this thread's row g + 8r (fragment_column's two runs of 4), times `inv`, written
+// as DT values into out_row [D].
+template <int DT, int D, int KVQ>
+__device__ __forceinline__ void store_output(u16* out_row, const float (&oc)[4][4], int c, int r, float inv, int t) {
+  if constexpr (KVQ) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<uint2*>(out_row + fragment_column<D, KVQ>(c, t, h)) =
+          make_uint2(Num<DT>::pack(oc[0][2 * r + h] * inv, oc[1][2 * r + h] * inv),
+                     Num<DT>::pack(oc[2][2 * r + h] * inv, oc[3][2 * r + h] * inv));
+  } else {
+    *reinterpret_cast<uint4*>(out_row + 32 * c + 8 * t) = output_piece<DT>(oc, r, inv);
+  }
+}
+
 // A split's partial of this thread's row g + 8r for paged_reduce_kernel: its unnormalized o at
-// part_out[base][32c + 8t .. + 7] and (running max, sum) at part_stats[base] (base = (row, head) * splits + split).
-template <int D>
+// part_out[base][fragment_column ..] and (running max, sum) at part_stats[base] (base = (row, head) * splits +
+// split).
+template <int D, int KVQ = 0>
 __device__ __forceinline__ void write_partial(float* part_out, float* part_stats, i64 base,
                                               const float (&o)[D / 32][4][4], int r, float row_max, float row_sum,
                                               int t) {
+  float* row = part_out + base * D;
 #pragma unroll
-  for (int c = 0; c < D / 32; ++c) {
-    float* dst = part_out + base * D + 32 * c + 8 * t;
-    *reinterpret_cast<float4*>(dst) = make_float4(o[c][0][2 * r], o[c][1][2 * r], o[c][2][2 * r], o[c][3][2 * r]);
-    *reinterpret_cast<float4*>(dst + 4) =
-        make_float4(o[c][0][2 * r + 1], o[c][1][2 * r + 1], o[c][2][2 * r + 1], o[c][3][2 * r + 1]);
-  }
+  for (int c = 0; c < D / 32; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float4*>(row + fragment_column<D, KVQ>(c, t, h)) =
+          make_float4(o[c][0][2 * r + h], o[c][1][2 * r + h], o[c][2][2 * r + h], o[c][3][2 * r + h]);
   if (t == 0) {
     part_stats[base * 2] = row_max;
     part_stats[base * 2 + 1] = row_sum;
@@ -509,8 +721,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   constexpr int CHUNKS = D / 32;
   // Up to D = 128 a tile's K and V rows are loaded whole before its math, and with PIPELINE one tile
   // ahead of it (two register sets, ping-pong: more bytes in flight, fewer warps resident); wider
-  // heads load them chunk by chunk inside the products.
+  // heads load 16-bit rows chunk by chunk inside the products, and code tiles of 16 tokens whole, one at a time.
   constexpr int PRELOAD = D <= 128;
+  // tokens a tile: 16 of a 16-bit cache, 32 of codes (16 past D = 128: CodeTile)
+  constexpr int TILE = KVQ && D <= 128 ? 32 : 16;
   const int warp = WARPS == 1 ? 0 : threadIdx.x >> 5, lane = threadIdx.x - 32 * warp, g = lane >> 2, t = lane & 3;
   const int group = num_heads / num_kv_heads;
   const int head_tiles = (group + 15) / 16;
@@ -531,14 +745,14 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   const float value_head_scale =
       KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
   const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
-                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale, value_head_scale};
+                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
 
   const u16* qrows[2];
   bool qvalid[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     qvalid[r] = g + 8 * r < heads_here;
-    qrows[r] = query + ((i64)seq * num_heads + head_lo + (qvalid[r] ? g + 8 * r : 0)) * D + 8 * t;
+    qrows[r] = query + ((i64)seq * num_heads + head_lo + (qvalid[r] ? g + 8 * r : 0)) * D + (KVQ ? 0 : 8 * t);
   }
 
   float o[CHUNKS][4][4];  // [d block][n-tile j][c0..c3]
@@ -548,37 +762,46 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
     for (int j = 0; j < 4; ++j) o[c][j][0] = o[c][j][1] = o[c][j][2] = o[c][j][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
-  // the warps take the split's 16-token tiles round robin: warp w walks tiles w, w + WARPS, ... (clustered: the
-  // cluster's warps, rank after rank)
-  const int first = begin + 16 * (rank * WARPS + warp), stride = 16 * WARPS * CLUSTER;
+  // the warps take the split's tiles round robin: warp w walks tiles w, w + WARPS, ... (clustered: the cluster's
+  // warps, rank after rank). Code tiles start at multiples of 16 tokens (their keys before `begin` are masked).
+  const int tile_begin = KVQ ? begin & ~15 : begin;
+  const int first = tile_begin + TILE * (rank * WARPS + warp), stride = TILE * WARPS * CLUSTER;
   // Up to here the kernel has read only the step's inputs (lengths, block tables), which no kernel of the
   // layer writes. Cache rows older than the sequence's `fresh_tokens` newest positions were written by earlier
   // steps, so a first tile that ends before those is fetched before waiting for the kernel just before this one
   // (the step's cache write): its block-table and K/V round trips overlap that kernel instead of following it.
   // Everything else (the query, the fresh rows, every write) waits.
-  const bool settled_first_tile = first + 15 < seq_len - fresh_tokens;
+  const bool settled_first_tile = first + TILE - 1 < seq_len - fresh_tokens;
+  using KvTile = typename Pick<KVQ != 0, CodeTile<D, TILE>, Tile<DT, D, PRELOAD>>::type;
   if constexpr (PRELOAD && PIPELINE) {
-    Tile<DT, D, KVQ, PRELOAD> a, b;
+    KvTile a, b;
     if (!settled_first_tile) wait_for_prior_grids();
-    fetch_tile<DT, D, KVQ, PRELOAD>(a, first, ctx);
+    fetch_kv_tile<KVQ>(a, first, begin, ctx);
     if (settled_first_tile) wait_for_prior_grids();
     for (int tile = first; tile < end; tile += 2 * stride) {
-      fetch_tile<DT, D, KVQ, PRELOAD>(b, tile + stride, ctx);
-      attend_tile<DT, D, KVQ, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      fetch_kv_tile<KVQ>(b, tile + stride, begin, ctx);
+      attend_kv_tile<DT, KVQ>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
       if (tile + stride >= end) break;
-      fetch_tile<DT, D, KVQ, PRELOAD>(a, tile + 2 * stride, ctx);
-      attend_tile<DT, D, KVQ, PRELOAD>(b, tile + stride, ctx, qrows, qvalid, scale, softcap, o, row_max,
-                                           row_sum);
+      fetch_kv_tile<KVQ>(a, tile + 2 * stride, begin, ctx);
+      attend_kv_tile<DT, KVQ>(b, tile + stride, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   } else {
     wait_for_prior_grids();
     for (int tile = first; tile < end; tile += stride) {
-      Tile<DT, D, KVQ, PRELOAD> a;
-      fetch_tile<DT, D, KVQ, PRELOAD>(a, tile, ctx);
-      attend_tile<DT, D, KVQ, PRELOAD>(a, tile, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
+      KvTile a;
+      fetch_kv_tile<KVQ>(a, tile, begin, ctx);
+      attend_kv_tile<DT, KVQ>(a, tile, begin, ctx, qrows, qvalid, scale, softcap, o, row_max, row_sum);
     }
   }
 
+  if constexpr (KVQ == 2) {  // P V summed the codes' values: the head's scale multiplies the result
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c][j][e] *= value_head_scale;
+  }
   // full row sums across the quad (the 4 threads of a row share its running max)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -590,7 +813,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
     if constexpr (CLUSTER > 1) combine_cluster<D, CLUSTER>(o, row_max, row_sum, warp == WARPS - 1, rank);
     if (warp != WARPS - 1) return;  // the last warp holds the CTA's output
   }
-  // o[c][j]: c0 = (row g, d = 32c + 8t + j), c1 = (row g, d = 32c + 8t + 4 + j), c2/c3 the same for row g+8
+  // o[c][j]: c0/c1 = row g, d = fragment_column(c, t, 0 / 1) + j; c2/c3 the same for row g+8
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
@@ -601,12 +824,11 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
         if (CLUSTER > 1 && c % CLUSTER != rank) continue;  // another rank of the cluster writes it
-        *reinterpret_cast<uint4*>(out + ((i64)seq * num_heads + head) * D + 32 * c + 8 * t) =
-            output_piece<DT>(o[c], r, inv);
+        store_output<DT, D, KVQ>(out + ((i64)seq * num_heads + head) * D, o[c], c, r, inv, t);
       }
     } else {
-      write_partial<D>(part_out, part_stats, ((i64)seq * num_heads + head) * splits + split, o, r, row_max[r],
-                       row_sum[r], t);
+      write_partial<D, KVQ>(part_out, part_stats, ((i64)seq * num_heads + head) * splits + split, o, r,
+                            row_max[r], row_sum[r], t);
     }
   }
 }
@@ -725,18 +947,16 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
 
   // The staged rows attend_tile reads: K rows 8 * nt + g and V rows 2t + (e & 1) + 8 * (e >> 1) of a stage, all
   // valid (rows past `end` hold zeros, and the row bounds mask their scores).
-  Tile<DT, D, 0, 0> T;
+  Tile<DT, D, 0> T;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     T.krow[nt] = (8 * nt + g) * (D + PREFILL_PAD);
     T.kvalid[nt] = true;
-    T.kscale[nt][0] = T.kscale[nt][1] = 1.0f;
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     T.vrow[e] = (2 * t + (e & 1) + 8 * (e >> 1)) * (D + PREFILL_PAD);
     T.vvalid[e] = true;
-    T.vscale[e] = 1.0f;
   }
 
   float o[CHUNKS][4][4];
@@ -771,7 +991,7 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
     if (tile < warp_end && tile + 16 > warp_begin) {
       const PrefillStage<D>& stage = stages[i % PREFILL_STAGES];
       const TileContext staged{stage.k, stage.v, nullptr, nullptr, nullptr, 0, 0, 0, end, g, t};
-      attend_tile<DT, D, 0, 0, true, true>(T, tile, staged, qrows, qvalid, scale, softcap, o, row_max, row_sum,
+      attend_tile<DT, D, 0, true, true>(T, tile, staged, qrows, qvalid, scale, softcap, o, row_max, row_sum,
                                            row_begin, row_end);
     }
   }
@@ -802,7 +1022,7 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
 // REDUCE_HELD_SPLITS splits and head_dim <= 128 (one dimension a thread) a thread's partials are all loaded
 // right after the PDL wait, with the stats, so the kernel waits on L2 once instead of once for the stats and
 // again per batch of partials (a one-stream decode step at a 1024-token bound has 32 splits).
-constexpr int REDUCE_HELD_SPLITS = 32;
+constexpr int REDUCE_HELD_SPLITS = 64;  // kernels/paged_attention.py names it too
 
 // Combines the splits of partials row `base` ((row, head) of [rows, H]) into out[base]; the block's 128 threads
 // take part, with `split_weight` dynamic shared memory of 4 * splits bytes.

@@ -14,6 +14,10 @@ Decode: one CTA per (kv head, 16-query-head tile, sequence, context split):
   whole waves of the CTAs the GPU holds at once (a partial last wave would leave SMs idle at the end); with more
   than one split, paged_reduce_kernel combines the splits' partial outputs. The split count, hence the grid,
   depends only on max_seq_len, and splits past a sequence's end write an empty partial.
+- "combined_split": the combined path's CTAs, each over one split of the context (about one CTA an SM, at most
+  REDUCE_HELD_SPLITS splits), then paged_reduce_kernel. Few long streams: one-warp splits numerous enough to
+  fill the GPU would each write a partial of all the KV head's query heads for a few tiles of keys, and the
+  partials would outweigh the cache; a CTA's warps combine theirs in shared memory and write one.
 
 For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the grid depends
 only on it, the path and the batch's shape.
@@ -35,7 +39,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 _KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 MAX_HEAD_DIM = 256
 TILE_TOKENS = 16
-DECODE_PATHS = ("split", "combined", "clustered")
+DECODE_PATHS = ("split", "combined", "clustered", "combined_split")
 # Down to two 16-token tiles a split: the reduce reads the splits in parallel, so short splits cost little there
 # (docs/KERNELS.md).
 MIN_TOKENS_PER_SPLIT = 32
@@ -50,6 +54,11 @@ MAX_WAVES = 16
 # thread: 8 x 32 x 256 = 65536, the whole register file; more warps would cap it at 128 and spill), and a round
 # of 8 warps covers 128 tokens (a 300-token context: 3 tiles a warp).
 COMBINED_WARPS = 8
+# paged_reduce_kernel holds up to this many splits' partials in registers (kernels/paged_attention.cu); the
+# combined_split path cuts a context into at most this many splits, of at least MIN_TOKENS_PER_COMBINED_SPLIT
+# tokens (a round of COMBINED_WARPS warps over 32-token code tiles).
+REDUCE_HELD_SPLITS = 64
+MIN_TOKENS_PER_COMBINED_SPLIT = 256
 # The clustered path's cluster: CTAs a (KV head tile, sequence) spreads over. 4 x 8 warps cover a 512-token round
 # (a 1024 bound: two tiles a warp); clusters of 4 full-SM CTAs fit the H200's GPCs of 16-18 SMs.
 CLUSTER_CTAS = 4
@@ -85,6 +94,8 @@ def unsupported_reason(operands: AttentionOperands) -> str | None:
         return f"KV cache dtype {operands.kv_dtype} with query {operands.dtype}"
     if operands.block_size & (operands.block_size - 1):
         return f"block_size {operands.block_size} is not a power of two"
+    if operands.kv_dtype in _KV_CODES and operands.block_size < 8:
+        return f"block_size {operands.block_size} with a {operands.kv_dtype} cache (code tiles need 8 or more)"
     if operands.num_heads % operands.num_kv_heads:
         return f"{operands.num_heads} query heads over {operands.num_kv_heads} KV heads"
     return None
@@ -129,6 +140,19 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
+def combined_split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, multiprocessors: int,
+                        tokens_per_split: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split) of the combined_split path: about one CTA an SM (the combined kernel's CTA fills
+    one), at most REDUCE_HELD_SPLITS splits of at least MIN_TOKENS_PER_COMBINED_SPLIT tokens."""
+    if tokens_per_split is None:
+        units = ctas_per_split(num_seqs, num_heads, num_kv_heads)
+        splits = max(1, min(REDUCE_HELD_SPLITS, multiprocessors // units,
+                            -(-max_seq_len // MIN_TOKENS_PER_COMBINED_SPLIT)))
+        tokens_per_split = -(-max_seq_len // splits)
+    tokens_per_split = -(-tokens_per_split // TILE_TOKENS) * TILE_TOKENS
+    return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
+
+
 def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool, warps: int = 1,
                  cluster: int = 1) -> str:
     """The split path's kernel (warps == 1) leaves WARPS at its default, the combined path's CLUSTER: the names
@@ -141,15 +165,18 @@ def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool, 
 def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int, path: str, pipelined: bool,
              tokens_per_split: int | None = None) -> tuple[int, int]:
     """The (splits, tokens per split) paged_decode_attention launches on `path`: on the combined and clustered
-    paths one split of max_seq_len in whole tiles; on the split path split_plan with the residency of its
-    one-warp kernel (compiled here to read its register count)."""
+    paths one split of max_seq_len in whole tiles; on the combined_split path combined_split_plan; on the split
+    path split_plan with the residency of its one-warp kernel (compiled here to read its register count)."""
     if path not in DECODE_PATHS:
         raise ValueError(f"unknown decode path {path!r}; choose from {', '.join(DECODE_PATHS)}")
+    index = query.device.index
+    if path == "combined_split":
+        return combined_split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
+                                   multiprocessors(index), tokens_per_split)
     if path != "split":
         if tokens_per_split is not None:
-            raise ValueError(f"tokens_per_split sizes the split path's splits; the {path} path has one")
+            raise ValueError(f"tokens_per_split sizes the split paths' splits; the {path} path has one")
         return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
-    index = query.device.index
     kernel = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
     return split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
                       resident_ctas(kernel.num_regs, index), tokens_per_split)

@@ -280,8 +280,8 @@ def _decode_paths(bound: int) -> list[str]:
     from deepinfer.kernels.launch import clusters_available
 
     if bound > COMBINED_MAX_SEQ_LEN:
-        return ["split"]
-    return ["split", "combined"] + (["clustered"] if clusters_available(DEVICE.index) else [])
+        return ["split", "combined_split"]
+    return ["split", "combined_split", "combined"] + (["clustered"] if clusters_available(DEVICE.index) else [])
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["ahead", "in-step"])

@@ -85,8 +85,53 @@ def test_the_clustered_path_serves_few_sequences_whose_clusters_fit_the_sms():
     assert _path(17, 16, 2, 1024, clusters=True) == "split"  # 136 CTAs would not all be resident on 132 SMs
     assert _path(17, 16, 2, 1024, clusters=True, multiprocessors=144) == "clustered"
     assert _path(32, 16, 2, 1024, clusters=True) == "combined"  # 64 CTAs: the combined path's
-    assert _path(1, 16, 2, 2048, clusters=True) == "split"  # past the bound
+    assert _path(1, 16, 2, 2048, clusters=True) == "combined_split"  # past the bound
     assert _path(1, 16, 2, 1024, clusters=False) == "split"  # no clusters before SM90
+
+
+def test_few_sequences_at_long_bounds_take_the_combined_split_path():
+    assert table.FEW_STREAMS_SM_SHARE == 8
+    # Qwen2.5-3B's 16 / 2 heads: up to 8 streams (16 CTAs a split) on 132 SMs
+    assert _path(1, 16, 2, 1025) == _path(8, 16, 2, 32768) == _path(8, 16, 2, 4096, clusters=True) == "combined_split"
+    assert _path(9, 16, 2, 8192) == _path(16, 16, 2, 4096) == "split"
+    assert _path(8, 16, 2, 1024) == "split"  # short bounds keep their rows
+    assert _path(2, 32, 8, 8192) == "combined_split" and _path(3, 32, 8, 8192) == "split"  # 8 KV heads
+
+
+def test_the_combined_split_path_puts_a_cta_an_sm_over_splits_then_the_reduce(launches):
+    # 3 sequences x 2 KV heads = 6 CTAs a split: 132 // 6 = 22 splits would fill the SMs, but 5000 tokens give 20 of
+    # at least 256 tokens
+    assert kp.combined_split_plan(3, 16, 2, 5000, 132) == (20, 256)
+    assert kp.combined_split_plan(3, 16, 2, 8192, 132) == (22, 384)  # 8192 / 22 = 372.4 -> 384 (whole 16-token tiles)
+    # one stream: at most REDUCE_HELD_SPLITS splits (the reduce holds every partial), of at least 256 tokens
+    assert kp.REDUCE_HELD_SPLITS == 64 and kp.MIN_TOKENS_PER_COMBINED_SPLIT == 256
+    assert kp.combined_split_plan(1, 16, 2, 32768, 132) == (64, 512)
+    assert kp.combined_split_plan(1, 16, 2, 2048, 132) == (8, 256)
+    assert kp.combined_split_plan(1, 16, 2, 2048, 132, tokens_per_split=100) == (19, 112)
+    _attend(5000, "combined_split")
+    (name, grid, block, args, _), (reduce, reduce_grid, _, reduce_args, shared_mem) = launches
+    assert name == "paged_decode_kernel<0,64,0,1,8>" and block == (256, 1, 1) and grid == (2, 3, 20)
+    assert int(args[14]) == 256 and int(args[8]) != 0 and int(args[9]) != 0
+    assert reduce == "paged_reduce_kernel<0>" and reduce_grid == (16, 3, 1) and int(reduce_args[4]) == 20
+    assert shared_mem == 4 * 20
+    query, cache, *_ = _inputs()
+    assert kp.plan_for(query, cache, 5000, "combined_split", True) == (20, 256)
+
+
+def test_code_tiles_load_in_step_in_ctas_of_8_warps():
+    assert table.PIPELINED
+    for quantized in (False, True):
+        assert table.decode_pipelined("split", quantized)
+    for path in ("combined", "clustered", "combined_split"):
+        assert table.decode_pipelined(path, False) and not table.decode_pipelined(path, True), path
+
+
+def test_quantized_caches_need_blocks_of_8_tokens():
+    for kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        for block_size, served in ((4, False), (8, True), (128, True)):
+            operands = kp.AttentionOperands(torch.float16, 16, 2, 128, kv_dtype, block_size)
+            assert (kp.unsupported_reason(operands) is None) == served, (kv_dtype, block_size)
+    assert kp.unsupported_reason(kp.AttentionOperands(torch.float16, 16, 2, 128, torch.float16, 4)) is None
 
 
 def test_the_ops_decode_path_reads_the_devices_clusters_and_sms(monkeypatch):

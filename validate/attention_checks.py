@@ -14,7 +14,8 @@ from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compar
 # whose block tables are as wide as the bound. Bounds up to COMBINED_MAX_SEQ_LEN (1024) without tokens/split run on
 # the combined path (one CTA of 8 warps a sequence) and the clustered path (a cluster of such CTAs), forced whatever
 # the batch's CTA count (dispatch gives the combined path 64 CTAs or more, the clustered one fewer), and on the split
-# path (one-warp CTAs, then the reduce); the rest on the split path.
+# path (one-warp CTAs, then the reduce); the rest on the split path. Every case also runs on the combined_split path
+# (CTAs of 8 warps over splits, then the reduce), which dispatch gives few sequences at long bounds.
 ATTENTION_CASES = (
     # split path: bounds past 1024, or an explicit tokens/split
     (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
@@ -45,21 +46,25 @@ ATTENTION_CASES = (
     (torch.bfloat16, "fp8", 16, 2, 128, 16, (1, 15, 16, 17, 300, 1024), None, 30.0, None, None),
     (torch.float16, "fp8", 16, 2, 128, 16, (1, 8191, 16384, 32767), None, None, None, None),  # few long streams
     (torch.bfloat16, True, 16, 2, 128, 8, (1, 8191, 16384, 32767), None, None, None, None),
+    # code tiles' narrower row slices: head_dim 96 (8-byte K, 4-byte V loads) and 32, windows from mid-tile
+    (torch.bfloat16, "fp8", 4, 4, 96, 64, (65, 129, 1500), 70, None, None, None),
+    (torch.float16, True, 8, 2, 32, 8, (3, 40, 2100), 33, 20.0, None, None),
 )
 
 
 def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
-    """Each case on its paths, forced: the split path, and (bounds up to 1024 without tokens/split) the combined
-    path and, on SM90+, the clustered path."""
+    """Each case on its paths, forced: the split and combined_split paths, and (bounds up to 1024 without
+    tokens/split) the combined path and, on SM90+, the clustered path."""
     from deepinfer.core.ops.paged_attention_table import COMBINED_MAX_SEQ_LEN
     from deepinfer.kernels.launch import clusters_available
     from deepinfer.kernels.paged_attention import paged_decode_attention
 
-    short_bound_paths = ("split", "combined") + (("clustered",) if clusters_available(device.index) else ())
+    short_bound_paths = ("split", "combined_split", "combined") + (("clustered",) if clusters_available(device.index)
+                                                                    else ())
     results = []
     for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split, bound in cases:
         bound = bound or max(lengths)
-        paths = short_bound_paths if bound <= COMBINED_MAX_SEQ_LEN and per_split is None else ("split",)
+        paths = short_bound_paths if bound <= COMBINED_MAX_SEQ_LEN and per_split is None else ("split", "combined_split")
         for path, pipelined in ((p, pipe) for p in paths for pipe in ((True, False) if head_dim <= 128 else (True,))):
             context = (f"ctx={list(lengths)}" if len(lengths) <= 8
                        else f"{len(lengths)} ctx {min(lengths)}..{max(lengths)}")

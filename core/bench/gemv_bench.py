@@ -297,12 +297,12 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
                           torch_baseline_max_bytes: int = 4 * 2**30, pipelined: bool | None = None,
                           fp8: bool = False) -> list[dict]:
     """Decode attention on the path dispatch picks for each batch and context (core/ops/paged_attention_table.py),
-    with the pipelined loads or (`pipelined`) the other variant; over an int8 or (`fp8`) e4m3 cache."""
+    with the load variant it picks (`decode_pipelined`) or the one `pipelined` names; over an int8 or (`fp8`) e4m3
+    cache."""
     from deepinfer.core.ops import paged_attention_table
     from deepinfer.core.ops.paged_attention import decode_path
     from deepinfer.kernels.paged_attention import AttentionOperands, paged_decode_attention, plan_for
 
-    pipelined = paged_attention_table.PIPELINED if pipelined is None else pipelined
     kv_dtype = torch.int8 if int8 else torch.float8_e4m3fn if fp8 else dtype
     operands = AttentionOperands(dtype, heads, kv_heads, head_dim, kv_dtype, block_size)
 
@@ -321,21 +321,23 @@ def bench_paged_attention(device, copy_gbps: float, batches=ATTENTION_BATCHES, c
             table_sets = [tables[i * num_seqs:(i + 1) * num_seqs] for i in range(copies)]
             scale = head_dim**-0.5
             path = decode_path(num_seqs, operands, context, device.index)
+            default_variant = paged_attention_table.decode_pipelined(path, kv_dtype != dtype)
+            variant = default_variant if pipelined is None else pipelined
 
             def launch_all(caches=(k_cache, v_cache, k_scales, v_scales), query=query, seq_lens=seq_lens, outs=outs,
-                           table_sets=table_sets, context=context, scale=scale, path=path):
+                           table_sets=table_sets, context=context, scale=scale, path=path, variant=variant):
                 for table, out in zip(table_sets, outs):
                     paged_decode_attention(query, caches[0], caches[1], table, seq_lens, context, scale,
                                            key_scales=caches[2], value_scales=caches[3], out=out, path=path,
-                                           pipelined=pipelined)
+                                           pipelined=variant)
 
             mean_us, std_us = time_graph(launch_all, copies, repeats, device)
             moved = kv_bytes + 2 * query.nbytes
-            splits, per_split = plan_for(query, k_cache, context, path, pipelined)
+            splits, per_split = plan_for(query, k_cache, context, path, variant)
             record = {
                 "batch": num_seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                 "block_size": block_size, "dtype": str(dtype).removeprefix("torch."), "kv": "int8" if int8 else "fp8" if fp8 else "same",
-                "pipelined": pipelined, "default_variant": pipelined == paged_attention_table.PIPELINED,
+                "pipelined": variant, "default_variant": variant == default_variant,
                 "path": path,
                 "splits": splits, "tokens_per_split": per_split, "us_mean": mean_us, "us_std": std_us,
                 "bytes": moved, "gbps": moved / (mean_us * 1e-6) / 1e9,
@@ -405,10 +407,12 @@ def run_gemv_benchmark(device, shapes=SHAPES, batches=BATCHES, bits_list=(4, 3),
 
 
 def _attention_path_label(record: dict) -> str:
-    """'combined' (one CTA of warps a sequence and KV head, no reduce), 'clustered' (a cluster of such CTAs) or the
-    split path's split count (also for records that lack the path)."""
+    """'combined' (one CTA of warps a sequence and KV head, no reduce), 'clustered' (a cluster of such CTAs), the
+    combined_split path's or the split path's split count (also for records that lack the path)."""
     path = record.get("path")
-    return path if path in ("combined", "clustered") else f"split {record['splits']}"
+    if path in ("combined", "clustered"):
+        return path
+    return f"{'combined_split' if path == 'combined_split' else 'split'} {record['splits']}"
 
 
 def gemv_tables(payload: dict) -> list:

@@ -94,7 +94,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         path = decode_path(query.shape[0], case.operands, max_seq_len, query.device.index)
         return kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,
                                               sliding_window, softcap, key_scales, value_scales, out, path=path,
-                                              pipelined=table.PIPELINED, fresh_tokens=fresh_tokens)
+                                              pipelined=table.decode_pipelined(path, key_cache.dtype != query.dtype),
+                                              fresh_tokens=fresh_tokens)
     result = paged_decode_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                               sliding_window, softcap, key_scales, value_scales, max_seq_len)
     if out is not None:

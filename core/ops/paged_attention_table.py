@@ -22,7 +22,16 @@ COMBINED_MAX_SEQ_LEN = 1024
 # The combined path by default only from this many CTAs (sequences x KV heads x head tiles): with one CTA a
 # sequence and KV head, a few sequences leave most SMs idle while each warp walks its tiles one after another.
 COMBINED_MIN_CTAS = 64
-# Each tile's K/V loaded one tile ahead of its math (the pipelined variant; head_dim <= 128 takes it).
+# Long bounds with at most multiprocessors / FEW_STREAMS_SM_SHARE CTAs a split (8 Qwen2.5-3B streams on an H200's 132
+# SMs) take the combined_split path: one-warp splits enough to fill the GPU would each cover a few tiles and write a
+# partial of every query head of the KV head. At 16 streams the two paths are even in FP16 and split is faster for
+# int8 (52.7 against 62.1 µs at 16k, pipelined code tiles).
+FEW_STREAMS_SM_SHARE = 8
+# Each tile's K/V loaded one tile ahead of its math (the pipelined variant; head_dim <= 128 takes it), except the
+# code tiles of int8 / e4m3 caches in CTAs of 8 warps (combined, clustered, combined_split paths), whose pipelined
+# variants spill 32-148 bytes: 8 Qwen2.5-3B streams at 32k on combined_split 54.6 against 62.4 µs (int8) and 46.3
+# against 47.6 (e4m3) in step (H200; on the split path the pipelined code tiles stay ahead, 191.8 against 215.5 µs
+# at 64 streams of 16k for int8, 172.6 against 231.7 for e4m3).
 PIPELINED = True
 # Buckets of at least this many tokens attend prefill chunks in tiles (paged_prefill_attention); smaller steps
 # carry short chunks, often at long contexts, which the decode kernel spreads over more CTAs than a few tiles.
@@ -66,10 +75,19 @@ DECODE_TABLE = (
     DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
               "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
               "(e0c504d:results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
+    DecodeRow("combined_split", lambda s: not short_bound(s) and ctas(s) * FEW_STREAMS_SM_SHARE <= s.multiprocessors,
+              "few sequences at long bounds: the combined path's CTAs over splits, one partial a CTA; H200, "
+              "Qwen2.5-3B heads at 32k: one stream 18.3 against 30.1 µs split (FP16), 16.2 against 28.2 (int8), 8 "
+              "streams 85.7 against 89.4 (FP16); even at 16 streams of 16k in FP16 (docs/KERNELS.md)"),
     DecodeRow("split", lambda s: True,
               "long bounds, and few sequences without clusters: the context spread over the GPU "
               "(results/bench_gemv_w4a16-w3a16-attention_nvidia_h200.json)"),
 )
+
+
+def decode_pipelined(path: str, quantized: bool) -> bool:
+    """Whether the decode kernel on `path` loads each tile one tile ahead (`quantized`: an int8 or e4m3 cache)."""
+    return PIPELINED and not (quantized and path != "split")
 
 
 @cache

@@ -1,0 +1,93 @@
+"""Top-1 agreement of the INT8 and FP8 KV caches with the unquantized cache over long greedy generations of the
+default model (SmolLM2-135M-Instruct GGUF) on the CPU reference path.
+
+    python scripts/kv_cache_agreement.py [--tokens 320] [--prompts 5] [--fp8-scale 1.0]
+
+The unquantized run (fp32 model, fp32 cache) decodes each prompt greedily, one token a step. Each quantized cache is
+then teacher-forced on the same tokens: one prefill of prompt + continuation over a fresh cache, so every position
+attends over the quantized K/V of the reference context, and a position agrees when its argmax is the reference's
+token. The unquantized cache's own prefill is scored the same way: where it differs from its step-by-step decode
+(near-tied logits whose order the summation order decides) no cache can agree, so that figure is the measure's
+ceiling. --fp8-scale sets the FP8 cache's per-head scales (the shipped default is FP8_DEFAULT_SCALE). Prints one line
+a prompt and the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+PROMPTS = (
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in detail how a CPU cache works, with examples.",
+    "List the planets of the solar system and describe each one.",
+    "Describe how to bake bread at home, step by step.",
+    "Write a letter to a friend about a trip to the mountains.",
+)
+BLOCK_SIZE = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=320, help="greedy tokens a prompt")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument("--fp8-scale", type=float, default=None, help="the FP8 cache's per-head K and V scales")
+    args = parser.parse_args()
+
+    import torch
+
+    from deepinfer.core.config import EngineConfig
+    from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
+    from deepinfer.core.kv.cache import KVCache
+    from deepinfer.core.models.loader import load_model
+    from deepinfer.core.weights.default_model import default_model_path
+
+    loaded = load_model(EngineConfig(model=str(default_model_path())), torch.device("cpu"), torch.float32)
+    model, spec, tokenizer = loaded.model, loaded.spec, loaded.tokenizer
+
+    def fresh_cache(tokens: int, quantized: str | None) -> tuple[KVCache, int]:
+        blocks = tokens // BLOCK_SIZE + 1
+        cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu",
+                        quantized=quantized)
+        if quantized == "fp8" and args.fp8_scale is not None:
+            for scales in (*cache.key_scales, *cache.value_scales):
+                scales.fill_(args.fp8_scale)
+        return cache, blocks
+
+    @torch.no_grad()
+    def greedy(prompt: list[int]) -> list[int]:
+        cache, blocks = fresh_cache(len(prompt) + args.tokens, None)
+        tokens, ids, start = [], list(prompt), 0
+        for _ in range(args.tokens):
+            meta, positions = build_attention_metadata([SequenceChunk(list(range(blocks)), start, len(ids))],
+                                                       BLOCK_SIZE, "cpu")
+            row = model.compute_logits(model(torch.tensor(ids), positions, meta, cache)[-1:])[0]
+            start += len(ids)
+            tokens.append(int(row.argmax()))
+            ids = tokens[-1:]
+        return tokens
+
+    @torch.no_grad()
+    def forced_choices(ids: list[int], quantized: str | None) -> torch.Tensor:
+        cache, blocks = fresh_cache(len(ids), quantized)
+        meta, positions = build_attention_metadata([SequenceChunk(list(range(blocks)), 0, len(ids))], BLOCK_SIZE,
+                                                   "cpu")
+        return model.compute_logits(model(torch.tensor(ids), positions, meta, cache)).argmax(-1)
+
+    totals = {"unquantized prefill": 0, "int8": 0, "fp8": 0}
+    for question in PROMPTS[:args.prompts]:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
+        reference = greedy(prompt)
+        expected = torch.tensor(reference)
+        line = []
+        for label, quantized in (("unquantized prefill", None), ("int8", "int8"), ("fp8", "fp8")):
+            agree = int((forced_choices(prompt + reference, quantized)[len(prompt) - 1:-1] == expected).sum())
+            totals[label] += agree
+            line.append(f"{label} {agree}/{args.tokens}")
+        print(f"{question[:40]!r}: " + ", ".join(line), flush=True)
+    positions = args.tokens * min(args.prompts, len(PROMPTS))
+    for label, agree in totals.items():
+        print(f"{label}: top-1 agreement {agree}/{positions} = {100 * agree / positions:.2f}%")
+
+
+if __name__ == "__main__":
+    main()
