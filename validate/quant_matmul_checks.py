@@ -170,9 +170,26 @@ FRAGMENT_CASES = (
     (24, 22016, 2048, 128, None, False),
     (32, 2560, 4160, 4160, 5, True),  # one group a row, K = 16.25 stages
     (29, 40, 160, 32, None, False),   # a partial row tile, K not a multiple of an atom
-    (100, 3584, 3584, 256, 2, True),  # the 64-token tile, two along grid.y
-    (48, 1000, 2048, 32, None, False),  # the 64-token tile at G = 32, a partial row tile
-    (256, 2560, 4160, 4160, None, True),  # the 64-token tile, one group a row, K = 32.5 of its stages
+    (100, 3584, 3584, 256, 2, True),  # 32-token tiles along grid.y
+)
+
+
+# The 33-128-token kernel over the same layout: (tokens, out_features, in_features, group size, persistent CTAs or
+# None for the plan's, bias). Odd token counts across its 64-token blocks, G = 128 and one group a row at both
+# dtypes' plans, G = 32 / 64, N and K off the tiles, CTA counts that cut tiles into parts (stream-K's fix-up) and
+# one CTA for every tile.
+FRAGMENT_BATCH_CASES = (
+    (33, 2560, 2048, 128, None, False),
+    (47, 22016, 2048, 128, None, True),
+    (64, 2048, 11008, 128, None, False),
+    (65, 1000, 2048, 128, 7, True),    # a partial row block, 7 CTAs: parts of tiles meet in the partials
+    (97, 3584, 18944, 128, None, False),
+    (127, 2560, 4160, 4160, None, True),  # one group a row, K = 16.25 stages
+    (128, 37888, 3584, 128, None, False),
+    (45, 200, 1344, 64, 3, True),     # G = 64, K not a multiple of a stage
+    (81, 1000, 2048, 32, None, False),  # G = 32
+    (113, 40, 160, 32, 1, False),      # a partial row tile, K not a multiple of an atom, one CTA
+    (71, 3584, 3584, 256, 131, True),  # G = 256, more CTAs than tiles
 )
 
 
@@ -231,6 +248,32 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                         compare("w4_fragment_gemm", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
 
             results += guarded("w4_fragment_gemm", case, run_fused)
+    return results
+
+
+def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """The 33-128-token kernel over the fragment layout on its cases against the fp32 product of the reference
+    dequantizer's weight."""
+    from deepinfer.kernels import w4_fragment_batch as batch
+    from deepinfer.kernels import w4_fragment_gemm as fragment
+
+    results = []
+    for m, n, k, g, ctas, with_bias in FRAGMENT_BATCH_CASES:
+        for dtype in dtypes:
+            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g}"
+                    + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, ctas=ctas, with_bias=with_bias, dtype=dtype, case=case):
+                packed = random_packed(n, k, g, 4, "zero", torch.float16, device,
+                                       bias_dtype=dtype if with_bias else None)
+                weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                batch.w4_fragment_batch(x, weight, packed.bias, ctas=ctas, out=out)
+                ref = reference_product(x, packed)
+                return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
+
+            results += guarded("w4_fragment_batch", case, run)
     return results
 
 
