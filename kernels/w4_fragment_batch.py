@@ -135,6 +135,5 @@ def w4_fragment_batch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tenso
     args = (ptr(x), ptr(weight.frag), ptr(weight.sz), ptr(bias), ptr(out), ptr(partials), ptr(counters),
             i32(num_tokens), i32(out_features), i32(in_features),
             i32(group_shift(weight.group_size, in_features)), i32(weight.sz.shape[1]))
-    launch(fn, grid=(ctas, 1, 1), block=(config.threads, 1, 1), args=args, device_index=index,
-           shared_mem=config.shared_bytes(gs))
+    launch(fn, (ctas, 1, 1), (config.threads, 1, 1), args, index, shared_mem=config.shared_bytes(gs))
     return out

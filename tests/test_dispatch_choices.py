@@ -61,6 +61,7 @@ def recorded(monkeypatch):
     from deepinfer.kernels import quant_matmul as kq
     from deepinfer.kernels import rms_norm as kr
     from deepinfer.kernels import rope_cache as krc
+    from deepinfer.kernels import w4_fragment_batch as kfb
     from deepinfer.kernels import w4_fragment_gemm as kf
     from deepinfer.kernels import w4_gemm as kw
 
@@ -78,6 +79,7 @@ def recorded(monkeypatch):
     for module, name, launcher in (
             (kq, "quant_matmul", chosen_kernel), (kd, "dequantize", _raise("dense")), (kw, "w4_gemm", _raise("w4_gemm")),
             (kf, "w4_fragment_gemm", _raise("fragment")), (quant_matmul_table, "fragment_weight", lambda *args: ()),
+            (kfb, "w4_fragment_batch", _raise("fragment_batch")),
             (kq, "quant_matmul_rope_cache", _raise("fused")), (kq, "quant_matmul_act_and_mul", _raise("fused")),
             (kp, "paged_decode_attention", chosen_path), (kp, "paged_prefill_attention", _raise("prefill")),
             (kr, "rms_norm", _raise("kernel")), (ka, "act_and_mul", _raise("kernel")),

@@ -22,6 +22,7 @@ from deepinfer.core.ops import dispatch
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import dequantize as kernels_dequantize
 from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w4_fragment_batch as kernels_batch
 from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
 from deepinfer.kernels import w4_gemm as kernels_gemm
 
@@ -40,8 +41,8 @@ FRAGMENT_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projecti
 FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated and of FRAGMENT_LARGE_WEIGHT ...
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
-FRAGMENT_TILE_TOKENS = (33, 256)  # the fragment kernel's 64-token tile (kernels/w4_fragment_gemm.py: LARGE_TILE) ...
-FRAGMENT_TILE_ROW = False  # ... off: measured slower than w4_gemm and dense there (KERNELS.md)
+FRAGMENT_BATCH_TOKENS = (33, 128)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
+FRAGMENT_BATCH_ROW = False  # ... on the products where the H200 run measured it fastest (KERNELS.md)
 
 
 class ProductShape(NamedTuple):
@@ -174,37 +175,50 @@ def fragment_serves(shape: ProductShape) -> bool:
                 and shape.in_features >= GEMM_LONG_K))
 
 
-def fragment_tile_serves(shape: ProductShape) -> bool:
-    """33-256 tokens on the weights and group sizes the few-token row takes, where FRAGMENT_TILE_ROW is on."""
-    return (FRAGMENT_TILE_ROW and FRAGMENT_TILE_TOKENS[0] <= shape.tokens <= FRAGMENT_TILE_TOKENS[1]
+def fragment_batch_serves(shape: ProductShape) -> bool:
+    """33-128 tokens on the weights and group sizes the few-token row takes, where FRAGMENT_BATCH_ROW is on."""
+    return (FRAGMENT_BATCH_ROW and FRAGMENT_BATCH_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TOKENS[1]
             and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_WEIGHT
             and (shape.group_size == shape.in_features
                  or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0)))
+
+
+FRAGMENT_KERNELS = ("fragment", "fragment_batch")  # the rows that read the fragment layout
 
 
 def fragment_may_serve(packed: PackedWeight) -> bool:
     """Whether a fragment row serves some token count of this weight (the loader prepares only those)."""
     return fragment_takes(packed) and any(
         product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
-                                 packed.group_size)).kernel == "fragment"
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_TILE_TOKENS))
+                                 packed.group_size)).kernel in FRAGMENT_KERNELS
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
 
 
 @cache
 def _row_after_fragment(shape: ProductShape) -> ProductRow:
-    return next(row for row in PRODUCT_TABLE if row.kernel != "fragment" and row.serves(shape))
+    return next(row for row in PRODUCT_TABLE if row.kernel not in FRAGMENT_KERNELS and row.serves(shape))
 
 
-def fragment(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """kernels/w4_fragment_gemm.cu over the weight's fragment layout; a weight the layout cannot hold (float zero
-    points, fp32 scales, zero points beyond the exact range) or that keeps one form (a memory budget:
-    prepare_products) runs on the row that would serve it otherwise."""
-    weight = fragment_weight(packed, rows.dtype) if fragment_takes(packed) else None
-    if weight is None:
-        return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features, packed.bits,
-                                                packed.group_size)).launch(rows, packed)
-    dispatch.use_kernel("w4_fragment_gemm", None)
-    return kernels_fragment.w4_fragment_gemm(rows, weight, packed.bias)
+def fragment_launcher(op: str, product: Callable[[torch.Tensor, kernels_fragment.FragmentWeight, torch.Tensor | None],
+                                                torch.Tensor]) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
+    """The launcher of a row whose kernel reads the fragment layout: `product`(rows, layout, bias) over the weight's
+    layout; a weight the layout cannot hold (float zero points, fp32 scales, zero points beyond the exact range) or
+    that keeps one form (a memory budget: prepare_products) runs on the row that would serve it otherwise."""
+    def launch(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+        weight = fragment_weight(packed, rows.dtype) if fragment_takes(packed) else None
+        if weight is None:
+            return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features,
+                                                    packed.bits, packed.group_size)).launch(rows, packed)
+        dispatch.use_kernel(op, None)
+        return product(rows, weight, packed.bias)
+    return launch
+
+
+# kernels/w4_fragment_gemm.cu (1-32 tokens) and kernels/w4_fragment_batch.cu (33-128), looked up at each call
+fragment = fragment_launcher("w4_fragment_gemm", lambda rows, weight, bias: kernels_fragment.w4_fragment_gemm(
+    rows, weight, bias))
+fragment_batch = fragment_launcher("w4_fragment_batch", lambda rows, weight, bias: kernels_batch.w4_fragment_batch(
+    rows, weight, bias))
 
 
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -231,10 +245,8 @@ PRODUCT_TABLE = (
                "20.4, 7B gate/up 22.1 against tcs's 32.5 at one token); it lost to tc at 1-8 tokens elsewhere and "
                "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
-    ProductRow("fragment", fragment_tile_serves, fragment,
-               "the same kernel's 64-token tile at 33-256 tokens: each weight byte unpacked once for 64 tokens where "
-               "the 32-token shape re-reads it a token tile; off: slower than w4_gemm or dense at 64-256 tokens on "
-               "3B and 7B MLP products but one point (results/bench_gemv_qwen2.5-w4a16-fragment-64-tile_nvidia_h200.json)"),
+    ProductRow("fragment_batch", fragment_batch_serves, fragment_batch,
+               "the 33-128-token kernel over the same layout, where FRAGMENT_BATCH_ROW is on (docs/KERNELS.md)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
