@@ -63,28 +63,33 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
                          k_atoms, M, K, num_groups, stage_groups);
   };
-  int fill_tile = begin / num_kb;
-  FragCopies<L> fill = copies_of(fill_tile);
-  auto target = [&](int it) {  // the copies of iteration `it`'s tile
-    const int tile = it / num_kb;
-    if (tile != fill_tile) {
-      fill_tile = tile;
-      fill = copies_of(tile);
+  // The producer's position: the (tile, k block) of the next stage it copies, stepped without a division.
+  struct Position {
+    int tile, kb;
+  };
+  auto advance = [&](Position& at, FragCopies<L>& copies) {
+    if (++at.kb == num_kb) {
+      at.kb = 0;
+      copies = copies_of(++at.tile);
     }
   };
-
+  const Position start{begin / num_kb, begin % num_kb};
+  Position at = start;
+  FragCopies<L> fill = copies_of(start.tile);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < steps) {
-      target(begin + s);
-      fill.weights(smem + s * L::STAGE_BYTES, (begin + s) % num_kb, group_shift);
+      fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
+      if (s + 1 < steps) advance(at, fill);
     }
   wait_for_prior_grids();
+  at = start;
+  fill = copies_of(start.tile);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < steps) {
-      target(begin + s);
-      fill.activations(smem + s * L::STAGE_BYTES, (begin + s) % num_kb);
+      fill.activations(smem + s * L::STAGE_BYTES, at.kb);
+      if (s + 1 < steps) advance(at, fill);
     }
     cp_async_commit();
   }
@@ -104,22 +109,20 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   for (int it = begin; it < end;) {
     // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
     const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
-    for (; it < segment_end; ++it) {
-      const int step = it - begin;
+    int k_stage = (it - tile * num_kb) * L::BK;
+    for (; it < segment_end; ++it, k_stage += L::BK) {
       cp_async_wait<STAGES - 2>();
-      __syncthreads();  // stage `step` landed for every thread; nobody still reads the one refilled next
-      const int next = step + STAGES - 1;
-      if (next < steps) {
+      __syncthreads();  // this stage landed for every thread; nobody still reads the one refilled next
+      if (it + STAGES - 1 < end) {  // the copies STAGES - 1 iterations ahead, whatever tile they are of
+        advance(at, fill);
         unsigned char* refill = smem + fill_slot * L::STAGE_BYTES;
-        target(begin + next);
-        fill.weights(refill, (begin + next) % num_kb, group_shift);
-        fill.activations(refill, (begin + next) % num_kb);
+        fill.weights(refill, at.kb, group_shift);
+        fill.activations(refill, at.kb);
       }
       cp_async_commit();
       fill_slot = fill_slot == STAGES - 1 ? 0 : fill_slot + 1;
       stage = smem + read_slot * L::STAGE_BYTES;
       read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
-      const int k_stage = (it % num_kb) * L::BK;
       const bool tile_ends = it + 1 == segment_end;
 
       // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A fragments of
