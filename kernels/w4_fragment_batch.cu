@@ -23,12 +23,15 @@
 // acquire-release counter) adds every part in CTA order, i.e. k order, so the bits do not depend on which CTA
 // finished last.
 //
+// A 32-token tile (TT = 4, 3 stages) fits two CTAs an SM (launch bounds of 128 registers a thread); the 64-token
+// tile one.
+//
 // Epilogue. The two K halves of a tile (warps wk = 0, 1) are added in shared memory, in the ring slot the tile's last
 // stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
 #include "w4_fragment.cuh"
 
 template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES>
-__global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
+__global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)

@@ -84,10 +84,17 @@ def iterations(num_tokens: int, out_features: int, in_features: int, config: Bat
     return row_blocks * -(-num_tokens // config.tokens) * -(-in_features // config.bk)
 
 
-def plan(num_tokens: int, out_features: int, in_features: int, device_index: int) -> tuple[BatchConfig, int]:
-    """(launch shape, persistent CTAs): one CTA an SM, fewer where a CTA would get under MIN_ITERATIONS k blocks."""
-    total = iterations(num_tokens, out_features, in_features)
-    return CONFIG, max(1, min(_num_sms(device_index), total // MIN_ITERATIONS))
+def ctas_per_sm(config: BatchConfig) -> int:
+    """The CTAs an SM holds: two of the 32-token tile (its launch bounds), one of the 64-token tile."""
+    return 1 if config.tt >= 8 else 2
+
+
+def plan(num_tokens: int, out_features: int, in_features: int, device_index: int,
+         config: BatchConfig = CONFIG) -> tuple[BatchConfig, int]:
+    """(launch shape, persistent CTAs): as many as the SMs hold at once, fewer where a CTA would get under
+    MIN_ITERATIONS k blocks."""
+    total = iterations(num_tokens, out_features, in_features, config)
+    return config, max(1, min(ctas_per_sm(config) * _num_sms(device_index), total // MIN_ITERATIONS))
 
 
 def instantiations() -> tuple[str, ...]:
