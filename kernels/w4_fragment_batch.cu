@@ -29,8 +29,45 @@
 // Epilogue. The two K halves of a tile (warps wk = 0, 1) are added in shared memory, in the ring slot the tile's last
 // stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
 #include "w4_fragment.cuh"
+#include "wgmma.cuh"
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES>
+// The stage layout: FragTile's; with WGMMA the activations as BK / 64 blocks of TOKENS rows x 128 bytes (64 k) in
+// the 128-byte swizzle (chunk c of row r at c ^ (r % 8)) that the wgmma descriptor reads, each block 1024-byte
+// aligned (FragCopies steps its 8-row blocks by 8 X_ROW).
+template <int RT, int TT, int WN, int WK, int APW, int GS, bool WGMMA>
+struct BatchTile : FragTile<RT, TT, WN, WK, APW, GS> {};
+
+template <int RT, int TT, int WN, int WK, int APW, int GS>
+struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, GS> {
+  using Base = FragTile<RT, TT, WN, WK, APW, GS>;
+  static constexpr int X_ROW = 128;
+  static constexpr int X_BLOCK = Base::TOKENS * 128;
+  static_assert(Base::THREADS == Base::BK, "one pass of activation copies a stage");
+  static_assert(Base::X_OFFSET % 1024 == 0 && Base::STAGE_BYTES % 1024 == 0, "1024-byte aligned blocks");
+  static __device__ __forceinline__ int x_offset(int row, int chunk) {
+    return Base::X_OFFSET + (chunk >> 3) * X_BLOCK + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+  }
+};
+
+// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0.
+template <int RT, int TT>
+__device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part)[RT][TT][4], const uint2 (&entry)[RT]) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
+      acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
+      acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
+      acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
+    }
+  }
+}
+
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA>
 __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
@@ -40,12 +77,12 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
     float* __restrict__ partials,    // [P, 2, TOKENS * ROWS] fp32: the parts of tiles shared by CTAs
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
-  using L = FragTile<RT, TT, WN, WK, APW, GS>;
+  using L = BatchTile<RT, TT, WN, WK, APW, GS, WGMMA>;
   static_assert(WK == 2, "the epilogue adds two K halves");
   static_assert(L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
   constexpr int OUTS = L::TOKENS * L::ROWS;
   constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0, which write the outputs
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ int last_flag;
   launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -128,8 +165,6 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
       read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
       const bool tile_ends = it + 1 == segment_end;
 
-      // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A fragments of
-      // both steps for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
       uint4 w[APW][RT];
 #pragma unroll
       for (int ai = 0; ai < APW; ++ai)
@@ -137,59 +172,99 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
         for (int r = 0; r < RT; ++r)
           w[ai][r] = *reinterpret_cast<const uint4*>(
               stage + L::W_OFFSET + (((wn * RT + r) * L::ATOMS + wk * APW + ai) * 32 + lane) * 16);
-
       uint2 entry[RT];  // the scale entries of the current group
+      if constexpr (WGMMA) {
+        // A k16 step at a time: both row tiles' A fragments into register set s % 3 while the wgmma groups of the
+        // two steps before run (the wait after each commit leaves two in flight, so the set rewritten next
+        // belongs to a finished group); a group's sums are scaled into the accumulators once its groups are done.
+        constexpr int SETS = 3;
+        u32 a[SETS][RT][4];
 #pragma unroll
-      for (int s = 0; s < L::STEPS; s += 2) {
-        const int ai = s >> 2;
-        const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
-        if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
+        for (int s = 0; s < L::STEPS; ++s) {
+          const int ai = s >> 2, j = s & 3;
+          const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of step s inside the stage
+          if (GS == 0 ? s == 0 : s % GS == 0) {
 #pragma unroll
-          for (int r = 0; r < RT; ++r)
-            entry[r] = *reinterpret_cast<const uint2*>(
-                stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
-        }
-        u32 a[2][RT][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = (s & 3) + h;
+            for (int r = 0; r < RT; ++r)
+              entry[r] = *reinterpret_cast<const uint2*>(
+                  stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+          }
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
             const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
-            FragDequant<DT>(entry[r].y).unpack(word, a[h][r]);
+            FragDequant<DT>(entry[r].y).unpack(word, a[s % SETS][r]);
           }
-        }
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-          u32 b[4];
-          ldmatrix_x4(b, stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+          for (int r = 0; r < RT; ++r)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+            for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) hold(part[r][tt][e]);  // no register moves of the sums in flight
+          wgmma_fence();
+          const unsigned char* xb = stage + L::X_OFFSET + (dk >> 6) * L::X_BLOCK + (dk & 63) * 2;
+#pragma unroll
+          for (int r = 0; r < RT; ++r) wgmma_rs<DT, 8 * TT>(&part[r][0][0], a[s % SETS][r], swizzled_desc(xb));
+          wgmma_commit();
+          bool flush;
+          if constexpr (GS > 0) {
+            flush = (s + 1) % GS == 0;
+          } else {
+            flush = s + 1 == L::STEPS &&
+                    (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
+          }
+          if (flush) {
+            wgmma_wait<0>();
+            scale_into(acc, part, entry);
+          } else {
+            wgmma_wait<SETS - 1>();
 #pragma unroll
             for (int r = 0; r < RT; ++r)
-              Num<DT>::mma(part[r][tt], a[h][r][0], a[h][r][1], a[h][r][2], a[h][r][3], b[2 * h], b[2 * h + 1]);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s - 2's set: its group is done
+          }
         }
-        bool flush;
-        if constexpr (GS > 0) {
-          flush = (s + 2) % GS == 0;
-        } else {  // at the stage's last steps, where the warp's next atoms lie in another group or the tile's part ends
-          flush = s + 2 == L::STEPS &&
-                  (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
-        }
-        if (flush) {
+        wgmma_wait<0>();
+      } else {
+        // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A
+        // fragments of both steps for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
 #pragma unroll
-          for (int r = 0; r < RT; ++r) {
-            const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
+        for (int s = 0; s < L::STEPS; s += 2) {
+          const int ai = s >> 2;
+          const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
+          if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
 #pragma unroll
-            for (int tt = 0; tt < TT; ++tt) {  // c0, c1: row g; c2, c3: row g + 8
-              acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
-              acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
-              acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
-              acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
+            for (int r = 0; r < RT; ++r)
+              entry[r] = *reinterpret_cast<const uint2*>(
+                  stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+          }
+          u32 a[2][RT][4];
 #pragma unroll
-              for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
+          for (int h = 0; h < 2; ++h) {
+            const int j = (s & 3) + h;
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+              const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
+              FragDequant<DT>(entry[r].y).unpack(word, a[h][r]);
             }
           }
+#pragma unroll
+          for (int tt = 0; tt < TT; ++tt) {
+            u32 b[4];
+            ldmatrix_x4(b, stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int r = 0; r < RT; ++r)
+                Num<DT>::mma(part[r][tt], a[h][r][0], a[h][r][1], a[h][r][2], a[h][r][3], b[2 * h], b[2 * h + 1]);
+          }
+          bool flush;
+          if constexpr (GS > 0) {
+            flush = (s + 2) % GS == 0;
+          } else {  // at the stage's last steps, where the warp's next atoms lie in another group or the tile's part ends
+            flush = s + 2 == L::STEPS &&
+                    (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
+          }
+          if (flush) scale_into(acc, part, entry);
         }
       }
     }

@@ -17,7 +17,7 @@ from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import _COUNTER_SLOTS, _num_sms, split_k_buffers
 from deepinfer.kernels.w4_fragment_gemm import _DTYPE_CODES, FragmentWeight, group_shift
-from deepinfer.kernels.w4_gemm import _allow_shared_memory
+from deepinfer.kernels.w4_gemm import _allow_shared_memory, wgmma_available
 
 SOURCE = "w4_fragment_batch.cu"
 MIN_TOKENS, MAX_TOKENS = 33, 128  # the token range it is built for (more run as further 64-token blocks)
@@ -35,6 +35,7 @@ class BatchConfig:
     wk: int = 2  # the kernel adds exactly two K halves
     apw: int = 2
     stages: int = 4
+    wgmma: bool = False  # wgmma (SM90a: m64n(8 TT)k16, A from registers) in place of mma.sync
 
     @property
     def rows(self) -> int:
@@ -65,16 +66,17 @@ class BatchConfig:
 
     @property
     def label(self) -> str:
-        return f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}>"
+        return f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',wgmma' if self.wgmma else ''}>"
 
     def name(self, dt: int, gs: int) -> str:
         return (f"w4_fragment_batch_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages}>")
+                f"{self.stages},{'true' if self.wgmma else 'false'}>")
 
 
 # 8 warps (4 along N, 2 along K) of 2 row tiles and all 64 tokens: 128 x 64 outputs a CTA, 256 k a stage (at
 # G = 128 one group a warp a stage), 4 stages of 49 KiB: one CTA an SM.
 CONFIG = BatchConfig()
+WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
 
 
 def iterations(num_tokens: int, out_features: int, in_features: int, config: BatchConfig = CONFIG) -> int:
@@ -98,9 +100,9 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 
 
 def instantiations() -> tuple[str, ...]:
-    """The launch shape at every group-step variant, both dtypes (compiled ahead by validate-kernels)."""
+    """Both tensor-core paths at every group-step variant, both dtypes (compiled ahead by validate-kernels)."""
     steps = sorted({CONFIG.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)})
-    return tuple(CONFIG.name(dt, gs) for dt in (0, 1) for gs in steps)
+    return tuple(config.name(dt, gs) for config in (CONFIG, WGMMA_CONFIG) for dt in (0, 1) for gs in steps)
 
 
 _configured: set[tuple[str, int]] = set()
@@ -129,6 +131,8 @@ def w4_fragment_batch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tenso
         return out
     index = x.device.index
     config, ctas = planned_launch(plan(num_tokens, out_features, in_features, index), config, ctas)
+    if config.wgmma and not wgmma_available(index):
+        raise ValueError("the wgmma launch shape needs an SM90 GPU")
     total = iterations(num_tokens, out_features, in_features, config)
     ctas = min(ctas, total)
     tiles = total // -(-in_features // config.bk)

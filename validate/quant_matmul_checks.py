@@ -4,6 +4,8 @@ epilogues against the unfused kernels they replace (the same bits) and the fp32 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from deepinfer.core.ops.activation import act_and_mul_reference
@@ -252,28 +254,28 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
 
 
 def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    """The 33-128-token kernel over the fragment layout on its cases against the fp32 product of the reference
-    dequantizer's weight."""
+    """The 33-128-token kernel over the fragment layout on its cases, on both tensor-core paths the GPU has (mma.sync;
+    wgmma on SM90), against the fp32 product of the reference dequantizer's weight."""
     from deepinfer.kernels import w4_fragment_batch as batch
     from deepinfer.kernels import w4_fragment_gemm as fragment
+    from deepinfer.kernels.w4_gemm import wgmma_available
 
+    configs = (batch.CONFIG, batch.WGMMA_CONFIG) if wgmma_available(device.index or 0) else (batch.CONFIG,)
     results = []
-    for m, n, k, g, ctas, with_bias in FRAGMENT_BATCH_CASES:
-        for dtype in dtypes:
-            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g}"
-                    + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
+    for (m, n, k, g, ctas, with_bias), config, dtype in itertools.product(FRAGMENT_BATCH_CASES, configs, dtypes):
+        case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g} {config.label}"
+                + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
 
-            def run(m=m, n=n, k=k, g=g, ctas=ctas, with_bias=with_bias, dtype=dtype, case=case):
-                packed = random_packed(n, k, g, 4, "zero", torch.float16, device,
-                                       bias_dtype=dtype if with_bias else None)
-                weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
-                x = torch.randn(m, k, device=device, dtype=dtype)
-                out = poisoned((m, n), dtype, device)
-                batch.w4_fragment_batch(x, weight, packed.bias, ctas=ctas, out=out)
-                ref = reference_product(x, packed)
-                return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
+        def run(m=m, n=n, k=k, g=g, ctas=ctas, with_bias=with_bias, dtype=dtype, case=case, config=config):
+            packed = random_packed(n, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype if with_bias else None)
+            weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            out = poisoned((m, n), dtype, device)
+            batch.w4_fragment_batch(x, weight, packed.bias, config=config, ctas=ctas, out=out)
+            ref = reference_product(x, packed)
+            return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
 
-            results += guarded("w4_fragment_batch", case, run)
+        results += guarded("w4_fragment_batch", case, run)
     return results
 
 
