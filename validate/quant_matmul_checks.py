@@ -262,7 +262,7 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
 
     configs = (batch.CONFIG, batch.WGMMA_CONFIG) if wgmma_available(device.index or 0) else (batch.CONFIG,)
     results = []
-    for (m, n, k, g, ctas, with_bias), config, dtype in itertools.product(FRAGMENT_BATCH_CASES, configs, dtypes):
+    for config, (m, n, k, g, ctas, with_bias), dtype in itertools.product(configs, FRAGMENT_BATCH_CASES, dtypes):
         case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g} {config.label}"
                 + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
 
