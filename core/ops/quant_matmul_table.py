@@ -297,6 +297,9 @@ class Epilogue(NamedTuple):
 
 QKV_ROPE = Epilogue("quant_matmul_rope_cache", "tc", kernels.QKV_ROPE_MAX_TOKENS)
 GATE_UP_ACT = Epilogue("quant_matmul_act_and_mul", "tcs", None)
+# the few-token fragment kernel over a gate/up layout of interleaved rows, where FRAGMENT_GATE_UP_ACT_ROW is on
+FRAGMENT_GATE_UP_ACT = Epilogue("w4_fragment_gemm_act_and_mul", "fragment", None)
+FRAGMENT_GATE_UP_ACT_ROW = False
 
 
 def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
@@ -304,4 +307,52 @@ def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
     those through dispatch.decide)."""
     if shape.tokens <= 0 or (epilogue.max_tokens is not None and shape.tokens > epilogue.max_tokens):
         return False
+    if epilogue is FRAGMENT_GATE_UP_ACT and not FRAGMENT_GATE_UP_ACT_ROW:
+        return False
     return product_row(shape).kernel == epilogue.kernel
+
+
+# The interleaved gate/up layout (kernels/w4_fragment_gemm.py: gate_up_layout) of each merged gate/up weight and
+# activation dtype, with its bias in that row order, by the id of the weight's codes and dropped when that tensor
+# is; the loader makes them before the engine measures its memory (core/ops/quant_matmul.py: prepare_products), in
+# place of the plain fragment layout. None where the weight's zero points do not fit the layout.
+_gate_up_fragments: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def gate_up_fragment_weight(packed: PackedWeight, dtype: torch.dtype
+                            ) -> tuple[kernels_fragment.FragmentWeight, torch.Tensor | None] | None:
+    """(the interleaved layout, the bias in its row order) of a merged [gate; up] weight for `dtype` activations,
+    laid out on first use (None: it cannot be)."""
+    key = id(packed.qweight)
+    entry = _gate_up_fragments.get(key)
+    if entry is None or entry[0]() is not packed.qweight:
+        entry = _gate_up_fragments[key] = (
+            weakref.ref(packed.qweight, lambda _, key=key: _gate_up_fragments.pop(key, None)), {})
+    per_dtype = entry[1]
+    if dtype not in per_dtype:
+        try:
+            weight = kernels_fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, packed.group_size,
+                                                     packed.in_features, dtype)
+        except ValueError:  # zero points too large for the magic-number subtraction
+            per_dtype[dtype] = None
+        else:
+            order = kernels_fragment.gate_up_order(packed.out_features // 2, packed.qweight.device)
+            bias = None if packed.bias is None else packed.bias[order].to(dtype).contiguous()
+            per_dtype[dtype] = (weight, bias)
+    return per_dtype[dtype]
+
+
+def fragment_plain_needed(packed: PackedWeight) -> bool:
+    """Whether a row over the plain fragment layout serves this gate/up weight at a token count the fused
+    epilogue does not (the batch kernel's)."""
+    return any(product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
+                                        packed.group_size)).kernel == "fragment_batch"
+               for tokens in FRAGMENT_BATCH_TOKENS)
+
+
+def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
+    """Whether the fused fragment epilogue serves some token count of this merged gate/up weight."""
+    return fragment_takes(packed) and packed.out_features % 16 == 0 and any(
+        epilogue_serves(FRAGMENT_GATE_UP_ACT, ProductShape(tokens, packed.in_features, packed.out_features,
+                                                           packed.bits, packed.group_size))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS))
