@@ -26,6 +26,9 @@
 // A 32-token tile (TT = 4, 3 stages) fits two CTAs an SM (launch bounds of 128 registers a thread); the 64-token
 // tile one.
 //
+// ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight in the interleaved layout
+// (kernels/w4_fragment_gemm.py: gate_up_layout), written as act(gate) * up [M, N / 2].
+//
 // Epilogue. The two K halves of a tile (warps wk = 0, 1) are added in shared memory, in the ring slot the tile's last
 // stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
 #include "w4_fragment.cuh"
@@ -67,13 +70,13 @@ __device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part
   }
 }
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA>
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, int ACT>
 __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
     const u16* __restrict__ bias,    // [N] DT, or null
-    u16* __restrict__ out,           // [M, N] DT
+    u16* __restrict__ out,           // [M, N] DT; with ACT >= 0 [M, N / 2]
     float* __restrict__ partials,    // [P, 2, TOKENS * ROWS] fp32: the parts of tiles shared by CTAs
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
@@ -337,7 +340,31 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
         if (tid == 0) counters[tile] = 0;
       }
     }
-    if (write) {
+    if (write && ACT >= 0) {
+      // Gate/up rows interleaved at load: row 16 T + j is gate row 8 T + j, row 16 T + 8 + j its up row, so a
+      // thread's c0, c1 (row g) are gate sums and c2, c3 (row g + 8) the matching up sums; act_and_mul_kernel's
+      // arithmetic on the two DT-rounded products gives the unfused bits.
+      const int inner = N >> 1;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const int row_tile = tile0 + wn * RT + r, feature = row_tile * 8 + g;
+        if (feature >= inner) continue;
+        const int n = row_tile * 16 + g;
+        const float b_gate = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
+        const float b_up = bias != nullptr ? Num<DT>::to_float(bias[n + 8]) : 0.0f;
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int m = tok0 + tt * 8 + 2 * t + e;
+            if (m >= M) continue;
+            const float gate_r = Num<DT>::to_float(Num<DT>::from_float(acc[r][tt][e] + b_gate));
+            const float up_r = Num<DT>::to_float(Num<DT>::from_float(acc[r][tt][2 + e] + b_up));
+            const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
+            out[(size_t)m * inner + feature] = Num<DT>::from_float(act * up_r);
+          }
+      }
+    } else if (write) {
 #pragma unroll
       for (int r = 0; r < RT; ++r)
 #pragma unroll

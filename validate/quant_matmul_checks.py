@@ -253,6 +253,15 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
     return results
 
 
+# Its fused gate/up activation over the interleaved layout: (tokens, inner features, in_features, group size,
+# activation, persistent CTAs or None for the plan's).
+FRAGMENT_BATCH_GATE_UP_CASES = (
+    (33, 5504, 2048, 128, "silu", None),
+    (100, 1000, 4096, 256, "gelu_tanh", 9),
+    (128, 11008, 2048, 128, "silu", None),
+)
+
+
 def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """The 33-128-token kernel over the fragment layout on its cases, on both tensor-core paths the GPU has (mma.sync;
     wgmma on SM90), against the fp32 product of the reference dequantizer's weight."""
@@ -262,20 +271,49 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
 
     configs = (batch.CONFIG, batch.WGMMA_CONFIG) if wgmma_available(device.index or 0) else (batch.CONFIG,)
     results = []
-    for config, (m, n, k, g, ctas, with_bias), dtype in itertools.product(configs, FRAGMENT_BATCH_CASES, dtypes):
-        case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g} {config.label}"
-                + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
+    for config in configs:  # mma.sync first: a fault of the wgmma path ends the checks after it
+        for (m, n, k, g, ctas, with_bias), dtype in itertools.product(FRAGMENT_BATCH_CASES, dtypes):
+            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g} {config.label}"
+                    + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
 
-        def run(m=m, n=n, k=k, g=g, ctas=ctas, with_bias=with_bias, dtype=dtype, case=case, config=config):
-            packed = random_packed(n, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype if with_bias else None)
-            weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            out = poisoned((m, n), dtype, device)
-            batch.w4_fragment_batch(x, weight, packed.bias, config=config, ctas=ctas, out=out)
-            ref = reference_product(x, packed)
-            return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
+            def run(m=m, n=n, k=k, g=g, ctas=ctas, with_bias=with_bias, dtype=dtype, case=case, config=config):
+                packed = random_packed(n, k, g, 4, "zero", torch.float16, device,
+                                       bias_dtype=dtype if with_bias else None)
+                weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                batch.w4_fragment_batch(x, weight, packed.bias, config=config, ctas=ctas, out=out)
+                ref = reference_product(x, packed)
+                return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
 
-        results += guarded("w4_fragment_batch", case, run)
+            results += guarded("w4_fragment_batch", case, run)
+        for (m, inner, k, g, activation, ctas), dtype in itertools.product(FRAGMENT_BATCH_GATE_UP_CASES, dtypes):
+            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g} "
+                    f"{config.label}" + (f" ctas={ctas}" if ctas else ""))
+
+            def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, ctas=ctas, dtype=dtype, case=case,
+                          config=config):
+                from deepinfer.kernels.act_and_mul import act_and_mul
+
+                packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
+                fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
+                order = fragment.gate_up_order(inner, device)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, inner), dtype, device)
+                batch.w4_fragment_batch_act_and_mul(x, fused, activation, packed.bias[order], config=config, ctas=ctas,
+                                                    out=out)
+                # the same kernel's product over the same layout (the same k split of every row), rows put back
+                product = torch.empty(m, 2 * inner, device=device, dtype=dtype)
+                product[:, order] = batch.w4_fragment_batch(x, fused, packed.bias[order], config=config, ctas=ctas)
+                want = act_and_mul(product[:, :inner], product[:, inner:], activation)
+                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+                full = reference_product(x, packed)
+                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                return [CheckResult("w4_fragment_batch", f"{case} == unfused", same,
+                                    detail="" if same else "differs from the product then act_and_mul's bits"),
+                        compare("w4_fragment_batch", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
+
+            results += guarded("w4_fragment_batch", case, run_fused)
     return results
 
 
