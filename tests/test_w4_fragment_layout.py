@@ -126,3 +126,37 @@ def test_interleaved_gate_up_layout_puts_each_gate_row_beside_its_up_row(dtype):
             assert torch.equal(unpacked[16 * tile + 8 + j], up[8 * tile + j])
     with pytest.raises(ValueError, match="multiple of 8"):
         fragment.gate_up_order(12)
+
+
+def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_plain_one(monkeypatch):
+    """prepare_products with the fused fragment epilogue on: a gate/up weight (2048 x 2048, the smallest the fragment
+    row takes) whose
+    activation the epilogue has keeps one fragment form, the interleaved one, with its bias in that row order; the
+    same weight not named a gate/up gets the plain one; with the batch kernel's row on as well (it reads the plain
+    layout), a gate/up weight gets both, and fragment_copy_bytes counts both."""
+    from deepinfer.core.ops import dispatch, quant_matmul
+    from deepinfer.core.ops import quant_matmul_table as table
+
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    monkeypatch.setattr(table, "FRAGMENT_GATE_UP_ACT_ROW", True)
+    inner, in_features = 1024, 2048
+    gate_up = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=11)
+    gate_up.bias = torch.randn(2 * inner, dtype=torch.float16)
+    plain = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=12)
+    assert quant_matmul.prepare_products([gate_up, plain], torch.bfloat16, gate_ups=frozenset({id(gate_up)})) == 2
+    assert table.fragment_weight(gate_up, torch.bfloat16, lay_out=False) is None  # one form: no plain copy
+    weight, bias = table.gate_up_fragment_weight(gate_up, torch.bfloat16)
+    order = fragment.gate_up_order(inner)
+    assert torch.equal(bias, gate_up.bias[order].to(torch.bfloat16))
+    assert weight.frag.shape == (2 * inner // 16, in_features // 64, 32, 4)
+    assert table.fragment_weight(plain, torch.bfloat16, lay_out=False) is not None
+    assert table.fragment_plain_needed(gate_up) is False
+    codes = gate_up.qweight.numel() * 4
+    assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == codes
+    monkeypatch.setattr(table, "FRAGMENT_BATCH_ROW", True)
+    table.product_row.cache_clear()
+    try:
+        assert table.fragment_plain_needed(gate_up)
+        assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == 2 * codes
+    finally:
+        table.product_row.cache_clear()
