@@ -48,6 +48,7 @@ def recorded(monkeypatch):
     from deepinfer.core.ops import (
         activation,
         dispatch,
+        gate_up_activation,
         norm,
         paged_attention,
         quant_matmul,
@@ -80,6 +81,9 @@ def recorded(monkeypatch):
             (kq, "quant_matmul", chosen_kernel), (kd, "dequantize", _raise("dense")), (kw, "w4_gemm", _raise("w4_gemm")),
             (kf, "w4_fragment_gemm", _raise("fragment")), (quant_matmul_table, "fragment_weight", lambda *args: ()),
             (kfb, "w4_fragment_batch", _raise("fragment_batch")),
+            (kf, "w4_fragment_gemm_act_and_mul", _raise("fused")),
+            (kfb, "w4_fragment_batch_act_and_mul", _raise("fused")),
+            (gate_up_activation, "gate_up_fragment_weight", lambda *args: ((), None)),
             (kq, "quant_matmul_rope_cache", _raise("fused")), (kq, "quant_matmul_act_and_mul", _raise("fused")),
             (kp, "paged_decode_attention", chosen_path), (kp, "paged_prefill_attention", _raise("prefill")),
             (kr, "rms_norm", _raise("kernel")), (ka, "act_and_mul", _raise("kernel")),
