@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
     return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
                          k_atoms, M, K, num_groups, stage_groups);
   };
-  // The producer's position: the (tile, k block) of the next stage it copies, stepped without a division.
+  // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
   struct Position {
     int tile, kb;
   };
@@ -121,9 +121,9 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
   FragCopies<L> fill = copies_of(start.tile);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
-    if (s < steps) {
+    if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
+      if (s > 0) advance(at, fill);
       fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
-      if (s + 1 < steps) advance(at, fill);
     }
   wait_for_prior_grids();
   at = start;
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_bat
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < steps) {
+      if (s > 0) advance(at, fill);
       fill.activations(smem + s * L::STAGE_BYTES, at.kb);
-      if (s + 1 < steps) advance(at, fill);
     }
     cp_async_commit();
   }
