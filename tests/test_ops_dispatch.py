@@ -430,7 +430,9 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kfb, "split_k_buffers", lambda device, splits, tiles, tile_outputs:
                         (torch.zeros(1), torch.zeros(8, dtype=torch.int32)))
     monkeypatch.setattr(kfb, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
-    kfb.w4_fragment_batch(torch.randn(70, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
+    for wgmma in (False, True):
+        monkeypatch.setattr(kfb, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
+        kfb.w4_fragment_batch(torch.randn(70, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",

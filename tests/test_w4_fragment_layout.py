@@ -153,10 +153,15 @@ def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_pla
     assert table.fragment_plain_needed(gate_up) is False
     codes = gate_up.qweight.numel() * 4
     assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == codes
+    # 7B's gate/up (3584 x 37888), which the batch row takes at 33-128 tokens: only its shape is read
+    from deepinfer.core.quant.packed import PackedWeight
+
+    large = PackedWeight(torch.empty(37888, 3584 // 8, dtype=torch.int32), torch.ones(37888, 28, dtype=torch.float16),
+                         torch.zeros(37888, 28, dtype=torch.float16), 4, 128, 3584, 37888)
     monkeypatch.setattr(table, "FRAGMENT_BATCH_ROW", True)
     table.product_row.cache_clear()
     try:
-        assert table.fragment_plain_needed(gate_up)
-        assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == 2 * codes
+        assert table.fragment_plain_needed(large)
+        assert quant_matmul.fragment_copy_bytes([large], frozenset({id(large)})) == 2 * large.qweight.numel() * 4
     finally:
         table.product_row.cache_clear()

@@ -42,7 +42,8 @@ FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated 
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_BATCH_TOKENS = (33, 128)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
-FRAGMENT_BATCH_ROW = False  # ... on the products where the H200 run measured it fastest (KERNELS.md)
+FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
+FRAGMENT_BATCH_ROW = False  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT; off until validated (KERNELS.md)
 
 
 class ProductShape(NamedTuple):
@@ -176,11 +177,16 @@ def fragment_serves(shape: ProductShape) -> bool:
 
 
 def fragment_batch_serves(shape: ProductShape) -> bool:
-    """33-128 tokens on the weights and group sizes the few-token row takes, where FRAGMENT_BATCH_ROW is on."""
-    return (FRAGMENT_BATCH_ROW and FRAGMENT_BATCH_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TOKENS[1]
-            and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_WEIGHT
+    """Where FRAGMENT_BATCH_ROW is on: W4 with G = 128 * 2^i or one group a row, products of at least
+    FRAGMENT_LARGE_WEIGHT (7B's MLP) at 33-128 tokens where wide, 65-128 where tall (the H200 timing: wgmma)."""
+    if not (FRAGMENT_BATCH_ROW and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_LARGE_WEIGHT
             and (shape.group_size == shape.in_features
-                 or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0)))
+                 or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0))):
+        return False
+    if wide(shape):
+        return FRAGMENT_BATCH_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TOKENS[1]
+    tall = shape.in_features >= 3 * shape.out_features
+    return tall and FRAGMENT_BATCH_TALL_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TALL_TOKENS[1]
 
 
 FRAGMENT_KERNELS = ("fragment", "fragment_batch")  # the rows that read the fragment layout
@@ -246,7 +252,10 @@ PRODUCT_TABLE = (
                "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
     ProductRow("fragment_batch", fragment_batch_serves, fragment_batch,
-               "the 33-128-token kernel over the same layout, where FRAGMENT_BATCH_ROW is on (docs/KERNELS.md)"),
+               "the 33-128-token kernel over the same layout (wgmma on SM90), where FRAGMENT_BATCH_ROW is on: on an "
+               "H200 it timed faster than w4_gemm on 7B's gate/up 3584 x 37888 at 48-128 tokens (63.5 us against "
+               "74.7 at 64, 116.3 against 122.2 at 128) and 7B's down 18944 x 3584 at 128 (58.7 against 84.5), "
+               "slower on 3B's products and on 7B's down at 48-64 (docs/KERNELS.md)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
