@@ -23,9 +23,6 @@
 // acquire-release counter) adds every part in CTA order, i.e. k order, so the bits do not depend on which CTA
 // finished last.
 //
-// A 32-token tile (TT = 4, 3 stages) fits two CTAs an SM (launch bounds of 128 registers a thread); the 64-token
-// tile one.
-//
 // ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight in the interleaved layout
 // (kernels/w4_fragment_gemm.py: gate_up_layout), written as act(gate) * up [M, N / 2].
 //
@@ -71,7 +68,7 @@ __device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part
 }
 
 template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, int ACT>
-__global__ void __launch_bounds__(32 * WN * WK, TT >= 8 ? 1 : 2) w4_fragment_batch_kernel(
+__global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)

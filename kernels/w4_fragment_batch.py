@@ -87,20 +87,16 @@ def iterations(num_tokens: int, out_features: int, in_features: int, config: Bat
     return row_blocks * -(-num_tokens // config.tokens) * -(-in_features // config.bk)
 
 
-def ctas_per_sm(config: BatchConfig) -> int:
-    """The CTAs an SM holds: two of the 32-token tile (its launch bounds), one of the 64-token tile."""
-    return 1 if config.tt >= 8 else 2
-
-
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int,
          config: BatchConfig | None = None) -> tuple[BatchConfig, int]:
-    """(launch shape, persistent CTAs): the wgmma path on SM90 (on the H200 it ran 1.0-1.45x faster than mma.sync on
+    """(launch shape, persistent CTAs): the wgmma path on SM90 (on the H200 it ran 1.2-1.35x faster than mma.sync on
     the 3B and 7B MLP products at 48-128 tokens), mma.sync elsewhere; as many CTAs as the SMs hold at once, fewer
-    where a CTA would get under MIN_ITERATIONS k blocks (on the H200, half as many CTAs took 1.9x as long)."""
+    where a CTA would get under MIN_ITERATIONS k blocks (one CTA an SM; on the H200 half as many CTAs took 1.9x as
+    long, and a 32-token tile of two CTAs an SM 1.15x)."""
     if config is None:
         config = WGMMA_CONFIG if wgmma_available(device_index) else CONFIG
     total = iterations(num_tokens, out_features, in_features, config)
-    return config, max(1, min(ctas_per_sm(config) * _num_sms(device_index), total // MIN_ITERATIONS))
+    return config, max(1, min(_num_sms(device_index), total // MIN_ITERATIONS))
 
 
 def instantiations() -> tuple[str, ...]:
