@@ -43,7 +43,7 @@ FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_BATCH_TOKENS = (33, 128)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
 FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
-FRAGMENT_BATCH_ROW = False  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT; off until validated (KERNELS.md)
+FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
 
 
 class ProductShape(NamedTuple):
