@@ -43,7 +43,7 @@ def _raise(choice: str):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Kernels pass their CUDA checks on CPU tensors (of a 132-SM device); each launcher and reference raises
+    """Kernels pass their CUDA checks on CPU tensors (of a 132-SM SM90 device); each launcher and reference raises
     Chosen(path), the launchers with the kernel or path core/ops chose for them."""
     from deepinfer.core.ops import (
         activation,
@@ -68,6 +68,7 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
     monkeypatch.setattr(kp, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(kw, "wgmma_available", lambda index: True)  # an SM90 device, as the table was measured on
     clusters = {"available": False}
     monkeypatch.setattr(paged_attention, "clusters_available", lambda index: clusters["available"])
 

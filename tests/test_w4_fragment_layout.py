@@ -93,8 +93,9 @@ def test_plan_picks_a_launch_shape_it_compiles_and_splits_k_within_its_stages(mo
 
 
 def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(monkeypatch):
-    """The fragment row's launcher: a weight prepared without its fragment copy (a memory budget) or one the layout
-    cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernel."""
+    """The fragment rows' launchers: a weight prepared without its fragment copy (a memory budget) or one the layout
+    cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernels, and so
+    does the batch row's product on a GPU without the wgmma path it was measured on."""
     from deepinfer.core.ops import quant_matmul_table as table
 
     ran = []
@@ -108,6 +109,11 @@ def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(mo
     for packed in (one_form, float_zeros):
         assert table.fragment(torch.zeros(12, 256, dtype=torch.bfloat16), packed) == "next"
     assert ran == [one_form, float_zeros]
+    # the batch kernel's row was measured on wgmma: on a GPU without it the product runs on the next row
+    monkeypatch.setattr(table.kernels_gemm, "wgmma_available", lambda index: False)
+    laid_out = random_w4_weight(64, 256, 128, "zero", True, seed=3)
+    assert table.fragment_batch(torch.zeros(40, 256, dtype=torch.bfloat16), laid_out) == "next"
+    assert ran == [one_form, float_zeros, laid_out]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

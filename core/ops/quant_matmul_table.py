@@ -206,12 +206,16 @@ def _row_after_fragment(shape: ProductShape) -> ProductRow:
 
 
 def fragment_launcher(op: str, product: Callable[[torch.Tensor, kernels_fragment.FragmentWeight, torch.Tensor | None],
-                                                torch.Tensor]) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
+                                                torch.Tensor],
+                      measured_on: Callable[[int], bool] = lambda index: True,
+                      ) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
     """The launcher of a row whose kernel reads the fragment layout: `product`(rows, layout, bias) over the weight's
     layout; a weight the layout cannot hold (float zero points, fp32 scales, zero points beyond the exact range) or
-    that keeps one form (a memory budget: prepare_products) runs on the row that would serve it otherwise."""
+    that keeps one form (a memory budget: prepare_products), or a device `measured_on` rejects (the row's numbers
+    are of another kernel path), runs on the row that would serve it otherwise."""
     def launch(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-        weight = fragment_weight(packed, rows.dtype) if fragment_takes(packed) else None
+        weight = (fragment_weight(packed, rows.dtype)
+                  if fragment_takes(packed) and measured_on(rows.device.index) else None)
         if weight is None:
             return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features,
                                                     packed.bits, packed.group_size)).launch(rows, packed)
@@ -223,8 +227,9 @@ def fragment_launcher(op: str, product: Callable[[torch.Tensor, kernels_fragment
 # kernels/w4_fragment_gemm.cu (1-32 tokens) and kernels/w4_fragment_batch.cu (33-128), looked up at each call
 fragment = fragment_launcher("w4_fragment_gemm", lambda rows, weight, bias: kernels_fragment.w4_fragment_gemm(
     rows, weight, bias))
+# the batch kernel's row was measured on its wgmma path (SM90): elsewhere the product runs on the next row
 fragment_batch = fragment_launcher("w4_fragment_batch", lambda rows, weight, bias: kernels_batch.w4_fragment_batch(
-    rows, weight, bias))
+    rows, weight, bias), lambda index: kernels_gemm.wgmma_available(index))
 
 
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
