@@ -15,6 +15,7 @@ from deepinfer.kernels import (
     quant_matmul,
     rms_norm,
     rope_cache,
+    w4_fragment_batch,
     w4_fragment_gemm,
     w4_gemm,
     w8_gemm,
@@ -70,14 +71,19 @@ _OPS = (
     KernelOp("w4_fragment_gemm", w4_fragment_gemm.SOURCE,
              "W4A16 product over the load-time fragment layout: one 16-byte load a lane serves four mma.sync steps, "
              "LOP3 magic-number unpacking, exact integer zeros, cp.async stages, split-K (SM80+); shapes of 1-32 "
-             "tokens scale fp32 group sums, a 64-token tile (more through token tiles) the unpacked weights; an "
-             "epilogue with SiLU / GeLU-tanh gate times up over an interleaved gate/up layout",
+             "tokens, fp32 group sums; an epilogue with SiLU / GeLU-tanh gate times up over an interleaved gate/up "
+             "layout",
              w4_fragment_gemm.instantiations()),
     KernelOp("w8_gemm", w8_gemm.SOURCE,
              "W8A16 product on tensor cores (mma.sync, SM80+) reading the 8-bit packed weight (GGUF Q8_0, RTN 8-bit), "
              "dequantized in registers with the reference's fp32 arithmetic; 16 rows a CTA of 8 warps splitting K; "
              "1-64 tokens",
              w8_gemm.instantiations()),
+    KernelOp("w4_fragment_batch", w4_fragment_batch.SOURCE,
+             "W4A16 product of 33-128 tokens over the same fragment layout: 8 warps of 128 x 64-token tiles, a "
+             "4-slot cp.async ring across tiles, fp32 group sums, stream-K over persistent CTAs with a fix-up in "
+             "k order (SM80+)",
+             w4_fragment_batch.instantiations()),
     KernelOp("dequantize", dequantize.SOURCE,
              "W4/W3/W8 packed weight -> dense fp16/bf16 [N, K] (many-token products then run on cuBLAS)",
              _names("dequantize_kernel<{dt},{bits},{mode},{f32}>", dt=_DT, bits=(4, 3, 8), mode=(0, 1), f32=(0, 1))),

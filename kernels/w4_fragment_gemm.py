@@ -1,5 +1,5 @@
-"""Launcher and load-time layout of the W4A16 product in w4_fragment_gemm.cu (few-token shapes to 32 tokens, a
-64-token tile beyond; SM80+).
+"""Launcher and load-time layout of the W4A16 product in w4_fragment_gemm.cu (few-token shapes to 32 tokens, more
+as 32-token tiles; SM80+). kernels/w4_fragment_batch.py launches the 33-128-token kernel over the same layout.
 
 The kernel reads the weight in its own fragment layout, made once per weight from PackedWeight's tensors by
 `fragment_layout` (core/ops prepares it at load; the disk format does not change):
@@ -35,7 +35,7 @@ from deepinfer.kernels.w4_gemm import _allow_shared_memory
 SOURCE = "w4_fragment_gemm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 MAGIC = {torch.float16: 1024.0, torch.bfloat16: 128.0}  # (magic + q) is what one LOP3 makes of a code
-MAX_TOKENS = 32  # the few-token shapes' most tokens a CTA (four 8-token tiles); the large tile takes 64
+MAX_TOKENS = 32  # the few-token shapes' most tokens a CTA (four 8-token tiles)
 PER_CHANNEL_SHIFT = 31  # the kernel's group shift for one group a row
 _SHARED_PER_SM = 227 * 1024
 
@@ -50,7 +50,6 @@ class FragmentConfig:
     wk: int  # warps along K (their sums are added in the CTA)
     apw: int  # 64-k atoms a warp a stage
     stages: int  # cp.async pipeline depth
-    wscale: bool = False  # group scales on the unpacked weights in the activation dtype (else on fp32 group sums)
 
     @property
     def rows(self) -> int:
@@ -83,11 +82,11 @@ class FragmentConfig:
 
     @property
     def label(self) -> str:
-        return f"frag<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',ws' if self.wscale else ''}>"
+        return f"frag<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}>"
 
     def name(self, dt: int, gs: int, act: int = -1) -> str:
         return (f"w4_fragment_gemm_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages},{'true' if self.wscale else 'false'},{act}>")
+                f"{self.stages},{act}>")
 
 
 class FragmentWeight(NamedTuple):
@@ -242,21 +241,18 @@ def dequantize_fragments(weight: FragmentWeight, dtype: torch.dtype) -> torch.Te
 # The launch shapes: 4 warps side by side along N, each with 4 atoms (256 k) a stage. Up to 16 tokens one row tile a
 # warp (64-row CTAs, 50-66 KiB of shared memory: 3-4 CTAs an SM); at 32 tokens two (128-row CTAs: a 64-row CTA's
 # activation copies cost more issue slots than the budget, scripts/sass_budget.py), 3 or 2 stages (2 CTAs an SM).
-# From 33 tokens a 64-token tile: two row tiles a warp, 2 atoms (128 k) a stage, 4 stages (98 KiB: 2 CTAs an SM), the
-# group scales on the unpacked weights (4 HFMA2 a word at any token count, where scaling the fp32 group sums costs
-# 4 FFMA a token tile and group and a second set of accumulators); more than 64 tokens as 64-token tiles along grid.y.
+# More than 32 tokens run as 32-token tiles along grid.y.
 CONFIGS = (FragmentConfig(rt=1, tt=1, wn=4, wk=1, apw=4, stages=4), FragmentConfig(rt=1, tt=2, wn=4, wk=1, apw=4, stages=4),
-           FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=3), FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=2),
-           FragmentConfig(rt=2, tt=8, wn=4, wk=1, apw=2, stages=4, wscale=True))
-LARGE_TILE = CONFIGS[-1]
+           FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=3), FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=2))
 
 
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int) -> tuple[FragmentConfig, int]:
     """(launch shape, K splits): the first CONFIGS shape of the token count (1-8, 9-16, 17-32 tokens; more: the
-    64-token tile, as many along grid.y as the tokens need); K split into as many parts as one wave of CTAs holds (the CTAs an SM's shared memory takes, times the
-    SMs), never below two stages a part. On the H200 sweep of scripts/tune_w4_fragment.py a second wave cost up to
-    1.5x, and fewer parts than a wave holds up to 2x on the long-K products."""
-    tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4 if num_tokens <= MAX_TOKENS else LARGE_TILE.tt
+    32-token shape, as many along grid.y as the tokens need); K split into as many parts as one wave of CTAs holds
+    (the CTAs an SM's shared memory takes, times the SMs), never below two stages a part. On the H200 sweep of
+    scripts/tune_w4_fragment.py a second wave cost up to 1.5x, and fewer parts than a wave holds up to 2x on the
+    long-K products."""
+    tt = 1 if num_tokens <= 8 else 2 if num_tokens <= 16 else 4
     config = next(c for c in CONFIGS if c.tt == tt)
     per_sm = max(1, min(4, _SHARED_PER_SM // (config.shared_bytes(0) + 1024)))
     ctas = -(-out_features // config.rows) * -(-num_tokens // config.tokens)

@@ -43,11 +43,12 @@ def _raise(choice: str):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Kernels pass their CUDA checks on CPU tensors (of a 132-SM device); each launcher and reference raises
+    """Kernels pass their CUDA checks on CPU tensors (of a 132-SM SM90 device); each launcher and reference raises
     Chosen(path), the launchers with the kernel or path core/ops chose for them."""
     from deepinfer.core.ops import (
         activation,
         dispatch,
+        gate_up_activation,
         norm,
         paged_attention,
         quant_matmul,
@@ -61,12 +62,14 @@ def recorded(monkeypatch):
     from deepinfer.kernels import quant_matmul as kq
     from deepinfer.kernels import rms_norm as kr
     from deepinfer.kernels import rope_cache as krc
+    from deepinfer.kernels import w4_fragment_batch as kfb
     from deepinfer.kernels import w4_fragment_gemm as kf
     from deepinfer.kernels import w4_gemm as kw
     from deepinfer.kernels import w8_gemm as kw8
 
     monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
     monkeypatch.setattr(kp, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(kw, "wgmma_available", lambda index: True)  # an SM90 device, as the table was measured on
     clusters = {"available": False}
     monkeypatch.setattr(paged_attention, "clusters_available", lambda index: clusters["available"])
 
@@ -80,6 +83,10 @@ def recorded(monkeypatch):
             (kq, "quant_matmul", chosen_kernel), (kd, "dequantize", _raise("dense")), (kw, "w4_gemm", _raise("w4_gemm")),
             (kw8, "w8_gemm", _raise("w8_gemm")),
             (kf, "w4_fragment_gemm", _raise("fragment")), (quant_matmul_table, "fragment_weight", lambda *args: ()),
+            (kfb, "w4_fragment_batch", _raise("fragment_batch")),
+            (kf, "w4_fragment_gemm_act_and_mul", _raise("fused")),
+            (kfb, "w4_fragment_batch_act_and_mul", _raise("fused")),
+            (gate_up_activation, "gate_up_fragment_weight", lambda *args: ((), None)),
             (kq, "quant_matmul_rope_cache", _raise("fused")), (kq, "quant_matmul_act_and_mul", _raise("fused")),
             (kp, "paged_decode_attention", chosen_path), (kp, "paged_prefill_attention", _raise("prefill")),
             (kr, "rms_norm", _raise("kernel")), (ka, "act_and_mul", _raise("kernel")),

@@ -10,12 +10,14 @@ def test_bench_times_every_kernel_that_serves_a_token_count():
     assert quant_points(1) == ["tc", "tcs", "gemv", "stream", "ksplit", "staged", "fragment"]
     assert quant_points(4, tc_takes=False) == ["gemv", "stream", "ksplit", "staged", "fragment"]
     # from 16 tokens: the W4 GEMM, the dense path and cuBLAS on the dense weight
-    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "fragment", "w4_gemm", "dense", "cublas"]
-    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "fragment", "w4_gemm", "dense", "cublas"]
-    assert quant_points(33) == ["staged", "fragment", "w4_gemm", "dense", "cublas"]  # tc and ksplit: up to 32
-    assert quant_points(65) == ["fragment", "w4_gemm", "dense", "cublas"]
-    assert quant_points(256) == ["fragment", "w4_gemm", "dense", "cublas"]
-    assert quant_points(257) == ["dense", "cublas"]  # the fragment kernel and the GEMM: up to 256 tokens
+    assert quant_points(16) == ["tc", "tcs", "ksplit", "staged", "fragment", "fragment_batch", "w4_gemm", "dense",
+                                "cublas"]
+    assert quant_points(32) == ["tc", "tcs", "ksplit", "staged", "fragment", "fragment_batch", "w4_gemm", "dense",
+                                "cublas"]
+    assert quant_points(33) == ["staged", "fragment", "fragment_batch", "w4_gemm", "dense", "cublas"]  # tc, ksplit: to 32
+    assert quant_points(65) == ["fragment_batch", "w4_gemm", "dense", "cublas"]  # the few-token fragment kernel: to 64
+    assert quant_points(256) == ["fragment_batch", "w4_gemm", "dense", "cublas"]
+    assert quant_points(257) == ["dense", "cublas"]  # the 33-128-token fragment kernel and the GEMM: up to 256 tokens
     assert quant_points(64, bits=3) == ["staged", "dense", "cublas"]  # the GEMM and fragment read 4-bit codes
     # 8-bit: the W8 kernel up to 64 tokens, against cuBLAS on the dense weight at every count
     assert quant_points(1, bits=8) == ["w8_gemm", "cublas"]

@@ -428,12 +428,24 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     eight = quantize_rtn(torch.randn(256, 512), bits=8, group_size=32)
     kw8.w8_gemm(torch.randn(5, 512, dtype=half), eight.qweight, eight.scales, eight.zeros, 32, eight.zero_mode,
                 eight.integer_zeros, bias=torch.randn(256, dtype=half))
+    from deepinfer.kernels import w4_fragment_batch as kfb
+
+    monkeypatch.setattr(kfb, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kfb, "launch", lambda kernel, grid, block, args, index, shared_mem=0:
+                        launches.append((kernel, args)))
+    monkeypatch.setattr(kfb, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kfb, "split_k_buffers", lambda device, splits, tiles, tile_outputs:
+                        (torch.zeros(1), torch.zeros(8, dtype=torch.int32)))
+    monkeypatch.setattr(kfb, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
+    for wgmma in (False, True):
+        monkeypatch.setattr(kfb, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
+        kfb.w4_fragment_batch(torch.randn(70, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
                      "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
-                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel"}
+                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w4_fragment_batch_kernel"}
     from deepinfer.kernels.compiler import SOURCE_DIR, source_text
 
     in_sources = {name for path in SOURCE_DIR.glob("*.cu") for name in

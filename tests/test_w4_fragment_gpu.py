@@ -1,5 +1,5 @@
-"""The few-token W4 kernel over the fragment layout (kernels/w4_fragment_gemm.cu) against the torch reference on the
-GPU.
+"""The W4 kernels over the fragment layout (kernels/w4_fragment_gemm.cu, 1-32 tokens; kernels/w4_fragment_batch.cu,
+33-128) against the torch reference on the GPU.
 
 Every case draws fresh random codes, scales, integer zero points and activations, poisons the output with NaN before
 the launch, and compares with x @ W.T in fp32, W the reference dequantizer's fp32 weight (core.quant.packing
@@ -7,7 +7,8 @@ the launch, and compares with x @ W.T in fp32, W the reference dequantizer's fp3
 fp32 multiply (tests/test_w4_fragment_layout.py holds the layout to that on the CPU), so a relative error below 5e-3
 leaves only the fp32 summation order and the final rounding. Shapes include N that is not a multiple of 16 or of a
 CTA's rows, K that is not a multiple of a stage or of an atom, every group size the kernel takes and one group a row,
-every launch shape, explicit K splits, bias, act-order activations, fp16 and bf16, 1 to 128 tokens.
+every launch shape, explicit K splits (the batch kernel: CTA counts that cut tiles into parts), bias, act-order
+activations, fp16 and bf16, 1 to 128 tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _kernels():
 
 
 def _check(fragment, num_tokens, out_features, in_features, group_size, dtype, bias=False, act_order=False,
-           config=None, splits=None, seed=0):
+           config=None, splits=None, seed=0, batch_ctas=None):
+    """batch_ctas: run the 33-128-token kernel instead, on that many CTAs (0: its plan's)."""
     packed = random_w4_weight(out_features, in_features, group_size, "zero", True, seed)
     device = torch.device("cuda")
     weight = fragment.fragment_layout(packed.qweight.to(device), packed.scales.to(device), packed.zeros.to(device),
@@ -44,7 +46,12 @@ def _check(fragment, num_tokens, out_features, in_features, group_size, dtype, b
         x = x.index_select(1, torch.randperm(in_features, device=device, generator=generator))
     b = torch.randn(out_features, device=device, dtype=dtype, generator=generator) if bias else None
     out = torch.full((num_tokens, out_features), float("nan"), device=device, dtype=dtype)
-    fragment.w4_fragment_gemm(x, weight, bias=b, config=config, splits=splits, out=out)
+    if batch_ctas is None:
+        fragment.w4_fragment_gemm(x, weight, bias=b, config=config, splits=splits, out=out)
+    else:
+        from deepinfer.kernels import w4_fragment_batch
+
+        w4_fragment_batch.w4_fragment_batch(x, weight, bias=b, ctas=batch_ctas or None, out=out)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "an output element was not written"
     reference = x.float() @ dequantize(packed, torch.float32).to(device).T + (b.float() if bias else 0.0)
@@ -91,12 +98,28 @@ def test_act_order_activations_and_more_tokens_than_a_cta():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group_size", [32, 64, 128, 2048])
-def test_the_64_token_tile_at_every_group_size(dtype, group_size):
-    """The large tile scales the unpacked weights in the activation dtype ((q - z) s rounded once; in bf16 the fp16
-    scale is rounded to bf16 first), so its weights are the dequantizer's rounded to `dtype`: within the same bound."""
+def test_the_batch_kernel_at_every_group_size(dtype, group_size):
     kernels = _kernels()
-    for num_tokens in (33, 64, 200, 256):
-        _check(kernels, num_tokens, 1000, 2048, group_size, dtype, bias=num_tokens % 2 == 1, seed=num_tokens + group_size)
+    for num_tokens in (33, 64, 97, 128):
+        _check(kernels, num_tokens, 1000, 2048, group_size, dtype, bias=num_tokens % 2 == 1, seed=num_tokens + group_size,
+               batch_ctas=0)
+
+
+def test_the_batch_kernels_stream_k_parts_meet_in_k_order():
+    """CTA counts that cut every tile into parts (one CTA holding them all, a few, more than the tiles' k blocks),
+    against the reference; and the same CTA count gives the same bits every run (the parts are added in k order)."""
+    kernels = _kernels()
+    for ctas in (1, 5, 17, 130):
+        _check(kernels, 80, 2048, 5632, 128, torch.bfloat16, bias=True, act_order=ctas == 5, seed=ctas, batch_ctas=ctas)
+    from deepinfer.kernels import w4_fragment_batch
+
+    packed = random_w4_weight(2048, 5632, 128, "zero", True, 3)
+    device = torch.device("cuda")
+    weight = kernels.fragment_layout(packed.qweight.to(device), packed.scales.to(device), packed.zeros.to(device),
+                                     128, 2048, 5632, torch.bfloat16)
+    x = torch.randn(80, 5632, device=device, dtype=torch.bfloat16)
+    first = w4_fragment_batch.w4_fragment_batch(x, weight, ctas=23)
+    assert all(torch.equal(first, w4_fragment_batch.w4_fragment_batch(x, weight, ctas=23)) for _ in range(5))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -93,8 +93,9 @@ def test_plan_picks_a_launch_shape_it_compiles_and_splits_k_within_its_stages(mo
 
 
 def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(monkeypatch):
-    """The fragment row's launcher: a weight prepared without its fragment copy (a memory budget) or one the layout
-    cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernel."""
+    """The fragment rows' launchers: a weight prepared without its fragment copy (a memory budget) or one the layout
+    cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernels, and so
+    does the batch row's product on a GPU without the wgmma path it was measured on."""
     from deepinfer.core.ops import quant_matmul_table as table
 
     ran = []
@@ -108,6 +109,11 @@ def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(mo
     for packed in (one_form, float_zeros):
         assert table.fragment(torch.zeros(12, 256, dtype=torch.bfloat16), packed) == "next"
     assert ran == [one_form, float_zeros]
+    # the batch kernel's row was measured on wgmma: on a GPU without it the product runs on the next row
+    monkeypatch.setattr(table.kernels_gemm, "wgmma_available", lambda index: False)
+    laid_out = random_w4_weight(64, 256, 128, "zero", True, seed=3)
+    assert table.fragment_batch(torch.zeros(40, 256, dtype=torch.bfloat16), laid_out) == "next"
+    assert ran == [one_form, float_zeros, laid_out]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -126,3 +132,59 @@ def test_interleaved_gate_up_layout_puts_each_gate_row_beside_its_up_row(dtype):
             assert torch.equal(unpacked[16 * tile + 8 + j], up[8 * tile + j])
     with pytest.raises(ValueError, match="multiple of 8"):
         fragment.gate_up_order(12)
+
+
+def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_plain_one(monkeypatch):
+    """prepare_products with the fused fragment epilogue on: a gate/up weight (2048 x 2048, the smallest the fragment
+    row takes) whose
+    activation the epilogue has keeps one fragment form, the interleaved one, with its bias in that row order; the
+    same weight not named a gate/up gets the plain one; with the batch kernel's row on as well (it reads the plain
+    layout), a gate/up weight gets both, and fragment_copy_bytes counts both."""
+    from deepinfer.core.ops import dispatch, quant_matmul
+    from deepinfer.core.ops import quant_matmul_table as table
+
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    monkeypatch.setattr(table, "FRAGMENT_GATE_UP_ACT_ROW", True)
+    inner, in_features = 1024, 2048
+    gate_up = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=11)
+    gate_up.bias = torch.randn(2 * inner, dtype=torch.float16)
+    plain = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=12)
+    assert quant_matmul.prepare_products([gate_up, plain], torch.bfloat16, gate_ups=frozenset({id(gate_up)})) == 2
+    assert table.fragment_weight(gate_up, torch.bfloat16, lay_out=False) is None  # one form: no plain copy
+    weight, bias = table.gate_up_fragment_weight(gate_up, torch.bfloat16)
+    order = fragment.gate_up_order(inner)
+    assert torch.equal(bias, gate_up.bias[order].to(torch.bfloat16))
+    assert weight.frag.shape == (2 * inner // 16, in_features // 64, 32, 4)
+    assert table.fragment_weight(plain, torch.bfloat16, lay_out=False) is not None
+    assert table.fragment_plain_needed(gate_up) is False
+    codes = gate_up.qweight.numel() * 4
+    assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == codes
+    # 7B's gate/up (3584 x 37888), which the batch row takes at 33-128 tokens: only its shape is read
+    from deepinfer.core.quant.packed import PackedWeight
+
+    large = PackedWeight(torch.empty(37888, 3584 // 8, dtype=torch.int32), torch.ones(37888, 28, dtype=torch.float16),
+                         torch.zeros(37888, 28, dtype=torch.float16), 4, 128, 3584, 37888)
+    monkeypatch.setattr(table, "FRAGMENT_BATCH_ROW", True)
+    table.product_row.cache_clear()
+    try:
+        assert table.fragment_plain_needed(large)
+        assert quant_matmul.fragment_copy_bytes([large], frozenset({id(large)})) == 2 * large.qweight.numel() * 4
+    finally:
+        table.product_row.cache_clear()
+
+
+def test_the_batch_kernels_plan_shares_whole_k_blocks_among_one_cta_an_sm(monkeypatch):
+    """w4_fragment_batch's stream-K work: tiles of 128 rows x 64 tokens x k blocks of 256, hand-counted; one CTA an
+    SM (132), fewer where a CTA would get under 3 k blocks; the wgmma launch shape where the GPU has it."""
+    from deepinfer.kernels import w4_fragment_batch as batch
+
+    monkeypatch.setattr(batch, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(batch, "wgmma_available", lambda index: True)
+    # 7B's gate/up at 64 tokens: 37888 / 128 = 296 row blocks, one token block, 3584 / 256 = 14 k blocks
+    assert batch.iterations(64, 37888, 3584) == 4144
+    assert batch.plan(64, 37888, 3584, 0) == (batch.WGMMA_CONFIG, 132)
+    # 100 tokens: two token blocks; N = 1000: 63 row tiles in 8 row blocks; K = 2048 + 64: 9 k blocks
+    assert batch.iterations(100, 1000, 2112) == 8 * 2 * 9
+    assert batch.plan(100, 1000, 2112, 0)[1] == 48  # 144 // 3
+    monkeypatch.setattr(batch, "wgmma_available", lambda index: False)
+    assert batch.plan(40, 40, 160, 0) == (batch.CONFIG, 1)  # one k block: one CTA

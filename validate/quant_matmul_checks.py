@@ -4,6 +4,8 @@ epilogues against the unfused kernels they replace (the same bits) and the fp32 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from deepinfer.core.ops.activation import act_and_mul_reference
@@ -170,9 +172,26 @@ FRAGMENT_CASES = (
     (24, 22016, 2048, 128, None, False),
     (32, 2560, 4160, 4160, 5, True),  # one group a row, K = 16.25 stages
     (29, 40, 160, 32, None, False),   # a partial row tile, K not a multiple of an atom
-    (100, 3584, 3584, 256, 2, True),  # the 64-token tile, two along grid.y
-    (48, 1000, 2048, 32, None, False),  # the 64-token tile at G = 32, a partial row tile
-    (256, 2560, 4160, 4160, None, True),  # the 64-token tile, one group a row, K = 32.5 of its stages
+    (100, 3584, 3584, 256, 2, True),  # 32-token tiles along grid.y
+)
+
+
+# The 33-128-token kernel over the same layout: (tokens, out_features, in_features, group size, persistent CTAs or
+# None for the plan's, bias). Odd token counts across its 64-token blocks, G = 128 and one group a row at both
+# dtypes' plans, G = 32 / 64, N and K off the tiles, CTA counts that cut tiles into parts (stream-K's fix-up) and
+# one CTA for every tile.
+FRAGMENT_BATCH_CASES = (
+    (33, 2560, 2048, 128, None, False),
+    (47, 22016, 2048, 128, None, True),
+    (64, 2048, 11008, 128, None, False),
+    (65, 1000, 2048, 128, 7, True),    # a partial row block, 7 CTAs: parts of tiles meet in the partials
+    (97, 3584, 18944, 128, None, False),
+    (127, 2560, 4160, 4160, None, True),  # one group a row, K = 16.25 stages
+    (128, 37888, 3584, 128, None, False),
+    (45, 200, 1344, 64, 3, True),     # G = 64, K not a multiple of a stage
+    (81, 1000, 2048, 32, None, False),  # G = 32
+    (113, 40, 160, 32, 1, False),      # a partial row tile, K not a multiple of an atom, one CTA
+    (71, 3584, 3584, 256, 131, True),  # G = 256, more CTAs than tiles
 )
 
 
@@ -231,6 +250,70 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                         compare("w4_fragment_gemm", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
 
             results += guarded("w4_fragment_gemm", case, run_fused)
+    return results
+
+
+# Its fused gate/up activation over the interleaved layout: (tokens, inner features, in_features, group size,
+# activation, persistent CTAs or None for the plan's).
+FRAGMENT_BATCH_GATE_UP_CASES = (
+    (33, 5504, 2048, 128, "silu", None),
+    (100, 1000, 4096, 256, "gelu_tanh", 9),
+    (128, 11008, 2048, 128, "silu", None),
+)
+
+
+def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
+    """The 33-128-token kernel over the fragment layout on its cases, on both tensor-core paths the GPU has (mma.sync;
+    wgmma on SM90), against the fp32 product of the reference dequantizer's weight."""
+    from deepinfer.kernels import w4_fragment_batch as batch
+    from deepinfer.kernels import w4_fragment_gemm as fragment
+    from deepinfer.kernels.w4_gemm import wgmma_available
+
+    configs = (batch.CONFIG, batch.WGMMA_CONFIG) if wgmma_available(device.index or 0) else (batch.CONFIG,)
+    results = []
+    for config in configs:  # mma.sync first: a fault of the wgmma path ends the checks after it
+        for (m, n, k, g, ctas, with_bias), dtype in itertools.product(FRAGMENT_BATCH_CASES, dtypes):
+            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros M={m} N={n} K={k} G={g} {config.label}"
+                    + (f" ctas={ctas}" if ctas else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, ctas=ctas, with_bias=with_bias, dtype=dtype, case=case, config=config):
+                packed = random_packed(n, k, g, 4, "zero", torch.float16, device,
+                                       bias_dtype=dtype if with_bias else None)
+                weight = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, n, k, dtype)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                batch.w4_fragment_batch(x, weight, packed.bias, config=config, ctas=ctas, out=out)
+                ref = reference_product(x, packed)
+                return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
+
+            results += guarded("w4_fragment_batch", case, run)
+        for (m, inner, k, g, activation, ctas), dtype in itertools.product(FRAGMENT_BATCH_GATE_UP_CASES, dtypes):
+            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g} "
+                    f"{config.label}" + (f" ctas={ctas}" if ctas else ""))
+
+            def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, ctas=ctas, dtype=dtype, case=case,
+                          config=config):
+                from deepinfer.kernels.act_and_mul import act_and_mul
+
+                packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
+                fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
+                order = fragment.gate_up_order(inner, device)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, inner), dtype, device)
+                batch.w4_fragment_batch_act_and_mul(x, fused, activation, packed.bias[order], config=config, ctas=ctas,
+                                                    out=out)
+                # the same kernel's product over the same layout (the same k split of every row), rows put back
+                product = torch.empty(m, 2 * inner, device=device, dtype=dtype)
+                product[:, order] = batch.w4_fragment_batch(x, fused, packed.bias[order], config=config, ctas=ctas)
+                want = act_and_mul(product[:, :inner], product[:, inner:], activation)
+                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+                full = reference_product(x, packed)
+                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                return [CheckResult("w4_fragment_batch", f"{case} == unfused", same,
+                                    detail="" if same else "differs from the product then act_and_mul's bits"),
+                        compare("w4_fragment_batch", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
+
+            results += guarded("w4_fragment_batch", case, run_fused)
     return results
 
 

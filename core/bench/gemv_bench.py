@@ -7,11 +7,11 @@ device-to-device copy bandwidth measured in the same run (bytes read + written):
 From 16 tokens a product also has a floor, max(its packed-weight bytes over the copy bandwidth, its
 FLOPs over the cuBLAS rate on an 8192^3 product in the activation dtype, measured in the same run),
 and two more points: the W4 GEMM (kernels/w4_gemm.py, its planned launch) and cuBLAS on the dense
-weight (what the same model unquantized runs). Up to 256 tokens the W4 kernel over its fragment layout
-(kernels/w4_fragment_gemm.py, its planned launch: the 64-token tile beyond 32 tokens; the layout made once per
-weight copy) is timed too. 8-bit weights (`bits` 8) time the W8 kernel (kernels/w8_gemm.py) up to 64 tokens and
-cuBLAS on the dense weight at every token count (what 8-bit is held to: at least bf16's speed), the dense path
-from 16 tokens.
+weight (what the same model unquantized runs). The W4 kernels over the fragment layout (the layout made once per
+weight copy) are timed too, each at its planned launch: the few-token kernel (kernels/w4_fragment_gemm.py) up to 64
+tokens ("fragment"), the 33-128-token kernel (kernels/w4_fragment_batch.py) from 16 up to 256 ("fragment_batch").
+8-bit weights (`bits` 8) time the W8 kernel (kernels/w8_gemm.py) up to 32 tokens and cuBLAS on the
+dense weight at every token count (what 8-bit is held to: at least bf16's speed), the dense path from 16 tokens.
 Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
 the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
 `repeats` such timings give mean ± std per call.
@@ -35,15 +35,16 @@ ATTENTION_CONTEXTS = (512, 2048, 4096, 16384)
 ROTATE_BYTES = 512 * 2**20  # data per graph replay, ~8x the H200's 60 MB L2
 TARGET_REPEAT_SECONDS = 0.02
 # (kernel, most tokens it is timed at): the tc and tcs kernels (W4 weights they take) up to 32, the CUDA-core
-# kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel up to 64, the W4 GEMM up to its largest
-# batch, the dense path and cuBLAS on the dense weight always
+# kernels for a few tokens, ksplit up to 32, the staged tensor-core kernel and the few-token fragment kernel up to
+# 64, the 33-128-token fragment kernel and the W4 GEMM up to 256, the dense path and cuBLAS on the dense weight always
 KERNEL_MAX_TOKENS = (("tc", 32), ("tcs", 32), ("gemv", 4), ("stream", 4), ("ksplit", 32), ("staged", 64),
-                     ("fragment", 256), ("w4_gemm", 256), ("w8_gemm", 64), ("dense", 1 << 30), ("cublas", 1 << 30))
-W4_ONLY = ("w4_gemm", "fragment")
+                     ("fragment", 64), ("fragment_batch", 256), ("w4_gemm", 256), ("w8_gemm", 64), ("dense", 1 << 30),
+                     ("cublas", 1 << 30))
+W4_ONLY = ("w4_gemm", "fragment", "fragment_batch")
 W8_POINTS = ("w8_gemm", "dense", "cublas")  # the kernels timed on 8-bit weights (the others read 4- and 3-bit codes)
 # "dense": kernels/dequantize.cu into an [N, K] copy, then cuBLAS (the path of many tokens); "w4_gemm": the
 # tensor-core GEMM on the packed weight (4-bit only); "cublas": cuBLAS on a dense weight made once, not a W4 path
-MANY_TOKEN_KERNELS = ("w4_gemm", "dense", "cublas")
+MANY_TOKEN_KERNELS = ("fragment_batch", "w4_gemm", "dense", "cublas")
 MANY_TOKENS_FROM = 16
 
 
@@ -218,9 +219,12 @@ class _ProductOperands:
 
     def tile(self, kernel: str, num_tokens: int, in_features: int, out_features: int, device_index: int) -> str:
         """The launch a point timed: the packed kernels' tile, the GEMM's planned shape and K splits."""
-        from deepinfer.kernels import w4_fragment_gemm, w4_gemm, w8_gemm
+        from deepinfer.kernels import w4_fragment_batch, w4_fragment_gemm, w4_gemm, w8_gemm
         from deepinfer.kernels.quant_matmul import default_tile
 
+        if kernel == "fragment_batch":
+            config, ctas = w4_fragment_batch.plan(num_tokens, out_features, in_features, device_index)
+            return f"{config.label}/ctas={ctas}"
         if kernel == "fragment":
             config, splits = w4_fragment_gemm.plan(num_tokens, out_features, in_features, device_index)
             return f"{config.label}/splits={splits}"
@@ -233,10 +237,17 @@ class _ProductOperands:
 
     def launches(self, kernel: str, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple[Callable[[], None], int]:
         """(a function making one launch per weight copy, how many it makes)."""
-        from deepinfer.kernels import w4_fragment_gemm, w4_gemm, w8_gemm
+        from deepinfer.kernels import w4_fragment_batch, w4_fragment_gemm, w4_gemm, w8_gemm
         from deepinfer.kernels.quant_matmul import quant_matmul
 
         weights, bits, group_size = self.weights, self.bits, self.group_size
+        if kernel == "fragment_batch":
+            fragments = self.fragments()
+
+            def launch_all() -> None:
+                for fragment, out in zip(fragments, outs):
+                    w4_fragment_batch.w4_fragment_batch(x, fragment, out=out)
+            return launch_all, len(fragments)
         if kernel == "fragment":
             fragments = self.fragments()
 

@@ -57,8 +57,10 @@ from deepinfer.core.models.direct_load import (
     plan_direct_load,
     say,
 )
+from deepinfer.core.models.layers import GatedMLP
 from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
+from deepinfer.core.ops.gate_up_activation import fused_activation
 from deepinfer.core.ops.quant_matmul import fragment_copy_bytes, prepare_products
 from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
 from deepinfer.core.quant.quant_linear import QuantLinear
@@ -106,16 +108,21 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     if device.type == "cuda":
         compact_weights(loaded.model, device)
         weights = [m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-        prepare_products(weights, dtype, fragments=_room_for_fragment_copies(weights, config, device))
+        gate_ups = frozenset(id(m.gate_up_proj.packed) for m in loaded.model.modules()
+                             if isinstance(m, GatedMLP) and isinstance(m.gate_up_proj, QuantLinear)
+                             and fused_activation(m.hidden_act))
+        prepare_products(weights, dtype, fragments=_room_for_fragment_copies(weights, gate_ups, config, device),
+                         gate_ups=gate_ups)
     return loaded
 
 
-def _room_for_fragment_copies(weights: list, config: EngineConfig, device: torch.device) -> bool:
+def _room_for_fragment_copies(weights: list, gate_ups: frozenset[int], config: EngineConfig,
+                              device: torch.device) -> bool:
     """The fragment kernel reads its own copy of each W4 weight it serves, beside the packed codes the other
     kernels read: under a memory budget (--max-vram), or where the copies would take more than
     FRAGMENT_COPY_SHARE of the device (a small card, whose memory is better spent on KV blocks), each weight
     keeps one form and its products run on the next kernel of the table."""
-    copies = fragment_copy_bytes(weights)
+    copies = fragment_copy_bytes(weights, gate_ups)
     if not copies:
         return False
     room = config.max_vram is None and copies <= FRAGMENT_COPY_SHARE * torch.cuda.get_device_properties(

@@ -4,8 +4,11 @@ A decode step runs the W4 gate/up product on the tcs kernel and then act_and_mul
 product back and writes act(gate) * up [T, I]: a kernel launch and its round trips per layer. Where the fused
 kernel serves (core/ops/quant_matmul_table.py: GATE_UP_ACT; kernels/quant_matmul.py:
 gate_up_act_unsupported_reason), the product's epilogue does that work instead, with the same roundings, so the
-result is the unfused one bit for bit. Everywhere else (other weights, more tokens, the CPU) the caller runs the
-two ops.
+result is the unfused one bit for bit. Where the product's row is a fragment kernel (FRAGMENT_GATE_UP_ACT: the
+few-token one, the same bits as its product then act_and_mul; FRAGMENT_BATCH_GATE_UP_ACT: the 33-128-token one,
+whose stream-K split of a row's k follows its tile, so the bits are those of its product over the interleaved
+layout), its act-and-mul epilogue over the weight's interleaved gate/up layout does that work.
+Everywhere else (other weights, more tokens, the CPU) the caller runs the two ops.
 """
 
 from __future__ import annotations
@@ -16,9 +19,19 @@ import torch
 
 from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.quant_matmul import ProductCase, product_reason, product_shape, stored_order
-from deepinfer.core.ops.quant_matmul_table import GATE_UP_ACT, epilogue_serves
+from deepinfer.core.ops.quant_matmul_table import (
+    FRAGMENT_BATCH_GATE_UP_ACT,
+    FRAGMENT_GATE_UP_ACT,
+    GATE_UP_ACT,
+    epilogue_serves,
+    fragment_takes,
+    gate_up_fragment_weight,
+)
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w4_fragment_batch as kernels_batch
+from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
+from deepinfer.kernels.act_and_mul import ACTIVATIONS
 
 
 class GateUpActCase(NamedTuple):
@@ -35,11 +48,50 @@ def _reason(case: GateUpActCase) -> str | None:
         weight.bits, weight.group_size, case.in_features, case.out_features, case.activation)
 
 
+class FragmentGateUpActCase(NamedTuple):
+    devices: tuple[torch.device, ...]  # the activations' and the weight's
+    product: ProductCase
+    takes_fragments: bool  # integer zero points and fp16 scales (quant_matmul_table.fragment_takes)
+    out_features: int
+    activation: str
+
+
+def _fragment_reason(case: FragmentGateUpActCase) -> str | None:
+    if reason := product_reason(case.product):
+        return reason
+    if not case.takes_fragments:
+        return "the fragment layout takes integer zero points and fp16 scales"
+    if case.out_features % 16:
+        return f"{case.out_features} outputs are not two halves of whole 8-row blocks"
+    return None if case.activation in ACTIVATIONS else f"activation {case.activation!r}"
+
+
+def fused_activation(activation: str) -> bool:
+    """Whether the fused epilogues have this gated activation (the loader lays out gate/up weights for them)."""
+    return activation in ACTIVATIONS
+
+
 def gate_up_act_and_mul(x: torch.Tensor, packed: PackedWeight | None, activation: str) -> torch.Tensor | None:
     """x [T, hidden] through the merged [gate | up] weight `packed` (2I outputs; None for an unquantized projection)
     -> act(gate) * up [T, I] as the product followed by act_and_mul would give, or None where the fused kernel does
     not serve (the caller then runs those two)."""
-    if packed is None or not epilogue_serves(GATE_UP_ACT, product_shape(x.shape[0], packed)):
+    if packed is None:
+        return None
+    shape = product_shape(x.shape[0], packed)
+    for epilogue in (FRAGMENT_GATE_UP_ACT, FRAGMENT_BATCH_GATE_UP_ACT):
+        if not epilogue_serves(epilogue, shape):
+            continue
+        case = FragmentGateUpActCase((x.device, packed.qweight.device), ProductCase.of(x, packed),
+                                     fragment_takes(packed), packed.out_features, activation)
+        layout = (gate_up_fragment_weight(packed, x.dtype)
+                  if dispatch.decide(epilogue.op, case, _fragment_reason, (x,), fallback="separate ops") else None)
+        if layout is None:
+            return None
+        weight, bias = layout
+        launch = (kernels_fragment.w4_fragment_gemm_act_and_mul if epilogue is FRAGMENT_GATE_UP_ACT
+                  else kernels_batch.w4_fragment_batch_act_and_mul)
+        return launch(stored_order(x, packed), weight, activation, bias)
+    if not epilogue_serves(GATE_UP_ACT, shape):
         return None
     case = GateUpActCase((x.device, packed.qweight.device), ProductCase.of(x, packed), packed.in_features,
                          packed.out_features, activation)

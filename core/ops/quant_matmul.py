@@ -20,8 +20,11 @@ from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.quant_matmul_cpu import quant_matmul_cpu
 from deepinfer.core.ops.quant_matmul_table import (
     ProductShape,
+    fragment_gate_up_may_serve,
     fragment_may_serve,
+    fragment_plain_needed,
     fragment_weight,
+    gate_up_fragment_weight,
     gemm_may_serve,
     gemm_scale_pairs,
     product_row,
@@ -84,18 +87,24 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], packed.out_features)
 
 
-def fragment_copy_bytes(weights: list[PackedWeight]) -> int:
-    """Bytes the fragment kernel's copies of these weights would take (as large as their packed codes)."""
-    return sum(packed.qweight.numel() * packed.qweight.element_size() for packed in weights
-               if fragment_may_serve(packed))
+def fragment_copy_bytes(weights: list[PackedWeight], gate_ups: frozenset[int] = frozenset()) -> int:
+    """Bytes the fragment kernels' copies of these weights would take (each as large as the packed codes; a gate/up
+    weight of `gate_ups` (prepare_products) that needs both the interleaved and the plain layout, two)."""
+    return sum(packed.qweight.numel() * packed.qweight.element_size()
+               * (2 if id(packed) in gate_ups and fragment_gate_up_may_serve(packed) and fragment_plain_needed(packed)
+                  else 1)
+               for packed in weights if fragment_may_serve(packed))
 
 
-def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments: bool = True) -> int:
+def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments: bool = True,
+                     gate_ups: frozenset[int] = frozenset()) -> int:
     """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (the W4 GEMM's
-    scale pairs, the fragment kernel's copy of the weight in its layout), so nothing is allocated for it during a
+    scale pairs, the fragment kernels' copy of the weight in their layout), so nothing is allocated for it during a
     step; returns how many weights got something. Weights the kernels cannot serve on their device are left alone.
     fragments=False keeps one form of each weight (a memory budget: the fragment copy is as large as the packed
-    codes); their products then run on the rows after the fragment kernel's."""
+    codes); their products then run on the rows after the fragment kernels'. `gate_ups`: the ids of merged gate/up
+    weights whose MLP activation the fused fragment epilogue has: where it serves, their copy is the interleaved
+    gate/up layout, in place of the plain one unless a row that reads the plain one serves them too."""
     prepared = 0
     for packed in weights:
         case = ProductCase((packed.qweight.device, packed.qweight.device), dtype,
@@ -106,7 +115,10 @@ def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments:
         needs_pairs, needs_fragments = gemm_may_serve(packed), fragment_may_serve(packed)
         if needs_pairs:
             gemm_scale_pairs(packed, dtype)
-        if needs_fragments:
+        if needs_fragments and id(packed) in gate_ups and fragments and fragment_gate_up_may_serve(packed):
+            gate_up_fragment_weight(packed, dtype)
+            fragment_weight(packed, dtype, lay_out=fragment_plain_needed(packed))
+        elif needs_fragments:
             fragment_weight(packed, dtype, lay_out=fragments)
         prepared += needs_pairs or needs_fragments
     return prepared

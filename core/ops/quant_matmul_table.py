@@ -22,6 +22,7 @@ from deepinfer.core.ops import dispatch
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import dequantize as kernels_dequantize
 from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w4_fragment_batch as kernels_batch
 from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
 from deepinfer.kernels import w4_gemm as kernels_gemm
 from deepinfer.kernels import w8_gemm as kernels_w8
@@ -41,8 +42,9 @@ FRAGMENT_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projecti
 FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated and of FRAGMENT_LARGE_WEIGHT ...
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
-FRAGMENT_TILE_TOKENS = (33, 256)  # the fragment kernel's 64-token tile (kernels/w4_fragment_gemm.py: LARGE_TILE) ...
-FRAGMENT_TILE_ROW = False  # ... off: measured slower than w4_gemm and dense there (KERNELS.md)
+FRAGMENT_BATCH_TOKENS = (33, 128)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
+FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
+FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
 W8_MAX_TOKENS = 32  # the W8 kernel's row: at 64 tokens the dense row was faster on every product measured
 W8_MAX_IN_FEATURES = 4096  # ... and on a long K (11008) at every token count: a CTA walks all of K
 
@@ -177,37 +179,60 @@ def fragment_serves(shape: ProductShape) -> bool:
                 and shape.in_features >= GEMM_LONG_K))
 
 
-def fragment_tile_serves(shape: ProductShape) -> bool:
-    """33-256 tokens on the weights and group sizes the few-token row takes, where FRAGMENT_TILE_ROW is on."""
-    return (FRAGMENT_TILE_ROW and FRAGMENT_TILE_TOKENS[0] <= shape.tokens <= FRAGMENT_TILE_TOKENS[1]
-            and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_WEIGHT
+def fragment_batch_serves(shape: ProductShape) -> bool:
+    """Where FRAGMENT_BATCH_ROW is on: W4 with G = 128 * 2^i or one group a row, products of at least
+    FRAGMENT_LARGE_WEIGHT (7B's MLP) at 33-128 tokens where wide, 65-128 where tall (the H200 timing: wgmma)."""
+    if not (FRAGMENT_BATCH_ROW and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_LARGE_WEIGHT
             and (shape.group_size == shape.in_features
-                 or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0)))
+                 or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0))):
+        return False
+    if wide(shape):
+        return FRAGMENT_BATCH_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TOKENS[1]
+    tall = shape.in_features >= 3 * shape.out_features
+    return tall and FRAGMENT_BATCH_TALL_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TALL_TOKENS[1]
+
+
+FRAGMENT_KERNELS = ("fragment", "fragment_batch")  # the rows that read the fragment layout
 
 
 def fragment_may_serve(packed: PackedWeight) -> bool:
     """Whether a fragment row serves some token count of this weight (the loader prepares only those)."""
     return fragment_takes(packed) and any(
         product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
-                                 packed.group_size)).kernel == "fragment"
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_TILE_TOKENS))
+                                 packed.group_size)).kernel in FRAGMENT_KERNELS
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
 
 
 @cache
 def _row_after_fragment(shape: ProductShape) -> ProductRow:
-    return next(row for row in PRODUCT_TABLE if row.kernel != "fragment" and row.serves(shape))
+    return next(row for row in PRODUCT_TABLE if row.kernel not in FRAGMENT_KERNELS and row.serves(shape))
 
 
-def fragment(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """kernels/w4_fragment_gemm.cu over the weight's fragment layout; a weight the layout cannot hold (float zero
-    points, fp32 scales, zero points beyond the exact range) or that keeps one form (a memory budget:
-    prepare_products) runs on the row that would serve it otherwise."""
-    weight = fragment_weight(packed, rows.dtype) if fragment_takes(packed) else None
-    if weight is None:
-        return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features, packed.bits,
-                                                packed.group_size)).launch(rows, packed)
-    dispatch.use_kernel("w4_fragment_gemm", None)
-    return kernels_fragment.w4_fragment_gemm(rows, weight, packed.bias)
+def fragment_launcher(op: str, product: Callable[[torch.Tensor, kernels_fragment.FragmentWeight, torch.Tensor | None],
+                                                torch.Tensor],
+                      measured_on: Callable[[int], bool] = lambda index: True,
+                      ) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
+    """The launcher of a row whose kernel reads the fragment layout: `product`(rows, layout, bias) over the weight's
+    layout; a weight the layout cannot hold (float zero points, fp32 scales, zero points beyond the exact range) or
+    that keeps one form (a memory budget: prepare_products), or a device `measured_on` rejects (the row's numbers
+    are of another kernel path), runs on the row that would serve it otherwise."""
+    def launch(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+        weight = (fragment_weight(packed, rows.dtype)
+                  if fragment_takes(packed) and measured_on(rows.device.index) else None)
+        if weight is None:
+            return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features,
+                                                    packed.bits, packed.group_size)).launch(rows, packed)
+        dispatch.use_kernel(op, None)
+        return product(rows, weight, packed.bias)
+    return launch
+
+
+# kernels/w4_fragment_gemm.cu (1-32 tokens) and kernels/w4_fragment_batch.cu (33-128), looked up at each call
+fragment = fragment_launcher("w4_fragment_gemm", lambda rows, weight, bias: kernels_fragment.w4_fragment_gemm(
+    rows, weight, bias))
+# the batch kernel's row was measured on its wgmma path (SM90): elsewhere the product runs on the next row
+fragment_batch = fragment_launcher("w4_fragment_batch", lambda rows, weight, bias: kernels_batch.w4_fragment_batch(
+    rows, weight, bias), lambda index: kernels_gemm.wgmma_available(index))
 
 
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -249,10 +274,11 @@ PRODUCT_TABLE = (
                "20.4, 7B gate/up 22.1 against tcs's 32.5 at one token); it lost to tc at 1-8 tokens elsewhere and "
                "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
-    ProductRow("fragment", fragment_tile_serves, fragment,
-               "the same kernel's 64-token tile at 33-256 tokens: each weight byte unpacked once for 64 tokens where "
-               "the 32-token shape re-reads it a token tile; off: slower than w4_gemm or dense at 64-256 tokens on "
-               "3B and 7B MLP products but one point (05ae79d:results/bench_gemv_qwen2.5-w4a16-fragment-64-tile_nvidia_h200.json)"),
+    ProductRow("fragment_batch", fragment_batch_serves, fragment_batch,
+               "the 33-128-token kernel over the same layout (wgmma on SM90), where FRAGMENT_BATCH_ROW is on: on an "
+               "H200 it timed faster than w4_gemm on 7B's gate/up 3584 x 37888 at 48-128 tokens (63.5 us against "
+               "74.7 at 64, 116.3 against 122.2 at 128) and 7B's down 18944 x 3584 at 128 (58.7 against 84.5), "
+               "slower on 3B's products and on 7B's down at 48-64 (docs/KERNELS.md)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
@@ -303,6 +329,11 @@ class Epilogue(NamedTuple):
 
 QKV_ROPE = Epilogue("quant_matmul_rope_cache", "tc", kernels.QKV_ROPE_MAX_TOKENS)
 GATE_UP_ACT = Epilogue("quant_matmul_act_and_mul", "tcs", None)
+# the fragment kernels over a gate/up layout of interleaved rows, where their flags are on (the H200 run's numbers)
+FRAGMENT_GATE_UP_ACT = Epilogue("w4_fragment_gemm_act_and_mul", "fragment", None)
+FRAGMENT_GATE_UP_ACT_ROW = False
+FRAGMENT_BATCH_GATE_UP_ACT = Epilogue("w4_fragment_batch_act_and_mul", "fragment_batch", None)
+FRAGMENT_BATCH_GATE_UP_ACT_ROW = False
 
 
 def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
@@ -310,4 +341,57 @@ def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
     those through dispatch.decide)."""
     if shape.tokens <= 0 or (epilogue.max_tokens is not None and shape.tokens > epilogue.max_tokens):
         return False
+    if ((epilogue is FRAGMENT_GATE_UP_ACT and not FRAGMENT_GATE_UP_ACT_ROW)
+            or (epilogue is FRAGMENT_BATCH_GATE_UP_ACT and not FRAGMENT_BATCH_GATE_UP_ACT_ROW)):
+        return False
     return product_row(shape).kernel == epilogue.kernel
+
+
+# The interleaved gate/up layout (kernels/w4_fragment_gemm.py: gate_up_layout) of each merged gate/up weight and
+# activation dtype, with its bias in that row order, by the id of the weight's codes and dropped when that tensor
+# is; the loader makes them before the engine measures its memory (core/ops/quant_matmul.py: prepare_products), in
+# place of the plain fragment layout. None where the weight's zero points do not fit the layout.
+_gate_up_fragments: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def gate_up_fragment_weight(packed: PackedWeight, dtype: torch.dtype
+                            ) -> tuple[kernels_fragment.FragmentWeight, torch.Tensor | None] | None:
+    """(the interleaved layout, the bias in its row order) of a merged [gate; up] weight for `dtype` activations,
+    laid out on first use (None: it cannot be)."""
+    key = id(packed.qweight)
+    entry = _gate_up_fragments.get(key)
+    if entry is None or entry[0]() is not packed.qweight:
+        entry = _gate_up_fragments[key] = (
+            weakref.ref(packed.qweight, lambda _, key=key: _gate_up_fragments.pop(key, None)), {})
+    per_dtype = entry[1]
+    if dtype not in per_dtype:
+        try:
+            weight = kernels_fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, packed.group_size,
+                                                     packed.in_features, dtype)
+        except ValueError:  # zero points too large for the magic-number subtraction
+            per_dtype[dtype] = None
+        else:
+            order = kernels_fragment.gate_up_order(packed.out_features // 2, packed.qweight.device)
+            bias = None if packed.bias is None else packed.bias[order].to(dtype).contiguous()
+            per_dtype[dtype] = (weight, bias)
+    return per_dtype[dtype]
+
+
+def fragment_plain_needed(packed: PackedWeight) -> bool:
+    """Whether a row over the plain fragment layout serves this gate/up weight at a token count no fused fragment
+    epilogue does."""
+    def plain_only(shape: ProductShape) -> bool:
+        return (product_row(shape).kernel in FRAGMENT_KERNELS and not epilogue_serves(FRAGMENT_GATE_UP_ACT, shape)
+                and not epilogue_serves(FRAGMENT_BATCH_GATE_UP_ACT, shape))
+    return any(plain_only(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
+                                       packed.group_size))
+               for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
+
+
+def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
+    """Whether the fused fragment epilogue serves some token count of this merged gate/up weight."""
+    return fragment_takes(packed) and packed.out_features % 16 == 0 and any(
+        epilogue_serves(epilogue, ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
+                                               packed.group_size))
+        for epilogue in (FRAGMENT_GATE_UP_ACT, FRAGMENT_BATCH_GATE_UP_ACT)
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
