@@ -44,7 +44,8 @@ def test_llm_fills_only_the_unset_fields_from_generation_config(llm):
     defaults = llm.sampling_defaults
     assert {k: defaults.values[k] for k in QWEN_LIKE} == QWEN_LIKE
     assert defaults.sources == {"temperature": "model", "top_p": "model", "top_k": "model", "min_p": "built-in",
-                                "repetition_penalty": "model"}
+                                "repetition_penalty": "model", "presence_penalty": "built-in",
+                                "frequency_penalty": "built-in"}
     assert defaults.model_source == "generation_config.json"
     # The reference: the same requests with the values written out.
     unset = SamplingParams(seed=4, max_tokens=10, ignore_eos=True)
@@ -195,4 +196,4 @@ def test_the_repl_says_which_defaults_are_in_force_and_from_where(capsys):
     repl.command("/help")
     shown = capsys.readouterr().out
     assert ("sampling: temperature 0.2, repetition_penalty 1.1 (model: generation_config.json); top_p 0.7 (flag); "
-            "top_k off, min_p 0 (built-in)") in shown
+            "top_k off, min_p 0, presence_penalty 0, frequency_penalty 0 (built-in)") in shown

@@ -21,8 +21,8 @@ What is validated is kept as a type that says so (StopStrings, StopTokenIds, Log
 of a request with n > 1 (`dataclasses.replace(params, seed=...)`) do not validate those lists again:
 a request's validation costs one pass over its lists, whatever n is.
 
-Defaults from the model: temperature, top_p, top_k, min_p and repetition_penalty default to None,
-"not set". `with_defaults(defaults)` fills the unset ones from a SamplingDefaults: the model's
+Defaults from the model: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty and
+frequency_penalty default to None, "not set". `with_defaults(defaults)` fills the unset ones from a SamplingDefaults: the model's
 generation config (generation_config.json, GGUF metadata, a layered checkpoint's copy, or the
 values deepinfer ships for its default model), overridden by EngineConfig.override_generation_config
 (the `chat` / `serve` sampling flags), as vLLM's `--generation-config auto` does. `LLM`, `chat` and
@@ -58,7 +58,8 @@ from deepinfer.core.structured.params import StructuredOutputsParams
 
 # The fields a model may give defaults for, and the values they take when nothing sets them.
 BUILTIN_SAMPLING_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0}
 MODEL_DEFAULT_FIELDS = tuple(BUILTIN_SAMPLING_DEFAULTS)
 
 
@@ -72,8 +73,9 @@ class SamplingParams:
     top_k: int | None = None  # 0 or -1 disables
     min_p: float | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # OpenAI's: subtracted from the logit of a token once it is in the output / per time it is (never the prompt's)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()  # a string or any list of them is taken; kept as StopStrings
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # any collection of ids is taken
@@ -99,8 +101,10 @@ class SamplingParams:
                 self.top_k = 0
         if self.min_p is not None:
             self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
-        self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.presence_penalty is not None:
+            self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if self.frequency_penalty is not None:
+            self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.repetition_penalty is not None:
             self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
                                             MAX_REPETITION_PENALTY)

@@ -100,8 +100,8 @@ class _SamplingFields(BaseModel):
     # None (absent): the model's default (generation_config.json, GGUF metadata), or serve's flag
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # None: the model's default (0 unless it sets one)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: str | StopStrings | None = None
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False

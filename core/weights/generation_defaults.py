@@ -1,12 +1,15 @@
-"""The sampling defaults a model ships: temperature, top_p, top_k, min_p, repetition_penalty.
+"""The sampling defaults a model ships: temperature, top_p, top_k, min_p, repetition_penalty, and the
+presence and frequency penalties.
 
 Where they are read from, by source kind:
 - HF directory and layered checkpoint: `generation_config.json` (the converter copies an HF source's
   and writes a GGUF source's, core/weights/convert/), keys of the same names. As vLLM does, only
-  these keys are read (`do_sample` is not: a file that sets a temperature gets it);
+  these keys are read (`do_sample` is not: a file that sets a temperature gets it); HF's
+  GenerationConfig has no presence or frequency penalty, so those two are deepinfer's own keys (ollama
+  keeps the same two in a Modelfile);
 - GGUF: llama.cpp's `general.sampling.*` metadata (gguf-py's Keys.General.SAMPLING_*): temp, top_p,
   top_k, min_p, penalty_repeat (`penalty_last_n` is not read: deepinfer's repetition penalty covers
-  the whole prompt and output, as HF's does);
+  the whole prompt and output, as HF's does); llama.cpp defines no key for the other two penalties;
 - the default model (SmolLM2-135M-Instruct, whose own generation_config.json holds none): the values
   of core/weights/default_model.py, measured on it.
 
@@ -23,7 +26,8 @@ from typing import Any
 from deepinfer.core.errors import DeepInferError, ModelLoadError
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 GGUF_SAMPLING_KEYS = {  # field -> llama.cpp's metadata key
     "temperature": "general.sampling.temp",
     "top_p": "general.sampling.top_p",
