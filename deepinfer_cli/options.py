@@ -95,10 +95,8 @@ SAMPLING_FLAGS: dict[str, tuple[str, type, str]] = {
     "top_k": ("--top-k", int, "Keep the k most likely tokens; 0 disables."),
     "min_p": ("--min-p", float, "Drop tokens below min_p times the most likely one's probability."),
     "repetition_penalty": ("--repetition-penalty", float, "Penalty on prompt and answer tokens; 1 disables."),
-    "presence_penalty": ("--presence-penalty", float, "Subtracted from a token's logit once the answer holds it; 0 "
-                                                      "disables."),
-    "frequency_penalty": ("--frequency-penalty", float, "Subtracted from a token's logit per time the answer holds "
-                                                        "it; 0 disables."),
+    "presence_penalty": ("--presence-penalty", float, "Subtracted from a token's logit once the answer holds it."),
+    "frequency_penalty": ("--frequency-penalty", float, "Subtracted from a token's logit per time the answer holds it."),
 }
 
 
