@@ -177,6 +177,9 @@ def test_a_given_tokenizer_replaces_the_dummy_models_byte_tokenizer(tmp_path, mo
     ids = tiny_tokenizer.encode("the quick brown fox")
     assert loaded.tokenizer.encode("the quick brown fox") == ids  # the given vocabulary, not one id per byte
     assert loaded.tokenizer.decode(ids) == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    quantized = load_model(EngineConfig(dummy_weights=True, shape=str(shape), tokenizer=str(tmp_path / "tok"),
+                                        quantization="w4a16"), "cpu", torch.float32)  # random codes, no read
+    assert quantized.tokenizer.encode("the quick brown fox") == ids
     with pytest.raises(ModelLoadError, match="no such file"):
         load_model(EngineConfig(dummy_weights=True, shape=str(shape), tokenizer=str(tmp_path / "absent")),
                    "cpu", torch.float32)

@@ -104,6 +104,9 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
         start = time.perf_counter()
         loaded = _read_quantized(config, device, dtype)
         logger.info("quantized %s to %s in %.1f s", loaded.name, config.quantization, time.perf_counter() - start)
+    if config.tokenizer is not None:
+        loaded = dataclasses.replace(loaded, tokenizer=load_given_tokenizer(Path(config.tokenizer).expanduser(),
+                                                                            loaded.spec))
     merge_projections(loaded.model)  # q/k/v and gate/up: one product each
     if device.type == "cuda":
         compact_weights(loaded.model, device)
@@ -160,8 +163,6 @@ def read_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
             loaded = _read_direct(kind, path, config, device, dtype)
         else:
             loaded = _read_hf(path, config, device, dtype)
-    if config.tokenizer is not None:
-        loaded = dataclasses.replace(loaded, tokenizer=load_given_tokenizer(Path(config.tokenizer).expanduser(), loaded.spec))
     return loaded if hub_name is None else dataclasses.replace(loaded, name=hub_name)
 
 
