@@ -190,7 +190,7 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
     until every SM holds about two CTAs, four of the 64-row ones (never below two pipeline stages per split). On
     the H200 sweep of Qwen2.5-3B's and 7B's products, at the points the dispatch sends here this was within
     10% of the sweep's fastest launch at most, and 1.4x it at worst (3B's o-projection at 64 tokens, 7B's
-    down-projection at 128): results/w4_gemm_sweep_nvidia_h200.json, scripts/tune_w4_gemm.py."""
+    down-projection at 128): 8ad1055:results/w4_gemm_sweep_nvidia_h200.json, scripts/tune_w4_gemm.py."""
     ctas_per_sm = 2
     if wgmma_available(device_index):
         ntok = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64

@@ -71,7 +71,7 @@ DECODE_TABLE = (
     DecodeRow("clustered", lambda s: (short_bound(s) and s.clusters and ctas(s) < COMBINED_MIN_CTAS
                                       and ctas(s) * kernels.CLUSTER_CTAS <= s.multiprocessors),
               "few sequences under short bounds whose clusters all fit the SMs at once: even with split at one "
-              "stream, faster at 8 (results/decode_step_experiments_qwen2.5-3b_nvidia_h200.json, 'clustered')"),
+              "stream, faster at 8 (e378c94:results/decode_step_experiments_qwen2.5-3b_nvidia_h200.json, 'clustered')"),
     DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
               "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
               "(e0c504d:results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),

@@ -42,7 +42,7 @@ FRAGMENT_WEIGHT = 1 << 22  # in_features x out_features (Qwen2.5-3B's o-projecti
 FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated and of FRAGMENT_LARGE_WEIGHT ...
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
-FRAGMENT_BATCH_TOKENS = (33, 128)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
+FRAGMENT_BATCH_TOKENS = (33, 96)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
 FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
 FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
 W8_MAX_TOKENS = 32  # the W8 kernel's row: at 64 tokens the dense row was faster on every product measured
@@ -181,7 +181,7 @@ def fragment_serves(shape: ProductShape) -> bool:
 
 def fragment_batch_serves(shape: ProductShape) -> bool:
     """Where FRAGMENT_BATCH_ROW is on: W4 with G = 128 * 2^i or one group a row, products of at least
-    FRAGMENT_LARGE_WEIGHT (7B's MLP) at 33-128 tokens where wide, 65-128 where tall (the H200 timing: wgmma)."""
+    FRAGMENT_LARGE_WEIGHT (7B's MLP) at 33-96 tokens where wide, 65-128 where tall (the H200 timing: wgmma)."""
     if not (FRAGMENT_BATCH_ROW and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_LARGE_WEIGHT
             and (shape.group_size == shape.in_features
                  or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0))):
@@ -200,7 +200,7 @@ def fragment_may_serve(packed: PackedWeight) -> bool:
     return fragment_takes(packed) and any(
         product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                  packed.group_size)).kernel in FRAGMENT_KERNELS
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_TALL_TOKENS))
 
 
 @cache
@@ -276,9 +276,10 @@ PRODUCT_TABLE = (
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
     ProductRow("fragment_batch", fragment_batch_serves, fragment_batch,
                "the 33-128-token kernel over the same layout (wgmma on SM90), where FRAGMENT_BATCH_ROW is on: on an "
-               "H200 it timed faster than w4_gemm on 7B's gate/up 3584 x 37888 at 48-128 tokens (63.5 us against "
-               "74.7 at 64, 116.3 against 122.2 at 128) and 7B's down 18944 x 3584 at 128 (58.7 against 84.5), "
-               "slower on 3B's products and on 7B's down at 48-64 (docs/KERNELS.md)"),
+               "H200 faster than w4_gemm on 7B's gate/up 3584 x 37888 at 48-96 tokens (64.1 us against 74.9 at 64, "
+               "117.2 against 121.8 at 96; at 128 123.7 against 120.5) and 7B's down 18944 x 3584 at 96-128 (59.9 "
+               "against 83.9 at 128; at 48-64 35.5 against 34.6), slower on 3B's products but 2048 x 22016 at 64 "
+               "(results/bench_gemv_qwen2.5-w4a16-fragment-batch_nvidia_h200.json)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
@@ -287,7 +288,7 @@ PRODUCT_TABLE = (
                "tc's 13.1), and at 65-128 tokens on the MLP products (1.2-1.5x faster than dequantize + cuBLAS at "
                "128); on 3B's o-projection (2048 x 2048) ksplit or dequantize + cuBLAS were faster, on the attention "
                "products at 128 tokens and on every product at 256 dequantize + cuBLAS "
-               "(results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json, results/w4_gemm_sweep_nvidia_h200.json)"),
+               "(results/bench_gemv_qwen2.5-w4a16-bf16_nvidia_h200.json, 8ad1055:results/w4_gemm_sweep_nvidia_h200.json)"),
     ProductRow("dense", lambda s: s.tokens > (WIDE_KERNEL_MAX_TOKENS if wide(s) else KERNEL_MAX_TOKENS), dense,
                "dequantize + cuBLAS costs about the same at any token count and beats the packed kernels beyond 32 "
                "tokens, beyond 64 on wide products (results/bench_gemv_dense_w4_nvidia_h200.json)"),
@@ -385,7 +386,7 @@ def fragment_plain_needed(packed: PackedWeight) -> bool:
                 and not epilogue_serves(FRAGMENT_BATCH_GATE_UP_ACT, shape))
     return any(plain_only(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                        packed.group_size))
-               for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
+               for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_TALL_TOKENS))
 
 
 def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
@@ -394,4 +395,4 @@ def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
         epilogue_serves(epilogue, ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                                packed.group_size))
         for epilogue in (FRAGMENT_GATE_UP_ACT, FRAGMENT_BATCH_GATE_UP_ACT)
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_TALL_TOKENS))
