@@ -43,6 +43,7 @@ FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated 
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_BATCH_TOKENS = (33, 96)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
+# serves wide products at these counts (at 128 w4_gemm was faster) ...
 FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
 FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
 W8_MAX_TOKENS = 32  # the W8 kernel's row: at 64 tokens the dense row was faster on every product measured
