@@ -22,8 +22,8 @@ of a request with n > 1 (`dataclasses.replace(params, seed=...)`) do not validat
 a request's validation costs one pass over its lists, whatever n is.
 
 Defaults from the model: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty and
-frequency_penalty default to None, "not set". `with_defaults(defaults)` fills the unset ones from a SamplingDefaults: the model's
-generation config (generation_config.json, GGUF metadata, a layered checkpoint's copy, or the
+frequency_penalty default to None, "not set". `with_defaults(defaults)` fills the unset ones from a
+SamplingDefaults: the model's generation config (generation_config.json, GGUF metadata, a layered checkpoint's copy, or the
 values deepinfer ships for its default model), overridden by EngineConfig.override_generation_config
 (the `chat` / `serve` sampling flags), as vLLM's `--generation-config auto` does. `LLM`, `chat` and
 `serve` fill them so; the engines take params as given, an unset field meaning the built-in value
