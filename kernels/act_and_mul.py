@@ -12,6 +12,17 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+def fused_epilogue_operands(x: torch.Tensor, activation: str, out_features: int,
+                            out: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """(activation code, out [M, out_features / 2] in x's dtype, made where None) of a product kernel whose
+    epilogue applies act(gate) * up to a merged [gate | up] weight of `out_features` rows."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    if out is None:
+        out = torch.empty(x.shape[0], out_features // 2, dtype=x.dtype, device=x.device)
+    return ACTIVATIONS[activation], out
+
+
 def rows_aligned(tensor: torch.Tensor) -> bool:
     """Whether every row of a [T, I] tensor is contiguous and starts on a 16-byte boundary (the kernel reads 8
     elements at a time)."""

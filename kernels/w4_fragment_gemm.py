@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer.kernels.act_and_mul import ACTIVATIONS
+from deepinfer.kernels.act_and_mul import ACTIVATIONS, fused_epilogue_operands
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import _num_sms, split_k_buffers
@@ -297,11 +297,8 @@ def w4_fragment_gemm_act_and_mul(x: torch.Tensor, weight: FragmentWeight, activa
                                  splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """act(x @ gate.T + b_gate) * (x @ up.T + b_up) [M, I] in x's dtype, the same bits as the product followed by
     act_and_mul_kernel; `weight` from `gate_up_layout` (2I rows), `bias` [2I] in `gate_up_order`."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}")
-    if out is None:
-        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, ACTIVATIONS[activation], config, splits, out)
+    act, out = fused_epilogue_operands(x, activation, weight.out_features, out)
+    return _launch(x, weight, bias, act, config, splits, out)
 
 
 def _launch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None, act: int,
