@@ -16,14 +16,34 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from starlette.requests import Request
 
+from deepinfer.core.server.preprocess import parse_json_object, validate
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import ServingEngine, sse_json
-from deepinfer.core.server.serving_chat import PreparedChat, create_chat_completion
+from deepinfer.core.server.serving_chat import PreparedChat, create_chat_completion, prepare_chat_request
 
 REASONING, TEXT, TOOL_CALL = "reasoning", "text", "tool_call"
+
+
+
+class TranslatedRequest(NamedTuple):
+    """Another API's request (a pydantic model with `to_chat_request()`), its chat translation, and the chat
+    path's preparation of that."""
+
+    request: Any
+    chat: ChatCompletionRequest
+    prepared: PreparedChat
+
+
+def prepare_translated(serving: ServingEngine, body: bytes, request_type: type) -> TranslatedRequest:
+    """Parse `body` as `request_type` and translate it, then the chat path's own preparation (on a
+    preprocessing thread)."""
+    request = validate(parse_json_object(body), request_type)
+    chat, prepared = prepare_chat_request(serving, request.to_chat_request())
+    return TranslatedRequest(request, chat, prepared)
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -25,17 +24,18 @@ from deepinfer.core.server.chat_adapter import (
     Part,
     PartDelta,
     ReplyStream,
+    TranslatedRequest,
     chat_chunks,
     chat_completion,
     message_parts,
     named_sse,
+    prepare_translated,
 )
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter, anthropic_error_body
 from deepinfer.core.server.preprocess import parse_json_object, validate
-from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import EventStreamResponse, ServingEngine
-from deepinfer.core.server.serving_chat import PreparedChat, prepare_chat_request, template_variables
+from deepinfer.core.server.serving_chat import template_variables
 
 # Chat finish_reason -> Anthropic stop_reason ("stop" is end_turn unless a stop sequence ended it).
 # "abort" (the server ended the request at shutdown) has no Anthropic reason; the turn just ends.
@@ -43,17 +43,8 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 _STATUS_BY_CHAT_ERROR = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable": 503}
 
 
-class PreparedMessage(NamedTuple):
-    anthropic: MessagesRequest
-    chat: ChatCompletionRequest
-    prepared: PreparedChat
-
-
-def prepare_message(serving: ServingEngine, body: bytes) -> PreparedMessage:
-    """Parse and translate, then the chat path's own preparation (a preprocessing thread)."""
-    anthropic = validate(parse_json_object(body), MessagesRequest)
-    chat, prepared = prepare_chat_request(serving, anthropic.to_chat_request())
-    return PreparedMessage(anthropic, chat, prepared)
+def prepare_message(serving: ServingEngine, body: bytes) -> TranslatedRequest:
+    return prepare_translated(serving, body, MessagesRequest)
 
 
 def count_tokens(serving: ServingEngine, body: bytes) -> dict:
@@ -113,7 +104,7 @@ def _delta(part: Part, text: str) -> dict:
     return {"type": "input_json_delta", "partial_json": text}
 
 
-async def create_message(serving: ServingEngine, message: PreparedMessage, raw_request: Request):
+async def create_message(serving: ServingEngine, message: TranslatedRequest, raw_request: Request):
     anthropic, chat, prepared = message
     message_id = f"msg_{uuid.uuid4().hex}"  # Anthropic's id shape
     input_tokens = len(prepared.prompt.token_ids)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -26,29 +25,19 @@ from deepinfer.core.server.chat_adapter import (
     Part,
     PartDelta,
     ReplyStream,
+    TranslatedRequest,
     chat_chunks,
     chat_completion,
     message_parts,
     named_sse,
+    prepare_translated,
 )
-from deepinfer.core.server.preprocess import parse_json_object, validate
-from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.responses_protocol import ResponsesRequest
 from deepinfer.core.server.serving import EventStreamResponse, ServingEngine
-from deepinfer.core.server.serving_chat import PreparedChat, prepare_chat_request
 
 
-class PreparedResponse(NamedTuple):
-    responses: ResponsesRequest
-    chat: ChatCompletionRequest
-    prepared: PreparedChat
-
-
-def prepare_response(serving: ServingEngine, body: bytes) -> PreparedResponse:
-    """Parse and translate, then the chat path's own preparation (a preprocessing thread)."""
-    responses = validate(parse_json_object(body), ResponsesRequest)
-    chat, prepared = prepare_chat_request(serving, responses.to_chat_request())
-    return PreparedResponse(responses, chat, prepared)
+def prepare_response(serving: ServingEngine, body: bytes) -> TranslatedRequest:
+    return prepare_translated(serving, body, ResponsesRequest)
 
 
 def _item_id(part: Part) -> str:
@@ -109,7 +98,7 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-async def create_response(serving: ServingEngine, response: PreparedResponse, raw_request: Request):
+async def create_response(serving: ServingEngine, response: TranslatedRequest, raw_request: Request):
     request, chat, prepared = response
     envelope = _Envelope(serving, request)
     if not chat.stream:
