@@ -22,6 +22,26 @@ def reference_product(x: torch.Tensor, packed) -> torch.Tensor:
     return ref if packed.bias is None else ref + packed.bias.float()
 
 
+def reference_act_and_mul(x: torch.Tensor, packed, inner: int, activation: str) -> torch.Tensor:
+    """act(gate) * up [M, inner] of the fp32 reference product of a merged [gate | up] weight (2 inner rows)."""
+    full = reference_product(x, packed)
+    return act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+
+
+def fused_gate_up_checks(op: str, case: str, out: torch.Tensor, product: torch.Tensor, x: torch.Tensor, packed,
+                         inner: int, activation: str, dtype: torch.dtype) -> list[CheckResult]:
+    """A fused gate/up epilogue's `out` [M, inner] against the same kernel's plain `product` [M, 2 inner] then
+    act_and_mul (bit for bit), and against the fp32 reference."""
+    from deepinfer.kernels.act_and_mul import act_and_mul
+
+    want = act_and_mul(product[:, :inner], product[:, inner:], activation)
+    same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+    return [CheckResult(op, f"{case} == unfused", same,
+                        detail="" if same else "differs from the product then act_and_mul's bits"),
+            compare(op, f"{case} vs fp32", out, reference_act_and_mul(x, packed, inner, activation),
+                    2 * REL_TOL[dtype])]
+
+
 # (tokens, out_features, in_features, group size, kernel, tile, splits, fp32 scales, bias)
 QUANT_CASES = (
     (1, 4096, 4096, 128, "gemv", 1, None, False, False),
@@ -231,8 +251,6 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
             case = f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g}"
 
             def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, dtype=dtype, case=case):
-                from deepinfer.kernels.act_and_mul import act_and_mul
-
                 packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
                 plain = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, 2 * inner, k, dtype)
                 fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
@@ -241,13 +259,7 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                 order = fragment.gate_up_order(inner, device)
                 fragment.w4_fragment_gemm_act_and_mul(x, fused, activation, packed.bias[order], out=out)
                 product = fragment.w4_fragment_gemm(x, plain, packed.bias)
-                want = act_and_mul(product[:, :inner], product[:, inner:], activation)
-                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
-                full = reference_product(x, packed)
-                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
-                return [CheckResult("w4_fragment_gemm", f"{case} == unfused", same,
-                                    detail="" if same else "differs from the product then act_and_mul's bits"),
-                        compare("w4_fragment_gemm", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
+                return fused_gate_up_checks("w4_fragment_gemm", case, out, product, x, packed, inner, activation, dtype)
 
             results += guarded("w4_fragment_gemm", case, run_fused)
     return results
@@ -293,8 +305,6 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
 
             def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, ctas=ctas, dtype=dtype, case=case,
                           config=config):
-                from deepinfer.kernels.act_and_mul import act_and_mul
-
                 packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
                 fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
                 order = fragment.gate_up_order(inner, device)
@@ -305,13 +315,8 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
                 # the same kernel's product over the same layout (the same k split of every row), rows put back
                 product = torch.empty(m, 2 * inner, device=device, dtype=dtype)
                 product[:, order] = batch.w4_fragment_batch(x, fused, packed.bias[order], config=config, ctas=ctas)
-                want = act_and_mul(product[:, :inner], product[:, inner:], activation)
-                same = torch.equal(out.view(torch.int16), want.view(torch.int16))
-                full = reference_product(x, packed)
-                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
-                return [CheckResult("w4_fragment_batch", f"{case} == unfused", same,
-                                    detail="" if same else "differs from the product then act_and_mul's bits"),
-                        compare("w4_fragment_batch", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype])]
+                return fused_gate_up_checks("w4_fragment_batch", case, out, product, x, packed, inner, activation,
+                                            dtype)
 
             results += guarded("w4_fragment_batch", case, run_fused)
     return results
@@ -489,10 +494,7 @@ def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16
                     same = torch.equal(got.view(torch.int16), want.view(torch.int16))
                     checks.append(CheckResult("quant_matmul_act_and_mul", f"{case}{name} == unfused", same,
                                               detail="" if same else "differs from the unfused kernels' bits"))
-                full = x.float() @ dequantize(packed, torch.float32).T
-                if packed.bias is not None:
-                    full = full + packed.bias.float()
-                ref = act_and_mul_reference(full[:, :inner], full[:, inner:], activation)
+                ref = reference_act_and_mul(x, packed, inner, activation)
                 checks.append(compare("quant_matmul_act_and_mul", f"{case} vs fp32", out, ref, 2 * REL_TOL[dtype]))
                 return checks
 
