@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.outputs import RequestOutput
+from deepinfer.core.engine.heap import freeze_startup_heap
 from deepinfer.core.engine.frontend.request_stream import RequestStream, put_all
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
@@ -46,6 +47,7 @@ class EngineFrontend:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        freeze_startup_heap()  # the model (or its client) is built: nothing made so far is garbage later
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
