@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.outputs import RequestOutput
-from deepinfer.core.engine.heap import freeze_startup_heap
 from deepinfer.core.engine.frontend.request_stream import RequestStream, put_all
+from deepinfer.core.engine.heap import freeze_startup_heap
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError
