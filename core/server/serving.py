@@ -199,15 +199,17 @@ class ServingEngine:
 
     # The event loop ----------------------------------------------------------------------------
 
-    async def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None) -> list:
+    async def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None,
+                     small_body: bool) -> list:
         """One engine request per prompt; all or none (a refusal aborts the ones already queued).
 
         Making a request checks its lists against the vocabulary and sets up each of its n samples
-        (generator, grammar matcher, token lists). A request of at most INLINE_SAMPLES samples without
-        a grammar is added here, on the event loop: its setup costs less than handing it to a worker
-        thread and back, two waits for the GIL in a process busy streaming. A larger one runs on a
-        worker thread, so one n=128 request does not stall the other clients' streams and /health."""
-        if (sum(prompt.params.n for prompt in prompts) <= INLINE_SAMPLES
+        (generator, grammar matcher, token lists). A request of a small body (`small_body`: its lists are
+        short too) with at most INLINE_SAMPLES samples and no grammar is added here, on the event loop:
+        its setup costs less than handing it to a worker thread and back, two waits for the GIL in a
+        process busy streaming. Any other runs on a worker thread, so one n=128 request or a prompt with
+        the longest stop strings does not stall the other clients' streams and /health."""
+        if (small_body and sum(prompt.params.n for prompt in prompts) <= INLINE_SAMPLES
                 and all(prompt.params.structured_outputs is None for prompt in prompts)):
             streams = self._add_requests(prompts, request_id, tenant)
             self._live.update(streams)
