@@ -7,6 +7,7 @@ between runs are exact, not lucky.
 """
 
 import asyncio
+import gc
 import random
 
 import pytest
@@ -370,6 +371,7 @@ def test_async_engine_streams_aborts_and_counts_every_token_once(model_dir, load
         stats = []
         engine.add_stats_listener(stats.append)
         await engine.start()
+        frozen_while_serving = gc.get_freeze_count()  # the start-up heap, out of the collector's passes
         stream = engine.add_request(p_stream, greedy(12), request_id="s")
         victim = engine.add_request(p_abort, greedy(500 - 9), request_id="v")
         with pytest.raises(PromptTooLongError):
@@ -396,6 +398,7 @@ def test_async_engine_streams_aborts_and_counts_every_token_once(model_dir, load
         failed = [out async for out in engine.add_request(p_stream, greedy(3))]
         recovered = [out async for out in engine.generate(p_stream, greedy(12))]
         await engine.shutdown()
+        assert frozen_while_serving > 0 and gc.get_freeze_count() == 0  # thawed: the engine's memory can go
         with pytest.raises(DeepInferError, match="shutting down"):
             engine.add_request(p_stream, greedy(3))
         assert failed[-1].finish_reason == "error" and "device fell over" in failed[-1].error

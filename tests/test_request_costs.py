@@ -267,6 +267,8 @@ def test_n64_seeded_with_the_most_stop_token_ids(server, request_threads, monkey
     assert calls.count("stop_token_ids") == MAX_STOP_TOKEN_IDS  # once for the request, not per sample
     made = [thread for thread, n in request_threads if n == 64]
     assert made and server._thread not in made  # made off the event loop
+    # the neighbour stream (a small body, one sample): made on the loop, cheaper than the hand-over
+    assert server._thread in [thread for thread, n in request_threads if n == 1]
 
 
 def test_too_many_stop_token_ids_is_a_400(server):

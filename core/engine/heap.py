@@ -6,6 +6,10 @@ process: the millions torch, transformers and the model's modules made at start-
 will ever be garbage. Freezing the heap once start-up is over (`gc.freeze`, after a collection)
 moves those objects to a permanent generation the collector skips, so its passes only see what
 serving made (as vLLM's engine and API server do). Objects made later are collected as usual.
+
+Frozen objects that become cyclic garbage are not collected until the heap is thawed, so the front
+ends thaw it when they shut down: a benchmark or a test that runs engines one after another in one
+process then gets each engine's memory back at its next collection.
 """
 
 from __future__ import annotations
@@ -17,3 +21,8 @@ def freeze_startup_heap() -> None:
     """Collect what start-up left as garbage, then keep every surviving object out of later collections."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Put the frozen objects back under the collector (an engine is gone: what it held may be garbage now)."""
+    gc.unfreeze()

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.frontend.request_stream import RequestStream, put_all
-from deepinfer.core.engine.heap import freeze_startup_heap
+from deepinfer.core.engine.heap import freeze_startup_heap, thaw_heap
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError
@@ -124,6 +124,12 @@ class EngineFrontend:
                 puts.append((stream, item))
         if puts:
             self._loop.call_soon_threadsafe(put_all, puts)
+
+    def _shut_down(self) -> None:
+        """The end of `shutdown`: every open stream ends, and what the engine held goes back under the
+        garbage collector (core/engine/heap.py)."""
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        thaw_heap()
 
     def _fail_all(self, error: BaseException) -> None:
         """End every open stream with `error`."""
