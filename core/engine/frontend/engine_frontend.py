@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.frontend.request_stream import RequestStream, put_all
-from deepinfer.core.engine.heap import freeze_startup_heap, thaw_heap
+from deepinfer.core.engine.interpreter import restore_after_serving, tune_for_serving
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError
@@ -47,7 +47,7 @@ class EngineFrontend:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        freeze_startup_heap()  # the model (or its client) is built: nothing made so far is garbage later
+        tune_for_serving()  # the model (or its client) is built (core/engine/interpreter.py)
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -126,10 +126,10 @@ class EngineFrontend:
             self._loop.call_soon_threadsafe(put_all, puts)
 
     def _shut_down(self) -> None:
-        """The end of `shutdown`: every open stream ends, and what the engine held goes back under the
-        garbage collector (core/engine/heap.py)."""
+        """The end of `shutdown`: every open stream ends, and the interpreter is as before `start`
+        (core/engine/interpreter.py)."""
         self._fail_all(EngineDeadError("the engine was shut down"))
-        thaw_heap()
+        restore_after_serving()
 
     def _fail_all(self, error: BaseException) -> None:
         """End every open stream with `error`."""
