@@ -272,7 +272,7 @@ def serve(
     burstiness: Annotated[float, typer.Option(
         "--burstiness", help="Gamma shape of the arrival gaps: 1 is Poisson, < 1 bursts, > 1 more even.")] = 1.0,
     num_prompts: Annotated[int | None, typer.Option(
-        "--num-prompts", "-n", help="Requests per level (default max(4 x concurrency, 16); 100 per rate).")
+        "--num-prompts", "-n", help="Requests per level (default max(2 x concurrency, 8), as bench concurrency; 100 per rate).")
     ] = None,
     max_concurrency: Annotated[int | None, typer.Option(
         "--max-concurrency", help="Open loop: requests in flight at most (later arrivals wait).")] = None,

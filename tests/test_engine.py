@@ -7,7 +7,9 @@ between runs are exact, not lucky.
 """
 
 import asyncio
+import gc
 import random
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from conftest import save_tiny_model
 
 from deepinfer import LLM, AsyncEngine, SamplingParams
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine.interpreter import SERVING_SWITCH_INTERVAL_S
 from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.worker.memory import DeviceMemory, plan_kv_budget
 from deepinfer.core.errors import DeepInferError, InvalidRequestError, PromptTooLongError, QueueFullError
@@ -369,7 +372,10 @@ def test_async_engine_streams_aborts_and_counts_every_token_once(model_dir, load
                                           max_waiting_requests=4))
         stats = []
         engine.add_stats_listener(stats.append)
+        switch_before = sys.getswitchinterval()
         await engine.start()
+        frozen_while_serving = gc.get_freeze_count()  # the start-up heap, out of the collector's passes
+        switch_while_serving = sys.getswitchinterval()
         stream = engine.add_request(p_stream, greedy(12), request_id="s")
         victim = engine.add_request(p_abort, greedy(500 - 9), request_id="v")
         with pytest.raises(PromptTooLongError):
@@ -396,6 +402,8 @@ def test_async_engine_streams_aborts_and_counts_every_token_once(model_dir, load
         failed = [out async for out in engine.add_request(p_stream, greedy(3))]
         recovered = [out async for out in engine.generate(p_stream, greedy(12))]
         await engine.shutdown()
+        assert frozen_while_serving > 0 and gc.get_freeze_count() == 0  # thawed: the engine's memory can go
+        assert switch_while_serving == pytest.approx(SERVING_SWITCH_INTERVAL_S) and sys.getswitchinterval() == switch_before
         with pytest.raises(DeepInferError, match="shutting down"):
             engine.add_request(p_stream, greedy(3))
         assert failed[-1].finish_reason == "error" and "device fell over" in failed[-1].error

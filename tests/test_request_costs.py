@@ -242,13 +242,13 @@ def beside_a_stream(server, amplifier: dict) -> tuple[dict, int]:
 
 @pytest.fixture
 def request_threads(server, monkeypatch):
-    """The threads engine requests are made on (LLMEngine.make_request_group)."""
+    """(thread, n) of each engine request made (LLMEngine.make_request_group)."""
     threads = []
     make = LLMEngine.make_request_group
 
-    def recording(self, *args, **kwargs):
-        threads.append(threading.current_thread())
-        return make(self, *args, **kwargs)
+    def recording(self, prompt, params, *args, **kwargs):
+        threads.append((threading.current_thread(), params.n))
+        return make(self, prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(LLMEngine, "make_request_group", recording)
     return threads
@@ -265,7 +265,10 @@ def test_n64_seeded_with_the_most_stop_token_ids(server, request_threads, monkey
                                              "max_tokens": 4, "stop_token_ids": stop_ids})
     assert len(body["choices"]) == 64 and healthy >= 1
     assert calls.count("stop_token_ids") == MAX_STOP_TOKEN_IDS  # once for the request, not per sample
-    assert request_threads and server._thread not in request_threads  # made off the event loop
+    made = [thread for thread, n in request_threads if n == 64]
+    assert made and server._thread not in made  # made off the event loop
+    # the neighbour stream (a small body, one sample): made on the loop, cheaper than the hand-over
+    assert server._thread in [thread for thread, n in request_threads if n == 1]
 
 
 def test_too_many_stop_token_ids_is_a_400(server):

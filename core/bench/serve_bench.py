@@ -40,6 +40,7 @@ from deepinfer.core.bench.latency import percentiles
 from deepinfer.core.bench.progress import SweepProgress
 from deepinfer.core.bench.serve_client import RequestRecord, RequestSettings, list_models, stream_request
 from deepinfer.core.bench.serve_workload import BenchPrompt, PromptMaker, arrival_offsets
+from deepinfer.core.bench.workload import default_num_requests
 from deepinfer.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,9 @@ class ServeSweep:
 
 
 def default_num_prompts(level: dict) -> int:
-    """Closed loop: four waves of clients, at least 16 requests; open loop: 100 arrivals."""
-    return max(4 * level["concurrency"], 16) if "concurrency" in level else 100
+    """Closed loop: as many requests as `bench concurrency` sends at that concurrency, so the two
+    measure the same workload (over HTTP and in-process); open loop: 100 arrivals."""
+    return default_num_requests(level["concurrency"]) if "concurrency" in level else 100
 
 
 def level_label(level: dict) -> str:

@@ -209,12 +209,14 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
                            allow_methods=["GET", "POST", "HEAD", "OPTIONS"], allow_headers=["*"], max_age=600)
     app.add_middleware(ErrorCountMiddleware, count=state.metrics.count_rejection)
 
-    async def prepared(raw_request: Request, prepare: Callable):
-        """Read the body on the loop, prepare it on a preprocessing thread (parse, template, tokenize)."""
+    async def prepared(raw_request: Request, prepare: Callable, bounded: bool = False):
+        """Read the body on the loop, prepare it on a preprocessing thread (parse, template, tokenize), or
+        on the loop when `bounded` and small (Preprocessor.run)."""
         serving = state.require_serving()
         with state.preprocessor.slot():
             body = await read_json_bytes(raw_request)
-            return serving, await state.preprocessor.run(prepare, serving, body)
+            raw_request.state.body_bytes = len(body)
+            return serving, await state.preprocessor.run(prepare, serving, body, bounded)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -249,7 +251,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
 
     @app.post("/v1/completions")
     async def completions(raw_request: Request):
-        serving, (request, prompts) = await prepared(raw_request, prepare_completion)
+        serving, (request, prompts) = await prepared(raw_request, prepare_completion, bounded=True)
         return await create_completion(serving, request, prompts, raw_request)
 
     @app.post("/v1/messages")

@@ -17,11 +17,32 @@ series prometheus_client adds to counters and histograms (vLLM turns them off to
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import math
+import threading
+from bisect import bisect_left
+from itertools import accumulate
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from deepinfer.core.engine.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+GAUGES = {  # name: help
+    "num_requests_running": "Requests holding KV blocks (in the batch).",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+}
+COUNTERS = {
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "num_preemptions": "Cumulative number of preemptions from the engine.",
+    "prompt_tokens": "Number of prefill tokens processed (cached ones included).",
+    "prompt_tokens_cached": "Number of cached prompt tokens (prefix cache).",
+    "generation_tokens": "Number of generation tokens processed.",
+}
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit")
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -64,74 +85,107 @@ class ServerMetrics:
         return generate_latest(_WithoutCreated(self.registry))
 
 
+class _Histogram:
+    """A histogram's tallies: the count of each bucket (not cumulative; the last is +Inf), the sum."""
+
+    def __init__(self, name: str, doc: str, buckets: list[float]):
+        self.name, self.doc, self.bounds = name, doc, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, values: list[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:  # the bucket of a value is the first bound >= it, as prometheus_client's
+            counts[bisect_left(bounds, value)] += 1
+        self.sum += sum(values)
+
+    def family(self, model_name: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative = list(accumulate(self.counts))
+        family.add_metric([model_name], [(floatToGoString(bound), count) for bound, count in
+                                         zip([*self.bounds, math.inf], cumulative)], self.sum)
+        return family
+
+
 class EngineMetrics:
-    """Register with `engine.add_stats_listener(metrics.record)`."""
+    """The engine's metrics, tallied from each step's IterationStats and exposed when scraped.
+
+    Register with `engine.add_stats_listener(metrics.record)`. `record` runs once per engine step on
+    the engine's (or its client's) thread, at hundreds of steps a second with a token of every running
+    request each: it adds plain numbers under one lock (a bisect per token for inter-token latency),
+    where prometheus_client's metric objects would take a lock and check their state for every
+    increment and observation. The registry reads the tallies through `collect` on each scrape."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"deepinfer:{name}", doc, labels, registry=self.registry).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"deepinfer:{name}", doc, labels, registry=self.registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(f"deepinfer:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(
-                model_name)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests holding KV blocks (in the batch).")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed (cached ones included).")
-        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Number of cached prompt tokens (prefix cache).")
-        by_source = Counter("deepinfer:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                            labels + ["source"], registry=self.registry)
-        self.prompt_tokens_computed = by_source.labels(model_name, "local_compute")
-        self.prompt_tokens_cache_hit = by_source.labels(model_name, "local_cache_hit")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self._model_name = model_name
-        self.request_success = Counter("deepinfer:request_success", "Count of finished requests by finish reason.",
-                                       labels + ["finished_reason"], registry=self.registry)
-        for reason in FINISH_REASONS:  # exported at 0 from the start, so rates work before the first finish
-            self.request_success.labels(model_name, reason)
-        self.time_to_first_token = histogram("time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
-                                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram("request_queue_time_seconds",
-                                            "Histogram of time spent in WAITING phase for request.",
-                                            REQUEST_LATENCY_BUCKETS)
+        self._lock = threading.Lock()  # record (the engine's thread) against collect (a scrape)
+        self._gauges = dict.fromkeys(GAUGES, 0.0)
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+        self._request_success = dict.fromkeys(FINISH_REASONS, 0)  # exported at 0, so rates work before a finish
+        self._time_to_first_token = _Histogram("deepinfer:time_to_first_token_seconds",
+                                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self._inter_token_latency = _Histogram("deepinfer:inter_token_latency_seconds",
+                                               "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self._e2e_request_latency = _Histogram("deepinfer:e2e_request_latency_seconds",
+                                               "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self._request_queue_time = _Histogram("deepinfer:request_queue_time_seconds",
+                                              "Histogram of time spent in WAITING phase for request.",
+                                              REQUEST_LATENCY_BUCKETS)
+        self.registry.register(self)
 
     def record(self, stats: IterationStats) -> None:
-        """One engine step's report; called from the engine thread (prometheus_client is thread-safe)."""
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
-        self.num_preemptions.inc(stats.num_preemptions)
-        self.prompt_tokens.inc(stats.request_prompt_tokens)
-        self.prompt_tokens_cached.inc(stats.request_cached_tokens)
-        self.prompt_tokens_computed.inc(stats.request_prompt_tokens - stats.request_cached_tokens)
-        self.prompt_tokens_cache_hit.inc(stats.request_cached_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens)
-        for ttft in stats.time_to_first_tokens_s:
-            self.time_to_first_token.observe(ttft)
-        for itl in stats.inter_token_latencies_s:
-            self.inter_token_latency.observe(itl)
-        for finished in stats.finished_requests:
-            self.request_success.labels(self._model_name, finished.finish_reason).inc()
-            self.e2e_request_latency.observe(finished.e2e_latency_s)
-            if finished.queue_time_s is not None:
-                self.request_queue_time.observe(finished.queue_time_s)
+        """One engine step's report (thread-safe)."""
+        with self._lock:
+            gauges, counters = self._gauges, self._counters
+            gauges["num_requests_running"] = stats.num_running
+            gauges["num_requests_waiting"] = stats.num_waiting
+            gauges["kv_cache_usage_perc"] = stats.kv_cache_usage
+            counters["prefix_cache_queries"] += stats.prefix_cache_queries
+            counters["prefix_cache_hits"] += stats.prefix_cache_hits
+            counters["num_preemptions"] += stats.num_preemptions
+            counters["prompt_tokens"] += stats.request_prompt_tokens
+            counters["prompt_tokens_cached"] += stats.request_cached_tokens
+            counters["generation_tokens"] += stats.num_generation_tokens
+            self._prompt_tokens_by_source["local_compute"] += stats.request_prompt_tokens - stats.request_cached_tokens
+            self._prompt_tokens_by_source["local_cache_hit"] += stats.request_cached_tokens
+            if stats.time_to_first_tokens_s:
+                self._time_to_first_token.observe(stats.time_to_first_tokens_s)
+            if stats.inter_token_latencies_s:
+                self._inter_token_latency.observe(stats.inter_token_latencies_s)
+            for finished in stats.finished_requests:
+                reason = finished.finish_reason
+                self._request_success[reason] = self._request_success.get(reason, 0) + 1
+                self._e2e_request_latency.observe([finished.e2e_latency_s])
+                if finished.queue_time_s is not None:
+                    self._request_queue_time.observe([finished.queue_time_s])
+
+    def collect(self):
+        """The metric families now (prometheus_client's custom-collector protocol)."""
+        model = [self._model_name]
+        with self._lock:
+            for name, value in self._gauges.items():
+                family = GaugeMetricFamily(f"deepinfer:{name}", GAUGES[name], labels=["model_name"])
+                family.add_metric(model, value)
+                yield family
+            for name, value in self._counters.items():
+                family = CounterMetricFamily(f"deepinfer:{name}", COUNTERS[name], labels=["model_name"])
+                family.add_metric(model, value)
+                yield family
+            by_source = CounterMetricFamily("deepinfer:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                            labels=["model_name", "source"])
+            for source, value in self._prompt_tokens_by_source.items():
+                by_source.add_metric([self._model_name, source], value)
+            yield by_source
+            success = CounterMetricFamily("deepinfer:request_success", "Count of finished requests by finish reason.",
+                                          labels=["model_name", "finished_reason"])
+            for reason, value in self._request_success.items():
+                success.add_metric([self._model_name, reason], value)
+            yield success
+            for histogram in (self._time_to_first_token, self._inter_token_latency, self._e2e_request_latency,
+                              self._request_queue_time):
+                yield histogram.family(self._model_name)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))

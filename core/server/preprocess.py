@@ -6,6 +6,12 @@ another client's stream or /health. The pool is small on purpose: the tokenizer 
 but JSON parsing and templating hold it, and every extra busy thread is one more the loop waits
 behind. At most `max_pending` requests are being read or prepared at once; beyond that a request
 gets a 429 at once (before its body is read), so a flood of large bodies cannot pile up in memory.
+
+A completion's small body (at most INLINE_BODY_BYTES: a prompt of a few hundred tokens) is prepared on
+the event loop itself: parsing and tokenizing it take less time than the hand-over to a worker thread
+and back, which in a process busy streaming costs two waits for the GIL, and they are part of every
+request's time to first token. A chat request is not: its template is the model's code, whose time
+the body does not bound.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from deepinfer.core.server.errors import APIError, ClientGone, InvalidParameter, validation_message
 from deepinfer.core.server.unsupported import reject_unsupported
 
+INLINE_BODY_BYTES = 4096
 Model = TypeVar("Model", bound=BaseModel)
 T = TypeVar("T")
 
@@ -45,11 +52,21 @@ class Preprocessor:
         finally:
             self._pending -= 1
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def run(self, fn: Callable[[object, bytes], T], serving, body: bytes, bounded: bool = False) -> T:
+        """`fn(serving, body)` on a worker thread; on the event loop instead when `bounded` (its cost is bounded
+        by the body's size: no chat template to render) and the body is at most INLINE_BODY_BYTES."""
+        if bounded and len(body) <= INLINE_BODY_BYTES:
+            return fn(serving, body)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, serving, body)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def is_small_body(request: Request) -> bool:
+    """Whether the request's body (read by `read_json_bytes`) was at most INLINE_BODY_BYTES: such a request
+    also carries too little (stop strings, logit bias, token lists) for its engine setup to be costly."""
+    return request.state.body_bytes <= INLINE_BODY_BYTES
 
 
 def check_json_content_type(request: Request) -> None:

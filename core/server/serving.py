@@ -33,6 +33,8 @@ from deepinfer.core.structured.params import StructuredOutputsParams
 from deepinfer.core.structured.tool_parsers import make_tool_parser
 from deepinfer.core.structured.tools import ToolPlan
 
+# Requests of at most this many samples (and no grammar) are added to the engine on the event loop.
+INLINE_SAMPLES = 4
 # Normalizers may merge characters (NFC composes up to 3 code points into one): a tokenizer with
 # one gets this much slack in the characters-per-token bound.
 NORMALIZER_SLACK = 4
@@ -197,12 +199,21 @@ class ServingEngine:
 
     # The event loop ----------------------------------------------------------------------------
 
-    async def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None) -> list:
+    async def submit(self, prompts: list[PreparedPrompt], request_id: str, tenant: str | None,
+                     small_body: bool) -> list:
         """One engine request per prompt; all or none (a refusal aborts the ones already queued).
 
         Making a request checks its lists against the vocabulary and sets up each of its n samples
-        (generator, grammar matcher, token lists): that runs on a worker thread, never on the event
-        loop, so one n=128 request does not stall the other clients' streams and /health."""
+        (generator, grammar matcher, token lists). A request of a small body (`small_body`: its lists are
+        short too) with at most INLINE_SAMPLES samples and no grammar is added here, on the event loop:
+        its setup costs less than handing it to a worker thread and back, two waits for the GIL in a
+        process busy streaming. Any other runs on a worker thread, so one n=128 request or a prompt with
+        the longest stop strings does not stall the other clients' streams and /health."""
+        if (small_body and sum(prompt.params.n for prompt in prompts) <= INLINE_SAMPLES
+                and all(prompt.params.structured_outputs is None for prompt in prompts)):
+            streams = self._add_requests(prompts, request_id, tenant)
+            self._live.update(streams)
+            return streams
         future = asyncio.get_running_loop().run_in_executor(None, self._add_requests, prompts, request_id, tenant)
         try:
             streams = await asyncio.shield(future)

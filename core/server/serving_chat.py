@@ -27,7 +27,7 @@ from deepinfer.core.reasoning import ReasoningParser, ReasoningSplit, ReasoningS
 from deepinfer.core.server.chat_format import render_chat_prompt
 from deepinfer.core.server.errors import InvalidParameter
 from deepinfer.core.server.logprobs import chat_logprobs, vllm_prompt_logprobs
-from deepinfer.core.server.preprocess import parse_body
+from deepinfer.core.server.preprocess import is_small_body, parse_body
 from deepinfer.core.server.protocol import ChatCompletionRequest
 from deepinfer.core.server.serving import (
     EventStreamResponse,
@@ -132,7 +132,7 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
     with_reasoning = serving.reasoning_parser is not None  # the field is there whenever a parser is
     parses_calls = plan is not None and plan.parses_calls
     request_id = new_request_id("chatcmpl")
-    streams = await serving.submit([prepared.prompt], request_id, request.tenant)
+    streams = await serving.submit([prepared.prompt], request_id, request.tenant, is_small_body(raw_request))
     num_top = request.top_logprobs or 0
     created = int(time.time())
 

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestOutput
 from deepinfer.core.server.logprobs import completion_logprobs, vllm_prompt_logprobs
-from deepinfer.core.server.preprocess import parse_body
+from deepinfer.core.server.preprocess import is_small_body, parse_body
 from deepinfer.core.server.protocol import CompletionRequest
 from deepinfer.core.server.serving import (
     EventStreamResponse,
@@ -58,7 +58,7 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
                             raw_request: Request):
     await serving.compile_constraint(prompts[0].params.structured_outputs, request.structured_outputs_param())
     request_id = new_request_id("cmpl")
-    streams = await serving.submit(prompts, request_id, request.tenant)
+    streams = await serving.submit(prompts, request_id, request.tenant, is_small_body(raw_request))
     n = request.n
     num_top = request.logprobs or 0
     created = int(time.time())

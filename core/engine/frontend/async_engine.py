@@ -88,7 +88,7 @@ class AsyncEngine(EngineFrontend):
             self._wakeup.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._shut_down()
 
     # The engine thread ---------------------------------------------------------------------------
 

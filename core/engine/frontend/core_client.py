@@ -170,7 +170,7 @@ class EngineCoreClient(EngineFrontend):
             await asyncio.to_thread(self.process.join)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._shut_down()
         self._close()
 
     # The receiving thread ------------------------------------------------------------------------

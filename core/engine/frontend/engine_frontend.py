@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.frontend.request_stream import RequestStream, put_all
+from deepinfer.core.engine.interpreter import restore_after_serving, tune_for_serving
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.stats import IterationStats
 from deepinfer.core.errors import EngineDeadError, InvalidRequestError
@@ -46,6 +47,7 @@ class EngineFrontend:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        tune_for_serving()  # the model (or its client) is built (core/engine/interpreter.py)
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -122,6 +124,12 @@ class EngineFrontend:
                 puts.append((stream, item))
         if puts:
             self._loop.call_soon_threadsafe(put_all, puts)
+
+    def _shut_down(self) -> None:
+        """The end of `shutdown`: every open stream ends, and the interpreter is as before `start`
+        (core/engine/interpreter.py)."""
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        restore_after_serving()
 
     def _fail_all(self, error: BaseException) -> None:
         """End every open stream with `error`."""

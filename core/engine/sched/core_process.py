@@ -24,6 +24,7 @@ import time
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, FINISH, OUTPUTS, READY, SHUTDOWN, MessageCodec
 from deepinfer.core.engine.core_outputs import core_outputs
+from deepinfer.core.engine.interpreter import tune_for_serving
 from deepinfer.core.engine.sched.request import RequestStatus
 from deepinfer.core.errors import InvalidRequestError, QueueFullError
 
@@ -58,6 +59,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         "tokenizer": engine.tokenizer, "spec": engine.spec, "model_name": engine.model_name,
         "max_model_len": engine.max_model_len, "sampling_defaults": engine.sampling_defaults,
         "eos_token_ids": engine.eos_token_ids, "weights": engine.weight_summary(), "health": engine.health()}))
+    tune_for_serving()
     try:
         _serve(engine, inputs, outputs, codec, parent)
     finally:
