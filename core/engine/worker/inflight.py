@@ -14,6 +14,8 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -46,8 +48,10 @@ class InflightStep:
                                f"did not sample it")
         return row
 
-    def sampled_rows(self, request_ids: list[str]) -> list[int]:
+    def sampled_rows(self, request_ids: list[str]) -> list[int] | np.ndarray:
         """`sampled_row` of each request."""
+        if request_ids == self._request_ids:  # steady decoding: the same requests in the same order
+            return np.arange(len(request_ids))
         rows = self._rows
         try:
             return [rows[request_id] for request_id in request_ids]
