@@ -92,7 +92,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
-        kv, chunks = self.kv, out.chunks
+        kv, add_chunk = self.kv, out.chunks.append
         block_size = kv.block_size
 
         index, num_finishing = 0, 0
@@ -121,8 +121,8 @@ class Scheduler:
                 if request.status is RequestStatus.PREEMPTED:
                     break  # it was the newest, so nothing after it is left to schedule
             sample = num_new == missing
-            chunks.append(ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens,
-                                         request.table_row))
+            add_chunk(ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens,
+                                     request.table_row))
             request.num_inflight_tokens = inflight + num_new
             if sample:
                 request.num_pending_tokens = pending + 1

@@ -11,6 +11,7 @@ The transfers involved never make the host wait for the device (core/engine/work
 
 from __future__ import annotations
 
+from functools import cached_property
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,11 @@ class InflightStep:
         self.sampled = sampled  # None when no chunk samples
         self.prompt_logprobs = prompt_logprobs  # None when no chunk scores prompt tokens
         self._request_ids = list(map(_request_id, sampling_chunks))
-        self._rows = dict(zip(self._request_ids, range(len(sampling_chunks))))
+
+    @cached_property
+    def _rows(self) -> dict[str, int]:
+        """request id -> its row; made only when a step's pending tokens are not simply these rows in order."""
+        return dict(zip(self._request_ids, range(len(self._request_ids))))
 
     def sampled_row(self, request_id: str) -> int:
         """Row of the request's token in `sampled.sampled` (the device tensor)."""
@@ -73,7 +78,8 @@ class InflightStep:
             return out
         sampled = self.sampled
         out.sampled_token_ids = dict(zip(self._request_ids, sampled.token_ids))
-        out.logprobs = {request_id: logprob for request_id, logprob in zip(self._request_ids, sampled.logprobs)
-                        if logprob is not None}
+        if sampled.has_logprobs:
+            out.logprobs = {request_id: logprob for request_id, logprob in zip(self._request_ids, sampled.logprobs)
+                            if logprob is not None}
         return out
 

@@ -91,6 +91,7 @@ class SamplerOutput:
         not None (see `_logprob_table`); num_top: [N], each row's params.logprobs."""
         self.sampled = sampled
         self.failures: dict[int, str] = {}  # row -> error, for rows whose sampling raised
+        self.has_logprobs = logprob_table is not None  # whether a row asked for logprobs
         self._num_top = num_top
         self._copy = HostCopy([sampled] if logprob_table is None else [sampled, logprob_table])
 
@@ -122,6 +123,7 @@ class RowwiseSamplerOutput:
     def __init__(self, rows: list[SamplerOutput | None], failures: dict[int, str], device: torch.device) -> None:
         self._rows = rows
         self.failures = failures
+        self.has_logprobs = any(row is not None and row.has_logprobs for row in rows)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         self.sampled = torch.cat([zero if row is None else row.sampled for row in rows])  # [N]
 
