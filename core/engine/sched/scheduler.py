@@ -95,15 +95,17 @@ class Scheduler:
         kv, add_chunk = self.kv, out.chunks.append
         block_size = kv.block_size
 
-        index, num_finishing = 0, 0
+        num_finishing = 0
         running = self.running
-        while index < len(running) and budget > 0:
-            request = running[index]
+        # Preemption pops from the end of `running`, which the iteration then never reaches.
+        for request in running:
+            if budget <= 0:
+                break
             num_tokens = len(request.all_token_ids)
             pending = request.num_pending_tokens
             if pending and num_tokens + pending >= request.length_limit:
                 # Its pending token reaches max_tokens or max_model_len: no step after it can be kept.
-                index, num_finishing = index + 1, num_finishing + 1
+                num_finishing += 1
                 continue
             inflight = request.num_inflight_tokens
             start = request.num_computed_tokens + inflight
@@ -127,7 +129,6 @@ class Scheduler:
             if sample:
                 request.num_pending_tokens = pending + 1
             budget -= num_new
-            index += 1
 
         if not out.preempted:
             budget = self._admit_waiting(out, budget, now, num_finishing)

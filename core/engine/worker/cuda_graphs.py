@@ -301,13 +301,18 @@ class PaddedStepRunner:
         num_tokens = sum(map(_num_tokens, chunks))
         if not (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows):
             return False
+        if num_tokens == len(chunks):  # decodes only: each sees its start + 1 positions
+            return sum(map(_start_pos, chunks)) + num_tokens <= self.attention_work_limit
         tiled = self.buffers.num_tiles(smallest_fit(self.bucket_sizes, num_tokens)) > 0
         return attention_work(chunks, self.buffers.tile_tokens if tiled else None) <= self.attention_work_limit
 
     def shape_of(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
         """(token bucket, bound) a step of these chunks runs at."""
         num_tokens = sum(map(_num_tokens, chunks))
-        longest = max(map(add, map(_start_pos, chunks), map(_num_tokens, chunks)))  # the longest seq_len
+        if num_tokens == len(chunks):  # decodes only: the longest seq_len is the latest start + 1
+            longest = max(map(_start_pos, chunks)) + 1
+        else:
+            longest = max(map(add, map(_start_pos, chunks), map(_num_tokens, chunks)))  # the longest seq_len
         return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
     def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,
