@@ -314,9 +314,11 @@ class Scheduler:
         assert len(self.running) + len(self.waiting) == len(self.requests), "a request is lost or duplicated"
         for request in self.waiting:
             assert not self.kv.block_table(request.request_id), f"waiting {request} holds blocks"
+            assert request.block_table is None and request.table_row is None, f"waiting {request} keeps a table"
             assert request.num_inflight_tokens == request.num_pending_tokens == 0, f"{request} waits in flight"
         for request in self.running:
             table = self.kv.block_table(request.request_id)
+            assert request.block_table is table and request.table_row is not None, f"{request}'s table is stale"
             assert len(table) >= self.kv.blocks_needed(request.next_position), f"{request} lacks blocks"
             assert request.num_pending_tokens <= 1, f"{request} has more than one step in flight"
             assert request.num_missing_tokens >= 0, f"{request} is scheduled past its tokens"
