@@ -53,6 +53,10 @@ class InflightStep:
                                f"did not sample it")
         return row
 
+    def samples_in_order(self, request_ids: list[str]) -> bool:
+        """Whether its sampled rows are these requests' tokens, in this order (steady decoding)."""
+        return request_ids == self._request_ids
+
     def sampled_rows(self, request_ids: list[str]) -> list[int] | np.ndarray:
         """`sampled_row` of each request."""
         if request_ids == self._request_ids:  # steady decoding: the same requests in the same order

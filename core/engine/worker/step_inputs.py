@@ -21,7 +21,9 @@ the token the step in flight (`previous`, core/engine/worker/inflight.py) sample
 only. Its row is staged as 0, the (input row, sampled row) pairs go into the int64 staging after the
 step's other values, so the same copy moves them, and `fill_pending_tokens` scatters the sampled
 tokens into the input ids on the same stream, before the forward or graph replay reads them (outside
-any graph, so graphs replay unchanged).
+any graph, so graphs replay unchanged). In a steady decode step (every chunk a decode of a pending token,
+the requests the step in flight sampled, in its order) token row i takes its sampled row i: one
+contiguous device copy, no pairs staged.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class StagedChunks(NamedTuple):
     pending_ids: list[str]  # the request of each
     lengths: np.ndarray  # [R] int64 token rows of each chunk
     ends: np.ndarray  # [R] int64 cumulative sum of lengths: chunk i's rows end before ends[i]
+    pending_in_order: bool = False  # the k pending tokens are token rows 0..k-1 (a steady decode step)
 
 
 @dataclass
@@ -138,7 +141,7 @@ class StepStager:
         pending_flags = list(map(_last_token_pending, chunks))
         if decode_only and all(pending_flags):  # steady decoding (async scheduling): every input is pending
             ids[:count] = 0
-            return StagedChunks(ends - 1, list(map(_request_id, chunks)), lengths, ends)
+            return StagedChunks(ends - 1, list(map(_request_id, chunks)), lengths, ends, pending_in_order=True)
         ends_list = ends.tolist()
         # A decode's one input is a known token or a pending one (staged as 0).
         decodes = chunks if decode_only else [chunk for chunk in chunks if chunk.num_tokens == 1]
@@ -165,10 +168,16 @@ class StepStager:
         padded runner's static buffers, or fresh tensors), then fill the pending tokens there.
         -> (int64, int32) device tensors holding the staged values at their staging offsets."""
         num_int64 = 3 * tokens + rows
-        num_fill = _stage_fill(self.h64[num_int64:], staged, previous)
+        # Steady decoding: token row i takes row i of the step in flight's tokens, one contiguous copy.
+        in_order = (staged.pending_in_order and previous is not None
+                    and previous.samples_in_order(staged.pending_ids))
+        num_fill = 0 if in_order else _stage_fill(self.h64[num_int64:], staged, previous)
         int64_out = self._copy(self.host_int64[:num_int64 + num_fill], int64_out)
         int32_out = self._copy(self.host_int32[:num_int32], int32_out)
-        if num_fill:
+        if in_order:
+            k = len(staged.pending_ids)
+            int64_out[:k].copy_(previous.sampled.sampled[:k])
+        elif num_fill:
             fill_pending_tokens(int64_out[:tokens], int64_out[num_int64:num_int64 + num_fill], previous)
         if self._copied is not None:
             self._copied.record()
