@@ -192,3 +192,37 @@ def test_cuda_seeded_and_filtered_sampling():
     assert run() == first
     top50 = logits.topk(50, dim=-1).indices.cpu()
     assert all(token in top50[i].tolist() for i, token in enumerate(first))
+
+
+def test_rows_that_change_between_calls_sample_by_their_own_parameters():
+    """The sampler keeps its rows' facts while a call's rows are the same objects (core/engine/worker/sampling_batch.py);
+    the same rows again, reordered, joined by a new one, or over another vocabulary must each still sample by
+    their own parameters (hand-computed: a bias that forces token 3, a penalty, top-k 1, logprobs)."""
+    bias = row(SamplingParams(temperature=0.0, logit_bias={3: 100.0}))
+    top1 = row(SamplingParams(temperature=0.8, top_k=1, seed=7))
+    penalized = row(SamplingParams(temperature=0.0, repetition_penalty=4.0), prompt=[5], output=[6])
+    scored = row(SamplingParams(temperature=0.0, logprobs=1))
+    plain = row(SamplingParams(temperature=0.0))
+
+    def expected(r: SamplingRow, logits: torch.Tensor) -> int:
+        if r is bias:
+            return 3
+        if r is penalized:
+            logits = logits.clone()
+            for token in (5, 6):
+                logits[token] = logits[token] / 4.0 if logits[token] > 0 else logits[token] * 4.0
+        return int(logits.argmax())
+
+    sampler, generator = Sampler(), torch.Generator().manual_seed(0)
+    for rows, vocab in [([bias, top1, penalized, scored], 50), ([bias, top1, penalized, scored], 50),
+                        ([scored, penalized, bias], 50), ([plain, top1, bias], 50), ([penalized, bias, scored], 40)]:
+        logits = torch.randn(len(rows), vocab, generator=generator)
+        logits[:, 5:7] = 3.0 + torch.rand(len(rows), 2, generator=generator)  # the penalized tokens lead
+        out = sampler.sample(logits, rows)
+        assert out.token_ids == [expected(r, logits[i]) for i, r in enumerate(rows)]
+        for i, r in enumerate(rows):
+            if r is scored:
+                assert out.logprobs[i].logprob == pytest.approx(
+                    torch.log_softmax(logits[i], dim=-1)[out.token_ids[i]].item(), abs=1e-6)
+            else:
+                assert out.logprobs[i] is None

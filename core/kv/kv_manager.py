@@ -5,7 +5,8 @@ positions in order: position `p` lives in `block_table[p // block_size]` at offs
 Tables only grow while a request runs; `free` gives all blocks back (tail first, so a chain's
 last blocks are evicted before its prefix).
 
-Each table is kept twice: as a list (the prefix cache, tests) and as a row of one int32 array
+The request holds its table and row too (`Request.block_table`, `table_row`: the same list), so
+the scheduler's per-step loop reads them without a lookup. Each table is kept twice: as a list (the prefix cache, tests) and as a row of one int32 array
 (`tables`, a BlockTableArray) that the step stager gathers a whole step's tables and slots from in
 a few numpy operations. A row changes only when its request gets blocks (the new ids are written
 after the old ones) or frees them (the row is zeroed and handed back), so a running decode costs
@@ -104,7 +105,7 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus `cached_blocks`,
         a prefix-cache hit for a request that holds no blocks yet). False, with nothing changed, when
         the pool cannot supply the blocks now."""
-        table = self._block_tables.get(request.request_id)
+        table = request.block_table
         if table is not None and not cached_blocks:  # a running request: by counts, usually no new block
             num_tokens = request.num_computed_tokens + num_new_tokens
             num_new_blocks = -(-num_tokens // self.block_size) - len(table)
@@ -113,7 +114,7 @@ class KVCacheManager:
             if num_new_blocks > self.pool.num_available_blocks:
                 return False
             new_blocks = self.pool.allocate(num_new_blocks)
-            self.tables.write(self._rows[request.request_id], len(table), new_blocks)
+            self.tables.write(request.table_row, len(table), new_blocks)
             table.extend(new_blocks)
             return True
         table = table if table is not None else []
@@ -131,6 +132,7 @@ class KVCacheManager:
         if request.request_id not in self._block_tables:
             self._block_tables[request.request_id] = table
             self._rows[request.request_id] = self.tables.take_row()
+            request.block_table, request.table_row = table, self._rows[request.request_id]
         if len(table) > start:
             self.tables.write(self._rows[request.request_id], start, table[start:])
         if cached_blocks:
@@ -166,6 +168,7 @@ class KVCacheManager:
         row = self._rows.pop(request.request_id, None)
         if row is not None:
             self.tables.release(row, len(table))
+        request.block_table = request.table_row = None
         if table:
             self.pool.free(reversed(table))
 

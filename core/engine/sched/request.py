@@ -50,6 +50,14 @@ FINISHED_STATUSES = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FIN
 
 
 class Request:
+    # Slots: the engine reads these fields a few times per request and step (attribute access without a dict).
+    __slots__ = ("all_token_ids", "block_hashes", "block_table", "cache_salt", "ending_token_ids", "eos_token_ids",
+                 "error", "generator", "grammar", "length_limit", "logprobs", "max_computed_prompt_tokens",
+                 "metrics", "num_cached_tokens", "num_computed_tokens", "num_inflight_tokens", "num_pending_tokens",
+                 "num_preemptions", "output_token_ids", "params", "parent_id", "prompt_logprobs", "prompt_token_ids",
+                 "request_id", "sample_index", "sampling_row", "status", "stop_reason", "table_row", "token_counts",
+                 "wait_for")
+
     def __init__(
         self,
         request_id: str,
@@ -68,6 +76,11 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
+        # The ids whose sampling stops it (EOS unless ignored, and the stop ids): one set test per token.
+        self.ending_token_ids = params.stop_token_ids | (frozenset() if params.ignore_eos else eos_token_ids)
+        # Its token count at which it finishes on length: max_tokens outputs (the scheduler lowers it to
+        # max_model_len when the request is added), so one comparison per step checks both.
+        self.length_limit = len(prompt_token_ids) + params.max_tokens
         self.cache_salt = cache_salt
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, what the model computes
         self.output_token_ids: list[int] = []
@@ -82,6 +95,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
         self.max_computed_prompt_tokens = 0  # high-water mark, so recomputed prompt tokens are counted once
         self.block_hashes: list[int] = []  # chained hashes of the full prompt blocks, set by the KV manager
+        # Set by the KV manager while it holds blocks: its block table (the manager's own list) and that
+        # table's row in the manager's BlockTableArray; None otherwise.
+        self.block_table: list[int] | None = None
+        self.table_row: int | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.error: str | None = None

@@ -84,6 +84,7 @@ class Scheduler:
                 f"the waiting queue is full ({self.max_waiting_requests} requests); retry later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.length_limit = min(request.length_limit, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -91,25 +92,26 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
-        kv, max_model_len, chunks = self.kv, self.max_model_len, out.chunks
+        kv, add_chunk = self.kv, out.chunks.append
         block_size = kv.block_size
 
-        index, num_finishing = 0, 0
+        num_finishing = 0
         running = self.running
-        while index < len(running) and budget > 0:
-            request = running[index]
+        # Preemption pops from the end of `running`, which the iteration then never reaches.
+        for request in running:
+            if budget <= 0:
+                break
             num_tokens = len(request.all_token_ids)
             pending = request.num_pending_tokens
-            if pending and (len(request.output_token_ids) + pending >= request.params.max_tokens
-                            or num_tokens + pending >= max_model_len):
+            if pending and num_tokens + pending >= request.length_limit:
                 # Its pending token reaches max_tokens or max_model_len: no step after it can be kept.
-                index, num_finishing = index + 1, num_finishing + 1
+                num_finishing += 1
                 continue
             inflight = request.num_inflight_tokens
             start = request.num_computed_tokens + inflight
             missing = num_tokens + pending - start
             num_new = min(budget, missing)
-            table, row = kv.table_and_row(request.request_id)
+            table = request.block_table
             if start + num_new > len(table) * block_size:  # by counts: most decode steps need no new block
                 # The KV manager counts from the computed tokens; in-flight ones already hold their slots.
                 while not kv.allocate_slots(request, inflight + num_new):
@@ -121,12 +123,12 @@ class Scheduler:
                 if request.status is RequestStatus.PREEMPTED:
                     break  # it was the newest, so nothing after it is left to schedule
             sample = num_new == missing
-            chunks.append(ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens, row))
+            add_chunk(ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens,
+                                     request.table_row))
             request.num_inflight_tokens = inflight + num_new
             if sample:
                 request.num_pending_tokens = pending + 1
             budget -= num_new
-            index += 1
 
         if not out.preempted:
             budget = self._admit_waiting(out, budget, now, num_finishing)
@@ -191,8 +193,8 @@ class Scheduler:
     def _chunk(self, request: Request, start: int, num_new: int, sample: bool, num_tokens: int) -> ScheduledChunk:
         """The chunk of `num_new` tokens from position `start` (the running loop above does the same
         inline); `sample`: it reaches the last token."""
-        table, row = self.kv.table_and_row(request.request_id)
-        chunk = ScheduledChunk(request, start, num_new, table, sample, start + num_new > num_tokens, row)
+        chunk = ScheduledChunk(request, start, num_new, request.block_table, sample, start + num_new > num_tokens,
+                               request.table_row)
         request.num_inflight_tokens += num_new
         if sample:
             request.num_pending_tokens += 1
@@ -218,7 +220,7 @@ class Scheduler:
         tokens, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         kv, running, new_prompt_tokens = self.kv, RequestStatus.RUNNING, 0
-        max_model_len, append = self.max_model_len, sampled.append
+        append = sampled.append
         for chunk in scheduler_output.chunks:
             request = chunk.request
             status = request.status
@@ -247,20 +249,14 @@ class Scheduler:
             request_id = request.request_id
             token_id = tokens[request_id]
             request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
+            all_token_ids = request.all_token_ids
+            all_token_ids.append(token_id)
             if request.logprobs is not None:
                 request.logprobs.append(logprobs[request_id])
-            # The stop rules that need no text, in order: EOS, a stop token, max_tokens or max_model_len.
-            params = request.params
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
-                finished = True
-            elif params.stop_token_ids and token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
-                finished = True
-            elif len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
-                self._finish(request, RequestStatus.FINISHED_LENGTH, remove_from_running=False)
+            # The stop rules that need no text: EOS, a stop token, max_tokens or max_model_len (Request's two
+            # precomputed fields make that one set test and one comparison).
+            if token_id in request.ending_token_ids or len(all_token_ids) >= request.length_limit:
+                self._finish_on_token(request, token_id)
                 finished = True
             append(request)
         if finished:
@@ -268,6 +264,16 @@ class Scheduler:
         if stats is not None:
             stats.num_prompt_tokens += new_prompt_tokens
         return sampled
+
+    def _finish_on_token(self, request: Request, token_id: int) -> None:
+        """Finish a request its new token ends, by the first rule that holds: EOS, a stop token (its
+        stop reason), max_tokens or max_model_len. It stays in `running` until `update` filters it out."""
+        if token_id in request.ending_token_ids:
+            if request.params.ignore_eos or token_id not in request.eos_token_ids:
+                request.stop_reason = token_id
+            self._finish(request, RequestStatus.FINISHED_STOPPED, remove_from_running=False)
+        else:
+            self._finish(request, RequestStatus.FINISHED_LENGTH, remove_from_running=False)
 
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, error: str | None = None,
@@ -308,9 +314,11 @@ class Scheduler:
         assert len(self.running) + len(self.waiting) == len(self.requests), "a request is lost or duplicated"
         for request in self.waiting:
             assert not self.kv.block_table(request.request_id), f"waiting {request} holds blocks"
+            assert request.block_table is None and request.table_row is None, f"waiting {request} keeps a table"
             assert request.num_inflight_tokens == request.num_pending_tokens == 0, f"{request} waits in flight"
         for request in self.running:
             table = self.kv.block_table(request.request_id)
+            assert request.block_table is table and request.table_row is not None, f"{request}'s table is stale"
             assert len(table) >= self.kv.blocks_needed(request.next_position), f"{request} lacks blocks"
             assert request.num_pending_tokens <= 1, f"{request} has more than one step in flight"
             assert request.num_missing_tokens >= 0, f"{request} is scheduled past its tokens"

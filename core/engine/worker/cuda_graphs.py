@@ -66,7 +66,7 @@ SMALLEST_CONTEXT_BOUND = 1024
 CONTEXT_BOUND_FACTOR = 4
 MAX_GRAPH_TOKENS = 2048
 # Per-chunk fields read in C (map): these run over every chunk of every step.
-_num_tokens, _start_pos = attrgetter("num_tokens"), attrgetter("start_pos")
+_num_tokens, _start_pos, _sample = attrgetter("num_tokens"), attrgetter("start_pos"), attrgetter("sample")
 
 
 def decode_bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -183,12 +183,13 @@ class StaticStepBuffers:
         tables = h32[2 * tokens:2 * tokens + (rows + 1) * width].reshape(rows + 1, width)
         tables[:] = 0  # stale ids from other layouts could lie outside the pool
         num_tiles = self.num_tiles(tokens)
-        placed = list(enumerate(chunks))
-        if num_tiles:
-            placed.sort(key=lambda item: item[1].num_tokens > 1)  # stable: decodes first, in chunk order
-        staged = stager.stage_chunks(placed, tokens, tables, block_tables)
+        placed, placed_rows = chunks, None  # in chunk order, chunk i in request row i
+        if num_tiles:  # decodes first, in chunk order (a stable sort)
+            placed_rows = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
+            placed = [chunks[i] for i in placed_rows]
+        staged = stager.stage_chunks(placed, tokens, tables, block_tables, placed_rows)
         lengths = staged.lengths
-        request_rows = np.array([i for i, _ in placed], dtype=np.int64) if num_tiles else np.arange(len(chunks))
+        request_rows = np.array(placed_rows, dtype=np.int64) if num_tiles else np.arange(len(chunks))
         token = int(staged.ends[-1]) if len(chunks) else 0
         seq_lens[:token] = positions[:token] + 1  # each token attends to its context up to itself
         token_rows[:token] = np.repeat(request_rows, lengths)
@@ -300,13 +301,18 @@ class PaddedStepRunner:
         num_tokens = sum(map(_num_tokens, chunks))
         if not (0 < num_tokens <= self.bucket_sizes[-1] and len(chunks) <= self.buffers.max_rows):
             return False
+        if num_tokens == len(chunks):  # decodes only: each sees its start + 1 positions
+            return sum(map(_start_pos, chunks)) + num_tokens <= self.attention_work_limit
         tiled = self.buffers.num_tiles(smallest_fit(self.bucket_sizes, num_tokens)) > 0
         return attention_work(chunks, self.buffers.tile_tokens if tiled else None) <= self.attention_work_limit
 
     def shape_of(self, chunks: list[ScheduledChunk]) -> tuple[int, int]:
         """(token bucket, bound) a step of these chunks runs at."""
         num_tokens = sum(map(_num_tokens, chunks))
-        longest = max(map(add, map(_start_pos, chunks), map(_num_tokens, chunks)))  # the longest seq_len
+        if num_tokens == len(chunks):  # decodes only: the longest seq_len is the latest start + 1
+            longest = max(map(_start_pos, chunks)) + 1
+        else:
+            longest = max(map(add, map(_start_pos, chunks), map(_num_tokens, chunks)))  # the longest seq_len
         return smallest_fit(self.bucket_sizes, num_tokens), smallest_fit(self.context_bounds, longest)
 
     def run(self, chunks: list[ScheduledChunk], previous: InflightStep | None = None,
@@ -318,9 +324,9 @@ class PaddedStepRunner:
         tokens, bound = self.shape_of(chunks)
         self.buffers.load(chunks, tokens, bound, previous, block_tables)
         logits = self.replay(tokens, bound) if self.use_graphs else self.forward(tokens, bound)
-        sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
-        if len(sampling) == len(chunks):
+        if all(map(_sample, chunks)):
             return logits[:len(chunks)]
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.sample]
         # A list index would copy to the device and wait for the stream; this copy does not.
         return logits.index_select(0, to_device(sampling, torch.int64, self.device))
 

@@ -11,8 +11,11 @@ The transfers involved never make the host wait for the device (core/engine/work
 
 from __future__ import annotations
 
+from functools import cached_property
 from operator import attrgetter
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
@@ -36,7 +39,11 @@ class InflightStep:
         self.sampled = sampled  # None when no chunk samples
         self.prompt_logprobs = prompt_logprobs  # None when no chunk scores prompt tokens
         self._request_ids = list(map(_request_id, sampling_chunks))
-        self._rows = dict(zip(self._request_ids, range(len(sampling_chunks))))
+
+    @cached_property
+    def _rows(self) -> dict[str, int]:
+        """request id -> its row; made only when a step's pending tokens are not simply these rows in order."""
+        return dict(zip(self._request_ids, range(len(self._request_ids))))
 
     def sampled_row(self, request_id: str) -> int:
         """Row of the request's token in `sampled.sampled` (the device tensor)."""
@@ -46,8 +53,14 @@ class InflightStep:
                                f"did not sample it")
         return row
 
-    def sampled_rows(self, request_ids: list[str]) -> list[int]:
+    def samples_in_order(self, request_ids: list[str]) -> bool:
+        """Whether its sampled rows are these requests' tokens, in this order (steady decoding)."""
+        return request_ids == self._request_ids
+
+    def sampled_rows(self, request_ids: list[str]) -> list[int] | np.ndarray:
         """`sampled_row` of each request."""
+        if request_ids == self._request_ids:  # steady decoding: the same requests in the same order
+            return np.arange(len(request_ids))
         rows = self._rows
         try:
             return [rows[request_id] for request_id in request_ids]
@@ -69,7 +82,8 @@ class InflightStep:
             return out
         sampled = self.sampled
         out.sampled_token_ids = dict(zip(self._request_ids, sampled.token_ids))
-        out.logprobs = {request_id: logprob for request_id, logprob in zip(self._request_ids, sampled.logprobs)
-                        if logprob is not None}
+        if sampled.has_logprobs:
+            out.logprobs = {request_id: logprob for request_id, logprob in zip(self._request_ids, sampled.logprobs)
+                            if logprob is not None}
         return out
 

@@ -41,7 +41,7 @@ from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.structured.step_mask import step_grammar_mask
 
-_sample = attrgetter("sample")
+_sample, _sampling_row = attrgetter("sample"), attrgetter("request.sampling_row")
 
 
 class ModelRunner:
@@ -84,7 +84,9 @@ class ModelRunner:
                 prompt_logprobs = gather_prompt_logprobs(self.model, hidden, _ordered(chunks))
         if not sampling_chunks:
             return InflightStep(scheduler_output, [], None, prompt_logprobs)
-        rows = [chunk.request.sampling_row or sampling_row(chunk.request) for chunk in sampling_chunks]
+        rows = list(map(_sampling_row, sampling_chunks))
+        if not all(rows):  # a request's first sampled step makes its row
+            rows = [row or sampling_row(chunk.request) for row, chunk in zip(rows, sampling_chunks)]
         # After the forward is enqueued: the host fills the masks while the device runs it.
         grammar_mask = step_grammar_mask(sampling_chunks, previous.token_of if previous is not None else None,
                                          logits.shape[1], self.device)

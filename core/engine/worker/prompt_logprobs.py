@@ -19,12 +19,15 @@ otherwise hold 1.2 GB of fp32 logits at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from deepinfer.core.engine.frontend.outputs import TokenLogprob
 from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
 from deepinfer.core.engine.worker.transfers import HostCopy, to_device
+
+_asks_prompt_logprobs = attrgetter("request.prompt_logprobs")  # a list (truthy) when asked for, else None
 
 HEAD_ROWS = 256
 
@@ -54,6 +57,8 @@ def prompt_spans(ordered_chunks: list[ScheduledChunk]) -> list[PromptSpan]:
 
 def wants_prompt_logprobs(chunks: list[ScheduledChunk]) -> bool:
     """Whether a chunk of the step scores prompt tokens (such a step needs every hidden row: it runs eagerly)."""
+    if not any(map(_asks_prompt_logprobs, chunks)):  # in C: most steps have no such request
+        return False
     return any(chunk.request.scores_prompt and chunk.start_pos < chunk.request.num_prompt_tokens - 1 for chunk in chunks)
 
 

@@ -32,7 +32,9 @@ Host transfers: `sample` never waits for the device, so the engine can launch it
 scheduling). It returns a SamplerOutput whose `sampled` ids stay on the device (the next step's
 inputs read them there) while a copy to pinned host memory runs in the background, the logprobs
 of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that copy when
-first read. The per-row parameters go host->device in small non-blocking copies.
+first read. The per-row parameters go host->device in small non-blocking copies, made once per
+batch of rows: while a call's rows are the same objects as the last call's (steady decoding), their
+facts and device tensors are reused (core/engine/worker/sampling_batch.py).
 
 Penalties count a row's tokens on the device (core/engine/worker/token_counts.py): a row that carries its
 request's TokenCounts is penalized by them, and the token drawn for it is added to them before
@@ -56,19 +58,17 @@ import torch
 
 from deepinfer.core.engine.frontend.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import LogitBias, SamplingParams
+from deepinfer.core.engine.worker.sampling_batch import SamplingBatch
 from deepinfer.core.engine.worker.token_counts import PenaltyBatch, TokenCounts
 from deepinfer.core.engine.worker.transfers import HostCopy, to_device
 from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
 
 logger = logging.getLogger(__name__)
 
-# Below this temperature a row is sampled greedily: logits / T would overflow float32 (vLLM: same).
-_GREEDY_TEMPERATURE = 1e-5
-
-
-@dataclass
+@dataclass(eq=False)
 class SamplingRow:
-    """One row of the logits: the request's parameters and token history."""
+    """One row of the logits: the request's parameters and token history. Compared by identity: a
+    SamplingBatch is reused while a call's rows are the same objects."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -91,6 +91,7 @@ class SamplerOutput:
         not None (see `_logprob_table`); num_top: [N], each row's params.logprobs."""
         self.sampled = sampled
         self.failures: dict[int, str] = {}  # row -> error, for rows whose sampling raised
+        self.has_logprobs = logprob_table is not None  # whether a row asked for logprobs
         self._num_top = num_top
         self._copy = HostCopy([sampled] if logprob_table is None else [sampled, logprob_table])
 
@@ -122,6 +123,7 @@ class RowwiseSamplerOutput:
     def __init__(self, rows: list[SamplerOutput | None], failures: dict[int, str], device: torch.device) -> None:
         self._rows = rows
         self.failures = failures
+        self.has_logprobs = any(row is not None and row.has_logprobs for row in rows)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         self.sampled = torch.cat([zero if row is None else row.sampled for row in rows])  # [N]
 
@@ -146,17 +148,16 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return generator
 
 
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _GREEDY_TEMPERATURE
-
-
-def has_penalties(params: SamplingParams) -> bool:
-    """Whether sampling the row applies a repetition, frequency or presence penalty."""
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
-
-
 class Sampler:
+    def __init__(self) -> None:
+        self._batch: SamplingBatch | None = None  # the last call's rows' facts, reused while they stay the same
+
+    def _batch_of(self, rows: list[SamplingRow], logits: torch.Tensor) -> SamplingBatch:
+        batch = self._batch
+        if batch is None or not batch.serves(rows, logits.device, logits.shape[1]):
+            batch = self._batch = SamplingBatch(rows, logits.device, logits.shape[1])
+        return batch
+
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                grammar_mask: GrammarMask | None = None) -> SamplerOutput | RowwiseSamplerOutput:
         """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified.
@@ -185,38 +186,38 @@ class Sampler:
 
     def _sample_batch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
-        num_top = [row.params.logprobs for row in rows]
-        logprob_rows = [i for i, n in enumerate(num_top) if n is not None]
-        logprob_index = None  # [L] on the device; None when every row asked (no gather needed)
-        if logprob_rows and len(logprob_rows) < len(rows):
-            logprob_index = to_device(logprob_rows, torch.int64, logits.device)
+        batch = self._batch_of(rows, logits)
+        logprob_index = batch.logprob_index
         raw_logprobs = None  # [L, V]
-        if logprob_rows:
+        if batch.logprob_rows:
             chosen_logits = logits if logprob_index is None else logits.index_select(0, logprob_index)
             raw_logprobs = torch.log_softmax(chosen_logits, dim=-1)
 
-        logits = apply_logit_bias(logits, rows)
-        logits, penalized = _penalize(logits, rows)
-        greedy = [_is_greedy(row.params) for row in rows]
-        if all(greedy):
+        logits = _add_logit_bias(logits, rows, batch.biased)
+        logits, penalized = _penalize(logits, rows, batch)
+        if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [N]
         else:
-            token_ids = _sample_random(logits, rows, greedy)
+            token_ids = _sample_random(logits, batch)
 
         table = None
         if raw_logprobs is not None:
             chosen_ids = token_ids if logprob_index is None else token_ids.index_select(0, logprob_index)
-            table = _logprob_table(raw_logprobs, chosen_ids, max(num_top[i] for i in logprob_rows))
+            table = _logprob_table(raw_logprobs, chosen_ids, batch.max_top)
         if penalized is not None:  # last: a call that raised has counted nothing
             penalized.add(token_ids)
-        return SamplerOutput(token_ids, table, num_top)
+        return SamplerOutput(token_ids, table, batch.num_top)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Returns new logits [N, V] with each row's logit_bias added; the same tensor when no row has one.
     The biases are added with one indexed add of the rows' dense bias rows (`logit_bias_row`), so a
     step costs the same for one biased token as for the whole vocabulary."""
-    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    return _add_logit_bias(logits, rows, [i for i, row in enumerate(rows) if row.params.logit_bias])
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], biased: list[int]) -> torch.Tensor:
+    """`apply_logit_bias` for the rows `biased` (those with a bias)."""
     if not biased:
         return logits
     device, width = logits.device, logits.shape[1]
@@ -242,25 +243,23 @@ def logit_bias_row(logit_bias: LogitBias, width: int, device: torch.device) -> t
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Returns new logits [N, V] with the penalties applied to the rows that have any."""
-    return _penalize(logits, rows)[0]
+    return _penalize(logits, rows, SamplingBatch(rows, logits.device, logits.shape[1]))[0]
 
 
-def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, PenaltyBatch | None]:
+def _penalize(logits: torch.Tensor, rows: list[SamplingRow],
+              sampling: SamplingBatch) -> tuple[torch.Tensor, PenaltyBatch | None]:
     """(new logits [N, V] with the penalties applied, the penalized rows' counts) or (logits, None)."""
-    penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
+    penalized = sampling.penalized
     if not penalized:
         return logits, None
     device, vocab_size = logits.device, logits.shape[1]
     batch = PenaltyBatch.gather(penalized, [rows[i].token_counts for i in penalized],
                                 [rows[i].prompt_token_ids for i in penalized],
                                 [rows[i].output_token_ids for i in penalized], vocab_size, device)
-    params = [rows[i].params for i in penalized]
-    # [P, 3]: repetition, frequency, presence; one host->device copy.
-    factors = to_device([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
-                        torch.float32, device)
+    factors = sampling.penalty_factors()  # [P, 3]: repetition, frequency, presence
     output_counts = batch.output  # [P, V]
     sub = logits[batch.index]  # [P, V]
-    if any(p.repetition_penalty != 1.0 for p in params):
+    if sampling.any_repetition_penalty():
         repetition = factors[:, 0:1]
         penalized_sub = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(batch.seen, penalized_sub, sub)
@@ -268,43 +267,25 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tens
     return logits.index_copy(0, batch.index, sub), batch
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[N] int64 token ids: random draws for non-greedy rows, argmax for greedy ones."""
-    device, vocab_size = logits.device, logits.shape[1]
-    # [N, 5]: temperature (1 for greedy rows, so their division is harmless), top_p, top_k
-    # (V when off; exact in float32 below 2**24), log(min_p), greedy flag. One host->device copy.
-    settings = to_device(
-        [
-            (
-                1.0 if is_greedy else row.params.temperature,
-                row.params.top_p,
-                row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size,
-                math.log(row.params.min_p) if row.params.min_p > 0 else -math.inf,
-                float(is_greedy),
-            )
-            for row, is_greedy in zip(rows, greedy)
-        ],
-        torch.float32,
-        device,
-    )
+    settings = batch.random_settings()  # [N, 5], see SamplingBatch.random_settings
     scaled = logits / settings[:, 0:1]  # [N, V]
 
-    if any(row.params.min_p > 0 for row in rows):
+    if batch.any_min_p:
         # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p); no softmax needed.
         too_unlikely = scaled - scaled.max(dim=-1, keepdim=True).values < settings[:, 3:4]
         scaled = scaled.masked_fill(too_unlikely, -math.inf)
-    uses_top_p = any(row.params.top_p < 1.0 for row in rows)
-    if uses_top_p or any(0 < row.params.top_k < vocab_size for row in rows):
-        scaled = _apply_top_k_top_p(scaled, settings[:, 2], settings[:, 1] if uses_top_p else None)
+    if batch.uses_top_p or batch.uses_top_k:
+        scaled = _apply_top_k_top_p(scaled, settings[:, 2], settings[:, 1] if batch.uses_top_p else None)
 
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
     noise = torch.empty_like(probs).exponential_()
-    for i, row in enumerate(rows):
-        if row.generator is not None and not greedy[i]:
-            noise[i].exponential_(generator=row.generator)
+    for i, generator in batch.seeded:
+        noise[i].exponential_(generator=generator)
     # Exp(1) draws can round to 0 in float32; a zero would turn a masked 0/0 into NaN.
     sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)  # [N]
-    if any(greedy):
+    if batch.any_greedy:
         sampled = torch.where(settings[:, 4] > 0, logits.argmax(dim=-1), sampled)
     return sampled
 

@@ -21,14 +21,16 @@ the token the step in flight (`previous`, core/engine/worker/inflight.py) sample
 only. Its row is staged as 0, the (input row, sampled row) pairs go into the int64 staging after the
 step's other values, so the same copy moves them, and `fill_pending_tokens` scatters the sampled
 tokens into the input ids on the same stream, before the forward or graph replay reads them (outside
-any graph, so graphs replay unchanged).
+any graph, so graphs replay unchanged). In a steady decode step (every chunk a decode of a pending token,
+the requests the step in flight sampled, in its order) token row i takes its sampled row i: one
+contiguous device copy, no pairs staged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -42,18 +44,18 @@ from deepinfer.core.engine.worker.inflight import InflightStep
 from deepinfer.core.kv.kv_manager import cdiv
 
 # Per-chunk fields read in C (map) rather than in a Python loop: these run once per chunk every step.
-_first, _second = itemgetter(0), itemgetter(1)
 _num_tokens, _start_pos, _table_row = attrgetter("num_tokens"), attrgetter("start_pos"), attrgetter("table_row")
-_last_token_pending = attrgetter("last_token_pending")
+_last_token_pending, _request_id = attrgetter("last_token_pending"), attrgetter("request.request_id")
 
 
 class StagedChunks(NamedTuple):
     """What `StepStager.stage_chunks` staged, in placed order."""
 
-    pending_rows: list[int]  # the token row of each pending input token
+    pending_rows: np.ndarray  # [k] int64 the token row of each pending input token
     pending_ids: list[str]  # the request of each
     lengths: np.ndarray  # [R] int64 token rows of each chunk
     ends: np.ndarray  # [R] int64 cumulative sum of lengths: chunk i's rows end before ends[i]
+    pending_in_order: bool = False  # the k pending tokens are token rows 0..k-1 (a steady decode step)
 
 
 @dataclass
@@ -93,20 +95,21 @@ class StepStager:
         h64 = self.h64
         return h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
 
-    def stage_chunks(self, placed: list[tuple[int, ScheduledChunk]], tokens: int, tables: np.ndarray,
-                     block_tables: np.ndarray | None = None) -> StagedChunks:
-        """Write the chunks' tokens as consecutive token rows in `placed` order ([(request row, chunk)])
-        and the first cdiv(seq_len, block_size) entries of each chunk's block table into
-        `tables[request row]` (a view of the int32 staging, zeroed by the caller). `block_tables`: the
-        step's SchedulerOutput.block_tables, where each chunk's `table_row` is (a scheduled chunk's table
-        ends at its context, and the array is zero past it); None, or a chunk without a row: the chunks'
-        `block_table` lists. Vectorized over the step: per chunk only a few list entries are read in Python."""
+    def stage_chunks(self, chunks: list[ScheduledChunk], tokens: int, tables: np.ndarray,
+                     block_tables: np.ndarray | None = None, request_rows: list[int] | None = None) -> StagedChunks:
+        """Write the chunks' tokens as consecutive token rows in the order given and the first
+        cdiv(seq_len, block_size) entries of each chunk's block table into `tables[request row]` (a view of
+        the int32 staging, zeroed by the caller); chunk i's request row is `request_rows[i]`, i when None.
+        `block_tables`: the step's SchedulerOutput.block_tables, where each chunk's `table_row` is (a
+        scheduled chunk's table ends at its context, and the array is zero past it); None, or a chunk
+        without a row: the chunks' `block_table` lists. Vectorized over the step: per chunk only a few
+        fields are read, by `map` (in C), and a steady decode step (every chunk one pending token) reads
+        no token at all."""
         bs = self.block_size
         ids, positions, slots = self.token_rows(tokens)
-        chunks = list(map(_second, placed))
         if not chunks:
             empty = np.zeros(0, dtype=np.int64)
-            return StagedChunks([], [], empty, empty)
+            return StagedChunks(empty, [], empty, empty)
         length_list = list(map(_num_tokens, chunks))
         count = sum(length_list)
         decode_only = count == len(chunks)
@@ -119,9 +122,8 @@ class StepStager:
         else:
             source, source_rows = block_tables, np.array(table_rows, dtype=np.int64)
         width = min(tables.shape[1], source.shape[1])
-        request_rows = list(map(_first, placed))
-        if request_rows == list(range(len(request_rows))):  # placed in order: a slice, no index array
-            tables[:len(request_rows), :width] = source[source_rows, :width]
+        if request_rows is None:  # in order: a slice, no index array
+            tables[:len(chunks), :width] = source[source_rows, :width]
         else:
             tables[request_rows, :width] = source[source_rows, :width]
         if decode_only:  # one token each, at its start position
@@ -136,6 +138,10 @@ class StepStager:
             token_rows = np.repeat(source_rows, lengths)
         positions[:count] = span
         slots[:count] = source[token_rows, span // bs].astype(np.int64) * bs + span % bs
+        pending_flags = list(map(_last_token_pending, chunks))
+        if decode_only and all(pending_flags):  # steady decoding (async scheduling): every input is pending
+            ids[:count] = 0
+            return StagedChunks(ends - 1, list(map(_request_id, chunks)), lengths, ends, pending_in_order=True)
         ends_list = ends.tolist()
         # A decode's one input is a known token or a pending one (staged as 0).
         decodes = chunks if decode_only else [chunk for chunk in chunks if chunk.num_tokens == 1]
@@ -151,9 +157,8 @@ class StepStager:
                     first = end - chunk.num_tokens
                     ids[first:first + len(known)] = known
                     ids[first + len(known):end] = 0
-        pending = list(compress(range(len(chunks)), map(_last_token_pending, chunks)))
-        return StagedChunks([ends_list[i] - 1 for i in pending], [chunks[i].request.request_id for i in pending],
-                            lengths, ends)
+        pending = list(compress(range(len(chunks)), pending_flags))
+        return StagedChunks(ends[pending] - 1, [chunks[i].request.request_id for i in pending], lengths, ends)
 
     def send(self, tokens: int, rows: int, num_int32: int, staged: StagedChunks,
              previous: InflightStep | None, int64_out: torch.Tensor | None = None,
@@ -163,10 +168,16 @@ class StepStager:
         padded runner's static buffers, or fresh tensors), then fill the pending tokens there.
         -> (int64, int32) device tensors holding the staged values at their staging offsets."""
         num_int64 = 3 * tokens + rows
-        num_fill = _stage_fill(self.h64[num_int64:], staged, previous)
+        # Steady decoding: token row i takes row i of the step in flight's tokens, one contiguous copy.
+        in_order = (staged.pending_in_order and previous is not None
+                    and previous.samples_in_order(staged.pending_ids))
+        num_fill = 0 if in_order else _stage_fill(self.h64[num_int64:], staged, previous)
         int64_out = self._copy(self.host_int64[:num_int64 + num_fill], int64_out)
         int32_out = self._copy(self.host_int32[:num_int32], int32_out)
-        if num_fill:
+        if in_order:
+            k = len(staged.pending_ids)
+            int64_out[:k].copy_(previous.sampled.sampled[:k])
+        elif num_fill:
             fill_pending_tokens(int64_out[:tokens], int64_out[num_int64:num_int64 + num_fill], previous)
         if self._copied is not None:
             self._copied.record()
@@ -199,7 +210,7 @@ class StepStager:
         num_int32 = tables_at + num_requests * width
         tables = h32[tables_at:num_int32].reshape(num_requests, width)
         tables[:] = 0
-        staged = self.stage_chunks(list(enumerate(chunks)), tokens, tables, block_tables)
+        staged = self.stage_chunks(chunks, tokens, tables, block_tables)
         h32[0] = 0
         h32[1:num_requests + 1] = staged.ends
         h32[num_requests + 1:tables_at] = seq_lens
@@ -233,7 +244,7 @@ def request_stager(max_tokens: int, max_requests: int, max_blocks: int, block_si
 def _stage_fill(staging: np.ndarray, staged: StagedChunks, previous: InflightStep | None) -> int:
     """Write the fill of the pending tokens into `staging`: k input rows, then the k rows of
     `previous`'s sampled tokens they take. -> the number of values written, 2k."""
-    if not staged.pending_rows:
+    if not staged.pending_ids:
         return 0
     if previous is None:
         raise RuntimeError(f"request {staged.pending_ids[0]!r} has a pending token but no step is in flight")
