@@ -896,8 +896,9 @@ constexpr int PREFILL_STAGES = 4;
 // V reads (4 bytes, rows 2t apart) conflict-free and costs the K reads (8 bytes) a second wavefront.
 constexpr int PREFILL_PAD = 8, PREFILL_CODE_PAD = 16;
 
+// 16-byte aligned, so that every stage of an array is (cp.async's 16-byte copies)
 template <int D, int KVQ>
-struct PrefillStage {  // one 16-key tile of K and V rows; int8 codes with their fp16 scales
+struct __align__(16) PrefillStage {  // one 16-key tile of K and V rows; int8 codes with their fp16 scales
   using Element = typename Pick<KVQ != 0, unsigned char, u16>::type;
   static constexpr int STRIDE = D + (KVQ ? PREFILL_CODE_PAD : PREFILL_PAD);  // elements a row
   Element k[16][STRIDE];
