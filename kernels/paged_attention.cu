@@ -192,22 +192,14 @@ __device__ __forceinline__ void softmax_update(float (&s)[NT][4], float (&tile_m
 // qrows: this thread's two query rows (row g and g+8) offset by 8t; q rows past the tile's heads are zero.
 // Keys at positions >= ctx.end are masked; with ROW_BOUNDS (rows of different query tokens, the prefill kernel)
 // row r sees keys [row_begin[r], row_end[r]) instead. SHARED (with PRELOAD = 0): ctx's caches are a staged tile
-// in shared memory, read chunk by chunk at T's row offsets. KVQ (with SHARED): the staged rows are int8 or e4m3
-// codes in the 16-bit rows' order, converted to fp16 pairs as they are read (codes_to_halves), the products in
-// fp16 as the code tiles' (a bf16 query converted); int8 K scales (ctx.key_scales: the tile's 16, in shared
-// memory) multiply the scores and V scales (ctx.value_scales) the V pairs, an e4m3 cache's K head scale
-// (ctx.key_head_scale) the scores, its V scale the caller's output.
-template <int DT, int D, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false, int KVQ = 0>
+// in shared memory, read chunk by chunk at T's row offsets.
+template <int DT, int D, int PRELOAD, bool ROW_BOUNDS = false, bool SHARED = false>
 __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int tile, const TileContext& ctx,
                                             const u16* const (&qrows)[2], const bool (&qvalid)[2], float scale,
                                             float softcap, float (&o)[D / 32][4][4], float (&row_max)[2],
                                             float (&row_sum)[2], const int (&row_begin)[2] = {0, 0},
                                             const int (&row_end)[2] = {0, 0}) {
-  static_assert(!KVQ || (SHARED && !PRELOAD), "codes are read from a staged tile");
   constexpr int CHUNKS = D / 32;
-  using Mma = Num<KVQ ? 0 : DT>;  // the products' type: fp16 over codes
-  const unsigned char* key_codes = reinterpret_cast<const unsigned char*>(ctx.key_cache);
-  const unsigned char* value_codes = reinterpret_cast<const unsigned char*>(ctx.value_cache);
   // scores s[nt][c0..c3] = (row g, tok 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) of n-tile nt
   float s[2][4];
 #pragma unroll
@@ -218,28 +210,19 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int t
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const uint4 v = qvalid[r] ? __ldg(reinterpret_cast<const uint4*>(qrows[r] + 32 * c)) : make_uint4(0, 0, 0, 0);
-      if constexpr (KVQ) {
-        qf[r][0] = halves_of<DT>(v.x); qf[r][1] = halves_of<DT>(v.y);
-        qf[r][2] = halves_of<DT>(v.z); qf[r][3] = halves_of<DT>(v.w);
-      } else {
-        qf[r][0] = v.x; qf[r][1] = v.y; qf[r][2] = v.z; qf[r][3] = v.w;
-      }
+      qf[r][0] = v.x; qf[r][1] = v.y; qf[r][2] = v.z; qf[r][3] = v.w;
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       u32 kf[4];
-      if constexpr (KVQ) {  // the row's 8 codes d = 32c + 8t .. + 7
-        const uint2 codes = *reinterpret_cast<const uint2*>(key_codes + T.krow[nt] + 32 * c + 8 * ctx.t);
-        codes_to_halves<KVQ>(codes.x, kf[0], kf[1]);
-        codes_to_halves<KVQ>(codes.y, kf[2], kf[3]);
-      } else if constexpr (PRELOAD) {
+      if constexpr (PRELOAD) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) kf[i] = T.kw[nt][c][i];
       } else {
         KvRow<SHARED>::load8(ctx.key_cache, T.krow[nt] + 32 * c + 8 * ctx.t, T.kvalid[nt], kf);
       }
-      Mma::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
-      Mma::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
+      Num<DT>::mma(s[nt], qf[0][0], qf[1][0], qf[0][1], qf[1][1], kf[0], kf[1]);
+      Num<DT>::mma(s[nt], qf[0][2], qf[1][2], qf[0][3], qf[1][3], kf[2], kf[3]);
     }
   }
   float tile_max[2] = {-INFINITY, -INFINITY};
@@ -247,11 +230,8 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int t
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int column = 8 * nt + 2 * ctx.t + (e & 1), tok = tile + column;
-      float key_scale = 1.0f;
-      if constexpr (KVQ == 1) key_scale = half_bits_to_float(ctx.key_scales[column]);
-      if constexpr (KVQ == 2) key_scale = ctx.key_head_scale;
-      float v = s[nt][e] * scale * key_scale;
+      const int tok = tile + 8 * nt + 2 * ctx.t + (e & 1);
+      float v = s[nt][e] * scale;
       if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
       if constexpr (ROW_BOUNDS) {
         v = tok >= row_begin[e >> 1] && tok < row_end[e >> 1] ? v : -INFINITY;
@@ -264,34 +244,16 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int t
   }
   softmax_update(s, tile_max, o, row_max, row_sum);
   // P as the A operand (k = the tile's 16 tokens)
-  const u32 pa0 = Mma::pack(s[0][0], s[0][1]);  // row g, tok 2t, 2t+1
-  const u32 pa1 = Mma::pack(s[0][2], s[0][3]);  // row g+8
-  const u32 pa2 = Mma::pack(s[1][0], s[1][1]);  // row g, tok 2t+8, 2t+9
-  const u32 pa3 = Mma::pack(s[1][2], s[1][3]);  // row g+8
-  // int8: each V row's scale as an fp16 pair, 0 past ctx.end (rows there are zero-filled codes and their staged
-  // scales anything, NaN included)
-  u32 value_scale[4];
-  if constexpr (KVQ == 1) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = 2 * ctx.t + (e & 1) + 8 * (e >> 1);
-      const u32 half = tile + row < ctx.end ? ctx.value_scales[row] : 0u;
-      value_scale[e] = half | (half << 16);
-    }
-  }
+  const u32 pa0 = Num<DT>::pack(s[0][0], s[0][1]);  // row g, tok 2t, 2t+1
+  const u32 pa1 = Num<DT>::pack(s[0][2], s[0][3]);  // row g+8
+  const u32 pa2 = Num<DT>::pack(s[1][0], s[1][1]);  // row g, tok 2t+8, 2t+9
+  const u32 pa3 = Num<DT>::pack(s[1][2], s[1][3]);  // row g+8
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     u32 vf[4][2];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if constexpr (KVQ) {  // the row's 4 codes d = 32c + 4g .. + 3
-        codes_to_halves<KVQ>(*reinterpret_cast<const u32*>(value_codes + T.vrow[e] + 32 * c + 4 * ctx.g), vf[e][0],
-                             vf[e][1]);
-        if constexpr (KVQ == 1) {
-          vf[e][0] = Num<0>::mul(vf[e][0], value_scale[e]);
-          vf[e][1] = Num<0>::mul(vf[e][1], value_scale[e]);
-        }
-      } else if constexpr (PRELOAD) {
+      if constexpr (PRELOAD) {
         vf[e][0] = T.vw[e][c][0];
         vf[e][1] = T.vw[e][c][1];
       } else {
@@ -304,7 +266,7 @@ __device__ __forceinline__ void attend_tile(const Tile<DT, D, PRELOAD>& T, int t
       const int w = j >> 1;
       const u32 b0 = (j & 1) ? pair_of_his(vf[0][w], vf[1][w]) : pair_of_los(vf[0][w], vf[1][w]);
       const u32 b1 = (j & 1) ? pair_of_his(vf[2][w], vf[3][w]) : pair_of_los(vf[2][w], vf[3][w]);
-      Mma::mma(o[c][j], pa0, pa1, pa2, pa3, b0, b1);
+      Num<DT>::mma(o[c][j], pa0, pa1, pa2, pa3, b0, b1);
     }
   }
 }
@@ -885,59 +847,51 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 // Few tiles over long contexts would leave most SMs idle while each CTA walks its keys one tile after another, so
 // the keys may be cut into splits of tokens_per_split (grid.z, a multiple of 16): each CTA then writes its rows'
 // partials and paged_prefill_reduce_kernel combines them, as paged_reduce_kernel does the decode kernel's.
-// KV (the KVQ template parameter, as the decode kernel's): fp16/bf16, or int8 / e4m3 codes, staged as codes (half
-// the bytes of the copies and of shared memory) and converted as attend_tile reads them; int8's per-token scales
-// of the tile are staged beside them. D = 64 or 128.
+// KV (the KVQ template parameter, as the decode kernel's): fp16/bf16 rows are copied into the stages the warps read.
+// int8 and e4m3 codes are copied into stages of their own (half the bytes), and each thread converts the pieces it
+// copied, once for the CTA's 4 warps, to DT values (code x scale, rounded once) in a 16-bit stage: the warps then run
+// the 16-bit tile step unchanged. D = 64 or 128.
 // 4 warps: 128 registers a thread, so 4 CTAs (16 warps) share an SM, and twice the CTAs of 8-warp tiles for short
 // chunks (a 256-token prompt of Qwen2.5-3B: 64 CTAs a layer).
 constexpr int PREFILL_WARPS = 4;
 constexpr int PREFILL_STAGES = 4;
-// Elements after each shared row: 16-bit rows 16 bytes apart in the banks; code rows 16 bytes too, which keeps the
-// V reads (4 bytes, rows 2t apart) conflict-free and costs the K reads (8 bytes) a second wavefront.
-constexpr int PREFILL_PAD = 8, PREFILL_CODE_PAD = 16;
+constexpr int PREFILL_PAD = 8;  // elements after each shared row: rows 16 bytes apart in the banks
 
-// 16-byte aligned, so that every stage of an array is (cp.async's 16-byte copies)
-template <int D, int KVQ>
-struct __align__(16) PrefillStage {  // one 16-key tile of K and V rows; int8 codes with their fp16 scales
-  using Element = typename Pick<KVQ != 0, unsigned char, u16>::type;
-  static constexpr int STRIDE = D + (KVQ ? PREFILL_CODE_PAD : PREFILL_PAD);  // elements a row
-  Element k[16][STRIDE];
-  Element v[16][STRIDE];
-  u16 kscale[KVQ == 1 ? 16 : 1], vscale[KVQ == 1 ? 16 : 1];
+template <int D>
+struct PrefillStage {  // one 16-key tile of K and V rows
+  u16 k[16][D + PREFILL_PAD];
+  u16 v[16][D + PREFILL_PAD];
+};
+
+// One 16-key tile of int8 or e4m3 codes, as copied: each thread reads back only the pieces it copied, so the rows
+// need no padding.
+template <int D>
+struct PrefillCodeStage {
+  unsigned char k[16][D];
+  unsigned char v[16][D];
 };
 
 // Which pieces of a staged tile a thread copies: pieces tid + k * THREADS of each of K and V (ROWS of them, row
 // (tid + k * THREADS) / PIECES), the same rows for K and V. A piece is 16 bytes, or 8 where a tile's rows of K
 // (16 x 64 codes) would not give every thread one of 16.
-template <int D, int KVQ>
+template <int D, int ELEMENT_BYTES>
 struct PrefillStaging {
-  static constexpr int THREADS = 32 * PREFILL_WARPS, ROW_BYTES = D * (KVQ ? 1 : 2);
-  static constexpr int PIECE_BYTES = 16 * ROW_BYTES >= 16 * THREADS ? 16 : 8, PIECE = PIECE_BYTES * D / ROW_BYTES;
+  static constexpr int THREADS = 32 * PREFILL_WARPS, ROW_BYTES = D * ELEMENT_BYTES;
+  static constexpr int PIECE_BYTES = 16 * ROW_BYTES >= 16 * THREADS ? 16 : 8;
+  static constexpr int PIECE = PIECE_BYTES / ELEMENT_BYTES;  // elements a piece
   static constexpr int PIECES = ROW_BYTES / PIECE_BYTES, ROWS = 16 * PIECES / THREADS;
   static_assert(ROWS >= 1 && 16 * PIECES % THREADS == 0, "a CTA copies whole tiles, every thread the same count");
   static __device__ __forceinline__ int row(int k) { return (threadIdx.x + k * THREADS) / PIECES; }
+  static __device__ __forceinline__ int column(int k) { return PIECE * (threadIdx.x % PIECES); }
 };
 
-// The blocks a thread's copies of the key tile at `tile` read (0 past `end`: those rows are zero-filled): its staged
-// rows', and with int8 codes (threads 0-3: the K and V scales of the tile's two 8-token groups) its scales'.
-template <int D, int KVQ>
-struct StagedBlocks {
-  int rows[PrefillStaging<D, KVQ>::ROWS];
-  int scales;
-};
-
-template <int D, int KVQ>
-__device__ __forceinline__ void staged_blocks(StagedBlocks<D, KVQ>& blocks, int tile, int end,
-                                              const TileContext& ctx) {
-  using S = PrefillStaging<D, KVQ>;
+// The blocks holding this thread's staged rows of the key tile at `tile` (0 past `end`: those rows are zero-filled).
+template <typename S>
+__device__ __forceinline__ void staged_blocks(int (&blocks)[S::ROWS], int tile, int end, const TileContext& ctx) {
 #pragma unroll
   for (int k = 0; k < S::ROWS; ++k) {
     const int tok = tile + S::row(k);
-    blocks.rows[k] = tok < end ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
-  }
-  if constexpr (KVQ == 1) {
-    const int group = tile + 8 * (threadIdx.x & 1);
-    blocks.scales = threadIdx.x < 4 && group < end ? __ldcg(ctx.table + (group >> ctx.log2_block_size)) : 0;
+    blocks[k] = tok < end ? __ldcg(ctx.table + (tok >> ctx.log2_block_size)) : 0;
   }
 }
 
@@ -953,35 +907,53 @@ __device__ __forceinline__ void cp_async_piece(void* shared, const void* global,
   }
 }
 
-// The CTA copies keys [tile, tile + 16) of K and V into `stage`; rows at or past `end` are zero-filled. int8: threads
-// 0-3 copy the scales of tokens tile + 8 (tid & 1) .. + 7 (one 16-byte run: the group lies in one block, at a
-// multiple of 8 in it), K for tid < 2, V for 2 and 3.
-template <int D, int KVQ>
-__device__ __forceinline__ void stage_keys(PrefillStage<D, KVQ>& stage, int tile, int end,
-                                           const StagedBlocks<D, KVQ>& blocks, const TileContext& ctx) {
-  using S = PrefillStaging<D, KVQ>;
-  using Element = typename PrefillStage<D, KVQ>::Element;
-  const int block_size = 1 << ctx.log2_block_size, piece = threadIdx.x % S::PIECES;
+// The row of [num_blocks * KVH * block_size] that holds token `tok` (in `block`) of the CTA's KV head
+__device__ __forceinline__ i64 cache_row(int block, int tok, const TileContext& ctx) {
+  const int block_size = 1 << ctx.log2_block_size;
+  return ((i64)block * ctx.num_kv_heads + ctx.kv_head) * block_size + (tok & (block_size - 1));
+}
+
+// The CTA copies keys [tile, tile + 16) of K and V into `stage` (a PrefillStage of 16-bit rows or a PrefillCodeStage);
+// rows at or past `end` are zero-filled.
+template <typename S, int D, typename Element, typename Stage>
+__device__ __forceinline__ void stage_keys(Stage& stage, int tile, int end, const int (&blocks)[S::ROWS],
+                                           const TileContext& ctx) {
 #pragma unroll
   for (int k = 0; k < S::ROWS; ++k) {
-    const int row = S::row(k), tok = tile + row;
-    const i64 at =
-        (((i64)blocks.rows[k] * ctx.num_kv_heads + ctx.kv_head) * block_size + (tok & (block_size - 1))) * D +
-        S::PIECE * piece;
-    cp_async_piece<S::PIECE_BYTES>(stage.k[row] + S::PIECE * piece,
-                                   reinterpret_cast<const Element*>(ctx.key_cache) + at, tok < end);
-    cp_async_piece<S::PIECE_BYTES>(stage.v[row] + S::PIECE * piece,
-                                   reinterpret_cast<const Element*>(ctx.value_cache) + at, tok < end);
+    const int row = S::row(k), column = S::column(k), tok = tile + row;
+    const i64 at = cache_row(blocks[k], tok, ctx) * D + column;
+    cp_async_piece<S::PIECE_BYTES>(stage.k[row] + column, reinterpret_cast<const Element*>(ctx.key_cache) + at,
+                                   tok < end);
+    cp_async_piece<S::PIECE_BYTES>(stage.v[row] + column, reinterpret_cast<const Element*>(ctx.value_cache) + at,
+                                   tok < end);
   }
-  if constexpr (KVQ == 1) {
-    if (threadIdx.x < 4) {
-      const int half = threadIdx.x & 1, group = tile + 8 * half;
-      const i64 at = ((i64)blocks.scales * ctx.num_kv_heads + ctx.kv_head) * block_size + (group & (block_size - 1));
-      const bool keys = threadIdx.x < 2;
-      cp_async16((keys ? stage.kscale : stage.vscale) + 8 * half, (keys ? ctx.key_scales : ctx.value_scales) + at,
-                 group < end);
-    }
+}
+
+// N (8 or 16) codes at `codes` (shared) times `scale` -> N DT values at `out` (shared): codes_to_halves (exact values;
+// before SM89 e4m3's 2^-8 x, which FP8_PAIR_SCALE in the scale undoes), each product in fp32, rounded once.
+template <int DT, int KVQ, int N>
+__device__ __forceinline__ void dequantize_piece(const unsigned char* codes, u16* out, float scale) {
+  u32 w[N / 4], packed[N / 2];
+  if constexpr (N == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(codes);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(codes);
+    w[0] = v.x; w[1] = v.y;
   }
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    u32 pair[2];
+    codes_to_halves<KVQ>(w[i], pair[0], pair[1]);
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      packed[2 * i + p] = Num<DT>::pack(half_bits_to_float((u16)(pair[p] & 0xFFFFu)) * scale,
+                                        half_bits_to_float((u16)(pair[p] >> 16)) * scale);
+  }
+#pragma unroll
+  for (int q = 0; q < N / 8; ++q)
+    reinterpret_cast<uint4*>(out)[q] =
+        make_uint4(packed[4 * q], packed[4 * q + 1], packed[4 * q + 2], packed[4 * q + 3]);
 }
 
 template <int DT, int D, int KVQ = 0>
@@ -1002,7 +974,12 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   launch_dependents();
   static_assert(D == 64 || D == 128, "the prefill kernel takes head_dim 64 or 128");
   constexpr int CHUNKS = D / 32;
-  __shared__ __align__(16) PrefillStage<D, KVQ> stages[PREFILL_STAGES];
+  constexpr bool CODES = KVQ != 0;
+  using S = PrefillStaging<D, CODES ? 1 : 2>;  // the copies'
+  using CodeS = PrefillStaging<D, 1>;
+  // the 16-bit tiles the warps read: the copies' ring, or (codes) two, converted one tile at a time
+  __shared__ __align__(16) PrefillStage<D> stages[CODES ? 2 : PREFILL_STAGES];
+  __shared__ __align__(16) PrefillCodeStage<D> code_stages[CODES ? PREFILL_STAGES : 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int kv_head = blockIdx.x;
   wait_for_prior_grids();  // the query and the step's K/V are the layer's writes
@@ -1012,9 +989,9 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   // This split's keys of the tile's contexts: the last token sees the longest, the first the earliest (window).
   const int end = min(__ldcg(seq_lens + first + count - 1), (split + 1) * tokens_per_split);
   const int begin = max(window > 0 ? max(0, __ldcg(seq_lens + first) - window) & ~15 : 0, split * tokens_per_split);
-  const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)first * max_blocks,
+  const TileContext ctx{key_cache, value_cache, nullptr, nullptr, block_tables + (i64)first * max_blocks,
                         log2_block_size, num_kv_heads, kv_head, end, g, t};
-  // e4m3: the KV head's scales (FP8_PAIR_SCALE: what codes_to_halves leaves out)
+  // e4m3: the KV head's scales (with FP8_PAIR_SCALE: what codes_to_halves leaves out)
   const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
   const float value_head_scale =
       KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
@@ -1040,16 +1017,15 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
 
   // The staged rows attend_tile reads: K rows 8 * nt + g and V rows 2t + (e & 1) + 8 * (e >> 1) of a stage, all
   // valid (rows past `end` hold zeros, and the row bounds mask their scores).
-  constexpr int STRIDE = PrefillStage<D, KVQ>::STRIDE;
   Tile<DT, D, 0> T;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
-    T.krow[nt] = (8 * nt + g) * STRIDE;
+    T.krow[nt] = (8 * nt + g) * (D + PREFILL_PAD);
     T.kvalid[nt] = true;
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    T.vrow[e] = (2 * t + (e & 1) + 8 * (e >> 1)) * STRIDE;
+    T.vrow[e] = (2 * t + (e & 1) + 8 * (e >> 1)) * (D + PREFILL_PAD);
     T.vvalid[e] = true;
   }
 
@@ -1064,39 +1040,73 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   // i + STAGES - 2, so waiting until at most STAGES - 2 are in flight leaves tile i landed; the barrier then makes
   // it visible and tells that every warp is done with tile i - 1, whose stage takes tile i + STAGES - 1. A thread's
   // block ids for its staged rows are loaded a tile before their copies are issued, so the copies never wait on them.
-  StagedBlocks<D, KVQ> blocks;
+  // Codes: tile i's codes sit in code stage i % STAGES; each thread converts its own pieces of them into 16-bit stage
+  // i % 2 before the barrier (its own copies have landed, and every warp finished tile i - 2 before the previous
+  // barrier), which then makes the converted tile visible. int8: the thread's rows' K and V scales (fp16 bits, 0 past
+  // `end`) are loaded with their copies, STAGES - 1 tiles ahead of their use (row_scales[0]: tile i's).
+  int blocks[S::ROWS];
+  u32 row_scales[PREFILL_STAGES - 1][CodeS::ROWS];  // int8: K scale | V scale << 16 per staged row
+  auto stage = [&](int slot, int tile) {
+    if constexpr (CODES) {
+      stage_keys<S, D, unsigned char>(code_stages[slot], tile, end, blocks, ctx);
+    } else {
+      stage_keys<S, D, u16>(stages[slot], tile, end, blocks, ctx);
+    }
+  };
+  auto load_scales = [&](u32 (&into)[CodeS::ROWS], int tile) {
+    if constexpr (KVQ == 1) {
+#pragma unroll
+      for (int k = 0; k < CodeS::ROWS; ++k) {
+        const int tok = tile + CodeS::row(k);
+        const i64 at = cache_row(blocks[k], tok, ctx);
+        into[k] = tok < end ? (u32)__ldcg(key_scales + at) | ((u32)__ldcg(value_scales + at) << 16) : 0u;
+      }
+    }
+  };
 #pragma unroll
   for (int s = 0; s < PREFILL_STAGES - 1; ++s) {
     const int tile = begin + 16 * s;
     if (tile < end) {
-      staged_blocks<D, KVQ>(blocks, tile, end, ctx);
-      stage_keys<D, KVQ>(stages[s], tile, end, blocks, ctx);
+      staged_blocks<S>(blocks, tile, end, ctx);
+      stage(s, tile);
+      load_scales(row_scales[s], tile);
     }
     cp_async_commit();
   }
-  staged_blocks<D, KVQ>(blocks, begin + 16 * (PREFILL_STAGES - 1), end, ctx);
+  staged_blocks<S>(blocks, begin + 16 * (PREFILL_STAGES - 1), end, ctx);
   for (int i = 0, tile = begin; tile < end; ++i, tile += 16) {
     cp_async_wait<PREFILL_STAGES - 2>();
+    if constexpr (CODES) {  // this thread's pieces of tile i, converted
+#pragma unroll
+      for (int k = 0; k < CodeS::ROWS; ++k) {
+        const int row = CodeS::row(k), column = CodeS::column(k);
+        const float key_scale = KVQ == 1 ? half_bits_to_float((u16)(row_scales[0][k] & 0xFFFFu)) : key_head_scale;
+        const float value_scale = KVQ == 1 ? half_bits_to_float((u16)(row_scales[0][k] >> 16)) : value_head_scale;
+        const PrefillCodeStage<D>& codes = code_stages[i % PREFILL_STAGES];
+        dequantize_piece<DT, KVQ, CodeS::PIECE>(codes.k[row] + column, stages[i % 2].k[row] + column, key_scale);
+        dequantize_piece<DT, KVQ, CodeS::PIECE>(codes.v[row] + column, stages[i % 2].v[row] + column, value_scale);
+      }
+    }
     __syncthreads();
     const int ahead = tile + 16 * (PREFILL_STAGES - 1);
-    if (ahead < end) stage_keys<D, KVQ>(stages[(i + PREFILL_STAGES - 1) % PREFILL_STAGES], ahead, end, blocks, ctx);
-    cp_async_commit();
-    staged_blocks<D, KVQ>(blocks, ahead + 16, end, ctx);
-    if (tile < warp_end && tile + 16 > warp_begin) {
-      const PrefillStage<D, KVQ>& stage = stages[i % PREFILL_STAGES];
-      const TileContext staged{stage.k, stage.v, stage.kscale, stage.vscale, nullptr, 0, 0, 0, end, g, t,
-                               key_head_scale};
-      attend_tile<DT, D, 0, true, true, KVQ>(T, tile, staged, qrows, qvalid, scale, softcap, o, row_max, row_sum,
-                                                row_begin, row_end);
+    if constexpr (KVQ == 1) {
+#pragma unroll
+      for (int s = 0; s < PREFILL_STAGES - 2; ++s)
+#pragma unroll
+        for (int k = 0; k < CodeS::ROWS; ++k) row_scales[s][k] = row_scales[s + 1][k];
     }
-  }
-  if constexpr (KVQ == 2) {  // P V summed the codes' values: the head's scale multiplies the result
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[c][j][e] *= value_head_scale;
+    if (ahead < end) {
+      stage((i + PREFILL_STAGES - 1) % PREFILL_STAGES, ahead);
+      load_scales(row_scales[PREFILL_STAGES - 2], ahead);
+    }
+    cp_async_commit();
+    staged_blocks<S>(blocks, ahead + 16, end, ctx);
+    if (tile < warp_end && tile + 16 > warp_begin) {
+      const PrefillStage<D>& staged_tile = stages[CODES ? i % 2 : i % PREFILL_STAGES];
+      const TileContext staged{staged_tile.k, staged_tile.v, nullptr, nullptr, nullptr, 0, 0, 0, end, g, t};
+      attend_tile<DT, D, 0, true, true>(T, tile, staged, qrows, qvalid, scale, softcap, o, row_max, row_sum,
+                                           row_begin, row_end);
+    }
   }
 
 #pragma unroll
