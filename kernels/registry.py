@@ -97,8 +97,8 @@ _OPS = (
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
              "paged GQA attention of prefill tiles (consecutive tokens of one sequence, each with its causal "
              "prefix): one 4-warp CTA a tile, KV head and key split, K/V tiles staged in shared memory once for "
-             "all its tokens, splits combined by a reduce; fp16/bf16/int8/e4m3 KV (codes staged, converted in "
-             "registers)",
+             "all its tokens, splits combined by a reduce; fp16/bf16/int8/e4m3 KV (codes staged, "
+             "converted once a CTA)",
              _names("paged_prefill_kernel<{dt},{d}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS)
              + _names("paged_prefill_kernel<{dt},{d},{kvq}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS,
                       kvq=(1, 2))

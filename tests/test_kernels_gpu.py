@@ -317,7 +317,7 @@ PREFILL_CASES = [
     (FP16, False, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached tokens
     (BF16, False, 16, 2, 128, 16, ((3000, 16), (40, 3)), None, None),  # few tiles over long contexts: key splits
     (FP16, False, 32, 8, 128, 16, ((1500, 40),), 700, None),  # splits before the window are empty
-    # int8 and e4m3 caches: codes staged and converted in registers
+    # int8 and e4m3 caches: codes staged, each converted once a CTA into the 16-bit tile the warps read
     (BF16, True, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 301)), None, None),
     (FP16, "fp8", 16, 2, 128, 16, ((0, 256), (0, 37), (100, 301)), None, None),
     (FP16, True, 9, 3, 64, 8, ((0, 91), (5, 3)), 33, 50.0),  # D = 64: 8-byte staging copies
