@@ -847,7 +847,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 // Few tiles over long contexts would leave most SMs idle while each CTA walks its keys one tile after another, so
 // the keys may be cut into splits of tokens_per_split (grid.z, a multiple of 16): each CTA then writes its rows'
 // partials and paged_prefill_reduce_kernel combines them, as paged_reduce_kernel does the decode kernel's.
-// Same-dtype KV (fp16/bf16), D = 64 or 128.
+// KV (the KVQ template parameter, as the decode kernel's): fp16/bf16 rows are copied into the stages the warps read.
+// int8 and e4m3 codes are copied into stages of their own (half the bytes), and each thread converts the pieces it
+// copied, once for the CTA's 4 warps, to DT values (code x scale, rounded once) in a 16-bit stage: the warps then run
+// the 16-bit tile step unchanged. D = 64 or 128.
 // 4 warps: 128 registers a thread, so 4 CTAs (16 warps) share an SM, and twice the CTAs of 8-warp tiles for short
 // chunks (a 256-token prompt of Qwen2.5-3B: 64 CTAs a layer).
 constexpr int PREFILL_WARPS = 4;
@@ -860,20 +863,31 @@ struct PrefillStage {  // one 16-key tile of K and V rows
   u16 v[16][D + PREFILL_PAD];
 };
 
-// Which 16-byte pieces of a staged tile a thread copies: pieces tid + k * THREADS of each of K and V (ROWS of them,
-// row (tid + k * THREADS) / PIECES), the same rows for K and V.
+// One 16-key tile of int8 or e4m3 codes, as copied: each thread reads back only the pieces it copied, so the rows
+// need no padding.
 template <int D>
+struct PrefillCodeStage {
+  unsigned char k[16][D];
+  unsigned char v[16][D];
+};
+
+// Which pieces of a staged tile a thread copies: pieces tid + k * THREADS of each of K and V (ROWS of them, row
+// (tid + k * THREADS) / PIECES), the same rows for K and V. A piece is 16 bytes, or 8 where a tile's rows of K
+// (16 x 64 codes) would not give every thread one of 16.
+template <int D, int ELEMENT_BYTES>
 struct PrefillStaging {
-  static constexpr int PIECES = D / 8, THREADS = 32 * PREFILL_WARPS, ROWS = 16 * PIECES / THREADS;
+  static constexpr int THREADS = 32 * PREFILL_WARPS, ROW_BYTES = D * ELEMENT_BYTES;
+  static constexpr int PIECE_BYTES = 16 * ROW_BYTES >= 16 * THREADS ? 16 : 8;
+  static constexpr int PIECE = PIECE_BYTES / ELEMENT_BYTES;  // elements a piece
+  static constexpr int PIECES = ROW_BYTES / PIECE_BYTES, ROWS = 16 * PIECES / THREADS;
   static_assert(ROWS >= 1 && 16 * PIECES % THREADS == 0, "a CTA copies whole tiles, every thread the same count");
   static __device__ __forceinline__ int row(int k) { return (threadIdx.x + k * THREADS) / PIECES; }
+  static __device__ __forceinline__ int column(int k) { return PIECE * (threadIdx.x % PIECES); }
 };
 
 // The blocks holding this thread's staged rows of the key tile at `tile` (0 past `end`: those rows are zero-filled).
-template <int D>
-__device__ __forceinline__ void staged_blocks(int (&blocks)[PrefillStaging<D>::ROWS], int tile, int end,
-                                              const TileContext& ctx) {
-  using S = PrefillStaging<D>;
+template <typename S>
+__device__ __forceinline__ void staged_blocks(int (&blocks)[S::ROWS], int tile, int end, const TileContext& ctx) {
 #pragma unroll
   for (int k = 0; k < S::ROWS; ++k) {
     const int tok = tile + S::row(k);
@@ -881,27 +895,74 @@ __device__ __forceinline__ void staged_blocks(int (&blocks)[PrefillStaging<D>::R
   }
 }
 
-// The CTA copies keys [tile, tile + 16) of K and V into `stage`; rows at or past `end` are zero-filled.
-template <int D>
-__device__ __forceinline__ void stage_keys(PrefillStage<D>& stage, int tile, int end,
-                                           const int (&blocks)[PrefillStaging<D>::ROWS], const TileContext& ctx) {
-  using S = PrefillStaging<D>;
-  const int block_size = 1 << ctx.log2_block_size, piece = threadIdx.x % S::PIECES;
-#pragma unroll
-  for (int k = 0; k < S::ROWS; ++k) {
-    const int row = S::row(k), tok = tile + row;
-    const i64 at = (((i64)blocks[k] * ctx.num_kv_heads + ctx.kv_head) * block_size + (tok & (block_size - 1))) * D +
-                   8 * piece;
-    cp_async16(stage.k[row] + 8 * piece, reinterpret_cast<const u16*>(ctx.key_cache) + at, tok < end);
-    cp_async16(stage.v[row] + 8 * piece, reinterpret_cast<const u16*>(ctx.value_cache) + at, tok < end);
+// cp.async of BYTES (8 or 16), zero-filled where !valid
+template <int BYTES>
+__device__ __forceinline__ void cp_async_piece(void* shared, const void* global, bool valid) {
+  if constexpr (BYTES == 16) {
+    cp_async16(shared, global, valid);
+  } else {
+    const u32 address = (u32)__cvta_generic_to_shared(shared);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(address), "l"(global), "r"(valid ? 8 : 0)
+                 : "memory");
   }
 }
 
-template <int DT, int D>
+// The row of [num_blocks * KVH * block_size] that holds token `tok` (in `block`) of the CTA's KV head
+__device__ __forceinline__ i64 cache_row(int block, int tok, const TileContext& ctx) {
+  const int block_size = 1 << ctx.log2_block_size;
+  return ((i64)block * ctx.num_kv_heads + ctx.kv_head) * block_size + (tok & (block_size - 1));
+}
+
+// The CTA copies keys [tile, tile + 16) of K and V into `stage` (a PrefillStage of 16-bit rows or a PrefillCodeStage);
+// rows at or past `end` are zero-filled.
+template <typename S, int D, typename Element, typename Stage>
+__device__ __forceinline__ void stage_keys(Stage& stage, int tile, int end, const int (&blocks)[S::ROWS],
+                                           const TileContext& ctx) {
+#pragma unroll
+  for (int k = 0; k < S::ROWS; ++k) {
+    const int row = S::row(k), column = S::column(k), tok = tile + row;
+    const i64 at = cache_row(blocks[k], tok, ctx) * D + column;
+    cp_async_piece<S::PIECE_BYTES>(stage.k[row] + column, reinterpret_cast<const Element*>(ctx.key_cache) + at,
+                                   tok < end);
+    cp_async_piece<S::PIECE_BYTES>(stage.v[row] + column, reinterpret_cast<const Element*>(ctx.value_cache) + at,
+                                   tok < end);
+  }
+}
+
+// N (8 or 16) codes at `codes` (shared) times `scale` -> N DT values at `out` (shared): codes_to_halves (exact values;
+// before SM89 e4m3's 2^-8 x, which FP8_PAIR_SCALE in the scale undoes), each product in fp32, rounded once.
+template <int DT, int KVQ, int N>
+__device__ __forceinline__ void dequantize_piece(const unsigned char* codes, u16* out, float scale) {
+  u32 w[N / 4], packed[N / 2];
+  if constexpr (N == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(codes);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(codes);
+    w[0] = v.x; w[1] = v.y;
+  }
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    u32 pair[2];
+    codes_to_halves<KVQ>(w[i], pair[0], pair[1]);
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      packed[2 * i + p] = Num<DT>::pack(half_bits_to_float((u16)(pair[p] & 0xFFFFu)) * scale,
+                                        half_bits_to_float((u16)(pair[p] >> 16)) * scale);
+  }
+#pragma unroll
+  for (int q = 0; q < N / 8; ++q)
+    reinterpret_cast<uint4*>(out)[q] =
+        make_uint4(packed[4 * q], packed[4 * q + 1], packed[4 * q + 2], packed[4 * q + 3]);
+}
+
+template <int DT, int D, int KVQ = 0>
 __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
     const u16* __restrict__ query,        // [T, H, D]
-    const u16* __restrict__ key_cache,    // [NB, KVH, BS, D]
-    const u16* __restrict__ value_cache,  // [NB, KVH, BS, D]
+    const void* __restrict__ key_cache,   // [NB, KVH, BS, D]
+    const void* __restrict__ value_cache, // [NB, KVH, BS, D]
+    const u16* __restrict__ key_scales,   // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
+    const u16* __restrict__ value_scales, // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
     const int* __restrict__ block_tables, // [T, max_blocks]: each token's sequence's table
     const int* __restrict__ seq_lens,     // [T]: each token's context length (its position + 1)
     const int* __restrict__ tiles,        // [num_tiles, 2]: first token, token count
@@ -912,8 +973,13 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
     float softcap, int window) {
   launch_dependents();
   static_assert(D == 64 || D == 128, "the prefill kernel takes head_dim 64 or 128");
-  constexpr int CHUNKS = D / 32, ROWS = PrefillStaging<D>::ROWS;
-  __shared__ __align__(16) PrefillStage<D> stages[PREFILL_STAGES];
+  constexpr int CHUNKS = D / 32;
+  constexpr bool CODES = KVQ != 0;
+  using S = PrefillStaging<D, CODES ? 1 : 2>;  // the copies'
+  using CodeS = PrefillStaging<D, 1>;
+  // the 16-bit tiles the warps read: the copies' ring, or (codes) two, converted one tile at a time
+  __shared__ __align__(16) PrefillStage<D> stages[CODES ? 2 : PREFILL_STAGES];
+  __shared__ __align__(16) PrefillCodeStage<D> code_stages[CODES ? PREFILL_STAGES : 1];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int kv_head = blockIdx.x;
   wait_for_prior_grids();  // the query and the step's K/V are the layer's writes
@@ -925,6 +991,10 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   const int begin = max(window > 0 ? max(0, __ldcg(seq_lens + first) - window) & ~15 : 0, split * tokens_per_split);
   const TileContext ctx{key_cache, value_cache, nullptr, nullptr, block_tables + (i64)first * max_blocks,
                         log2_block_size, num_kv_heads, kv_head, end, g, t};
+  // e4m3: the KV head's scales (with FP8_PAIR_SCALE: what codes_to_halves leaves out)
+  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float value_head_scale =
+      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
 
   // This warp's tokens [first + warp_first, + warp_count); mma row g + 8r is token (g + 8r) / G, head (g + 8r) % G.
   const int warp_first = warp * per_warp, warp_count = max(0, min(count - warp_first, per_warp));
@@ -970,27 +1040,70 @@ __global__ void __launch_bounds__(32 * PREFILL_WARPS) paged_prefill_kernel(
   // i + STAGES - 2, so waiting until at most STAGES - 2 are in flight leaves tile i landed; the barrier then makes
   // it visible and tells that every warp is done with tile i - 1, whose stage takes tile i + STAGES - 1. A thread's
   // block ids for its staged rows are loaded a tile before their copies are issued, so the copies never wait on them.
-  int blocks[ROWS];
+  // Codes: tile i's codes sit in code stage i % STAGES; each thread converts its own pieces of them into 16-bit stage
+  // i % 2 before the barrier (its own copies have landed, and every warp finished tile i - 2 before the previous
+  // barrier), which then makes the converted tile visible. int8: the thread's rows' K and V scales (fp16 bits, 0 past
+  // `end`) are loaded with their copies, STAGES - 1 tiles ahead of their use (row_scales[0]: tile i's).
+  int blocks[S::ROWS];
+  u32 row_scales[PREFILL_STAGES - 1][CodeS::ROWS];  // int8: K scale | V scale << 16 per staged row
+  auto stage = [&](int slot, int tile) {
+    if constexpr (CODES) {
+      stage_keys<S, D, unsigned char>(code_stages[slot], tile, end, blocks, ctx);
+    } else {
+      stage_keys<S, D, u16>(stages[slot], tile, end, blocks, ctx);
+    }
+  };
+  auto load_scales = [&](u32 (&into)[CodeS::ROWS], int tile) {
+    if constexpr (KVQ == 1) {
+#pragma unroll
+      for (int k = 0; k < CodeS::ROWS; ++k) {
+        const int tok = tile + CodeS::row(k);
+        const i64 at = cache_row(blocks[k], tok, ctx);
+        into[k] = tok < end ? (u32)__ldcg(key_scales + at) | ((u32)__ldcg(value_scales + at) << 16) : 0u;
+      }
+    }
+  };
 #pragma unroll
   for (int s = 0; s < PREFILL_STAGES - 1; ++s) {
     const int tile = begin + 16 * s;
     if (tile < end) {
-      staged_blocks<D>(blocks, tile, end, ctx);
-      stage_keys<D>(stages[s], tile, end, blocks, ctx);
+      staged_blocks<S>(blocks, tile, end, ctx);
+      stage(s, tile);
+      load_scales(row_scales[s], tile);
     }
     cp_async_commit();
   }
-  staged_blocks<D>(blocks, begin + 16 * (PREFILL_STAGES - 1), end, ctx);
+  staged_blocks<S>(blocks, begin + 16 * (PREFILL_STAGES - 1), end, ctx);
   for (int i = 0, tile = begin; tile < end; ++i, tile += 16) {
     cp_async_wait<PREFILL_STAGES - 2>();
+    if constexpr (CODES) {  // this thread's pieces of tile i, converted
+#pragma unroll
+      for (int k = 0; k < CodeS::ROWS; ++k) {
+        const int row = CodeS::row(k), column = CodeS::column(k);
+        const float key_scale = KVQ == 1 ? half_bits_to_float((u16)(row_scales[0][k] & 0xFFFFu)) : key_head_scale;
+        const float value_scale = KVQ == 1 ? half_bits_to_float((u16)(row_scales[0][k] >> 16)) : value_head_scale;
+        const PrefillCodeStage<D>& codes = code_stages[i % PREFILL_STAGES];
+        dequantize_piece<DT, KVQ, CodeS::PIECE>(codes.k[row] + column, stages[i % 2].k[row] + column, key_scale);
+        dequantize_piece<DT, KVQ, CodeS::PIECE>(codes.v[row] + column, stages[i % 2].v[row] + column, value_scale);
+      }
+    }
     __syncthreads();
     const int ahead = tile + 16 * (PREFILL_STAGES - 1);
-    if (ahead < end) stage_keys<D>(stages[(i + PREFILL_STAGES - 1) % PREFILL_STAGES], ahead, end, blocks, ctx);
+    if constexpr (KVQ == 1) {
+#pragma unroll
+      for (int s = 0; s < PREFILL_STAGES - 2; ++s)
+#pragma unroll
+        for (int k = 0; k < CodeS::ROWS; ++k) row_scales[s][k] = row_scales[s + 1][k];
+    }
+    if (ahead < end) {
+      stage((i + PREFILL_STAGES - 1) % PREFILL_STAGES, ahead);
+      load_scales(row_scales[PREFILL_STAGES - 2], ahead);
+    }
     cp_async_commit();
-    staged_blocks<D>(blocks, ahead + 16, end, ctx);
+    staged_blocks<S>(blocks, ahead + 16, end, ctx);
     if (tile < warp_end && tile + 16 > warp_begin) {
-      const PrefillStage<D>& stage = stages[i % PREFILL_STAGES];
-      const TileContext staged{stage.k, stage.v, nullptr, nullptr, nullptr, 0, 0, 0, end, g, t};
+      const PrefillStage<D>& staged_tile = stages[CODES ? i % 2 : i % PREFILL_STAGES];
+      const TileContext staged{staged_tile.k, staged_tile.v, nullptr, nullptr, nullptr, 0, 0, 0, end, g, t};
       attend_tile<DT, D, 0, true, true>(T, tile, staged, qrows, qvalid, scale, softcap, o, row_max, row_sum,
                                            row_begin, row_end);
     }

@@ -262,8 +262,6 @@ def prefill_unsupported_reason(operands: AttentionOperands) -> str | None:
     reason = unsupported_reason(operands)
     if reason is not None:
         return reason
-    if operands.kv_dtype != operands.dtype:
-        return f"KV cache dtype {operands.kv_dtype} (the prefill kernel reads fp16/bf16 caches)"
     if operands.head_dim not in PREFILL_HEAD_DIMS:
         return f"head_dim {operands.head_dim} (the prefill kernel takes {' or '.join(map(str, PREFILL_HEAD_DIMS))})"
     if prefill_tile_tokens(operands.num_heads, operands.num_kv_heads) is None:
@@ -285,9 +283,16 @@ def prefill_split_plan(num_tokens: int, tile_tokens: int, num_kv_heads: int, max
     return -(-max_seq_len // per_split), per_split
 
 
+def _prefill_kernel_name(query: torch.Tensor, key_cache: torch.Tensor) -> str:
+    """A 16-bit cache's kernel leaves KVQ at its default: the names the registry compiles ahead."""
+    dt, head_dim, kvq = _DTYPE_CODES[query.dtype], query.shape[-1], _KV_CODES.get(key_cache.dtype, 0)
+    return f"paged_prefill_kernel<{dt},{head_dim},{kvq}>" if kvq else f"paged_prefill_kernel<{dt},{head_dim}>"
+
+
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, max_seq_len: int,
                             scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of prefill tiles: query [T, H, D] -> out [T, H, D], where only the rows of the tiles' tokens are
     written (the others keep what `out` held).
@@ -296,7 +301,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     sequence at consecutive positions (count 0: an unused entry); block_tables [T, max_blocks] int32
     and seq_lens [T] int32 per token (context length including the token); max_seq_len >= every seq_len, a host
     value (fixed for CUDA graphs: the split plan depends on it); key/value_cache [num_blocks, KVH, block_size, D]
-    in the query's dtype.
+    in the query's dtype, or int8 / float8_e4m3fn codes with key_scales/value_scales as paged_decode_attention's.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -314,9 +319,11 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     if splits > 1:
         part_out = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         part_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=query.device)
-    fn = get_kernel(SOURCE, f"paged_prefill_kernel<{dt},{head_dim}>", index)
+    fn = get_kernel(SOURCE, _prefill_kernel_name(query, key_cache), index)
+    quantized = key_cache.dtype in _KV_CODES
     launch(fn, (num_kv_heads, tiles.shape[0], splits), (32 * PREFILL_WARPS, 1, 1), (
-        ptr(query.contiguous()), ptr(key_cache), ptr(value_cache), ptr(block_tables),
+        ptr(query.contiguous()), ptr(key_cache), ptr(value_cache), ptr(key_scales if quantized else None),
+        ptr(value_scales if quantized else None), ptr(block_tables),
         ptr(seq_lens.to(torch.int32).contiguous()), ptr(tiles), ptr(out), ptr(part_out), ptr(part_stats),
         i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1), i32(block_tables.shape[1]),
         i32(per_split), f32(scale), f32(softcap or 0.0), i32(sliding_window or 0)), index)

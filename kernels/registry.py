@@ -97,8 +97,11 @@ _OPS = (
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
              "paged GQA attention of prefill tiles (consecutive tokens of one sequence, each with its causal "
              "prefix): one 4-warp CTA a tile, KV head and key split, K/V tiles staged in shared memory once for "
-             "all its tokens, splits combined by a reduce; fp16/bf16 KV",
+             "all its tokens, splits combined by a reduce; fp16/bf16/int8/e4m3 KV (codes staged, "
+             "converted once a CTA)",
              _names("paged_prefill_kernel<{dt},{d}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS)
+             + _names("paged_prefill_kernel<{dt},{d},{kvq}>", dt=_DT, d=paged_attention.PREFILL_HEAD_DIMS,
+                      kvq=(1, 2))
              + _names("paged_prefill_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("rms_norm", rms_norm.SOURCE, "RMSNorm (+ fused residual add, Gemma 1+w offset)",
              _names("rms_norm_kernel<{dt},{res},{offset}>", dt=_DT, res=(0, 1), offset=(0, 1))),

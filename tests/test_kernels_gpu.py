@@ -306,27 +306,36 @@ def test_paged_decode_attention_matches_the_reference_on_every_path(dtype, int8,
         assert_close(out, ref, BOUND[dtype])
 
 
-# (dtype, heads, KV heads, head_dim, block size, chunks (first position, tokens), window, softcap)
+# (dtype, KV storage (False: the dtype, True: int8, "fp8": e4m3), heads, KV heads, head_dim, block size, chunks
+# (first position, tokens), window, softcap)
 PREFILL_CASES = [
-    (BF16, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 300)), None, None),  # Qwen2.5-3B: G = 8
-    (FP16, 28, 4, 128, 16, ((0, 100), (1000, 64)), None, None),  # G = 7: 14 rows a warp
-    (FP16, 9, 3, 64, 16, ((0, 90), (5, 3)), None, None),  # D = 64
-    (BF16, 32, 32, 128, 32, ((0, 200), (7, 1)), None, None),  # MHA: 128 tokens a tile; a one-token tile
-    (FP16, 8, 4, 64, 8, ((0, 50), (3, 20)), 32, 50.0),  # Gemma 2: window, softcap, 8-token blocks
-    (FP16, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached tokens
-    (BF16, 16, 2, 128, 16, ((3000, 16), (40, 3)), None, None),  # few tiles over long contexts: key splits
-    (FP16, 32, 8, 128, 16, ((1500, 40),), 700, None),  # splits before the window are empty
+    (BF16, False, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 300)), None, None),  # Qwen2.5-3B: G = 8
+    (FP16, False, 28, 4, 128, 16, ((0, 100), (1000, 64)), None, None),  # G = 7: 14 rows a warp
+    (FP16, False, 9, 3, 64, 16, ((0, 90), (5, 3)), None, None),  # D = 64
+    (BF16, False, 32, 32, 128, 32, ((0, 200), (7, 1)), None, None),  # MHA: 128 tokens a tile; a one-token tile
+    (FP16, False, 8, 4, 64, 8, ((0, 50), (3, 20)), 32, 50.0),  # Gemma 2: window, softcap, 8-token blocks
+    (FP16, False, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached tokens
+    (BF16, False, 16, 2, 128, 16, ((3000, 16), (40, 3)), None, None),  # few tiles over long contexts: key splits
+    (FP16, False, 32, 8, 128, 16, ((1500, 40),), 700, None),  # splits before the window are empty
+    # int8 and e4m3 caches: codes staged, each converted once a CTA into the 16-bit tile the warps read
+    (BF16, True, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 301)), None, None),
+    (FP16, "fp8", 16, 2, 128, 16, ((0, 256), (0, 37), (100, 301)), None, None),
+    (FP16, True, 9, 3, 64, 8, ((0, 91), (5, 3)), 33, 50.0),  # D = 64: 8-byte staging copies
+    (BF16, "fp8", 9, 3, 64, 128, ((0, 91), (129, 77)), None, 30.0),
+    (BF16, True, 32, 8, 128, 64, ((1500, 41),), 700, 50.0),  # key splits
+    (FP16, "fp8", 16, 2, 128, 32, ((3000, 17), (40, 3)), None, None),
 ]
 
 
-@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size,chunks,window,softcap", PREFILL_CASES)
-def test_paged_prefill_attention_matches_the_reference_and_writes_only_its_tiles(dtype, heads, kv_heads, head_dim,
+@pytest.mark.parametrize("dtype,kv,heads,kv_heads,head_dim,block_size,chunks,window,softcap", PREFILL_CASES)
+def test_paged_prefill_attention_matches_the_reference_and_writes_only_its_tiles(dtype, kv, heads, kv_heads, head_dim,
                                                                                  block_size, chunks, window, softcap):
     from deepinfer.core.ops.paged_attention import paged_prefill_attention_reference
     from deepinfer.kernels.paged_attention import paged_prefill_attention, prefill_tile_tokens
 
     lengths = [start + n for start, n in chunks]
-    k_cache, v_cache, _, _, tables = random_paged_kv(lengths, kv_heads, head_dim, block_size, dtype, False, DEVICE)
+    k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(lengths, kv_heads, head_dim, block_size, dtype,
+                                                                   kv is True, DEVICE, fp8=kv == "fp8")
     tile_tokens = prefill_tile_tokens(heads, kv_heads)
     rows_seq, rows_len, tiles = [0], [lengths[0]], []  # row 0: a decode of sequence 0 that no tile covers
     for seq, (start, n) in enumerate(chunks):
@@ -342,9 +351,9 @@ def test_paged_prefill_attention_matches_the_reference_and_writes_only_its_tiles
     out = poisoned(query.shape, dtype, DEVICE)
     bound = next(b for b in (1024, 4096, 16384) if b >= max(lengths))  # as a CUDA graph's context bound
     paged_prefill_attention(query, k_cache, v_cache, token_tables, seq_lens, tile_table, bound, head_dim**-0.5,
-                            window, softcap, out=out)
+                            window, softcap, k_scales, v_scales, out=out)
     ref = paged_prefill_attention_reference(query.float(), k_cache, v_cache, token_tables, seq_lens, tile_table,
-                                            head_dim**-0.5, window, softcap)
+                                            head_dim**-0.5, window, softcap, k_scales, v_scales)
     assert torch.isnan(out[0]).all(), "wrote a row outside the tiles"
     assert_close(out[1:], ref[1:], BOUND[dtype])
 

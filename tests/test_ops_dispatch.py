@@ -139,21 +139,27 @@ def test_paged_decode_reference_matches_torch_backend(window, softcap, quantized
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 15.0)])
-def test_paged_prefill_reference_is_causal_attention_of_each_tile_token(window, softcap):
+@pytest.mark.parametrize("window,softcap,quantized", [(None, None, None), (4, None, None), (None, 15.0, None),
+                                                       (4, None, "int8"), (None, 15.0, "fp8")])
+def test_paged_prefill_reference_is_causal_attention_of_each_tile_token(window, softcap, quantized):
     """The prefill op (its reference on the CPU) against attention written out by hand: a token at position p
     of a sequence attends to that sequence's keys 0..p (with a window W only p-W+1..p) through query head h's KV
-    head h // G, over contiguous K/V; rows outside the tiles keep what `out` held."""
+    head h // G, over contiguous K/V (an int8 or e4m3 cache's codes times their scales); rows outside the tiles keep
+    what `out` held."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, scale = 6, 2, 8, 4, 0.3
-    cache = KVCache(1, 16, block_size, kv_heads, head_dim, torch.float32, "cpu")
+    cache = KVCache(1, 16, block_size, kv_heads, head_dim, torch.float32, "cpu", quantized)
     tables, lengths = [[5, 2, 9], [0, 11, 4, 7]], [11, 14]
     keys, values = [], []
     for table, length in zip(tables, lengths):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
-        keys.append(torch.randn(length, kv_heads, head_dim))
-        values.append(torch.randn(length, kv_heads, head_dim))
-        cache.write(0, keys[-1], values[-1], slots)
+        cache.write(0, torch.randn(length, kv_heads, head_dim), torch.randn(length, kv_heads, head_dim), slots)
+        # what the cache holds, position-major: [length, KVH, D] (codes times scales where quantized)
+        held = [codes.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)[:length]
+                for codes in cache.read_blocks(0, torch.tensor(table))]
+        keys.append(held[0])
+        values.append(held[1])
+    scales = (cache.key_scales[0], cache.value_scales[0]) if quantized else (None, None)
     # row 0: outside every tile; sequence 0 positions 3..10 in tiles of 3, 3, 2; sequence 1 positions 9..13
     rows = [(0, 10)] + [(0, p) for p in range(3, 11)] + [(1, p) for p in range(9, 14)]
     tiles = torch.tensor([[1, 3], [4, 3], [7, 2], [9, 5], [0, 0]], dtype=torch.int32)
@@ -162,7 +168,7 @@ def test_paged_prefill_reference_is_causal_attention_of_each_tile_token(window, 
     query = torch.randn(len(rows), heads, head_dim)
     out = torch.full_like(query, 7.0)
     got = paged_prefill_attention(query, cache.key_caches[0], cache.value_caches[0], block_tables, seq_lens, tiles,
-                                  scale, window, softcap, out=out)
+                                  scale, window, softcap, *scales, out=out)
     assert got is out and torch.equal(out[0], torch.full_like(out[0], 7.0))
     for row, (seq, position) in enumerate(rows[1:], start=1):
         first = 0 if window is None else max(0, position + 1 - window)
@@ -374,6 +380,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
         kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), cache, cache,
                                    torch.zeros(20, 20, dtype=torch.int32), torch.arange(1, 21, dtype=torch.int32),
                                    torch.tensor([[0, 16], [16, 4]], dtype=torch.int32), bound, 0.125, 64, 30.0)
+    codes, code_scales = torch.zeros(40, 2, 16, 64, dtype=torch.int8), torch.ones(40, 2, 16, dtype=half)
+    kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), codes, codes, torch.zeros(20, 20, dtype=torch.int32),
+                               torch.arange(1, 21, dtype=torch.int32), torch.tensor([[0, 16]], dtype=torch.int32), 20,
+                               0.125, key_scales=code_scales, value_scales=code_scales)
     kr.rms_norm(torch.randn(2, 64, dtype=half), torch.randn(64, dtype=half), 1e-6, 1.0, torch.randn(2, 64, dtype=half))
     ka.act_and_mul(torch.randn(2, 64, dtype=half), torch.randn(2, 64, dtype=half), "silu")
     krc.rope_and_cache_write(torch.randn(3, 8, 64, dtype=half), torch.randn(3, 2, 64, dtype=half),

@@ -252,3 +252,38 @@ def test_every_paths_kernels_keep_the_names_the_registry_compiles_ahead():
     # the split path's names leave WARPS out and the combined path's CLUSTER: the template must default them to one
     assert re.search(r"int WARPS = 1, int CLUSTER = 1>\s*__global__ void __launch_bounds__\([^)]*\) "
                      r"paged_decode_kernel\(", source_text(kp.SOURCE))
+
+
+def test_the_prefill_kernel_serves_16_bit_int8_and_e4m3_caches():
+    for query_dtype, kv_dtype in ((torch.float16, torch.float16), (torch.bfloat16, torch.int8),
+                                  (torch.float16, torch.float8_e4m3fn)):
+        for block_size in (8, 16, 128):
+            operands = kp.AttentionOperands(query_dtype, 16, 2, 128, kv_dtype, block_size)
+            assert kp.prefill_unsupported_reason(operands) is None, (kv_dtype, block_size)
+    for kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        assert "block_size 4" in kp.prefill_unsupported_reason(kp.AttentionOperands(torch.float16, 16, 2, 128,
+                                                                                     kv_dtype, 4))
+        assert "head_dim 96" in kp.prefill_unsupported_reason(kp.AttentionOperands(torch.float16, 4, 4, 96,
+                                                                                    kv_dtype, 16))
+    assert "KV cache dtype" in kp.prefill_unsupported_reason(kp.AttentionOperands(torch.bfloat16, 16, 2, 128,
+                                                                                   torch.float16, 16))
+
+
+def test_prefill_over_codes_launches_the_codes_kernel_with_the_caches_scales(launches):
+    """int8 and e4m3 caches run paged_prefill_kernel<dt, D, KVQ> with their scales; a 16-bit cache the kernel the
+    registry names without KVQ, with no scales whatever is passed."""
+    query = torch.randn(20, 16, 64, dtype=torch.bfloat16)
+    tables, seq_lens = torch.zeros(20, 20, dtype=torch.int32), torch.arange(1, 21, dtype=torch.int32)
+    tiles = torch.tensor([[0, 8], [8, 8], [16, 4]], dtype=torch.int32)  # G = 8: 8 tokens a tile
+    int8_scales, fp8_scales = torch.ones(40, 2, 16, dtype=torch.float16), torch.ones(2)
+    for kv_dtype, scales, name in ((torch.bfloat16, int8_scales, "paged_prefill_kernel<1,64>"),
+                                   (torch.int8, int8_scales, "paged_prefill_kernel<1,64,1>"),
+                                   (torch.float8_e4m3fn, fp8_scales, "paged_prefill_kernel<1,64,2>")):
+        launches.clear()
+        cache = torch.zeros(40, 2, 16, 64, dtype=kv_dtype)
+        kp.paged_prefill_attention(query, cache, cache, tables, seq_lens, tiles, 20, 0.125, key_scales=scales,
+                                   value_scales=scales)
+        [(launched, grid, block, args, _)] = launches
+        assert launched == name and grid == (2, 3, 1) and block == (128, 1, 1)
+        expected = 0 if kv_dtype == torch.bfloat16 else scales.data_ptr()
+        assert int(args[3]) == int(args[4]) == expected

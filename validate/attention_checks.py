@@ -1,5 +1,5 @@
 """The paged attention kernels against the torch references of core/ops/paged_attention.py: decode on each of its
-paths (forced), prefill tiles with untouched rows outside them."""
+paths (forced), prefill tiles with untouched rows outside them, over 16-bit, int8 and e4m3 caches."""
 
 from __future__ import annotations
 
@@ -94,23 +94,37 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
     return results
 
 
-# Prefill tiles: (dtype, heads, kv heads, head_dim, block_size, chunks (start, tokens) one per sequence, window,
-# softcap). Each chunk's tokens go into tiles of prefill_tile_tokens; a decode-like row before them and unused
-# (count 0) tiles after them must stay untouched.
+# Prefill tiles: (dtype, KV storage (as ATTENTION_CASES'), heads, kv heads, head_dim, block_size, chunks (start,
+# tokens) one per sequence, window, softcap). Each chunk's tokens go into tiles of prefill_tile_tokens; a decode-like
+# row before them and unused (count 0) tiles after them must stay untouched.
 PREFILL_CASES = (
-    (torch.bfloat16, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 300)), None, None),  # Qwen2.5-3B: G = 8
-    (torch.float16, 28, 4, 128, 16, ((0, 100), (1000, 64)), None, None),  # Qwen2.5-7B: G = 7, 14 rows a warp
-    (torch.float16, 9, 3, 64, 16, ((0, 90), (5, 3)), None, None),  # SmolLM2: G = 3, D = 64
-    (torch.bfloat16, 32, 32, 128, 32, ((0, 200), (7, 1)), None, None),  # MHA: 128 tokens a tile; a one-token tile
-    (torch.bfloat16, 32, 8, 128, 16, ((0, 130), (17, 40)), 64, None),  # a window inside the tile's contexts
-    (torch.float16, 8, 4, 64, 8, ((0, 50), (3, 20)), 32, 50.0),  # Gemma 2: window, softcap, 8-token blocks
-    (torch.bfloat16, 16, 1, 64, 64, ((0, 77),), None, None),  # G = 16: one token a warp
-    (torch.float16, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached tokens
+    (torch.bfloat16, False, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 300)), None, None),  # Qwen2.5-3B: G = 8
+    (torch.float16, False, 28, 4, 128, 16, ((0, 100), (1000, 64)), None, None),  # Qwen2.5-7B: G = 7, 14 rows a warp
+    (torch.float16, False, 9, 3, 64, 16, ((0, 90), (5, 3)), None, None),  # SmolLM2: G = 3, D = 64
+    (torch.bfloat16, False, 32, 32, 128, 32, ((0, 200), (7, 1)), None, None),  # MHA: 128 tokens a tile; one-token tile
+    (torch.bfloat16, False, 32, 8, 128, 16, ((0, 130), (17, 40)), 64, None),  # a window inside the tile's contexts
+    (torch.float16, False, 8, 4, 64, 8, ((0, 50), (3, 20)), 32, 50.0),  # Gemma 2: window, softcap, 8-token blocks
+    (torch.bfloat16, False, 16, 1, 64, 64, ((0, 77),), None, None),  # G = 16: one token a warp
+    (torch.float16, False, 16, 2, 128, 16, ((2000, 2048),), None, None),  # a 2048-token chunk after 2000 cached
     # few tiles over long contexts: key splits and their reduce
-    (torch.bfloat16, 16, 2, 128, 16, ((3000, 16), (40, 3)), None, None),
-    (torch.float16, 32, 8, 128, 16, ((1500, 40),), 700, None),  # splits before the window are empty
-    (torch.float16, 8, 4, 64, 8, ((1000, 20),), 32, 50.0),
-    (torch.bfloat16, 9, 3, 64, 32, ((5000, 30),), None, None),
+    (torch.bfloat16, False, 16, 2, 128, 16, ((3000, 16), (40, 3)), None, None),
+    (torch.float16, False, 32, 8, 128, 16, ((1500, 40),), 700, None),  # splits before the window are empty
+    (torch.float16, False, 8, 4, 64, 8, ((1000, 20),), 32, 50.0),
+    (torch.bfloat16, False, 9, 3, 64, 32, ((5000, 30),), None, None),
+    # int8 and e4m3 caches: odd lengths, block sizes 8-128, windows, softcaps, GQA 1-16, head_dim 64 (8-byte
+    # staging copies) and 128, key splits
+    (torch.bfloat16, True, 16, 2, 128, 16, ((0, 256), (0, 37), (100, 301)), None, None),
+    (torch.float16, "fp8", 16, 2, 128, 16, ((0, 256), (0, 37), (100, 301)), None, None),
+    (torch.float16, True, 9, 3, 64, 8, ((0, 91), (5, 3)), 33, 50.0),
+    (torch.bfloat16, "fp8", 9, 3, 64, 128, ((0, 91), (129, 77)), None, 30.0),
+    (torch.float16, True, 32, 32, 128, 32, ((0, 201), (7, 1)), None, None),
+    (torch.bfloat16, "fp8", 8, 8, 64, 64, ((0, 130), (17, 41)), 64, None),
+    (torch.bfloat16, True, 16, 1, 64, 128, ((0, 77), (250, 9)), 100, None),
+    (torch.float16, "fp8", 28, 4, 128, 8, ((0, 100), (1000, 65)), None, None),
+    (torch.float16, True, 16, 2, 128, 16, ((2000, 2047),), None, None),
+    (torch.bfloat16, "fp8", 16, 2, 128, 32, ((3000, 17), (40, 3)), None, None),
+    (torch.bfloat16, True, 32, 8, 128, 64, ((1500, 41),), 700, 50.0),
+    (torch.float16, "fp8", 8, 4, 64, 8, ((1000, 21),), 32, 50.0),
 )
 
 
@@ -119,15 +133,16 @@ def check_paged_prefill_attention(device, cases=PREFILL_CASES) -> list[CheckResu
     from deepinfer.kernels.paged_attention import paged_prefill_attention, prefill_tile_tokens
 
     results = []
-    for dtype, heads, kv_heads, head_dim, block_size, chunks, window, softcap in cases:
-        case = (f"{DTYPE_NAMES[dtype]} H={heads}/{kv_heads} D={head_dim} bs={block_size} chunks(start, n)="
-                f"{list(chunks)}" + (f" window={window}" if window else "") + (f" softcap={softcap}" if softcap else ""))
+    for dtype, kv, heads, kv_heads, head_dim, block_size, chunks, window, softcap in cases:
+        case = (f"{DTYPE_NAMES[dtype]} {'fp8' if kv == 'fp8' else 'int8' if kv else 'same-dtype'} KV "
+                f"H={heads}/{kv_heads} D={head_dim} bs={block_size} chunks(start, n)={list(chunks)}"
+                + (f" window={window}" if window else "") + (f" softcap={softcap}" if softcap else ""))
 
-        def run(dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        def run(dtype=dtype, kv=kv, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                 chunks=chunks, window=window, softcap=softcap, case=case):
             lengths = [start + n for start, n in chunks]
-            k_cache, v_cache, _, _, tables = random_paged_kv(lengths, kv_heads, head_dim, block_size, dtype, False,
-                                                             device)
+            k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
+                lengths, kv_heads, head_dim, block_size, dtype, kv is True, device, fp8=kv == "fp8")
             tile_tokens = prefill_tile_tokens(heads, kv_heads)
             # row 0: a decode of sequence 0 that no tile covers; then each chunk's tokens
             rows_seq, rows_len, tiles = [0], [lengths[0]], []
@@ -145,9 +160,9 @@ def check_paged_prefill_attention(device, cases=PREFILL_CASES) -> list[CheckResu
             scale = head_dim**-0.5
             bound = next(b for b in (1024, 4096, 16384) if b >= max(lengths))  # as a CUDA graph's context bound
             paged_prefill_attention(query, k_cache, v_cache, token_tables, seq_lens, tile_table, bound, scale,
-                                    window, softcap, out=out)
+                                    window, softcap, k_scales, v_scales, out=out)
             ref = paged_prefill_attention_reference(query.float(), k_cache, v_cache, token_tables, seq_lens,
-                                                    tile_table, scale, window, softcap)
+                                                    tile_table, scale, window, softcap, k_scales, v_scales)
             if not torch.isnan(out[0]).all():
                 return CheckResult("paged_prefill_attention", case, False, detail="wrote a row outside the tiles")
             return compare("paged_prefill_attention", case, out[1:], ref[1:], REL_TOL[dtype])

@@ -60,7 +60,8 @@ class NativePagedAttention:
                                out=out[:rows], fresh_tokens=attn_metadata.fresh_tokens)
         if tiles is not None:  # a graphed step: every token is a row; the tiles write their tokens' rows
             paged_prefill_attention(query, key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
-                                    tiles, scale, sliding_window, softcap, out=out, max_seq_len=attn_metadata.max_seq_len)
+                                    tiles, scale, sliding_window, softcap, key_scales, value_scales, out=out,
+                                    max_seq_len=attn_metadata.max_seq_len)
         if num_decodes < attn_metadata.num_requests:
             out[num_decodes:] = self._reference.forward(
                 layer_idx, query[num_decodes:], key[num_decodes:], value[num_decodes:],

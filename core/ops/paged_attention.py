@@ -128,7 +128,8 @@ def decode_attention_unavailable_reason(device: torch.device, dtype: torch.dtype
 def prefill_tile_tokens(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                         kv_dtype: torch.dtype, block_size: int) -> int | None:
     """Query tokens a tile of paged_prefill_attention holds where that kernel serves a model of these dimensions on
-    `device` (same-dtype KV, head_dim 64 or 128, at most 16 query heads a KV head); else None, and graphed steps
+    `device` (head_dim 64 or 128, at most 16 query heads a KV head; any KV cache dtype the decode kernel reads);
+    else None, and graphed steps
     attend every token on the decode kernel. The reason is logged once."""
     reason = dispatch.kernel_blocker((device,)) or kernels.prefill_unsupported_reason(
         kernels.AttentionOperands(dtype, num_heads, num_kv_heads, head_dim, kv_dtype, block_size))
@@ -140,6 +141,7 @@ def prefill_tile_tokens(device: torch.device, dtype: torch.dtype, num_heads: int
 def paged_prefill_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                       block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor,
                                       scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                                      key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                                       out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill_attention's definition: each tile token is a decode query of its own (its seq_lens entry and
     block table row); rows of tokens outside the tiles keep what `out` held."""
@@ -150,24 +152,28 @@ def paged_prefill_attention_reference(query: torch.Tensor, key_cache: torch.Tens
         return out
     rows = torch.cat([torch.arange(first, first + count) for first, count in spans]).to(query.device)
     out[rows] = paged_decode_attention_reference(query[rows], key_cache, value_cache, block_tables[rows],
-                                                 seq_lens[rows], scale, sliding_window, softcap)
+                                                 seq_lens[rows], scale, sliding_window, softcap, key_scales,
+                                                 value_scales).to(out.dtype)
     return out
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, tiles: torch.Tensor, scale: float,
                             sliding_window: int | None = None, softcap: float | None = None,
+                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """Attention of prefill tiles (kernels/paged_attention.py paged_prefill_attention): query [T, H, D]; tiles
     [N, 2] int32 (first token row, count; count 0 unused) of consecutive tokens of one sequence; block_tables
-    [T, max_blocks] and seq_lens [T] per token; max_seq_len: a host upper bound of seq_lens (fixed for CUDA
-    graphs; without it one GPU->CPU sync). Writes the tiles' tokens' rows of `out` [T, H, D]."""
+    [T, max_blocks] and seq_lens [T] per token; key/value_scales: an int8 or e4m3 cache's, as paged_decode_attention
+    takes them; max_seq_len: a host upper bound of seq_lens (fixed for CUDA graphs; without it one GPU->CPU sync).
+    Writes the tiles' tokens' rows of `out` [T, H, D]."""
     case = AttentionCase((query.device, key_cache.device, value_cache.device, block_tables.device, seq_lens.device,
                           tiles.device), kernels.attention_operands(query, key_cache))
     if dispatch.decide(PREFILL_OP, case, _prefill_reason, (query,)):
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         return kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, tiles,
-                                               max_seq_len, scale, sliding_window, softcap, out=out)
+                                               max_seq_len, scale, sliding_window, softcap, key_scales, value_scales,
+                                               out=out)
     return paged_prefill_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, tiles, scale,
-                                             sliding_window, softcap, out)
+                                             sliding_window, softcap, key_scales, value_scales, out)

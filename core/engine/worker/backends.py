@@ -36,8 +36,8 @@ def native_unavailable_reason(device: torch.device, dtype: torch.dtype, num_head
 def prefill_tile_tokens(backend, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                         head_dim: int, kv_storage_dtype: torch.dtype, block_size: int) -> int | None:
     """Query tokens a tile of paged_prefill_attention holds, where the native backend runs and that kernel serves
-    this model (same-dtype KV, head_dim 64 or 128, at most 16 query heads a KV head); else None, and graphed
-    steps attend every token on the decode kernel. The reason is logged once."""
+    this model (head_dim 64 or 128, at most 16 query heads a KV head, any cache dtype the decode kernel reads);
+    else None, and graphed steps attend every token on the decode kernel. The reason is logged once."""
     if getattr(backend, "name", None) != "native":
         return None
     from deepinfer.core.ops import paged_attention
