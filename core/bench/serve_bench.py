@@ -125,6 +125,10 @@ class _LevelRun:
     num_prompts: int
     started_s: float = 0.0
     records: list[RequestRecord] = field(default_factory=list)
+    # The benchmark process's CPU seconds (all its threads) over the level: a client near one second a
+    # second is itself the bottleneck, and its timings then measure it as much as the server.
+    cpu_started_s: float = 0.0
+    cpu_s: float | None = None
 
 
 class TokenCounter:
@@ -183,6 +187,8 @@ def summarize_level(run: _LevelRun, counter: TokenCounter, slo_ms: dict[str, flo
     def per_s(value: float) -> float | None:
         return value / wall_s if wall_s > 0 else None
 
+    client_cpu_s = run.cpu_s if run.cpu_s is not None else time.process_time() - run.cpu_started_s
+
     return {
         **run.level,
         "num_prompts": run.num_prompts,
@@ -192,6 +198,8 @@ def summarize_level(run: _LevelRun, counter: TokenCounter, slo_ms: dict[str, flo
         "errors": dict(Counter(r.error_kind for r in records if not r.ok)),
         "partial": len(records) < run.num_prompts,
         "wall_s": wall_s,
+        "client_cpu_s": client_cpu_s,
+        "client_cpu_per_wall": per_s(client_cpu_s),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "token_sources": dict(sources),
@@ -222,7 +230,16 @@ async def _send(session, target: ServeTarget, model: str, settings: RequestSetti
 async def _run_level(session, target: ServeTarget, model: str, settings: RequestSettings, sweep: ServeSweep,
                      prompts: list[BenchPrompt], run: _LevelRun, schedule: list[float] | None,
                      progress: SweepProgress, counter: TokenCounter) -> None:
-    run.started_s = time.perf_counter()
+    run.started_s, run.cpu_started_s = time.perf_counter(), time.process_time()
+    try:
+        await _run_requests(session, target, model, settings, sweep, prompts, run, schedule, progress, counter)
+    finally:
+        run.cpu_s = time.process_time() - run.cpu_started_s
+
+
+async def _run_requests(session, target: ServeTarget, model: str, settings: RequestSettings, sweep: ServeSweep,
+                        prompts: list[BenchPrompt], run: _LevelRun, schedule: list[float] | None,
+                        progress: SweepProgress, counter: TokenCounter) -> None:
     if schedule is None:  # closed loop
         next_index = iter(range(len(prompts)))
 

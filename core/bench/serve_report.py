@@ -27,6 +27,11 @@ def _server(target: dict) -> str:
     return f"{target['base_url']} ({target.get('model')})"
 
 
+def _share(value: float | None) -> str:
+    """The benchmark process's CPU seconds per second of the level (near 100%: the client is the bottleneck)."""
+    return "-" if value is None else f"{value:.0%}"
+
+
 def serve_tables(payload: dict, workload_text: str) -> list[Table]:
     targets = payload["targets"]
     several = len(targets) > 1
@@ -37,7 +42,7 @@ def serve_tables(payload: dict, workload_text: str) -> list[Table]:
     throughput = Table(title=title, title_justify="left")
     latency = Table(title="latency, ms (p50 / p95 / p99)", title_justify="left")
     lead = (["server"] if several else []) + ["level"]
-    columns = lead + ["ok / sent", "errors", "out tok/s", "total tok/s", "req/s"]
+    columns = lead + ["ok / sent", "errors", "out tok/s", "total tok/s", "req/s", "client CPU"]
     if has_goodput:
         slo = ", ".join(f"{k} <= {v:g}" for k, v in payload["sweep"]["goodput_slo_ms"].items())
         columns += [f"goodput req/s ({slo} ms)", "good"]
@@ -52,7 +57,7 @@ def serve_tables(payload: dict, workload_text: str) -> list[Table]:
             errors = ", ".join(f"{kind} {count}" for kind, count in sorted(level["errors"].items())) or "-"
             row = head + [f"{level['num_completed']} / {level['num_sent']}", errors,
                           _num(level["output_tokens_per_s"]), _num(level["total_tokens_per_s"]),
-                          _num(level["requests_per_s"], 2)]
+                          _num(level["requests_per_s"], 2), _share(level.get("client_cpu_per_wall"))]
             if has_goodput:
                 goodput = level["goodput"]
                 fraction = goodput["fraction"]
