@@ -23,7 +23,7 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.models.loader import load_model
-from deepinfer.core.structured.step_mask import step_grammar_mask
+from deepinfer.core.structured.step_mask import StepMasks
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]},
@@ -102,13 +102,14 @@ def test_requests_without_constraints_build_no_mask(loaded, monkeypatch):
         raise AssertionError("an unconstrained step applied a grammar mask")
 
     masks = []
+    start = StepMasks.start
 
-    def recording(*args, **kwargs):
-        masks.append(step_grammar_mask(*args, **kwargs))
+    def recording(self, *args, **kwargs):
+        masks.append(start(self, *args, **kwargs))
         return masks[-1]
 
     monkeypatch.setattr("deepinfer.core.engine.worker.sampler.apply_grammar_mask", fail)
-    monkeypatch.setattr("deepinfer.core.engine.worker.model_runner.step_grammar_mask", recording)
+    monkeypatch.setattr(StepMasks, "start", recording)
     engine = LLMEngine(EngineConfig(num_gpu_blocks=64, block_size=8), loaded_model=loaded)
     engine.add_request(prompt(12, 0), SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -242,7 +243,7 @@ def test_cuda_grammar_mask_and_sampling_make_no_sync(loaded_cuda):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        mask = step_grammar_mask(chunks, None, logits.shape[1], torch.device("cuda"))
+        mask = StepMasks(torch.device("cuda")).start(chunks, None, logits.shape[1]).result()
         out = Sampler().sample(logits, [SamplingRow(c.request.params, [5, 6, 7], []) for c in chunks], mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")

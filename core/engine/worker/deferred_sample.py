@@ -1,0 +1,77 @@
+"""DeferredSample: the sampled tokens of a step with constrained rows, whose sampling is enqueued late.
+
+Its mask is still being filled by the worker thread (core/structured/step_mask.py) when ModelRunner.launch returns,
+so the step's sampling is enqueued only when something first needs it: the next launch (whose inputs
+read these tokens on the device; it calls `enqueue_sampling` before anything else, so the sampling
+also reads the step's logits before the next step's forward or graph replay overwrites them), or
+`InflightStep.result` (a synchronous step, the last step). Until then the engine thread applies the
+step in flight and schedules, while the worker fills the mask: the mask is off the step's critical
+path. Everything is enqueued on the engine thread; the worker only reads `token_ids` of a
+DeferredSample already enqueued (the previous step's, as its pending tokens).
+
+It has SamplerOutput's interface (`sampled`, `token_ids`, `logprobs`, `failures`). A mask that could
+not be made (the worker raised) fails every row of the step, as a failed launch would; the engine then
+fails those requests alone (their token is 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.core.engine.worker.sampler import Sampler, SamplerOutput
+
+if TYPE_CHECKING:
+    from deepinfer.core.engine.frontend.outputs import TokenLogprob
+    from deepinfer.core.engine.worker.sampler import RowwiseSamplerOutput, SamplingRow
+    from deepinfer.core.structured.step_mask import PendingMask
+
+logger = logging.getLogger(__name__)
+
+
+class DeferredSample:
+    def __init__(self, sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], mask: PendingMask) -> None:
+        self._sampler, self._logits, self._rows, self._mask = sampler, logits, rows, mask
+        self._output: SamplerOutput | RowwiseSamplerOutput | None = None
+
+    @torch.inference_mode()  # as the launch that made the logits: the mask writes them in place
+    def enqueue(self) -> SamplerOutput | RowwiseSamplerOutput:
+        """Join the mask and enqueue the sampling (once); -> the sampler's output."""
+        if self._output is None:
+            logits, rows = self._logits, self._rows
+            try:
+                grammar_mask = self._mask.result()
+            except Exception as err:  # the step's requests fail, the engine goes on
+                logger.exception("the grammar masks of a step of %d rows could not be made", len(rows))
+                self._output = SamplerOutput(torch.zeros(len(rows), dtype=torch.int64, device=logits.device), None,
+                                             [None] * len(rows))
+                self._output.failures = {row: f"grammar mask failed: {type(err).__name__}: {err}"
+                                         for row in range(len(rows))}
+            else:
+                self._output = self._sampler.sample(logits, rows, grammar_mask)
+        return self._output
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """[N] int64 on the device."""
+        return self.enqueue().sampled
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.enqueue().token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        return self.enqueue().logprobs
+
+    @property
+    def failures(self) -> dict[int, str]:
+        return self.enqueue().failures
+
+
+def enqueue_sampling(sampled) -> None:
+    """Enqueue a step's deferred sampling now (nothing for a step sampled at launch, or one without samples)."""
+    if isinstance(sampled, DeferredSample):
+        sampled.enqueue()
