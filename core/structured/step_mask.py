@@ -102,7 +102,7 @@ class StepMasks:
             return None
         num_words = (vocab_size + 31) // 32
         slot = self._slot(len(rows), num_words)
-        job = self._worker.submit(torch.inference_mode()(_fill), slot, rows, constrained, pending_token, num_words)
+        job = self._worker.submit(_fill, slot, rows, constrained, pending_token, num_words)
         return PendingMask(self, slot, job, len(rows), num_words)
 
     def _slot(self, num_rows: int, num_words: int) -> _Slot:
@@ -122,6 +122,7 @@ class StepMasks:
         return slot
 
 
+@torch.inference_mode()  # the slots were made under the launch's inference mode
 def _fill(slot: _Slot, rows: list[int], constrained: list[_Row], pending_token, num_words: int) -> None:
     """The worker's part: the step in flight's tokens, the matchers caught up, the mask rows in the slot."""
     if slot.copied is not None:

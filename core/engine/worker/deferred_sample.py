@@ -36,22 +36,24 @@ class DeferredSample:
         self._sampler, self._logits, self._rows, self._mask = sampler, logits, rows, mask
         self._output: SamplerOutput | RowwiseSamplerOutput | None = None
 
-    @torch.inference_mode()  # as the launch that made the logits: the mask writes them in place
     def enqueue(self) -> SamplerOutput | RowwiseSamplerOutput:
         """Join the mask and enqueue the sampling (once); -> the sampler's output."""
         if self._output is None:
-            logits, rows = self._logits, self._rows
-            try:
-                grammar_mask = self._mask.result()
-            except Exception as err:  # the step's requests fail, the engine goes on
-                logger.exception("the grammar masks of a step of %d rows could not be made", len(rows))
-                self._output = SamplerOutput(torch.zeros(len(rows), dtype=torch.int64, device=logits.device), None,
-                                             [None] * len(rows))
-                self._output.failures = {row: f"grammar mask failed: {type(err).__name__}: {err}"
-                                         for row in range(len(rows))}
-            else:
-                self._output = self._sampler.sample(logits, rows, grammar_mask)
+            self._output = self._sample()
         return self._output
+
+    @torch.inference_mode()  # as the launch that made the logits: the mask writes them in place
+    def _sample(self) -> SamplerOutput | RowwiseSamplerOutput:
+        logits, rows = self._logits, self._rows
+        try:
+            grammar_mask = self._mask.result()
+        except Exception as err:  # the step's requests fail, the engine goes on
+            logger.exception("the grammar masks of a step of %d rows could not be made", len(rows))
+            failed = SamplerOutput(torch.zeros(len(rows), dtype=torch.int64, device=logits.device), None,
+                                   [None] * len(rows))
+            failed.failures = {row: f"grammar mask failed: {type(err).__name__}: {err}" for row in range(len(rows))}
+            return failed
+        return self._sampler.sample(logits, rows, grammar_mask)
 
     @property
     def sampled(self) -> torch.Tensor:
