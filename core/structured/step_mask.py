@@ -3,14 +3,14 @@
 A constrained row's mask depends on the token its request sampled in the previous step, which with
 async scheduling is still in flight when this step is launched. So `StepMasks.start`, called by
 ModelRunner.launch right after it has enqueued the step's forward, only notes each constrained row
-(its grammar, how many of its output tokens are applied, whether the step in flight samples it) and
-hands the rest to one worker thread, then returns at once. The worker waits for the step in flight's
+(its grammar and how many of its output tokens are applied) and hands the rest to one worker
+thread, then returns at once. The worker waits for the step in flight's
 tokens (its host copy: the wait ends once that step's sampler has run), has each matcher consume
 the tokens it has not seen (llguidance's thread pool, GIL released: `consume_token_par`), and fills
 one bitmask row per constrained row (the same pool, GIL released), in pinned memory. Meanwhile the
 engine thread applies the step in flight and schedules the next one: the mask costs the step's
 critical path only the join, one copy and one kernel. The step's sampling is enqueued when first
-needed (deferred_sample.py): then `PendingMask.result` joins the worker and one non-blocking copy
+needed (core/engine/worker/deferred_sample.py): then `PendingMask.result` joins the worker and one copy
 takes the rows and the bitmask to the device, where the sampler masks the logits in place
 (`apply_grammar_mask`, core/ops/token_bitmask.py), before penalties, temperature and the logprobs,
 as vLLM does.
@@ -18,8 +18,9 @@ as vLLM does.
 Buffers are allocated once (grown when a step has more constrained rows than any before): two pinned
 host slots, used by alternate steps, each waited for by an event recorded after its copy, so a slot is
 never refilled before the device has read it; one device buffer (the copies and the kernels that
-read it are ordered on the stream). A step with no constrained row gets None: no tensor, no copy, no
-extra device op, no wait.
+read it are ordered on the stream). At most one mask is pending: the runner joins a step's mask
+(enqueues its sampling) before it launches the next step. A step with no constrained row gets None:
+no tensor, no copy, no extra device op, no wait.
 """
 
 from __future__ import annotations
