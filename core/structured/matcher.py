@@ -51,7 +51,7 @@ class RequestGrammar:
                 logger.warning("the grammar refused sampled token %d: %s", token, matcher.get_error())
 
     def consumed_in_batch(self, token: int, accepted: bool) -> None:
-        """Record one token fed by llguidance's batched consume (step_mask.py) to this running matcher."""
+        """Record one token fed by llguidance's batched consume (step_mask.py), or skipped by a stopped matcher."""
         self.num_consumed += 1
         if not accepted:
             logger.warning("the grammar refused sampled token %d: %s", token, self.matcher.get_error())

@@ -125,30 +125,37 @@ class StepMasks:
 
 @torch.inference_mode()  # the slots were made under the launch's inference mode
 def _fill(slot: _Slot, rows: list[int], constrained: list[_Row], pending_token, num_words: int) -> None:
-    """The worker's part: the step in flight's tokens, the matchers caught up, the mask rows in the slot."""
+    """The worker's part. What needs no token of the step in flight comes first (the engine thread is then mostly
+    waiting for that step, GIL released); after the wait, GIL-free llguidance calls and a few list operations."""
     if slot.copied is not None:
         slot.copied.synchronize()  # the copy of two steps ago has read this slot (long done in practice)
     num_rows = len(rows)
     host = slot.host
     host[:num_rows] = torch.tensor(rows, dtype=torch.int32)
-    batch = []  # (row, token): running matchers with one token to consume, the common case (decode steps)
-    for item in constrained:
-        pending = pending_token(item.request_id) if pending_token is not None else None
-        tokens = item.grammar.unseen_tokens(item.output_token_ids, item.num_applied, pending)
-        if len(tokens) == 1 and not item.grammar.is_stopped:
-            batch.append((item.grammar, tokens[0]))
-        elif tokens:
-            item.grammar.consume(tokens)
-    if batch:
-        accepted = mask_executor().consume_token_par([(grammar.matcher, token) for grammar, token in batch])
-        for (grammar, token), ok in zip(batch, accepted):
-            grammar.consumed_in_batch(token, ok)
+    for item in constrained:  # applied tokens the matcher has not seen (after preemption, in synchronous steps)
+        unseen = item.output_token_ids[item.grammar.num_consumed:item.num_applied]
+        if unseen:
+            item.grammar.consume(unseen)
+    # A row takes the step in flight's token if its matcher has seen every applied token (always, but for a
+    # discarded step's token); a stopped matcher only counts it.
+    ready = [item.grammar.num_consumed == item.num_applied for item in constrained]
+    running = [ok and not item.grammar.is_stopped for ok, item in zip(ready, constrained)]
+    matchers = [(item.grammar.matcher, index) for index, item in enumerate(constrained)]
     address, row_bytes = host.data_ptr() + num_rows * 4, num_words * 4
+
+    # The first lookup waits for the step in flight's host copy.
+    pending = [pending_token(item.request_id) if ok else None for ok, item in zip(ready, constrained)] \
+        if pending_token is not None else [None] * num_rows
+    batch = [(item.grammar.matcher, token) for item, token, run in zip(constrained, pending, running)
+             if run and token is not None]
+    accepted = iter(mask_executor().consume_token_par(batch) if batch else ())
     if num_rows == 1:
         constrained[0].grammar.matcher.unsafe_compute_mask_ptr(address, row_bytes)
     else:
-        matchers = [(item.grammar.matcher, index) for index, item in enumerate(constrained)]
         mask_executor().unsafe_compute_mask_ptr(matchers, address, row_bytes, num_rows)
+    for item, token, run in zip(constrained, pending, running):
+        if token is not None:
+            item.grammar.consumed_in_batch(token, next(accepted) if run else True)
 
 
 class PendingMask:
