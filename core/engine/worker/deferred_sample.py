@@ -1,18 +1,18 @@
 """DeferredSample: the sampled tokens of a step with constrained rows, whose sampling is enqueued late.
 
-Its mask is still being filled by the worker thread (core/structured/step_mask.py) when ModelRunner.launch returns,
-so the step's sampling is enqueued only when something first needs it: the next launch (whose inputs
-read these tokens on the device; it calls `enqueue_sampling` before anything else, so the sampling
-also reads the step's logits before the next step's forward or graph replay overwrites them), or
-`InflightStep.result` (a synchronous step, the last step). Until then the engine thread applies the
-step in flight and schedules, while the worker fills the mask: the mask is off the step's critical
-path. Everything is enqueued on the engine thread; the worker only reads `token_ids` of a
-DeferredSample already enqueued (the previous step's, as its pending tokens).
+Its mask is still being filled by the worker thread (core/structured/step_mask.py) when
+ModelRunner.launch returns, so the step's sampling is enqueued only when something first needs it:
+the next launch (whose inputs read these tokens on the device; it calls `enqueue_sampling` before
+anything else, so the sampling also reads the step's logits before the next step's forward or graph
+replay overwrites them), or `InflightStep.result` (a synchronous step, the last step). Until then
+the engine thread applies the step in flight and schedules, while the worker fills the mask: the
+mask is off the step's critical path. Everything is enqueued on the engine thread; the worker only
+reads `token_ids` of a DeferredSample already enqueued (the previous step's, as its pending tokens).
 
-It has SamplerOutput's interface (`sampled`, `token_ids`, `logprobs`, `failures`). A mask that could
-not be made (the worker raised) fails every row of the step, as a failed launch would; the engine then
-fails those requests alone (their token is 0).
-"""
+It has SamplerOutput's interface (`sampled`, `token_ids`, `logprobs`, `failures`, ...): attributes
+are read from the sampler's output, enqueued first. A mask that could not be made (the worker
+raised) fails every row of the step, as a failed launch would; the engine then fails those requests
+alone (their token is 0)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import torch
 from deepinfer.core.engine.worker.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.core.engine.frontend.outputs import TokenLogprob
     from deepinfer.core.engine.worker.sampler import RowwiseSamplerOutput, SamplingRow
     from deepinfer.core.structured.step_mask import PendingMask
 
@@ -55,22 +54,11 @@ class DeferredSample:
             return failed
         return self._sampler.sample(logits, rows, grammar_mask)
 
-    @property
-    def sampled(self) -> torch.Tensor:
-        """[N] int64 on the device."""
-        return self.enqueue().sampled
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.enqueue().token_ids
-
-    @property
-    def logprobs(self) -> list[TokenLogprob | None]:
-        return self.enqueue().logprobs
-
-    @property
-    def failures(self) -> dict[int, str]:
-        return self.enqueue().failures
+    def __getattr__(self, name: str):
+        """SamplerOutput's interface (`sampled`, `token_ids`, `logprobs`, `failures`, ...), from the output."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.enqueue(), name)
 
 
 def enqueue_sampling(sampled) -> None:
