@@ -11,8 +11,8 @@ reads `token_ids` of a DeferredSample already enqueued (the previous step's, as 
 
 It has SamplerOutput's interface (`sampled`, `token_ids`, `logprobs`, `failures`, ...): attributes
 are read from the sampler's output, enqueued first. A mask that could not be made (the worker
-raised) fails every row of the step, as a failed launch would; the engine then fails those requests
-alone (their token is 0)."""
+raised) or a sampling that raised fails every row of the step, as a failed launch would; the engine
+then fails those requests alone (their token is 0), not those of the launch that enqueued it."""
 
 from __future__ import annotations
 
@@ -48,17 +48,25 @@ class DeferredSample:
             grammar_mask = self._mask.result()
         except Exception as err:  # the step's requests fail, the engine goes on
             logger.exception("the grammar masks of a step of %d rows could not be made", len(rows))
-            failed = SamplerOutput(torch.zeros(len(rows), dtype=torch.int64, device=logits.device), None,
-                                   [None] * len(rows))
-            failed.failures = {row: f"grammar mask failed: {type(err).__name__}: {err}" for row in range(len(rows))}
-            return failed
-        return self._sampler.sample(logits, rows, grammar_mask)
+            return _failed(len(rows), logits.device, f"grammar mask failed: {type(err).__name__}: {err}")
+        try:
+            return self._sampler.sample(logits, rows, grammar_mask)
+        except Exception as err:  # raised where the next launch would: its own requests must not fail for it
+            logger.exception("sampling a step of %d constrained rows failed", len(rows))
+            return _failed(len(rows), logits.device, f"sampling failed: {type(err).__name__}: {err}")
 
     def __getattr__(self, name: str):
         """SamplerOutput's interface (`sampled`, `token_ids`, `logprobs`, `failures`, ...), from the output."""
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.enqueue(), name)
+
+
+def _failed(num_rows: int, device: torch.device, message: str) -> SamplerOutput:
+    """Every row failed with `message`; their token is 0."""
+    failed = SamplerOutput(torch.zeros(num_rows, dtype=torch.int64, device=device), None, [None] * num_rows)
+    failed.failures = dict.fromkeys(range(num_rows), message)
+    return failed
 
 
 def enqueue_sampling(sampled) -> None:
