@@ -123,6 +123,31 @@ def test_requests_without_constraints_build_no_mask(loaded, monkeypatch):
                 raise AssertionError(outputs[0].error)
 
 
+def test_a_constrained_steps_sampling_is_enqueued_before_the_next_forward(loaded, monkeypatch):
+    """A constrained step is sampled late (its mask is filled meanwhile); the next launch enqueues that sampling before
+    its own forward, even when none of its rows reads the step's tokens (the sampling reads logits the next forward
+    may overwrite: a CUDA graph's output buffer)."""
+    from deepinfer.core.engine.worker.deferred_sample import DeferredSample
+
+    engine = LLMEngine(EngineConfig(num_gpu_blocks=64, block_size=8), loaded_model=loaded)
+    constrained_id = engine.add_request(prompt(12, 0), constrained(8, {"regex": "[a-z]+"}))
+    engine.step()  # its prefill is launched and in flight
+    in_flight = engine._inflight.sampled
+    assert isinstance(in_flight, DeferredSample) and in_flight._output is None
+    engine.abort(constrained_id)
+    engine.add_request(prompt(10, 1), SamplingParams(temperature=0.0, max_tokens=2))  # no row reads its tokens
+    forward = engine.runner.model.forward
+    enqueued_at_forward = []
+
+    def recording(*args, **kwargs):
+        enqueued_at_forward.append(in_flight._output is not None)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", recording)
+    engine.step()
+    assert enqueued_at_forward and enqueued_at_forward[0]
+
+
 def test_padded_vocabulary_ids_are_never_sampled(loaded, tiny_tokenizer):
     """The model has 384 logits, the tokenizer 340 tokens: a constrained row never picks the padding."""
     engine = LLMEngine(EngineConfig(num_gpu_blocks=64, block_size=8), loaded_model=loaded)
