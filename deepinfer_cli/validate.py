@@ -42,7 +42,7 @@ def validate_kernels(
     only: Annotated[str | None, typer.Option(
         help="Comma-separated check groups to run (quant_matmul, dequantize, paged_decode_attention, "
              "paged_prefill_attention, rms_norm, act_and_mul, rope_cache_write, quant_matmul_rope_cache, "
-             "quant_matmul_act_and_mul, w4_fragment_gemm, w8_gemm, cuda_graph, end_to_end); default all.")] = None,
+             "quant_matmul_act_and_mul, w4_fragment_gemm, w8_gemm, token_bitmask, cuda_graph, end_to_end); default all.")] = None,
 ) -> None:
     """Check each CUDA kernel against its torch reference and write results/kernel_validation_<gpu>.json."""
     reason = gpu_unavailable_reason(device)

@@ -15,6 +15,7 @@ from deepinfer.kernels import (
     quant_matmul,
     rms_norm,
     rope_cache,
+    token_bitmask,
     w4_fragment_batch,
     w4_fragment_gemm,
     w4_gemm,
@@ -109,6 +110,9 @@ _OPS = (
              _names("rope_cache_kernel<{dt},{kvq},{rope}>", dt=_DT, kvq=(0, 1, 2), rope=(0, 1))),
     KernelOp("act_and_mul", act_and_mul.SOURCE, "SiLU / GeLU-tanh gate times up",
              _names("act_and_mul_kernel<{dt},{act}>", dt=_DT, act=(0, 1))),
+    KernelOp("token_bitmask", token_bitmask.SOURCE,
+             "structured outputs' token bitmask applied in place to the constrained rows of fp32 logits",
+             (token_bitmask.KERNEL,)),
 )
 OPS: dict[str, KernelOp] = {op.name: op for op in _OPS}
 

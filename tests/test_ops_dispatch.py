@@ -450,12 +450,19 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     for wgmma in (False, True):
         monkeypatch.setattr(kfb, "wgmma_available", lambda index, wgmma=wgmma: wgmma)
         kfb.w4_fragment_batch(torch.randn(70, 512, dtype=half), fragment_weight, bias=torch.randn(256, dtype=half))
+    from deepinfer.kernels import token_bitmask as kt
+
+    monkeypatch.setattr(kt, "get_kernel", lambda source, name, index: _Kernel((source, name)))
+    monkeypatch.setattr(kt, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+    kt.apply_token_bitmask_(torch.randn(4, 70), torch.tensor([2, 0], dtype=torch.int32),
+                            torch.zeros(2, 3, dtype=torch.int32))
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
                      "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
-                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w4_fragment_batch_kernel"}
+                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w4_fragment_batch_kernel",
+                     "token_bitmask_kernel"}
     from deepinfer.kernels.compiler import SOURCE_DIR, source_text
 
     in_sources = {name for path in SOURCE_DIR.glob("*.cu") for name in

@@ -23,7 +23,7 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.models.loader import load_model
-from deepinfer.core.structured.step_mask import step_grammar_mask
+from deepinfer.core.structured.step_mask import StepMasks
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green", "blue"]},
@@ -102,13 +102,14 @@ def test_requests_without_constraints_build_no_mask(loaded, monkeypatch):
         raise AssertionError("an unconstrained step applied a grammar mask")
 
     masks = []
+    start = StepMasks.start
 
-    def recording(*args, **kwargs):
-        masks.append(step_grammar_mask(*args, **kwargs))
+    def recording(self, *args, **kwargs):
+        masks.append(start(self, *args, **kwargs))
         return masks[-1]
 
     monkeypatch.setattr("deepinfer.core.engine.worker.sampler.apply_grammar_mask", fail)
-    monkeypatch.setattr("deepinfer.core.engine.worker.model_runner.step_grammar_mask", recording)
+    monkeypatch.setattr(StepMasks, "start", recording)
     engine = LLMEngine(EngineConfig(num_gpu_blocks=64, block_size=8), loaded_model=loaded)
     engine.add_request(prompt(12, 0), SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -120,6 +121,31 @@ def test_requests_without_constraints_build_no_mask(loaded, monkeypatch):
             outputs, _ = engine.step()
             if any(o.outputs[0].finish_reason == "error" for o in outputs):
                 raise AssertionError(outputs[0].error)
+
+
+def test_a_constrained_steps_sampling_is_enqueued_before_the_next_forward(loaded, monkeypatch):
+    """A constrained step is sampled late (its mask is filled meanwhile); the next launch enqueues that sampling before
+    its own forward, even when none of its rows reads the step's tokens (the sampling reads logits the next forward
+    may overwrite: a CUDA graph's output buffer)."""
+    from deepinfer.core.engine.worker.deferred_sample import DeferredSample
+
+    engine = LLMEngine(EngineConfig(num_gpu_blocks=64, block_size=8), loaded_model=loaded)
+    constrained_id = engine.add_request(prompt(12, 0), constrained(8, {"regex": "[a-z]+"}))
+    engine.step()  # its prefill is launched and in flight
+    in_flight = engine._inflight.sampled
+    assert isinstance(in_flight, DeferredSample) and in_flight._output is None
+    engine.abort(constrained_id)
+    engine.add_request(prompt(10, 1), SamplingParams(temperature=0.0, max_tokens=2))  # no row reads its tokens
+    forward = engine.runner.model.forward
+    enqueued_at_forward = []
+
+    def recording(*args, **kwargs):
+        enqueued_at_forward.append(in_flight._output is not None)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", recording)
+    engine.step()
+    assert enqueued_at_forward and enqueued_at_forward[0]
 
 
 def test_padded_vocabulary_ids_are_never_sampled(loaded, tiny_tokenizer):
@@ -242,7 +268,7 @@ def test_cuda_grammar_mask_and_sampling_make_no_sync(loaded_cuda):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        mask = step_grammar_mask(chunks, None, logits.shape[1], torch.device("cuda"))
+        mask = StepMasks(torch.device("cuda")).start(chunks, None, logits.shape[1]).result()
         out = Sampler().sample(logits, [SamplingRow(c.request.params, [5, 6, 7], []) for c in chunks], mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -192,21 +192,19 @@ def test_choice_mask_is_the_tokens_that_start_a_choice(compiler, smol_tokenizer)
     assert torch.equal(allowed, expected)
 
 
-def test_apply_grammar_mask_matches_a_loop_and_leaves_the_input_alone():
+def test_apply_grammar_mask_matches_a_loop_in_place():
     torch.manual_seed(0)
     vocab, rows = 70, [3, 0]  # 70 ids: the last word is partly padding
     logits = torch.randn(5, vocab)
     bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32)
-    before = logits.clone()
-    masked = apply_grammar_mask(logits, GrammarMask(torch.tensor(rows), bitmask))
-    assert torch.equal(logits, before)
     expected = logits.clone()
     for k, row in enumerate(rows):
         for token in range(vocab):
             word = int(bitmask[k, token // 32]) & 0xFFFFFFFF
             if not (word >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
-    assert torch.equal(masked, expected)
+    apply_grammar_mask(logits, GrammarMask(torch.tensor(rows, dtype=torch.int32), bitmask))
+    assert torch.equal(logits, expected)  # rows 1, 2 and 4 untouched
 
 
 def test_byte_vocabulary_of_dummy_models():
@@ -320,3 +318,90 @@ def test_matcher_catch_up_consumes_each_token_once(compiler, smol_tokenizer):
     assert grammar.num_consumed == len(tokens)
     allowed = allowed_tokens(grammar.matcher)
     assert allowed.nonzero().flatten().tolist() == sorted(smol_tokenizer.eos_token_ids)
+
+
+class _Chunk:
+    """What StepMasks.start reads of a scheduled chunk: its request."""
+
+    def __init__(self, request):
+        self.request = request
+
+
+class _Request:
+    def __init__(self, request_id, grammar, output_token_ids):
+        self.request_id, self.grammar, self.output_token_ids = request_id, grammar, output_token_ids
+
+
+def test_step_masks_from_the_worker_equal_each_matchers_own_mask(compiler, smol_tokenizer):
+    """Rows of one step: a plain row, rows with a pending token (the step in flight's), a row with applied tokens the
+    matcher has not seen, a row whose grammar is complete (only the end tokens). The worker's bitmask rows must be
+    llguidance's own mask of a matcher fed the same tokens one by one; the engine thread appending the pending
+    token to a request's output while the worker runs changes nothing (the worker reads up to the launch count)."""
+    from deepinfer.core.structured.step_mask import StepMasks
+
+    constraints = [StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                                 "required": ["n"]}),
+                   StructuredOutputsParams(regex="[a-z]{2,5}"), StructuredOutputsParams(choice=["yes", "no"])]
+    encode = lambda text: smol_tokenizer.encode(text, add_special_tokens=False)
+    # (constraint, applied output tokens, pending token or None)
+    cases = [(constraints[0], encode('{"n": '), encode("4")[0]), (constraints[1], [], encode("ab")[0]),
+             (constraints[1], encode("ab"), None), (constraints[2], encode("yes"), None)]
+    requests, chunks, references = [], [], []
+    for index, (params, applied, pending) in enumerate(cases):
+        grammar = compiler.compile(params).new_request_grammar()
+        grammar.catch_up(applied[:1])  # seen one applied token before; the rest is new to it
+        requests.append(_Request(f"r{index}", grammar, list(applied)))
+        reference = compiler.compile(params).new_request_grammar()
+        reference.catch_up(applied, pending)
+        references.append(allowed_tokens(reference.matcher))
+    plain = _Request("plain", None, [])
+    chunks = [_Chunk(requests[0]), _Chunk(plain), *map(_Chunk, requests[1:])]
+    pending = {f"r{i}": case[2] for i, case in enumerate(cases) if case[2] is not None}
+    masks = StepMasks(torch.device("cpu"))
+    started = masks.start(chunks, pending.get, VOCAB)
+    for request_id, token in pending.items():  # the step in flight is applied meanwhile
+        next(r for r in requests if r.request_id == request_id).output_token_ids.append(token)
+    mask = started.result()
+    assert mask.rows.tolist() == [0, 2, 3, 4]
+    for row, expected in enumerate(references):
+        bits = (mask.bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        assert torch.equal(bits.view(-1)[:VOCAB].bool(), expected), row
+    assert references[3].nonzero().flatten().tolist() == sorted(smol_tokenizer.eos_token_ids)
+    # The next step: applied tokens are not consumed twice; the second host slot serves it.
+    again = masks.start(chunks, None, VOCAB).result()
+    assert torch.equal(again.bitmask, mask.bitmask) and again.bitmask.data_ptr() != mask.bitmask.data_ptr()
+    assert masks.start([_Chunk(plain)], None, VOCAB) is None
+
+
+def test_a_mask_that_fails_fails_its_steps_rows(compiler):
+    from deepinfer.core.engine.sampling_params import SamplingParams
+    from deepinfer.core.engine.worker.deferred_sample import DeferredSample
+    from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow
+
+    class Failing:
+        def result(self):
+            raise RuntimeError("matcher exploded")
+
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], []) for _ in range(2)]
+    sampled = DeferredSample(Sampler(), torch.zeros(2, 8), rows, Failing())
+    assert sampled.token_ids == [0, 0]
+    assert sampled.failures == {0: "grammar mask failed: RuntimeError: matcher exploded",
+                                1: "grammar mask failed: RuntimeError: matcher exploded"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [70, 151936])
+def test_token_bitmask_kernel_equals_the_reference(vocab):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.core.ops.token_bitmask import apply_token_bitmask_reference
+    from deepinfer.kernels.token_bitmask import apply_token_bitmask_
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(9, vocab, device="cuda")
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, device="cuda")
+    rows = torch.tensor([8, 0, 4], dtype=torch.int32, device="cuda")
+    expected = logits.clone()
+    apply_token_bitmask_reference(expected, rows, bitmask)
+    apply_token_bitmask_(logits, rows, bitmask)
+    assert torch.equal(logits, expected)

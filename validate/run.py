@@ -20,7 +20,7 @@ from deepinfer.validate.model_check import check_tiny_model
 
 CHECK_GROUPS = ("quant_matmul", "dequantize", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
                 "act_and_mul", "rope_cache_write", "quant_matmul_rope_cache", "quant_matmul_act_and_mul", "w4_fragment_gemm",
-                "w8_gemm", "w4_fragment_batch", "cuda_graph", "end_to_end")
+                "w8_gemm", "w4_fragment_batch", "token_bitmask", "cuda_graph", "end_to_end")
 
 
 def _instantiations(groups: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -69,6 +69,7 @@ def run_validation(device_index: int = 0, workers: int = 8, seed: int | None = N
         "paged_prefill_attention": attention_checks.check_paged_prefill_attention,
         "rms_norm": small_op_checks.check_rms_norm, "act_and_mul": small_op_checks.check_act_and_mul,
         "rope_cache_write": small_op_checks.check_rope_cache_write,
+        "token_bitmask": small_op_checks.check_token_bitmask,
     }
     for group in groups:
         if group in checks:

@@ -1,4 +1,5 @@
-"""The small kernels (RMSNorm, gated activation, RoPE + KV-cache write) against their torch references."""
+"""The small kernels (RMSNorm, gated activation, RoPE + KV-cache write, token bitmask) against their torch
+references."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from deepinfer.core.ops.activation import act_and_mul_reference
 from deepinfer.core.ops.norm import rms_norm_reference
 from deepinfer.core.ops.rotary import apply_rotary_reference, write_kv_cache_reference
+from deepinfer.core.ops.token_bitmask import apply_token_bitmask_reference
 from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compare, guarded, poisoned
 from deepinfer.validate.inputs import rope_tables
 
@@ -126,3 +128,29 @@ def check_rope_cache_write(device, dtypes=(torch.float16, torch.bfloat16)) -> li
     return results
 
 
+
+
+def check_token_bitmask(device) -> list[CheckResult]:
+    """Structured outputs' mask on fp32 logits, in place: bit-equal to the reference on a copy, rows not listed
+    untouched. Vocabularies of Qwen2.5 (151936), SmolLM2 (49152) and one whose last mask word is partly padding."""
+    from deepinfer.kernels.token_bitmask import apply_token_bitmask_
+
+    results = []
+    for num_rows, masked, vocab in ((5, (3, 0), 70), (32, tuple(range(32)), 151936), (64, (1, 7, 30, 63), 49152)):
+        case = f"N={num_rows} C={len(masked)} V={vocab}"
+
+        def run(num_rows=num_rows, masked=masked, vocab=vocab, case=case):
+            logits = torch.randn(num_rows, vocab, dtype=torch.float32, device=device)
+            words = (vocab + 31) // 32
+            bitmask = torch.randint(-2**31, 2**31 - 1, (len(masked), words), dtype=torch.int32, device=device)
+            bitmask[0] = 0  # a row with nothing allowed but what the grammar ends with is common: all -inf here
+            rows = torch.tensor(masked, dtype=torch.int32, device=device)
+            expected = logits.clone()
+            apply_token_bitmask_reference(expected, rows, bitmask)
+            apply_token_bitmask_(logits, rows, bitmask)
+            ok = torch.equal(logits, expected)
+            return CheckResult("token_bitmask", case, ok, detail=None if ok else
+                               f"{int((logits != expected).sum())} logits differ from the reference")
+
+        results += guarded("token_bitmask", case, run)
+    return results

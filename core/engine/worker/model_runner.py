@@ -10,10 +10,11 @@ Per step:
    step, in flight: async scheduling) gets it on the device, from that step's sampled tokens.
 2. `model.forward` over the flat batch; the hidden rows of each sampling chunk's last token go
    through `compute_logits` (a prefill chunk that stops short of the prompt's end samples nothing).
-3. Constrained rows (structured outputs) get their token masks, computed on the host while the
-   device runs the forward (core/structured/step_mask.py).
-4. The sampler draws one token per sampling chunk on the device and starts copying the tokens
+3. The sampler draws one token per sampling chunk on the device and starts copying the tokens
    (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync.
+4. A step with constrained rows (structured outputs) instead starts their token masks on a worker
+   thread (core/structured/step_mask.py) and is sampled when first needed, at the latest when the
+   next step is launched (core/engine/worker/deferred_sample.py).
 5. Chunks of requests that ask for prompt logprobs also score their prompt positions
    (core/engine/worker/prompt_logprobs.py), from the same hidden states.
 
@@ -33,13 +34,14 @@ import torch
 from deepinfer.core.engine.sched.request import Request
 from deepinfer.core.engine.sched.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from deepinfer.core.engine.worker.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.worker.deferred_sample import DeferredSample, enqueue_sampling
 from deepinfer.core.engine.worker.inflight import InflightStep
 from deepinfer.core.engine.worker.prompt_logprobs import gather_prompt_logprobs, wants_prompt_logprobs
 from deepinfer.core.engine.worker.sampler import Sampler, SamplingRow
 from deepinfer.core.engine.worker.step_inputs import StepInputs, request_stager
 from deepinfer.core.kv.cache import KVCache
 from deepinfer.core.kv.kv_manager import cdiv
-from deepinfer.core.structured.step_mask import step_grammar_mask
+from deepinfer.core.structured.step_mask import StepMasks
 
 _sample, _sampling_row = attrgetter("sample"), attrgetter("request.sampling_row")
 
@@ -56,6 +58,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler or Sampler()
         self.step_runner = step_runner  # steps it serves run padded to buckets (None: all eager)
+        self.grammar_masks = StepMasks(device)
         self._stager = request_stager(max_num_batched_tokens, max_num_seqs, cdiv(max_model_len, block_size),
                                       block_size, device)
 
@@ -67,6 +70,8 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
         """Enqueue the step (inputs, forward, logits, sampling) without waiting for the device.
         `previous`: the step in flight, whose sampled tokens are this step's pending input tokens."""
+        if previous is not None:  # its sampling reads its logits: before this step's forward overwrites them
+            enqueue_sampling(previous.sampled)
         chunks = scheduler_output.chunks
         prompt_logprobs = None
         scores_prompt = wants_prompt_logprobs(chunks)
@@ -87,11 +92,11 @@ class ModelRunner:
         rows = list(map(_sampling_row, sampling_chunks))
         if not all(rows):  # a request's first sampled step makes its row
             rows = [row or sampling_row(chunk.request) for row, chunk in zip(rows, sampling_chunks)]
-        # After the forward is enqueued: the host fills the masks while the device runs it.
-        grammar_mask = step_grammar_mask(sampling_chunks, previous.token_of if previous is not None else None,
-                                         logits.shape[1], self.device)
-        return InflightStep(scheduler_output, sampling_chunks, self.sampler.sample(logits, rows, grammar_mask),
-                            prompt_logprobs)
+        # After the forward is enqueued: a worker fills the masks while the device runs it and this thread goes on.
+        mask = self.grammar_masks.start(sampling_chunks, previous.token_of if previous is not None else None,
+                                        logits.shape[1])
+        sampled = self.sampler.sample(logits, rows) if mask is None else DeferredSample(self.sampler, logits, rows, mask)
+        return InflightStep(scheduler_output, sampling_chunks, sampled, prompt_logprobs)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,
                        previous: InflightStep | None = None) -> StepInputs:

@@ -160,13 +160,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                grammar_mask: GrammarMask | None = None) -> SamplerOutput | RowwiseSamplerOutput:
-        """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified.
-        grammar_mask: the token masks of the constrained rows, None when there are none.
+        """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified, except by
+        grammar_mask: the token masks of the constrained rows (None when there are none), which set the
+        disallowed tokens of float32 logits to -inf in place (the runner's logits are the step's own).
         A row whose sampling raises fails alone (see the module docstring)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"sampler: logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if grammar_mask is not None:
-            logits = apply_grammar_mask(logits.float(), grammar_mask)
+            logits = logits.float()
+            apply_grammar_mask(logits, grammar_mask)
         states = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
         try:
             return self._sample_batch(logits, rows)

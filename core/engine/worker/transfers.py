@@ -35,7 +35,9 @@ class HostCopy:
         self._event.record()
 
     def get(self) -> list[torch.Tensor]:
-        if self._event is not None:
-            self._event.synchronize()
+        """Thread-safe: the grammar-mask worker reads the step in flight's tokens beside the engine thread."""
+        event = self._event
+        if event is not None:
+            event.synchronize()
             self._event = None
         return self._host
