@@ -9,6 +9,9 @@
 // kernel (w4_fragment.cuh: one LOP3 a pair with the magic exponent, one add of the zero pair), so the tensor cores
 // see (q - z) exactly; the group's fp16 scale multiplies each group's fp32 sums (`part`) into the accumulators
 // (`acc`), 4 FFMA a token tile a group (at G = 128 a group is exactly a warp's atoms of a stage).
+// The wide tile (WN x WK = 8 x 1, APW = 4, wgmma: kernels/w4_fragment_batch.py WIDE_WGMMA_CONFIG) owns 256 rows: two
+// warpgroups side by side along N, each warp all 4 atoms of a 256-k stage, so a stage's 32 KiB of activations serve
+// 32 KiB of weights (the 128-row tile's serve 16) and no K halves meet in the epilogue.
 //
 // Pipeline. Weights, scale entries and activations of a stage are one cp.async group in a ring of STAGES slots;
 // the first stages' weights and scales are fetched before the programmatic-launch wait (no earlier kernel writes
@@ -26,8 +29,8 @@
 // ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight in the interleaved layout
 // (kernels/w4_fragment_gemm.py: gate_up_layout), written as act(gate) * up [M, N / 2].
 //
-// Epilogue. The two K halves of a tile (warps wk = 0, 1) are added in shared memory, in the ring slot the tile's last
-// stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
+// Epilogue. The two K halves of a tile (warps wk = 0, 1; WK = 2) are added in shared memory, in the ring slot the
+// tile's last stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
 #include "w4_fragment.cuh"
 #include "wgmma.cuh"
 
@@ -78,10 +81,10 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
   using L = BatchTile<RT, TT, WN, WK, APW, GS, WGMMA>;
-  static_assert(WK == 2, "the epilogue adds two K halves");
-  static_assert(L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
+  static_assert(WK == 1 || WK == 2, "the epilogue adds at most two K halves");
+  static_assert(WK == 1 || L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
   constexpr int OUTS = L::TOKENS * L::ROWS;
-  constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0, which write the outputs
+  constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0 (every warp when WK = 1), which write the outputs
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ int last_flag;
   launch_dependents();
@@ -165,24 +168,29 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
       const bool tile_ends = it + 1 == segment_end;
 
-      uint4 w[APW][RT];
-#pragma unroll
-      for (int ai = 0; ai < APW; ++ai)
+      // The lane's fragment words of atom ai for both row tiles (loaded as the atom's first step comes, so APW = 4
+      // keeps 8 registers of them, not 32).
+      const unsigned char* w_lane = stage + L::W_OFFSET + ((wn * RT * L::ATOMS + wk * APW) * 32 + lane) * 16;
+      auto atom_words = [&](uint4 (&w)[RT], int ai) {
 #pragma unroll
         for (int r = 0; r < RT; ++r)
-          w[ai][r] = *reinterpret_cast<const uint4*>(
-              stage + L::W_OFFSET + (((wn * RT + r) * L::ATOMS + wk * APW + ai) * 32 + lane) * 16);
+          w[r] = *reinterpret_cast<const uint4*>(w_lane + ((r * L::ATOMS + ai) * 32) * 16);
+      };
+      uint4 w[RT];
       uint2 entry[RT];  // the scale entries of the current group
       if constexpr (WGMMA) {
-        // A k16 step at a time: both row tiles' A fragments into register set s % 3 while the wgmma groups of the
-        // two steps before run (the wait after each commit leaves two in flight, so the set rewritten next
-        // belongs to a finished group); a group's sums are scaled into the accumulators once its groups are done.
-        constexpr int SETS = 3;
+        // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
+        // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
+        // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
+        // done. Three sets at APW = 2; at APW = 4 the wide tile's copy state leaves registers for two (with three
+        // ptxas spilled inside the loop).
+        constexpr int SETS = APW > 2 ? 2 : 3;
         u32 a[SETS][RT][4];
 #pragma unroll
         for (int s = 0; s < L::STEPS; ++s) {
           const int ai = s >> 2, j = s & 3;
           const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of step s inside the stage
+          if (j == 0) atom_words(w, ai);
           if (GS == 0 ? s == 0 : s % GS == 0) {
 #pragma unroll
             for (int r = 0; r < RT; ++r)
@@ -191,7 +199,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
           }
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
-            const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
+            const u32 word = j == 0 ? w[r].x : j == 1 ? w[r].y : j == 2 ? w[r].z : w[r].w;
             FragDequant<DT>(entry[r].y).unpack(word, a[s % SETS][r]);
           }
 #pragma unroll
@@ -220,7 +228,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s - 2's set: its group is done
+              for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s + 1 - SETS's set: its group is done
           }
         }
         wgmma_wait<0>();
@@ -231,6 +239,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
         for (int s = 0; s < L::STEPS; s += 2) {
           const int ai = s >> 2;
           const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
+          if ((s & 3) == 0) atom_words(w, ai);
           if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
 #pragma unroll
             for (int r = 0; r < RT; ++r)
@@ -243,7 +252,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
             const int j = (s & 3) + h;
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-              const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
+              const u32 word = j == 0 ? w[r].x : j == 1 ? w[r].y : j == 2 ? w[r].z : w[r].w;
               FragDequant<DT>(entry[r].y).unpack(word, a[h][r]);
             }
           }
@@ -269,26 +278,29 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       }
     }
 
-    // The tile's part is done: K half 1 hands its sums to half 0 through the slot just read.
+    // The tile's part is done: K half 1 (if any) hands its sums to half 0 through the slot just read.
     const int tile0 = (tile / tok_blocks) * L::TILES, tok0 = (tile % tok_blocks) * L::TOKENS;
-    float* red = reinterpret_cast<float*>(stage);
-    __syncthreads();  // every warp is done reading the slot
-    if (wk == 1) {
+    if constexpr (WK == 2) {
+      float* red = reinterpret_cast<float*>(stage);
+      __syncthreads();  // every warp is done reading the slot
+      if (wk == 1) {
 #pragma unroll
-      for (int r = 0; r < RT; ++r)
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
+          for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid - HALF_THREADS] = acc[r][tt][e];
-    }
-    __syncthreads();
-    if (wk == 0) {
+            for (int e = 0; e < 4; ++e)
+              red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid - HALF_THREADS] = acc[r][tt][e];
+      }
+      __syncthreads();
+      if (wk == 0) {
 #pragma unroll
-      for (int r = 0; r < RT; ++r)
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
+          for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][tt][e] += red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid];
+            for (int e = 0; e < 4; ++e) acc[r][tt][e] += red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid];
+      }
     }
     const bool whole = segment_begin % num_kb == 0 && segment_end == (tile + 1) * num_kb;
     bool write = wk == 0;

@@ -174,17 +174,20 @@ def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_pla
 
 
 def test_the_batch_kernels_plan_shares_whole_k_blocks_among_one_cta_an_sm(monkeypatch):
-    """w4_fragment_batch's stream-K work: tiles of 128 rows x 64 tokens x k blocks of 256, hand-counted; one CTA an
-    SM (132), fewer where a CTA would get under 3 k blocks; the wgmma launch shape where the GPU has it."""
+    """w4_fragment_batch's stream-K work: tiles of 128 rows (256 on the wide wgmma tile) x 64 tokens x k blocks of
+    256, hand-counted; one CTA an SM (132), fewer where a CTA would get under 3 k blocks; the wide wgmma launch shape
+    where the GPU has wgmma."""
     from deepinfer.kernels import w4_fragment_batch as batch
 
     monkeypatch.setattr(batch, "_num_sms", lambda index: 132)
     monkeypatch.setattr(batch, "wgmma_available", lambda index: True)
     # 7B's gate/up at 64 tokens: 37888 / 128 = 296 row blocks, one token block, 3584 / 256 = 14 k blocks
     assert batch.iterations(64, 37888, 3584) == 4144
-    assert batch.plan(64, 37888, 3584, 0) == (batch.WGMMA_CONFIG, 132)
-    # 100 tokens: two token blocks; N = 1000: 63 row tiles in 8 row blocks; K = 2048 + 64: 9 k blocks
+    assert batch.iterations(64, 37888, 3584, batch.WIDE_WGMMA_CONFIG) == 148 * 14
+    assert batch.plan(64, 37888, 3584, 0) == (batch.WIDE_WGMMA_CONFIG, 132)
+    # 100 tokens: two token blocks; N = 1000: 63 row tiles in 8 row blocks (4 of 256 rows); K = 2048 + 64: 9 k blocks
     assert batch.iterations(100, 1000, 2112) == 8 * 2 * 9
-    assert batch.plan(100, 1000, 2112, 0)[1] == 48  # 144 // 3
+    assert batch.plan(100, 1000, 2112, 0)[1] == 24  # 4 * 2 * 9 // 3
+    assert batch.plan(100, 1000, 2112, 0, batch.WGMMA_CONFIG)[1] == 48  # 144 // 3
     monkeypatch.setattr(batch, "wgmma_available", lambda index: False)
     assert batch.plan(40, 40, 160, 0) == (batch.CONFIG, 1)  # one k block: one CTA
