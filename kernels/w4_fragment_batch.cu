@@ -182,9 +182,9 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
         // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
         // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
         // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
-        // done. Three sets at APW = 2; at APW = 4 the wide tile's copy state leaves registers for two (with three
-        // ptxas spilled inside the loop).
-        constexpr int SETS = APW > 2 ? 2 : 3;
+        // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose copy state leaves
+        // registers for no more (with three ptxas spilled inside the loop).
+        constexpr int SETS = APW > 2 && TT > 6 ? 2 : 3;
         u32 a[SETS][RT][4];
 #pragma unroll
         for (int s = 0; s < L::STEPS; ++s) {

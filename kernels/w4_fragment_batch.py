@@ -81,7 +81,8 @@ WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
 # On wgmma, 8 warps along N (two warpgroups of 128 rows): 256 x 64 outputs a CTA, each warp all 4 atoms of a 256-k
 # stage, 3 stages of 66 KiB. A stage's 32 KiB of activations serve 32 KiB of weights (the 128-row tile's serve 16).
 WIDE_WGMMA_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True)
-CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG)
+WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token tiles (m64n48k16)
+CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG)
 
 
 def iterations(num_tokens: int, out_features: int, in_features: int, config: BatchConfig = CONFIG) -> int:

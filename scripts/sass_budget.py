@@ -73,7 +73,7 @@ KERNELS = (
       for g in (128, 64, 32) for dt in (1, 0)),
     *(Kernel(f"fragment {config.label} G={g} {'bf16' if dt else 'fp16'}", "w4_fragment_batch.cu",
              config.name(dt, config.group_steps(g, 4096)), 1, False, ("90",))
-      for config in (batch.WGMMA_CONFIG, batch.WIDE_WGMMA_CONFIG) for g in (128, 64, 32) for dt in (1, 0)),
+      for config in batch.CONFIGS if config.wgmma for g in (128, 64, 32) for dt in (1, 0)),
     Kernel("w4_gemm mma<4,2,4,4> (17-32 tokens, SM80-89)", "w4_gemm.cu", "w4_gemm_kernel<1,0,false,4,2,4,4>", 4, False),
     Kernel("w4_gemm wgmma<1,1,32,4> (17-32 tokens, SM90)", "w4_gemm.cu", "w4_gemm_kernel<1,0,true,1,1,32,4>", 1, False,
            ("90",)),
