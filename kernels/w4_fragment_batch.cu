@@ -52,24 +52,6 @@ struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, 
   }
 };
 
-// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0.
-template <int RT, int TT>
-__device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part)[RT][TT][4], const uint2 (&entry)[RT]) {
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
-      acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
-      acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
-      acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
-    }
-  }
-}
-
 template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, int ACT>
 __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
@@ -97,14 +79,12 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   const int ctas = gridDim.x, cta = blockIdx.x;
   const int begin = (int)(cta * total / ctas), end = (int)((cta + 1) * total / ctas);
   const int steps = end - begin;
-  // the scale slot of a k offset inside a stage: its group minus the stage's first group
-  const int slot_shift = group_shift < 30 && (1 << group_shift) < L::BK ? group_shift : 31;
-  const int stage_groups = slot_shift == 31 ? 1 : L::BK >> group_shift;
+  const StageGroups<L> groups(group_shift);
 
   // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
   auto copies_of = [&](int tile) {
     return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
-                         k_atoms, M, K, num_groups, stage_groups);
+                         k_atoms, M, K, num_groups, groups.count);
   };
   // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
   struct Position {
@@ -138,15 +118,8 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   }
 
   float acc[RT][TT][4], part[RT][TT][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][tt][e] = part[r][tt][e] = 0.0f;
-
-  // ldmatrix rows: lane i reads token 8 tt + i % 8 at k chunk 2 * (16-step pair) + i / 8 of the warp's atoms
-  const int x_row = lane & 7, x_chunk = lane >> 3;
+  zero(acc);
+  zero(part);
   int read_slot = 0, fill_slot = STAGES - 1;  // the slot read now and the one refilled
   unsigned char* stage = smem;                // the slot read last
   for (int it = begin; it < end;) {
@@ -170,11 +143,9 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
 
       // The lane's fragment words of atom ai for both row tiles (loaded as the atom's first step comes, so APW = 4
       // keeps 8 registers of them, not 32).
-      const unsigned char* w_lane = stage + L::W_OFFSET + ((wn * RT * L::ATOMS + wk * APW) * 32 + lane) * 16;
       auto atom_words = [&](uint4 (&w)[RT], int ai) {
 #pragma unroll
-        for (int r = 0; r < RT; ++r)
-          w[r] = *reinterpret_cast<const uint4*>(w_lane + ((r * L::ATOMS + ai) * 32) * 16);
+        for (int r = 0; r < RT; ++r) w[r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
       };
       uint4 w[RT];
       uint2 entry[RT];  // the scale entries of the current group
@@ -193,14 +164,11 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
           if (j == 0) atom_words(w, ai);
           if (GS == 0 ? s == 0 : s % GS == 0) {
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
-              entry[r] = *reinterpret_cast<const uint2*>(
-                  stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+            for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
           }
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
-            const u32 word = j == 0 ? w[r].x : j == 1 ? w[r].y : j == 2 ? w[r].z : w[r].w;
-            FragDequant<DT>(entry[r].y).unpack(word, a[s % SETS][r]);
+            FragDequant<DT>(entry[r].y).unpack(step_word(w[r], j), a[s % SETS][r]);
           }
 #pragma unroll
           for (int r = 0; r < RT; ++r)
@@ -242,9 +210,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
           if ((s & 3) == 0) atom_words(w, ai);
           if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
-              entry[r] = *reinterpret_cast<const uint2*>(
-                  stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+            for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
           }
           u32 a[2][RT][4];
 #pragma unroll
@@ -252,14 +218,13 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
             const int j = (s & 3) + h;
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-              const u32 word = j == 0 ? w[r].x : j == 1 ? w[r].y : j == 2 ? w[r].z : w[r].w;
-              FragDequant<DT>(entry[r].y).unpack(word, a[h][r]);
+              FragDequant<DT>(entry[r].y).unpack(step_word(w[r], j), a[h][r]);
             }
           }
 #pragma unroll
           for (int tt = 0; tt < TT; ++tt) {
             u32 b[4];
-            ldmatrix_x4(b, stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+            L::b_fragments(b, stage, tt, dk, lane);
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -319,21 +284,9 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       }
       const long long first_it = (long long)tile * num_kb, last_it = first_it + num_kb - 1;
       const int c_lo = (int)(((first_it + 1) * ctas - 1) / total), c_hi = (int)(((last_it + 1) * ctas - 1) / total);
-      __syncthreads();  // every thread's part is written before thread 0 releases them with the count
-      if (tid == 0) {
-        u32 arrived;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counters + tile) : "memory");
-        last_flag = arrived == (u32)(c_hi - c_lo);
-      }
-      __syncthreads();  // and the last CTA's threads read the others' parts after thread 0 acquired them
-      write = write && last_flag;
+      write = last_to_arrive(counters + tile, (u32)(c_hi - c_lo), last_flag) && write;
       if (write) {
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-          for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[r][tt][e] = 0.0f;
+        zero(acc);
 #pragma unroll 1
         for (int c = c_lo; c <= c_hi; ++c) {
           const int c_first_tile = (int)(((long long)c * total / ctas) / num_kb);
@@ -366,11 +319,8 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int m = tok0 + tt * 8 + 2 * t + e;
-            if (m >= M) continue;
-            const float gate_r = Num<DT>::to_float(Num<DT>::from_float(acc[r][tt][e] + b_gate));
-            const float up_r = Num<DT>::to_float(Num<DT>::from_float(acc[r][tt][2 + e] + b_up));
-            const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
-            out[(size_t)m * inner + feature] = Num<DT>::from_float(act * up_r);
+            if (m < M) out[(size_t)m * inner + feature] = gate_times_up<DT, ACT>(acc[r][tt][e] + b_gate,
+                                                                                 acc[r][tt][2 + e] + b_up);
           }
       }
     } else if (write) {
@@ -390,12 +340,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][tt][e] = 0.0f;
+    zero(acc);
   }
   cp_async_wait<0>();
 }
