@@ -141,15 +141,11 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
       const bool tile_ends = it + 1 == segment_end;
 
-      // The lane's fragment words of atom ai for both row tiles (loaded as the atom's first step comes, so APW = 4
-      // keeps 8 registers of them, not 32).
-      auto atom_words = [&](uint4 (&w)[RT], int ai) {
-#pragma unroll
-        for (int r = 0; r < RT; ++r) w[r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
-      };
-      uint4 w[RT];
       uint2 entry[RT];  // the scale entries of the current group
       if constexpr (WGMMA) {
+        // The lane's fragment words of atom ai for both row tiles, loaded as the atom's first step comes (APW = 4
+        // keeps 8 registers of them, not 32).
+        uint4 w[RT];
         // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
         // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
         // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
@@ -161,7 +157,10 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
         for (int s = 0; s < L::STEPS; ++s) {
           const int ai = s >> 2, j = s & 3;
           const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of step s inside the stage
-          if (j == 0) atom_words(w, ai);
+          if (j == 0) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r) w[r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
+          }
           if (GS == 0 ? s == 0 : s % GS == 0) {
 #pragma unroll
             for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
@@ -203,11 +202,15 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       } else {
         // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A
         // fragments of both steps for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
+        uint4 w[APW][RT];  // the lane's fragment words of the stage
+#pragma unroll
+        for (int ai = 0; ai < APW; ++ai)
+#pragma unroll
+          for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
 #pragma unroll
         for (int s = 0; s < L::STEPS; s += 2) {
           const int ai = s >> 2;
           const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
-          if ((s & 3) == 0) atom_words(w, ai);
           if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
 #pragma unroll
             for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
@@ -218,7 +221,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
             const int j = (s & 3) + h;
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-              FragDequant<DT>(entry[r].y).unpack(step_word(w[r], j), a[h][r]);
+              FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a[h][r]);
             }
           }
 #pragma unroll
