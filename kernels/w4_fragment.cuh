@@ -1,7 +1,9 @@
 // What the W4 kernels over the fragment layout share (kernels/w4_fragment_gemm.cu for 1-32 tokens,
 // kernels/w4_fragment_batch.cu for 33-128): the unpacking of a lane's fragment words, ldmatrix, a CTA's stage
-// layout in shared memory and the cp.async copies of one stage. The layout itself is described in
-// kernels/w4_fragment_gemm.py and at the top of w4_fragment_gemm.cu.
+// layout in shared memory and the reads of a warp's words, scale entries and B fragments from it, the cp.async
+// copies of one stage, the scaling of each group's sums into the accumulators, the fused gate/up arithmetic and the
+// arrival count of split or stream-K parts. The layout itself is described in kernels/w4_fragment_gemm.py and at the
+// top of w4_fragment_gemm.cu.
 #include "common.cuh"
 
 template <int DT> struct FragDequant;
@@ -83,7 +85,87 @@ struct FragTile {
   static __device__ __forceinline__ int x_offset(int row, int chunk) {
     return X_OFFSET + row * X_ROW + ((chunk ^ (row & 7)) << 4);
   }
+  // A lane's 16-byte fragment words of atom `atom` (of the stage's ATOMS) of the CTA's row tile `tile`.
+  static __device__ __forceinline__ uint4 words(const unsigned char* stage, int tile, int atom, int lane) {
+    return *reinterpret_cast<const uint4*>(stage + W_OFFSET + ((tile * ATOMS + atom) * 32 + lane) * 16);
+  }
+  // Row g's scale entry (scale pair, zero pair) of row tile `tile` in the stage's group slot `slot`.
+  static __device__ __forceinline__ uint2 entry(const unsigned char* stage, int tile, int slot, int g) {
+    return *reinterpret_cast<const uint2*>(stage + S_OFFSET + ((tile * MAX_GROUPS + slot) * 8 + g) * 8);
+  }
+  // B fragments of two k16 steps (k offset dk inside the stage) of token tile tt: ldmatrix.x4, lane i giving the
+  // address of token 8 tt + i % 8 at k chunk dk / 8 + i / 8.
+  static __device__ __forceinline__ void b_fragments(u32 (&b)[4], const unsigned char* stage, int tt, int dk,
+                                                     int lane) {
+    ldmatrix_x4(b, stage + x_offset(tt * 8 + (lane & 7), (dk >> 3) + (lane >> 3)));
+  }
 };
+
+// Word j (k16 step j of its atom) of a lane's fragment words.
+__device__ __forceinline__ u32 step_word(const uint4& w, int j) {
+  return j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
+}
+
+// How a stage's k maps to its scale-entry slots: slot_shift (a k offset inside the stage >> slot_shift is its group
+// minus the stage's first; 31 where the stage lies in one group) and the stage's groups.
+template <class L>
+struct StageGroups {
+  int slot_shift, count;
+  __device__ __forceinline__ explicit StageGroups(int group_shift)
+      : slot_shift(group_shift < 30 && (1 << group_shift) < L::BK ? group_shift : 31),
+        count(slot_shift == 31 ? 1 : L::BK >> group_shift) {}
+};
+
+template <int RT, int TT>
+__device__ __forceinline__ void zero(float (&a)[RT][TT][4]) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[r][tt][e] = 0.0f;
+}
+
+// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0.
+template <int RT, int TT>
+__device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part)[RT][TT][4], const uint2 (&entry)[RT]) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
+      acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
+      acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
+      acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
+    }
+  }
+}
+
+// The fused gate/up output from a gate sum and its up sum (bias added): act_and_mul_kernel's arithmetic on the two
+// DT-rounded products, so the bits are those of the product followed by act_and_mul.
+template <int DT, int ACT>
+__device__ __forceinline__ u16 gate_times_up(float gate, float up) {
+  const float gate_r = Num<DT>::to_float(Num<DT>::from_float(gate));
+  const float up_r = Num<DT>::to_float(Num<DT>::from_float(up));
+  const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
+  return Num<DT>::from_float(act * up_r);
+}
+
+// Whether this CTA is the last of `others` + 1 to leave its part of a tile (the tile's counter, acquire-release):
+// every thread's part is written before thread 0 counts, and the last CTA's threads read the others' after it.
+__device__ __forceinline__ bool last_to_arrive(u32* counter, u32 others, int& flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 arrived;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counter) : "memory");
+    flag = arrived == others;
+  }
+  __syncthreads();
+  return flag;
+}
 
 // The cp.async copies of one stage, with every address that does not change from stage to stage worked out once a
 // thread. Chunk c = tid + i THREADS of each kind: weights (c = (tile, atom, lane), THREADS a multiple of 32 ATOMS,

@@ -9,6 +9,9 @@
 // kernel (w4_fragment.cuh: one LOP3 a pair with the magic exponent, one add of the zero pair), so the tensor cores
 // see (q - z) exactly; the group's fp16 scale multiplies each group's fp32 sums (`part`) into the accumulators
 // (`acc`), 4 FFMA a token tile a group (at G = 128 a group is exactly a warp's atoms of a stage).
+// The wide tile (WN x WK = 8 x 1, APW = 4, wgmma: kernels/w4_fragment_batch.py WIDE_WGMMA_CONFIG) owns 256 rows: two
+// warpgroups side by side along N, each warp all 4 atoms of a 256-k stage, so a stage's 32 KiB of activations serve
+// 32 KiB of weights (the 128-row tile's serve 16) and no K halves meet in the epilogue.
 //
 // Pipeline. Weights, scale entries and activations of a stage are one cp.async group in a ring of STAGES slots;
 // the first stages' weights and scales are fetched before the programmatic-launch wait (no earlier kernel writes
@@ -26,8 +29,8 @@
 // ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight in the interleaved layout
 // (kernels/w4_fragment_gemm.py: gate_up_layout), written as act(gate) * up [M, N / 2].
 //
-// Epilogue. The two K halves of a tile (warps wk = 0, 1) are added in shared memory, in the ring slot the tile's last
-// stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
+// Epilogue. The two K halves of a tile (warps wk = 0, 1; WK = 2) are added in shared memory, in the ring slot the
+// tile's last stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
 #include "w4_fragment.cuh"
 #include "wgmma.cuh"
 
@@ -49,24 +52,6 @@ struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, 
   }
 };
 
-// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0.
-template <int RT, int TT>
-__device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part)[RT][TT][4], const uint2 (&entry)[RT]) {
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
-      acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
-      acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
-      acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
-    }
-  }
-}
-
 template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, int ACT>
 __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
@@ -78,10 +63,10 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
   using L = BatchTile<RT, TT, WN, WK, APW, GS, WGMMA>;
-  static_assert(WK == 2, "the epilogue adds two K halves");
-  static_assert(L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
+  static_assert(WK == 1 || WK == 2, "the epilogue adds at most two K halves");
+  static_assert(WK == 1 || L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
   constexpr int OUTS = L::TOKENS * L::ROWS;
-  constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0, which write the outputs
+  constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0 (every warp when WK = 1), which write the outputs
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ int last_flag;
   launch_dependents();
@@ -94,14 +79,12 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   const int ctas = gridDim.x, cta = blockIdx.x;
   const int begin = (int)(cta * total / ctas), end = (int)((cta + 1) * total / ctas);
   const int steps = end - begin;
-  // the scale slot of a k offset inside a stage: its group minus the stage's first group
-  const int slot_shift = group_shift < 30 && (1 << group_shift) < L::BK ? group_shift : 31;
-  const int stage_groups = slot_shift == 31 ? 1 : L::BK >> group_shift;
+  const StageGroups<L> groups(group_shift);
 
   // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
   auto copies_of = [&](int tile) {
     return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
-                         k_atoms, M, K, num_groups, stage_groups);
+                         k_atoms, M, K, num_groups, groups.count);
   };
   // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
   struct Position {
@@ -135,15 +118,8 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   }
 
   float acc[RT][TT][4], part[RT][TT][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][tt][e] = part[r][tt][e] = 0.0f;
-
-  // ldmatrix rows: lane i reads token 8 tt + i % 8 at k chunk 2 * (16-step pair) + i / 8 of the warp's atoms
-  const int x_row = lane & 7, x_chunk = lane >> 3;
+  zero(acc);
+  zero(part);
   int read_slot = 0, fill_slot = STAGES - 1;  // the slot read now and the one refilled
   unsigned char* stage = smem;                // the slot read last
   for (int it = begin; it < end;) {
@@ -165,34 +141,33 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
       const bool tile_ends = it + 1 == segment_end;
 
-      uint4 w[APW][RT];
-#pragma unroll
-      for (int ai = 0; ai < APW; ++ai)
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-          w[ai][r] = *reinterpret_cast<const uint4*>(
-              stage + L::W_OFFSET + (((wn * RT + r) * L::ATOMS + wk * APW + ai) * 32 + lane) * 16);
       uint2 entry[RT];  // the scale entries of the current group
       if constexpr (WGMMA) {
-        // A k16 step at a time: both row tiles' A fragments into register set s % 3 while the wgmma groups of the
-        // two steps before run (the wait after each commit leaves two in flight, so the set rewritten next
-        // belongs to a finished group); a group's sums are scaled into the accumulators once its groups are done.
-        constexpr int SETS = 3;
+        // The lane's fragment words of atom ai for both row tiles, loaded as the atom's first step comes (APW = 4
+        // keeps 8 registers of them, not 32).
+        uint4 w[RT];
+        // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
+        // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
+        // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
+        // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose copy state leaves
+        // registers for no more (with three ptxas spilled inside the loop).
+        constexpr int SETS = APW > 2 && TT > 6 ? 2 : 3;
         u32 a[SETS][RT][4];
 #pragma unroll
         for (int s = 0; s < L::STEPS; ++s) {
           const int ai = s >> 2, j = s & 3;
           const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of step s inside the stage
+          if (j == 0) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r) w[r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
+          }
           if (GS == 0 ? s == 0 : s % GS == 0) {
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
-              entry[r] = *reinterpret_cast<const uint2*>(
-                  stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+            for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
           }
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
-            const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
-            FragDequant<DT>(entry[r].y).unpack(word, a[s % SETS][r]);
+            FragDequant<DT>(entry[r].y).unpack(step_word(w[r], j), a[s % SETS][r]);
           }
 #pragma unroll
           for (int r = 0; r < RT; ++r)
@@ -220,22 +195,25 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s - 2's set: its group is done
+              for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s + 1 - SETS's set: its group is done
           }
         }
         wgmma_wait<0>();
       } else {
         // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A
         // fragments of both steps for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
+        uint4 w[APW][RT];  // the lane's fragment words of the stage
+#pragma unroll
+        for (int ai = 0; ai < APW; ++ai)
+#pragma unroll
+          for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
 #pragma unroll
         for (int s = 0; s < L::STEPS; s += 2) {
           const int ai = s >> 2;
           const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
           if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
-              entry[r] = *reinterpret_cast<const uint2*>(
-                  stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+            for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
           }
           u32 a[2][RT][4];
 #pragma unroll
@@ -243,14 +221,13 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
             const int j = (s & 3) + h;
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-              const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
-              FragDequant<DT>(entry[r].y).unpack(word, a[h][r]);
+              FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a[h][r]);
             }
           }
 #pragma unroll
           for (int tt = 0; tt < TT; ++tt) {
             u32 b[4];
-            ldmatrix_x4(b, stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+            L::b_fragments(b, stage, tt, dk, lane);
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -269,26 +246,29 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       }
     }
 
-    // The tile's part is done: K half 1 hands its sums to half 0 through the slot just read.
+    // The tile's part is done: K half 1 (if any) hands its sums to half 0 through the slot just read.
     const int tile0 = (tile / tok_blocks) * L::TILES, tok0 = (tile % tok_blocks) * L::TOKENS;
-    float* red = reinterpret_cast<float*>(stage);
-    __syncthreads();  // every warp is done reading the slot
-    if (wk == 1) {
+    if constexpr (WK == 2) {
+      float* red = reinterpret_cast<float*>(stage);
+      __syncthreads();  // every warp is done reading the slot
+      if (wk == 1) {
 #pragma unroll
-      for (int r = 0; r < RT; ++r)
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
+          for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid - HALF_THREADS] = acc[r][tt][e];
-    }
-    __syncthreads();
-    if (wk == 0) {
+            for (int e = 0; e < 4; ++e)
+              red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid - HALF_THREADS] = acc[r][tt][e];
+      }
+      __syncthreads();
+      if (wk == 0) {
 #pragma unroll
-      for (int r = 0; r < RT; ++r)
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
+          for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[r][tt][e] += red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid];
+            for (int e = 0; e < 4; ++e) acc[r][tt][e] += red[((r * TT + tt) * 4 + e) * HALF_THREADS + tid];
+      }
     }
     const bool whole = segment_begin % num_kb == 0 && segment_end == (tile + 1) * num_kb;
     bool write = wk == 0;
@@ -307,21 +287,9 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       }
       const long long first_it = (long long)tile * num_kb, last_it = first_it + num_kb - 1;
       const int c_lo = (int)(((first_it + 1) * ctas - 1) / total), c_hi = (int)(((last_it + 1) * ctas - 1) / total);
-      __syncthreads();  // every thread's part is written before thread 0 releases them with the count
-      if (tid == 0) {
-        u32 arrived;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counters + tile) : "memory");
-        last_flag = arrived == (u32)(c_hi - c_lo);
-      }
-      __syncthreads();  // and the last CTA's threads read the others' parts after thread 0 acquired them
-      write = write && last_flag;
+      write = last_to_arrive(counters + tile, (u32)(c_hi - c_lo), last_flag) && write;
       if (write) {
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-          for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[r][tt][e] = 0.0f;
+        zero(acc);
 #pragma unroll 1
         for (int c = c_lo; c <= c_hi; ++c) {
           const int c_first_tile = (int)(((long long)c * total / ctas) / num_kb);
@@ -354,11 +322,8 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int m = tok0 + tt * 8 + 2 * t + e;
-            if (m >= M) continue;
-            const float gate_r = Num<DT>::to_float(Num<DT>::from_float(acc[r][tt][e] + b_gate));
-            const float up_r = Num<DT>::to_float(Num<DT>::from_float(acc[r][tt][2 + e] + b_up));
-            const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
-            out[(size_t)m * inner + feature] = Num<DT>::from_float(act * up_r);
+            if (m < M) out[(size_t)m * inner + feature] = gate_times_up<DT, ACT>(acc[r][tt][e] + b_gate,
+                                                                                 acc[r][tt][2 + e] + b_up);
           }
       }
     } else if (write) {
@@ -378,12 +343,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][tt][e] = 0.0f;
+    zero(acc);
   }
   cp_async_wait<0>();
 }

@@ -33,7 +33,7 @@ class BatchConfig:
     rt: int = 2
     tt: int = 8
     wn: int = 4
-    wk: int = 2  # the kernel adds exactly two K halves
+    wk: int = 2  # the kernel adds at most two K halves
     apw: int = 2
     stages: int = 4
     wgmma: bool = False  # wgmma (SM90a: m64n(8 TT)k16, A from registers) in place of mma.sync
@@ -78,6 +78,11 @@ class BatchConfig:
 # G = 128 one group a warp a stage), 4 stages of 49 KiB: one CTA an SM.
 CONFIG = BatchConfig()
 WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
+# On wgmma, 8 warps along N (two warpgroups of 128 rows): 256 x 64 outputs a CTA, each warp all 4 atoms of a 256-k
+# stage, 3 stages of 66 KiB. A stage's 32 KiB of activations serve 32 KiB of weights (the 128-row tile's serve 16).
+WIDE_WGMMA_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True)
+WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token tiles (m64n48k16)
+CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG)
 
 
 def iterations(num_tokens: int, out_features: int, in_features: int, config: BatchConfig = CONFIG) -> int:
@@ -89,24 +94,27 @@ def iterations(num_tokens: int, out_features: int, in_features: int, config: Bat
 
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int,
          config: BatchConfig | None = None) -> tuple[BatchConfig, int]:
-    """(launch shape, persistent CTAs): the wgmma path on SM90 (on the H200 it ran 1.2-1.35x faster than mma.sync on
-    the 3B and 7B MLP products at 48-128 tokens), mma.sync elsewhere; as many CTAs as the SMs hold at once, fewer
-    where a CTA would get under MIN_ITERATIONS k blocks (one CTA an SM; on the H200 half as many CTAs took 1.9x as
-    long, and a 32-token tile of two CTAs an SM 1.15x)."""
+    """(launch shape, persistent CTAs): the wide wgmma tile on SM90 (the 128-row tile on wgmma ran 1.2-1.35x faster
+    than on mma.sync on the 3B and 7B MLP products at 48-128 tokens on the H200), mma.sync elsewhere; as many CTAs as
+    the SMs hold at once, fewer where a CTA would get under MIN_ITERATIONS k blocks (one CTA an SM; on the H200 half
+    as many CTAs took 1.9x as long, and a 32-token tile of two CTAs an SM 1.15x)."""
     if config is None:
-        config = WGMMA_CONFIG if wgmma_available(device_index) else CONFIG
+        config = WIDE_WGMMA_CONFIG if wgmma_available(device_index) else CONFIG
     total = iterations(num_tokens, out_features, in_features, config)
     return config, max(1, min(_num_sms(device_index), total // MIN_ITERATIONS))
 
 
 def instantiations() -> tuple[str, ...]:
-    """Both tensor-core paths at every group-step variant, both dtypes, and the fused activations at G >= 128 (the
-    table's; compiled ahead by validate-kernels, the others on first use)."""
-    steps = sorted({CONFIG.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)})
-    fused_steps = sorted({CONFIG.group_steps(g, 1 << 20) for g in (128, 256)})
-    return tuple(name for config in (CONFIG, WGMMA_CONFIG) for dt in (0, 1)
-                 for name in (*(config.name(dt, gs) for gs in steps),
-                              *(config.name(dt, gs, act) for gs in fused_steps for act in ACTIVATIONS.values())))
+    """Every launch shape at each of its group-step variants, both dtypes, and the fused activations at G >= 128
+    (the table's; compiled ahead by validate-kernels, the others on first use)."""
+    names = []
+    for config in CONFIGS:
+        steps = sorted({config.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)})
+        fused_steps = sorted({config.group_steps(g, 1 << 20) for g in (128, 256)})
+        names += [name for dt in (0, 1)
+                  for name in (*(config.name(dt, gs) for gs in steps),
+                               *(config.name(dt, gs, act) for gs in fused_steps for act in ACTIVATIONS.values()))]
+    return tuple(names)
 
 
 _configured: set[tuple[str, int]] = set()

@@ -51,11 +51,8 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
   const int kb_begin = (int)(((long long)blockIdx.z * num_kb) / gridDim.z);
   const int kb_end = (int)(((long long)(blockIdx.z + 1) * num_kb) / gridDim.z);
   const int steps = kb_end - kb_begin;
-  // the scale slot of a k offset inside a stage: its group minus the stage's first group
-  const int slot_shift = group_shift < 30 && (1 << group_shift) < L::BK ? group_shift : 31;
-  const int stage_groups = slot_shift == 31 ? 1 : L::BK >> group_shift;
-
-  const FragCopies<L> copies(frag, sz, x, tile0, tok0, n_tiles, k_atoms, M, K, num_groups, stage_groups);
+  const StageGroups<L> groups(group_shift);
+  const FragCopies<L> copies(frag, sz, x, tile0, tok0, n_tiles, k_atoms, M, K, num_groups, groups.count);
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
@@ -68,15 +65,8 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
   }
 
   float acc[RT][TT][4], part[RT][TT][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][tt][e] = part[r][tt][e] = 0.0f;
-
-  // ldmatrix rows: lane i reads token 8 tt + i % 8 at k chunk 2 * (16-step pair) + i / 8 of the warp's atoms
-  const int x_row = lane & 7, x_chunk = lane >> 3;
+  zero(acc);
+  zero(part);
 
   int read_slot = 0, fill_slot = STAGES - 1;  // the stage read now and the one refilled (step % STAGES, ...)
   for (int step = 0; step < steps; ++step) {
@@ -98,9 +88,7 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
 #pragma unroll
     for (int ai = 0; ai < APW; ++ai)
 #pragma unroll
-      for (int r = 0; r < RT; ++r)
-        w[ai][r] = *reinterpret_cast<const uint4*>(
-            stage + L::W_OFFSET + (((wn * RT + r) * L::ATOMS + wk * APW + ai) * 32 + lane) * 16);
+      for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
 
     uint2 entry[RT];  // the scale entries of the current group
     u32 b[TT][4];     // B fragments of steps s and s + 1 (s even): b0, b1 of s, then of s + 1
@@ -110,20 +98,16 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
       const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of the step inside the stage
       if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group: its scale entries
 #pragma unroll
-        for (int r = 0; r < RT; ++r)
-          entry[r] = *reinterpret_cast<const uint2*>(
-              stage + L::S_OFFSET + (((wn * RT + r) * L::MAX_GROUPS + (dk >> slot_shift)) * 8 + g) * 8);
+        for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
       }
       if ((s & 1) == 0) {
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-          ldmatrix_x4(b[tt], stage + L::x_offset(tt * 8 + x_row, (dk >> 3) + x_chunk));
+        for (int tt = 0; tt < TT; ++tt) L::b_fragments(b[tt], stage, tt, dk, lane);
       }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
         u32 a[4];
-        const u32 word = j == 0 ? w[ai][r].x : j == 1 ? w[ai][r].y : j == 2 ? w[ai][r].z : w[ai][r].w;
-        FragDequant<DT>(entry[r].y).unpack(word, a);
+        FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a);
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt)
           Num<DT>::mma(part[r][tt], a[0], a[1], a[2], a[3], b[tt][2 * (s & 1)], b[tt][2 * (s & 1) + 1]);
@@ -135,21 +119,7 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
         flush = s == L::STEPS - 1 &&
                 (step + 1 == steps || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
       }
-      if (flush) {
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          const float s_lo = fp16_bits_to_float(entry[r].x & 0xFFFFu), s_hi = fp16_bits_to_float(entry[r].x >> 16);
-#pragma unroll
-          for (int tt = 0; tt < TT; ++tt) {  // c0, c1: row g; c2, c3: row g + 8
-            acc[r][tt][0] = fmaf(s_lo, part[r][tt][0], acc[r][tt][0]);
-            acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
-            acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
-            acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
-          }
-        }
-      }
+      if (flush) scale_into(acc, part, entry);
     }
   }
   cp_async_wait<0>();
@@ -187,14 +157,7 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i)
       if (tid + i * L::THREADS < OUTS) mine[tid + i * L::THREADS] = v[i];
-    __syncthreads();  // every thread's partials are written before thread 0 releases them with the count
-    if (tid == 0) {
-      u32 arrived;
-      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counters + tile) : "memory");
-      last_flag = arrived == (u32)(splits - 1);
-    }
-    __syncthreads();  // and the last CTA's threads read the others' partials after thread 0 acquired them
-    if (!last_flag) return;
+    if (!last_to_arrive(counters + tile, (u32)(splits - 1), last_flag)) return;
     const float* all = partials + (size_t)tile * splits * OUTS;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) v[i] = 0.0f;
@@ -217,12 +180,8 @@ __global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
       const float value = v[i] + (bias != nullptr && n < N ? Num<DT>::to_float(bias[n]) : 0.0f);
       const float up = __shfl_down_sync(0xffffffffu, value, 8);
       const int inner = N >> 1, feature = (n >> 4) * 8 + (row & 7);
-      if (idx < OUTS && m < M && (row & 8) == 0 && feature < inner) {
-        const float gate_r = Num<DT>::to_float(Num<DT>::from_float(value));
-        const float up_r = Num<DT>::to_float(Num<DT>::from_float(up));
-        const float act = Num<DT>::to_float(Num<DT>::from_float(gate_activation<ACT>(gate_r)));
-        out[(size_t)m * inner + feature] = Num<DT>::from_float(act * up_r);
-      }
+      if (idx < OUTS && m < M && (row & 8) == 0 && feature < inner)
+        out[(size_t)m * inner + feature] = gate_times_up<DT, ACT>(value, up);
     } else if (idx < OUTS && m < M && n < N) {
       const float b = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
       out[(size_t)m * N + n] = Num<DT>::from_float(v[i] + b);

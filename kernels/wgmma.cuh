@@ -53,8 +53,8 @@ __device__ __forceinline__ u64 swizzled_desc(const void* start) {
 #define W4_REGS8(a, b, c, e, f, g, h, i) "%" #a ", %" #b ", %" #c ", %" #e ", %" #f ", %" #g ", %" #h ", %" #i
 #define W4_N16_REGS W4_REGS8(0, 1, 2, 3, 4, 5, 6, 7)
 #define W4_N32_REGS W4_N16_REGS ", " W4_REGS8(8, 9, 10, 11, 12, 13, 14, 15)
-#define W4_N64_REGS W4_N32_REGS ", " W4_REGS8(16, 17, 18, 19, 20, 21, 22, 23) ", " \
-                    W4_REGS8(24, 25, 26, 27, 28, 29, 30, 31)
+#define W4_N48_REGS W4_N32_REGS ", " W4_REGS8(16, 17, 18, 19, 20, 21, 22, 23)
+#define W4_N64_REGS W4_N48_REGS ", " W4_REGS8(24, 25, 26, 27, 28, 29, 30, 31)
 #define W4_N128_REGS W4_N64_REGS ", " W4_REGS8(32, 33, 34, 35, 36, 37, 38, 39) ", " \
                      W4_REGS8(40, 41, 42, 43, 44, 45, 46, 47) ", " W4_REGS8(48, 49, 50, 51, 52, 53, 54, 55) ", " \
                      W4_REGS8(56, 57, 58, 59, 60, 61, 62, 63)
@@ -69,6 +69,8 @@ W4_WGMMA_RS(0, 16, "f16", W4_N16_REGS, "{%8, %9, %10, %11}, %12", W4_D8(0))
 W4_WGMMA_RS(1, 16, "bf16", W4_N16_REGS, "{%8, %9, %10, %11}, %12", W4_D8(0))
 W4_WGMMA_RS(0, 32, "f16", W4_N32_REGS, "{%16, %17, %18, %19}, %20", W4_D8(0), W4_D8(8))
 W4_WGMMA_RS(1, 32, "bf16", W4_N32_REGS, "{%16, %17, %18, %19}, %20", W4_D8(0), W4_D8(8))
+W4_WGMMA_RS(0, 48, "f16", W4_N48_REGS, "{%24, %25, %26, %27}, %28", W4_D8(0), W4_D8(8), W4_D8(16))
+W4_WGMMA_RS(1, 48, "bf16", W4_N48_REGS, "{%24, %25, %26, %27}, %28", W4_D8(0), W4_D8(8), W4_D8(16))
 W4_WGMMA_RS(0, 64, "f16", W4_N64_REGS, "{%32, %33, %34, %35}, %36", W4_D8(0), W4_D8(8), W4_D8(16), W4_D8(24))
 W4_WGMMA_RS(1, 64, "bf16", W4_N64_REGS, "{%32, %33, %34, %35}, %36", W4_D8(0), W4_D8(8), W4_D8(16), W4_D8(24))
 W4_WGMMA_RS(0, 128, "f16", W4_N128_REGS, "{%64, %65, %66, %67}, %68", W4_D32(0), W4_D32(32))
@@ -82,6 +84,7 @@ W4_WGMMA_RS(1, 256, "bf16", W4_N256_REGS, "{%128, %129, %130, %131}, %132", W4_D
 #undef W4_REGS8
 #undef W4_N16_REGS
 #undef W4_N32_REGS
+#undef W4_N48_REGS
 #undef W4_N64_REGS
 #undef W4_N128_REGS
 #undef W4_N256_REGS

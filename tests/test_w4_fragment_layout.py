@@ -173,18 +173,38 @@ def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_pla
         table.product_row.cache_clear()
 
 
+def test_the_wide_batch_tiles_ring_fits_an_sm_at_every_group_size():
+    """The 256-row wgmma tile's ring, hand-counted: 3 slots of 16 row tiles x 4 atoms x 512 bytes of weights, 64 (48)
+    tokens x 256 k of bf16 activations and 16 row tiles x the stage's group slots x 64 bytes of scale entries; every
+    launch shape, at every group size, within the 227 KiB an H100/H200 CTA may hold (1 KiB of it static)."""
+    from deepinfer.kernels import w4_fragment_batch as batch
+
+    wide, wide_48 = batch.WIDE_WGMMA_CONFIG, batch.WIDE_48_WGMMA_CONFIG
+    assert (wide.rows, wide.tokens, wide.bk, wide.threads) == (256, 64, 256, 256)
+    assert wide.shared_bytes(wide.group_steps(128, 4096)) == 3 * (32768 + 32768 + 16 * 2 * 64)
+    assert wide.shared_bytes(wide.group_steps(32, 4096)) == 3 * (32768 + 32768 + 16 * 8 * 64)
+    assert wide.shared_bytes(wide.group_steps(256, 4096)) == 3 * (32768 + 32768 + 16 * 1 * 64)
+    assert wide_48.shared_bytes(wide_48.group_steps(128, 4096)) == 3 * (32768 + 24576 + 16 * 2 * 64)
+    for config in batch.CONFIGS:
+        for group_size in (32, 64, 128, 256, 4096):
+            assert config.shared_bytes(config.group_steps(group_size, 4096)) + 1024 <= 227 * 1024
+
+
 def test_the_batch_kernels_plan_shares_whole_k_blocks_among_one_cta_an_sm(monkeypatch):
-    """w4_fragment_batch's stream-K work: tiles of 128 rows x 64 tokens x k blocks of 256, hand-counted; one CTA an
-    SM (132), fewer where a CTA would get under 3 k blocks; the wgmma launch shape where the GPU has it."""
+    """w4_fragment_batch's stream-K work: tiles of 128 rows (256 on the wide wgmma tile) x 64 tokens x k blocks of
+    256, hand-counted; one CTA an SM (132), fewer where a CTA would get under 3 k blocks; the wide wgmma launch shape
+    where the GPU has wgmma."""
     from deepinfer.kernels import w4_fragment_batch as batch
 
     monkeypatch.setattr(batch, "_num_sms", lambda index: 132)
     monkeypatch.setattr(batch, "wgmma_available", lambda index: True)
     # 7B's gate/up at 64 tokens: 37888 / 128 = 296 row blocks, one token block, 3584 / 256 = 14 k blocks
     assert batch.iterations(64, 37888, 3584) == 4144
-    assert batch.plan(64, 37888, 3584, 0) == (batch.WGMMA_CONFIG, 132)
-    # 100 tokens: two token blocks; N = 1000: 63 row tiles in 8 row blocks; K = 2048 + 64: 9 k blocks
+    assert batch.iterations(64, 37888, 3584, batch.WIDE_WGMMA_CONFIG) == 148 * 14
+    assert batch.plan(64, 37888, 3584, 0) == (batch.WIDE_WGMMA_CONFIG, 132)
+    # 100 tokens: two token blocks; N = 1000: 63 row tiles in 8 row blocks (4 of 256 rows); K = 2048 + 64: 9 k blocks
     assert batch.iterations(100, 1000, 2112) == 8 * 2 * 9
-    assert batch.plan(100, 1000, 2112, 0)[1] == 48  # 144 // 3
+    assert batch.plan(100, 1000, 2112, 0)[1] == 24  # 4 * 2 * 9 // 3
+    assert batch.plan(100, 1000, 2112, 0, batch.WGMMA_CONFIG)[1] == 48  # 144 // 3
     monkeypatch.setattr(batch, "wgmma_available", lambda index: False)
     assert batch.plan(40, 40, 160, 0) == (batch.CONFIG, 1)  # one k block: one CTA

@@ -281,7 +281,7 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
     from deepinfer.kernels import w4_fragment_gemm as fragment
     from deepinfer.kernels.w4_gemm import wgmma_available
 
-    configs = (batch.CONFIG, batch.WGMMA_CONFIG) if wgmma_available(device.index or 0) else (batch.CONFIG,)
+    configs = batch.CONFIGS if wgmma_available(device.index or 0) else (batch.CONFIG,)
     results = []
     for config in configs:  # mma.sync first: a fault of the wgmma path ends the checks after it
         for (m, n, k, g, ctas, with_bias), dtype in itertools.product(FRAGMENT_BATCH_CASES, dtypes):
