@@ -12,8 +12,9 @@
 // Split-K over a thread-block cluster (SM90+): grid.z CTAs of one output tile are one cluster (dims (1, 1, splits)),
 // split s covering segments [s * segs_per_split, (s + 1) * segs_per_split), so a product of few row tiles or a long K
 // still fills the GPU. Every warp leaves its fp32 sums in its CTA's shared memory; after the cluster barrier the
-// warps of split 0 add them through distributed shared memory in a fixed order (split, then warp along K), so the
-// result does not depend on timing. Without clusters (SM80-89) there is one split and the same sum over warps.
+// cluster's warps share out the tile's outputs and add each through distributed shared memory in a fixed order
+// (split, then warp along K), so the result does not depend on timing. Without clusters (SM80-89) there is one split
+// and the same sum over the warps along K.
 //
 // Thread (g = lane / 4, t = lane % 4) holds rows g and g + 8 and, of each segment, the 16 codes at k = 64 seg + 16 t
 // (one 16-byte load a row): word j of them gives mma step j, its codes (0, 1) as the A pair of k (2t, 2t + 1) and
@@ -123,8 +124,9 @@ __device__ __forceinline__ void mma_w8_segment(const W8Segment& d, int seg, int 
 }
 
 // The tile's sums: every warp's partial sums [TT * 4][32] are in `partial` of each split's CTA (visible to the cluster
-// after the barrier); warp (rw, kw) of split 0 adds, for the sums i = kw, kw + KW, ... of row tile rw, split 0's warps
-// of that tile in k order, then split 1's, ..., and stores them (+ bias) as DT.
+// after the barrier). The sums i of row tile rw are shared out over the tile's warps along K of every split, warp kw
+// of split z taking i = kw + KW z, kw + KW (z + splits), ...; it adds split 0's warps of the tile in k order, then
+// split 1's, ..., and stores the sums (+ bias) as DT.
 template <int DT, int TT, int RW>
 __device__ __forceinline__ void sum_and_store(float (&partial)[W8_WARPS][TT * 4][32], const u16* __restrict__ bias,
                                               u16* __restrict__ out, int row0, int tok0, int t, int M, int N) {
@@ -132,8 +134,7 @@ __device__ __forceinline__ void sum_and_store(float (&partial)[W8_WARPS][TT * 4]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rw = warp % RW, kw = warp / RW;
   const int splits = gridDim.z;
-#pragma unroll
-  for (int i = kw; i < TT * 4; i += KW) {
+  for (int i = kw + KW * blockIdx.z; i < TT * 4; i += KW * splits) {
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s) {
 #pragma unroll
@@ -200,6 +201,6 @@ __global__ void __launch_bounds__(256) w8_gemm_kernel(
   } else {
     __syncthreads();
   }
-  if (blockIdx.z == 0) sum_and_store<DT, TT, RW>(partial, bias, out, row0, tok0, t, M, N);
-  if (clustered) cluster_barrier<false>();  // the other splits' shared memory stays until split 0 has read it
+  sum_and_store<DT, TT, RW>(partial, bias, out, row0, tok0, t, M, N);
+  if (clustered) cluster_barrier<false>();  // every split's shared memory stays until the cluster has read it
 }

@@ -74,20 +74,20 @@ def _num_sms(device_index: int) -> int:
 def plan(num_tokens: int, in_features: int, out_features: int, device_index: int, tiles: int | None = None,
          row_warps: int | None = None, splits: int | None = None) -> Plan:
     """The launch of a product; `tiles`, `row_warps`, `splits` override the planned ones (validation, benchmarks).
-    Splits need clusters (SM90+) and are cut to what K holds (a split has at least one segment a warp)."""
+    Splits need clusters (SM90+) and are cut to what K holds (a split has at least one K step)."""
     tiles = tiles or token_tiles(num_tokens)
     row_warps = row_warps or ROW_WARPS[tiles]
     if row_warps not in ROW_WARP_CHOICES:
         raise ValueError(f"row_warps {row_warps} is not one of {ROW_WARP_CHOICES}")
     k_warps = WARPS // row_warps
     segments = -(-in_features // SEGMENT)
-    most = min(MAX_SPLITS, max(1, segments // k_warps)) if clusters_available(device_index) else 1
+    steps = -(-segments // k_warps)  # K steps of a CTA: a segment for each warp along K
+    most = min(MAX_SPLITS, steps) if clusters_available(device_index) else 1
     if splits is None:
         ctas = -(-out_features // (ROWS_PER_WARP * row_warps)) * -(-num_tokens // (8 * tiles))
         splits = -(-CTAS_PER_SM * _num_sms(device_index) // ctas)
     splits = max(1, min(splits, most))
-    # whole K steps (a segment for each warp along K) a split, so the warps of a CTA do equal work
-    steps = -(-segments // k_warps)
+    # whole steps a split, so the warps of a CTA do equal work
     segs_per_split = -(-steps // splits) * k_warps
     return Plan(tiles, row_warps, -(-segments // segs_per_split), segs_per_split)
 
