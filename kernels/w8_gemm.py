@@ -1,10 +1,10 @@
 """Launcher of the W8A16 tensor-core product in w8_gemm.cu (1 to 64 tokens, SM80+).
 
 The kernel reads the 8-bit PackedWeight as stored (qweight int32 [N, K / 4], fp16 or fp32 scales and zeros
-[N, K / G]): nothing is laid out at load. A launch is a CTA of 8 warps per ROW_WARPS[tiles] 16-row tiles and per
-tile of 8, 16, 32 or 64 tokens (TT 8-token tiles); the warps that share a row tile split the CTA's K range. On SM90+
-K is split further across a thread-block cluster of up to MAX_SPLITS CTAs, as many as bring the grid to
-CTAS_PER_SM CTAs a multiprocessor.
+[N, K / G]): nothing is laid out at load. A launch is a CTA of 8 warps per 1-8 16-row tiles and per tile of 8, 16,
+32 or 64 tokens (TT 8-token tiles); the warps that share a row tile split the CTA's K range. On SM90+ K is split
+further across a thread-block cluster of up to MAX_SPLITS CTAs where the rows alone leave the GPU short of CTAs
+(LAUNCHES says how, by token tiles).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ ROWS_PER_WARP = 16
 SEGMENT = 64  # codes of K a warp multiplies per step
 TOKEN_TILES = (1, 2, 4, 8)  # 8-token tiles per CTA
 MAX_TOKENS = 8 * TOKEN_TILES[-1]  # one CTA column covers up to this many tokens; more run as further columns
-ROW_WARP_CHOICES = (1, 2, 4, 8)  # 16-row tiles a CTA: its 8 warps split K ROW_WARPS ways fewer
-# the row tiles a CTA at each token tile count: more rows share the activations as the tokens (x bytes) grow
-ROW_WARPS = {1: 1, 2: 2, 4: 4, 8: 8}
+ROW_WARP_CHOICES = (1, 2, 4, 8)  # 16-row tiles a CTA can own; its 8 warps then split K 8 / that many ways
 MAX_SPLITS = 8  # the portable thread-block cluster size
-CTAS_PER_SM = 4  # the grid K splits aim for (a CTA keeps 16 KiB of weights in flight)
+# (row tiles a CTA, K splits) by 8-token tiles, the fastest of every row-tile count x 1, 2, 4, 8 splits on the H200
+# (Qwen2.5-3B's and 7B's products, docs/KERNELS.md); the splits only where the CTAs of one split are fewer than
+# SPLIT_BELOW_CTAS_PER_SM a multiprocessor (2048-3584 rows), one split where the rows alone fill the GPU
+LAUNCHES = {1: (1, 2), 2: (4, 8), 4: (1, 2), 8: (1, 2)}
+SPLIT_BELOW_CTAS_PER_SM = 2
 MAX_IN_FEATURES = 1 << 16  # the group index's multiply-high is exact below this K (group_magic)
 
 
@@ -76,7 +78,8 @@ def plan(num_tokens: int, in_features: int, out_features: int, device_index: int
     """The launch of a product; `tiles`, `row_warps`, `splits` override the planned ones (validation, benchmarks).
     Splits need clusters (SM90+) and are cut to what K holds (a split has at least one K step)."""
     tiles = tiles or token_tiles(num_tokens)
-    row_warps = row_warps or ROW_WARPS[tiles]
+    planned_rows, planned_splits = LAUNCHES[tiles]
+    row_warps = row_warps or planned_rows
     if row_warps not in ROW_WARP_CHOICES:
         raise ValueError(f"row_warps {row_warps} is not one of {ROW_WARP_CHOICES}")
     k_warps = WARPS // row_warps
@@ -85,7 +88,7 @@ def plan(num_tokens: int, in_features: int, out_features: int, device_index: int
     most = min(MAX_SPLITS, steps) if clusters_available(device_index) else 1
     if splits is None:
         ctas = -(-out_features // (ROWS_PER_WARP * row_warps)) * -(-num_tokens // (8 * tiles))
-        splits = -(-CTAS_PER_SM * _num_sms(device_index) // ctas)
+        splits = planned_splits if ctas < SPLIT_BELOW_CTAS_PER_SM * _num_sms(device_index) else 1
     splits = max(1, min(splits, most))
     # whole steps a split, so the warps of a CTA do equal work
     segs_per_split = -(-steps // splits) * k_warps

@@ -31,10 +31,11 @@ def test_splits_cover_k_once_in_whole_steps(sm90, tokens, in_features, out_featu
 
 
 def test_few_row_tiles_split_k_and_many_do_not(sm90):
-    # 2048 rows of a long K are 128 CTAs at one token: split to fill 132 SMs; 22016 rows are enough on their own
-    long_k = w8.plan(1, 11008, 2048, 0)
-    assert long_k.splits > 1 and long_k.splits * 2048 // (16 * long_k.row_warps) >= w8.CTAS_PER_SM * 132
-    assert w8.plan(1, 2048, 22016, 0).splits == 1
+    # 2048-3584 rows are fewer than 2 CTAs an SM at one token: split in 2; 22016 rows fill the GPU on their own
+    for in_features, out_features in ((2048, 2048), (11008, 2048), (18944, 3584)):
+        assert w8.plan(1, in_features, out_features, 0)[1:3] == (1, 2)
+        assert w8.plan(16, in_features, out_features, 0)[1:3] == (4, 8)
+    assert w8.plan(1, 2048, 22016, 0).splits == w8.plan(16, 2048, 22016, 0).splits == 1
 
 
 def test_overrides_and_devices_without_clusters(sm90, monkeypatch):

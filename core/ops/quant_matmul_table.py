@@ -46,7 +46,7 @@ FRAGMENT_BATCH_TOKENS = (33, 96)  # the 33-128-token kernel over the fragment la
 # serves wide products at these counts (at 128 w4_gemm was faster) ...
 FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
 FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
-W8_MAX_TOKENS = kernels_w8.MAX_TOKENS  # the W8 kernel's row: 1-64 tokens (one CTA column) ...
+W8_MAX_TOKENS = 32  # the W8 kernel's row: at 33-64 tokens it beat the dense row on some products only (KERNELS.md)
 W8_MAX_IN_FEATURES = kernels_w8.MAX_IN_FEATURES  # ... at any K its group index takes
 
 
@@ -260,12 +260,15 @@ class ProductRow(NamedTuple):
 PRODUCT_TABLE = (
     ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS and s.in_features <= W8_MAX_IN_FEATURES,
                w8,
-               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-64 tokens: K split over a thread-block cluster fills the "
-               "GPU on few row tiles and long K, row tiles share the activations as the tokens grow "
-               "(results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json)"),
+               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-32 tokens, at any K: on an H200 faster than the dense row "
+               "(dequantize, then cuBLAS) on every Qwen2.5-3B and 7B product measured, and than cuBLAS bf16 on the "
+               "dense weight at one token on all six (2048 x 2048 4.6 us against 6.1, 3584 x 37888 49.4 against "
+               "71.8); at 16-32 tokens it loses to cuBLAS bf16 on the long-K and large products (11008 x 2048 at 32: "
+               "23.4 against 15.7); at 64 tokens the dense row beat it on 2048 x 2560 and 18944 x 3584 "
+               "(results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json, docs/KERNELS.md)"),
     ProductRow("dense", lambda s: s.bits == 8, dense,
-               "the 8-bit products the w8_gemm row leaves: more than 64 tokens, where cuBLAS's GEMM on the dense "
-               "weight amortizes the dequantization (the packed rows below read 4- and 3-bit codes)"),
+               "the 8-bit products the w8_gemm row leaves: more than 32 tokens (the packed rows below read 4- and "
+               "3-bit codes)"),
     ProductRow("fragment", fragment_serves, fragment,
                "on an H200 with bf16 activations (W4, G = 128), faster than every other kernel: at 9-16 tokens on "
                "Qwen2.5-3B's and 7B's products of 2048 x 2048 and more (at 16: 3B gate/up 12.8 us against tcs's 17.2, "
