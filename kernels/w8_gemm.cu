@@ -2,10 +2,19 @@
 // 8-bit PackedWeight of core/quant/packed.py as it is stored (qweight int32 [N, K/4], code j of word w is k = 4w + j
 // at bits 8j; GGUF Q8_0 re-packed exactly, or round-to-nearest 8-bit), dequantized in registers.
 //
-// w8_gemm_kernel<DT, TT, ZMODE>: a CTA of 8 warps owns 16 output rows (the mma.sync m16n8k16 A operand) and TT
-// 8-token tiles (the n = 8 operand); warp w takes the 64-code segments w, w + 8, w + 16, ... of K, so the CTA streams
-// its rows front to back with no split-K pass over global memory, and the warps' sums meet in shared memory, added
-// in warp order (deterministic), as quant_matmul.cu's ksplit kernel does.
+// w8_gemm_kernel<DT, TT, RW, ZMODE, SCALE_F32>: a CTA of 8 warps owns RW 16-row tiles (the mma.sync m16n8k16 A
+// operand) and TT 8-token tiles (the n = 8 operand). Warp w = kw * RW + rw takes row tile rw and, of the CTA's K
+// range, the 64-code segments kw, kw + KW, kw + 2 KW, ... (KW = 8 / RW warps share a row tile). The RW warps of one K
+// step read the same activations, so from the second on they come from L1: RW trades x traffic from L2 (8 TT tokens
+// of x a 16 rows of weights with RW = 1) for warps along K. A weight code is dequantized once per CTA, for all its
+// token tiles (grid.y > 1 only beyond 64 tokens).
+//
+// Split-K over a thread-block cluster (SM90+): grid.z CTAs of one output tile are one cluster (dims (1, 1, splits)),
+// split s covering segments [s * segs_per_split, (s + 1) * segs_per_split), so a product of few row tiles or a long K
+// still fills the GPU. Every warp leaves its fp32 sums in its CTA's shared memory; after the cluster barrier the
+// cluster's warps share out the tile's outputs and add each through distributed shared memory in a fixed order
+// (split, then warp along K), so the result does not depend on timing. Without clusters (SM80-89) there is one split
+// and the same sum over the warps along K.
 //
 // Thread (g = lane / 4, t = lane % 4) holds rows g and g + 8 and, of each segment, the 16 codes at k = 64 seg + 16 t
 // (one 16-byte load a row): word j of them gives mma step j, its codes (0, 1) as the A pair of k (2t, 2t + 1) and
@@ -18,7 +27,9 @@
 // exponent of 2^23 (one PRMT) is 2^23 + q exactly, then
 //   ZMODE 0 (zero points, all whole numbers, Q8_0's 128): (2^23 + q) - (2^23 + z) = q - z exactly, times s;
 //   ZMODE 1 ("min"): q * s + m;   ZMODE 2 (zero points that are not whole numbers): (q - z) * s.
-// A 16-code span lies in one group (group sizes are multiples of 32), so each thread loads one scale and zero a row.
+// A 16-code span lies in one group (group sizes are multiples of 32), so each thread loads one scale and zero a row;
+// its group is kc / group_size = umulhi(kc, group_magic) with group_magic = ceil(2^32 / group_size), exact while
+// kc * group_size < 2^32 (the launcher checks K <= 2^16), one instruction in place of an integer division.
 #include "common.cuh"
 
 constexpr int W8_WARPS = 8;
@@ -58,20 +69,20 @@ struct W8Segment {
 };
 
 template <int ZMODE, int SCALE_F32>
-__device__ __forceinline__ void load_w8_segment(W8Segment& d, int seg, int num_segs, const u32* __restrict__ qweight,
+__device__ __forceinline__ void load_w8_segment(W8Segment& d, int seg, int seg_end, const u32* __restrict__ qweight,
                                                 const void* __restrict__ scales, const void* __restrict__ zeros,
-                                                int row0, int t, int N, int K, int group_size) {
+                                                int row0, int t, int N, int K, int num_groups, int group_magic) {
   const int kc = seg * W8_SEGMENT + 16 * t;
-  const int num_groups = K / group_size;
+  const int group_of_kc = (int)__umulhi((u32)kc, (u32)group_magic);  // kc / group_size
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    const bool valid = seg < num_segs && kc < K && row < N;
+    const bool valid = seg < seg_end && kc < K && row < N;
     d.codes[r] = valid ? __ldg(reinterpret_cast<const uint4*>(qweight + (i64)row * (K / 4) + kc / 4))
                        : make_uint4(0, 0, 0, 0);
     float s = 0.0f, z = 0.0f;
     if (valid) {
-      const i64 group = (i64)row * num_groups + kc / group_size;
+      const i64 group = (i64)row * num_groups + group_of_kc;
       s = load_group_value<SCALE_F32>(scales, group);
       z = load_group_value<SCALE_F32>(zeros, group);
     }
@@ -88,9 +99,9 @@ __device__ __forceinline__ void word_pairs(u32 word, float s, float z, u32& lo, 
 }
 
 template <int DT, int TT, int ZMODE>
-__device__ __forceinline__ void mma_w8_segment(const W8Segment& d, int seg, int num_segs, const u16* __restrict__ x,
+__device__ __forceinline__ void mma_w8_segment(const W8Segment& d, int seg, int seg_end, const u16* __restrict__ x,
                                                int tok0, int g, int t, int M, int K, float (&acc)[TT][4]) {
-  if (seg >= num_segs) return;  // uniform across the warp
+  if (seg >= seg_end) return;  // uniform across the warp
   const int kc = seg * W8_SEGMENT + 16 * t;
   u32 a[4][4];  // [step j][a0, a1, a2, a3]
 #pragma unroll
@@ -112,7 +123,36 @@ __device__ __forceinline__ void mma_w8_segment(const W8Segment& d, int seg, int 
   }
 }
 
-template <int DT, int TT, int ZMODE, int SCALE_F32>
+// The tile's sums: every warp's partial sums [TT * 4][32] are in `partial` of each split's CTA (visible to the cluster
+// after the barrier). The sums i of row tile rw are shared out over the tile's warps along K of every split, warp kw
+// of split z taking i = kw + KW z, kw + KW (z + splits), ...; it adds split 0's warps of the tile in k order, then
+// split 1's, ..., and stores the sums (+ bias) as DT.
+template <int DT, int TT, int RW>
+__device__ __forceinline__ void sum_and_store(float (&partial)[W8_WARPS][TT * 4][32], const u16* __restrict__ bias,
+                                              u16* __restrict__ out, int row0, int tok0, int t, int M, int N) {
+  constexpr int KW = W8_WARPS / RW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rw = warp % RW, kw = warp / RW;
+  const int splits = gridDim.z;
+  for (int i = kw + KW * blockIdx.z; i < TT * 4; i += KW * splits) {
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+#pragma unroll
+      for (int w = 0; w < KW; ++w) {
+        float* p = &partial[w * RW + rw][i][lane];
+        sum += splits > 1 ? cluster_load(cluster_address(p, s)) : *p;
+      }
+    }
+    // c0..c3 = (row g, token 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1)
+    const int e = i & 3, row = row0 + 8 * (e >> 1), tok = tok0 + (i >> 2) * 8 + 2 * t + (e & 1);
+    if (row < N && tok < M) {
+      const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+      out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
+    }
+  }
+}
+
+template <int DT, int TT, int RW, int ZMODE, int SCALE_F32>
 __global__ void __launch_bounds__(256) w8_gemm_kernel(
     const u16* __restrict__ x,         // [M, K]
     const u32* __restrict__ qweight,   // [N, K / 4]
@@ -120,52 +160,47 @@ __global__ void __launch_bounds__(256) w8_gemm_kernel(
     const void* __restrict__ zeros,    // [N, K / G]
     const u16* __restrict__ bias,      // [N] or null
     u16* __restrict__ out,             // [M, N]
-    int M, int N, int K, int group_size) {
+    int M, int N, int K, int group_size, int group_magic, int segs_per_split) {
+  constexpr int KW = W8_WARPS / RW;
   __shared__ float partial[W8_WARPS][TT * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 16 + g;
+  const int rw = warp % RW, kw = warp / RW;
+  const int row0 = (blockIdx.x * RW + rw) * 16 + g;
   const int tok0 = blockIdx.y * 8 * TT;
-  const int num_segs = (K + W8_SEGMENT - 1) / W8_SEGMENT;
+  const int seg_begin = blockIdx.z * segs_per_split;
+  const int seg_end = min((K + W8_SEGMENT - 1) / W8_SEGMENT, seg_begin + segs_per_split);
+  const int num_groups = K / group_size;
   launch_dependents();
 
   // Two segments in flight: the next one's weights load while this one's multiply.
   W8Segment cur, nxt;
-  load_w8_segment<ZMODE, SCALE_F32>(cur, warp, num_segs, qweight, scales, zeros, row0, t, N, K, group_size);
+  load_w8_segment<ZMODE, SCALE_F32>(cur, seg_begin + kw, seg_end, qweight, scales, zeros, row0, t, N, K, num_groups,
+                                    group_magic);
   wait_for_prior_grids();
 
   float acc[TT][4];
 #pragma unroll
   for (int i = 0; i < TT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  for (int seg = warp; seg < num_segs; seg += 2 * W8_WARPS) {
-    load_w8_segment<ZMODE, SCALE_F32>(nxt, seg + W8_WARPS, num_segs, qweight, scales, zeros, row0, t, N, K,
-                                      group_size);
-    mma_w8_segment<DT, TT, ZMODE>(cur, seg, num_segs, x, tok0, g, t, M, K, acc);
-    load_w8_segment<ZMODE, SCALE_F32>(cur, seg + 2 * W8_WARPS, num_segs, qweight, scales, zeros, row0, t, N, K,
-                                      group_size);
-    mma_w8_segment<DT, TT, ZMODE>(nxt, seg + W8_WARPS, num_segs, x, tok0, g, t, M, K, acc);
+  for (int seg = seg_begin + kw; seg < seg_end; seg += 2 * KW) {
+    load_w8_segment<ZMODE, SCALE_F32>(nxt, seg + KW, seg_end, qweight, scales, zeros, row0, t, N, K, num_groups,
+                                      group_magic);
+    mma_w8_segment<DT, TT, ZMODE>(cur, seg, seg_end, x, tok0, g, t, M, K, acc);
+    load_w8_segment<ZMODE, SCALE_F32>(cur, seg + 2 * KW, seg_end, qweight, scales, zeros, row0, t, N, K, num_groups,
+                                      group_magic);
+    mma_w8_segment<DT, TT, ZMODE>(nxt, seg + KW, seg_end, x, tok0, g, t, M, K, acc);
   }
 
-  // The warps' sums meet in shared memory; warp 0 adds them in warp order and stores the tile.
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) partial[warp][tt * 4 + e][lane] = acc[tt][e];
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < W8_WARPS; ++w) sum += partial[w][tt * 4 + e][lane];
-      // c0..c3 = (row g, token 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1)
-      const int row = row0 + 8 * (e >> 1), tok = tok0 + tt * 8 + 2 * t + (e & 1);
-      if (row < N && tok < M) {
-        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
-        out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
-      }
-    }
+  const bool clustered = gridDim.z > 1;
+  if (clustered) {
+    cluster_barrier<true>();  // every split's partial sums are visible to the cluster
+  } else {
+    __syncthreads();
   }
+  sum_and_store<DT, TT, RW>(partial, bias, out, row0, tok0, t, M, N);
+  if (clustered) cluster_barrier<false>();  // every split's shared memory stays until the cluster has read it
 }

@@ -1,23 +1,47 @@
 """Launcher of the W8A16 tensor-core product in w8_gemm.cu (1 to 64 tokens, SM80+).
 
 The kernel reads the 8-bit PackedWeight as stored (qweight int32 [N, K / 4], fp16 or fp32 scales and zeros
-[N, K / G]): nothing is laid out at load. A launch is a CTA per 16 output rows and per tile of 8, 16, 32 or 64
-tokens (TT 8-token tiles); within a CTA 8 warps split K.
+[N, K / G]): nothing is laid out at load. A launch is a CTA of 8 warps per 1-8 16-row tiles and per tile of 8, 16,
+32 or 64 tokens (TT 8-token tiles); the warps that share a row tile split the CTA's K range. On SM90+ K is split
+further across a thread-block cluster of up to MAX_SPLITS CTAs where the rows alone leave the GPU short of CTAs
+(LAUNCHES says how, by token tiles).
 """
 
 from __future__ import annotations
 
+from functools import cache
+from typing import NamedTuple
+
 import torch
 
 from deepinfer.kernels.compiler import get_kernel
-from deepinfer.kernels.launch import i32, launch, product_operands, ptr
+from deepinfer.kernels.launch import clusters_available, i32, launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import PackedOperands, packed_layout_reason
 
 SOURCE = "w8_gemm.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-ROWS_PER_CTA = 16
+WARPS = 8
+ROWS_PER_WARP = 16
+SEGMENT = 64  # codes of K a warp multiplies per step
 TOKEN_TILES = (1, 2, 4, 8)  # 8-token tiles per CTA
 MAX_TOKENS = 8 * TOKEN_TILES[-1]  # one CTA column covers up to this many tokens; more run as further columns
+ROW_WARP_CHOICES = (1, 2, 4, 8)  # 16-row tiles a CTA can own; its 8 warps then split K 8 / that many ways
+MAX_SPLITS = 8  # the portable thread-block cluster size
+# (row tiles a CTA, K splits) by 8-token tiles, the fastest of every row-tile count x 1, 2, 4, 8 splits on the H200
+# (Qwen2.5-3B's and 7B's products, docs/KERNELS.md); the splits only where the CTAs of one split are fewer than
+# SPLIT_BELOW_CTAS_PER_SM a multiprocessor (2048-3584 rows), one split where the rows alone fill the GPU
+LAUNCHES = {1: (1, 2), 2: (4, 8), 4: (1, 2), 8: (1, 2)}
+SPLIT_BELOW_CTAS_PER_SM = 2
+MAX_IN_FEATURES = 1 << 16  # the group index's multiply-high is exact below this K (group_magic)
+
+
+class Plan(NamedTuple):
+    """A launch: 8-token tiles and 16-row tiles a CTA, K splits (a cluster when more than one), segments a split."""
+
+    tiles: int
+    row_warps: int
+    splits: int
+    segs_per_split: int
 
 
 def unsupported_reason(dtype: torch.dtype, weight: PackedOperands) -> str | None:
@@ -44,31 +68,68 @@ def token_tiles(num_tokens: int) -> int:
     return next((tiles for tiles in TOKEN_TILES if num_tokens <= 8 * tiles), TOKEN_TILES[-1])
 
 
-def kernel_name(dtype: torch.dtype, tiles: int, zmode: int, scale_f32: bool) -> str:
-    return f"w8_gemm_kernel<{_DTYPE_CODES[dtype]},{tiles},{zmode},{int(scale_f32)}>"
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(num_tokens: int, in_features: int, out_features: int, device_index: int, tiles: int | None = None,
+         row_warps: int | None = None, splits: int | None = None) -> Plan:
+    """The launch of a product; `tiles`, `row_warps`, `splits` override the planned ones (validation, benchmarks).
+    Splits need clusters (SM90+) and are cut to what K holds (a split has at least one K step)."""
+    tiles = tiles or token_tiles(num_tokens)
+    planned_rows, planned_splits = LAUNCHES[tiles]
+    row_warps = row_warps or planned_rows
+    if row_warps not in ROW_WARP_CHOICES:
+        raise ValueError(f"row_warps {row_warps} is not one of {ROW_WARP_CHOICES}")
+    k_warps = WARPS // row_warps
+    segments = -(-in_features // SEGMENT)
+    steps = -(-segments // k_warps)  # K steps of a CTA: a segment for each warp along K
+    most = min(MAX_SPLITS, steps) if clusters_available(device_index) else 1
+    if splits is None:
+        ctas = -(-out_features // (ROWS_PER_WARP * row_warps)) * -(-num_tokens // (8 * tiles))
+        splits = planned_splits if ctas < SPLIT_BELOW_CTAS_PER_SM * _num_sms(device_index) else 1
+    splits = max(1, min(splits, most))
+    # whole steps a split, so the warps of a CTA do equal work
+    segs_per_split = -(-steps // splits) * k_warps
+    return Plan(tiles, row_warps, -(-segments // segs_per_split), segs_per_split)
+
+
+def group_magic(group_size: int) -> int:
+    """ceil(2^32 / group_size): w8_gemm.cu's group of code k is umulhi(k, this), exact for k * group_size < 2^32."""
+    return -(-(1 << 32) // group_size)
+
+
+def kernel_name(dtype: torch.dtype, tiles: int, row_warps: int, zmode: int, scale_f32: bool) -> str:
+    return f"w8_gemm_kernel<{_DTYPE_CODES[dtype]},{tiles},{row_warps},{zmode},{int(scale_f32)}>"
 
 
 def instantiations() -> tuple[str, ...]:
     """Every instantiation the launcher asks for (compiled ahead by validate-kernels)."""
-    return tuple(f"w8_gemm_kernel<{dt},{tiles},{zmode},{f32}>" for dt in (0, 1) for tiles in TOKEN_TILES
-                 for zmode in (0, 1, 2) for f32 in (0, 1))
+    return tuple(f"w8_gemm_kernel<{dt},{tiles},{rows},{zmode},{f32}>" for dt in (0, 1) for tiles in TOKEN_TILES
+                 for rows in ROW_WARP_CHOICES for zmode in (0, 1, 2) for f32 in (0, 1))
 
 
 def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-            zero_mode: str, integer_zeros: bool, bias: torch.Tensor | None = None,
-            tiles: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype. `tiles` overrides the 8-token tiles per
-    CTA (validation)."""
+            zero_mode: str, integer_zeros: bool, bias: torch.Tensor | None = None, tiles: int | None = None,
+            row_warps: int | None = None, splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype. `tiles`, `row_warps`, `splits` override
+    the planned launch (validation, benchmarks)."""
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
+    if in_features > MAX_IN_FEATURES:
+        raise ValueError(f"in_features {in_features} > {MAX_IN_FEATURES}: the W8 kernel's group index is exact below")
     x, bias, out = product_operands(x, bias, out_features, out)
     if num_tokens == 0:
         return out
-    tiles = tiles or token_tiles(num_tokens)
     index = x.device.index
-    name = kernel_name(x.dtype, tiles, zero_mode_code(zero_mode, integer_zeros), scales.dtype == torch.float32)
-    grid = (-(-out_features // ROWS_PER_CTA), -(-num_tokens // (8 * tiles)), 1)
+    launch_plan = plan(num_tokens, in_features, out_features, index, tiles, row_warps, splits)
+    name = kernel_name(x.dtype, launch_plan.tiles, launch_plan.row_warps, zero_mode_code(zero_mode, integer_zeros),
+                       scales.dtype == torch.float32)
+    grid = (-(-out_features // (ROWS_PER_WARP * launch_plan.row_warps)), -(-num_tokens // (8 * launch_plan.tiles)),
+            launch_plan.splits)
     args = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), i32(num_tokens), i32(out_features),
-            i32(in_features), i32(group_size))
-    launch(get_kernel(SOURCE, name, index), grid, (256, 1, 1), args, index)
+            i32(in_features), i32(group_size), i32(group_magic(group_size)), i32(launch_plan.segs_per_split))
+    launch(get_kernel(SOURCE, name, index), grid, (256, 1, 1), args, index,
+           cluster=(1, 1, launch_plan.splits) if launch_plan.splits > 1 else None)
     return out

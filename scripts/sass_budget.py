@@ -38,6 +38,7 @@ from pathlib import Path
 
 from deepinfer.kernels import w4_fragment_batch as batch
 from deepinfer.kernels import w4_fragment_gemm as fragment
+from deepinfer.kernels import w8_gemm as w8
 from deepinfer.kernels.compiler import compile_options, source_text
 
 BUDGET = 0.15  # "other" warp-instructions per weight byte of the main loop, for the gated kernels
@@ -81,9 +82,10 @@ KERNELS = (
            ("90",)),
     Kernel("tc TT=4 (up to 32 tokens)", "quant_matmul.cu", "quant_tc_gemv_kernel<1,4,0,0>", 4, False),
     Kernel("tcs TT=4 (wide, up to 32 tokens)", "quant_matmul.cu", "quant_tcs_kernel<1,4,0,0>", 4, False),
-    # the W8 product (whole zero points, as Q8_0's), at one token tile and at eight (up to 64 tokens)
-    *(Kernel(f"w8_gemm TT={tt} bf16", "w8_gemm.cu", f"w8_gemm_kernel<1,{tt},0,0>", tt, False, tile_bytes=256)
-      for tt in (1, 8)),
+    # the W8 product (whole zero points, as Q8_0's) at the launches its table row serves (1-32 tokens)
+    *(Kernel(f"w8_gemm TT={tt} RW={w8.LAUNCHES[tt][0]} bf16", "w8_gemm.cu",
+             f"w8_gemm_kernel<1,{tt},{w8.LAUNCHES[tt][0]},0,0>", tt, False, tile_bytes=256)
+      for tt in (1, 2, 4)),
 )
 
 

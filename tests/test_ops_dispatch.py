@@ -434,7 +434,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     from deepinfer.kernels import w8_gemm as kw8
 
     monkeypatch.setattr(kw8, "get_kernel", lambda source, name, index: _Kernel((source, name)))
-    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index: launches.append((kernel, args)))
+    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index, cluster=None:
+                        launches.append((kernel, args)))
+    monkeypatch.setattr(kw8, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kw8, "clusters_available", lambda index: True)
     eight = quantize_rtn(torch.randn(256, 512), bits=8, group_size=32)
     kw8.w8_gemm(torch.randn(5, 512, dtype=half), eight.qweight, eight.scales, eight.zeros, 32, eight.zero_mode,
                 eight.integer_zeros, bias=torch.randn(256, dtype=half))

@@ -10,7 +10,7 @@ and two more points: the W4 GEMM (kernels/w4_gemm.py, its planned launch) and cu
 weight (what the same model unquantized runs). The W4 kernels over the fragment layout (the layout made once per
 weight copy) are timed too, each at its planned launch: the few-token kernel (kernels/w4_fragment_gemm.py) up to 64
 tokens ("fragment"), the 33-128-token kernel (kernels/w4_fragment_batch.py) from 16 up to 256 ("fragment_batch").
-8-bit weights (`bits` 8) time the W8 kernel (kernels/w8_gemm.py) up to 32 tokens and cuBLAS on the
+8-bit weights (`bits` 8) time the W8 kernel (kernels/w8_gemm.py) up to 64 tokens and cuBLAS on the
 dense weight at every token count (what 8-bit is held to: at least bf16's speed), the dense path from 16 tokens.
 Each point is a CUDA graph of launches over enough distinct weight copies (or block tables) that
 the data is several times the L2, replayed many times after warm-up and timed with CUDA events;
@@ -232,7 +232,8 @@ class _ProductOperands:
             config, splits = w4_gemm.plan(num_tokens, out_features, in_features, device_index)
             return f"{config.label}/splits={splits}"
         if kernel == "w8_gemm":
-            return str(w8_gemm.token_tiles(num_tokens))
+            launch = w8_gemm.plan(num_tokens, in_features, out_features, device_index)
+            return f"{launch.tiles}x{launch.row_warps}/splits={launch.splits}"
         return "-" if kernel in ("dense", "cublas") else str(default_tile(kernel, num_tokens))
 
     def launches(self, kernel: str, x: torch.Tensor, outs: list[torch.Tensor]) -> tuple[Callable[[], None], int]:

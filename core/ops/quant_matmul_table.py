@@ -46,8 +46,8 @@ FRAGMENT_BATCH_TOKENS = (33, 96)  # the 33-128-token kernel over the fragment la
 # serves wide products at these counts (at 128 w4_gemm was faster) ...
 FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
 FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
-W8_MAX_TOKENS = 32  # the W8 kernel's row: at 64 tokens the dense row was faster on every product measured
-W8_MAX_IN_FEATURES = 4096  # ... and on a long K (11008) at every token count: a CTA walks all of K
+W8_MAX_TOKENS = 32  # the W8 kernel's row: at 33-64 tokens it beat the dense row on some products only (KERNELS.md)
+W8_MAX_IN_FEATURES = kernels_w8.MAX_IN_FEATURES  # ... at any K its group index takes
 
 
 class ProductShape(NamedTuple):
@@ -260,12 +260,15 @@ class ProductRow(NamedTuple):
 PRODUCT_TABLE = (
     ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS and s.in_features <= W8_MAX_IN_FEATURES,
                w8,
-               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-32 tokens with K <= 4096, where it beats the dense row "
-               "(dequantize, then cuBLAS) on an H200: Qwen2.5-3B's 2048 x 2560 at 32 tokens 8.4 us against 11.0, "
-               "2048 x 22016 51.3 against 63.5; at 64 tokens and on 11008 x 2048 (35.7 against 33.3 at one token) the "
-               "dense row is faster (results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json)"),
+               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-32 tokens, at any K: on an H200 faster than the dense row "
+               "(dequantize, then cuBLAS) on every Qwen2.5-3B and 7B product measured, and than cuBLAS bf16 on the "
+               "dense weight at one token on all six (2048 x 2048 4.6 us against 6.1, 3584 x 37888 49.4 against "
+               "71.8); at 16-32 tokens it loses to cuBLAS bf16 on the long-K and large products (11008 x 2048 at 32: "
+               "23.4 against 15.7); at 64 tokens the dense row beat it on 2048 x 2560 and 18944 x 3584 "
+               "(results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json, docs/KERNELS.md)"),
     ProductRow("dense", lambda s: s.bits == 8, dense,
-               "the 8-bit products the w8_gemm row leaves (the packed rows below read 4- and 3-bit codes)"),
+               "the 8-bit products the w8_gemm row leaves: more than 32 tokens (the packed rows below read 4- and "
+               "3-bit codes)"),
     ProductRow("fragment", fragment_serves, fragment,
                "on an H200 with bf16 activations (W4, G = 128), faster than every other kernel: at 9-16 tokens on "
                "Qwen2.5-3B's and 7B's products of 2048 x 2048 and more (at 16: 3B gate/up 12.8 us against tcs's 17.2, "
