@@ -81,7 +81,7 @@ WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
 # On wgmma, 8 warps along N (two warpgroups of 128 rows): 256 x 64 outputs a CTA, each warp all 4 atoms of a 256-k
 # stage, 3 stages of 66 KiB. A stage's 32 KiB of activations serve 32 KiB of weights (the 128-row tile's serve 16).
 WIDE_WGMMA_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True)
-WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token tiles (m64n48k16)
+WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token blocks (m64n48k16)
 CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG)
 
 
@@ -94,12 +94,18 @@ def iterations(num_tokens: int, out_features: int, in_features: int, config: Bat
 
 def plan(num_tokens: int, out_features: int, in_features: int, device_index: int,
          config: BatchConfig | None = None) -> tuple[BatchConfig, int]:
-    """(launch shape, persistent CTAs): the wide wgmma tile on SM90 (the 128-row tile on wgmma ran 1.2-1.35x faster
-    than on mma.sync on the 3B and 7B MLP products at 48-128 tokens on the H200), mma.sync elsewhere; as many CTAs as
-    the SMs hold at once, fewer where a CTA would get under MIN_ITERATIONS k blocks (one CTA an SM; on the H200 half
-    as many CTAs took 1.9x as long, and a 32-token tile of two CTAs an SM 1.15x)."""
+    """(launch shape, persistent CTAs): on SM90 the wide wgmma tile, over 48-token blocks where they pad the tokens
+    less than 64-token ones (33-48, 65-96: on the H200 7B gate/up at 48 tokens 44.9 us against 53.7, at 96 83.8
+    against 97.6), else 64-token blocks (the wide tile ran 1.1-1.15x faster than the 128-row one on the gate/up
+    products); mma.sync's 128-row tile elsewhere. As many CTAs as the SMs hold at once, fewer where a CTA would get
+    under MIN_ITERATIONS k blocks (one CTA an SM; on the H200 half as many CTAs took 1.9x as long)."""
     if config is None:
-        config = WIDE_WGMMA_CONFIG if wgmma_available(device_index) else CONFIG
+        if not wgmma_available(device_index):
+            config = CONFIG
+        elif -(-num_tokens // 48) * 48 < -(-num_tokens // 64) * 64:
+            config = WIDE_48_WGMMA_CONFIG
+        else:
+            config = WIDE_WGMMA_CONFIG
     total = iterations(num_tokens, out_features, in_features, config)
     return config, max(1, min(_num_sms(device_index), total // MIN_ITERATIONS))
 

@@ -283,12 +283,12 @@ def test_products_go_to_the_path_measured_fastest_for_their_token_count_and_shap
                 (16, 2048, 22016): "fragment", (16, 11008, 2048): "fragment", (24, 2048, 2560): "w4_gemm",
                 (17, 2048, 22016): "fragment", (17, 11008, 2048): "w4_gemm", (17, 2048, 2560): "w4_gemm",
                 (32, 11008, 2048): "w4_gemm", (32, 2048, 22016): "fragment", (32, 2048, 2048): "ksplit",
-                (33, 2048, 2560): "w4_gemm", (48, 11008, 2048): "w4_gemm", (48, 2048, 22016): "w4_gemm",
+                (33, 2048, 2560): "w4_gemm", (48, 11008, 2048): "w4_gemm", (48, 2048, 22016): "fragment_batch",
                 (64, 2048, 2048): "dense", (64, 2048, 2560): "w4_gemm", (65, 2048, 2560): "dense",
                 (9, 11008, 2048): "fragment", (9, 2048, 22016): "fragment", (16, 3584, 4608): "fragment",
                 (1, 18944, 3584): "fragment", (8, 3584, 37888): "fragment", (32, 18944, 3584): "fragment",
                 (8, 3584, 4608): "tc", (24, 576, 3072): "staged", (65, 576, 3072): "w4_gemm",
-                (65, 2048, 22016): "w4_gemm",
+                (65, 2048, 22016): "fragment_batch",
                 (128, 11008, 2048): "w4_gemm", (129, 2048, 22016): "dense", (100, 2048, 2560): "dense",
                 (2048, 2048, 2048): "dense"}
     for (tokens, k, n), path in expected.items():

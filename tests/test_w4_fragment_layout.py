@@ -202,9 +202,11 @@ def test_the_batch_kernels_plan_shares_whole_k_blocks_among_one_cta_an_sm(monkey
     assert batch.iterations(64, 37888, 3584) == 4144
     assert batch.iterations(64, 37888, 3584, batch.WIDE_WGMMA_CONFIG) == 148 * 14
     assert batch.plan(64, 37888, 3584, 0) == (batch.WIDE_WGMMA_CONFIG, 132)
+    # 48-token blocks where they pad less: 40 and 96 tokens (48 / 96 against 64 / 128), not 64, 100 or 128
+    assert [batch.plan(m, 37888, 3584, 0)[0].tokens for m in (40, 48, 64, 96, 100, 128)] == [48, 48, 64, 48, 64, 64]
     # 100 tokens: two token blocks; N = 1000: 63 row tiles in 8 row blocks (4 of 256 rows); K = 2048 + 64: 9 k blocks
     assert batch.iterations(100, 1000, 2112) == 8 * 2 * 9
-    assert batch.plan(100, 1000, 2112, 0)[1] == 24  # 4 * 2 * 9 // 3
+    assert batch.plan(100, 1000, 2112, 0)[1] == 24  # 4 * 2 * 9 // 3 (64-token blocks: 100 -> 128 < 144)
     assert batch.plan(100, 1000, 2112, 0, batch.WGMMA_CONFIG)[1] == 48  # 144 // 3
     monkeypatch.setattr(batch, "wgmma_available", lambda index: False)
     assert batch.plan(40, 40, 160, 0) == (batch.CONFIG, 1)  # one k block: one CTA

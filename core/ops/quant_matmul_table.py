@@ -43,9 +43,11 @@ FRAGMENT_WIDE_TOKENS = (17, 32)  # ... at 17-32 tokens where wide, or elongated 
 FRAGMENT_LARGE_WEIGHT = 3 << 24  # (Qwen2.5-7B's MLP products: 3584 x 37888 and 18944 x 3584)
 FRAGMENT_FEW_TOKENS = 8  # ... and up to 8 tokens on those elongated large products when K >= GEMM_LONG_K
 FRAGMENT_BATCH_TOKENS = (33, 96)  # the 33-128-token kernel over the fragment layout (kernels/w4_fragment_batch.py)
-# serves wide products at these counts (at 128 w4_gemm was faster) ...
-FRAGMENT_BATCH_TALL_TOKENS = (65, 128)  # ... from 65 tokens on tall products (down: K >= 3N) ...
-FRAGMENT_BATCH_ROW = True  # ... on wide and tall products of FRAGMENT_LARGE_WEIGHT (KERNELS.md)
+FRAGMENT_BATCH_WIDE_WEIGHT = 1 << 25  # serves wide products of this size (3B's gate/up) at these counts, ...
+FRAGMENT_BATCH_LARGE_TOKENS = (33, 128)  # ... wide ones of FRAGMENT_LARGE_WEIGHT (7B's gate/up) at these ...
+FRAGMENT_BATCH_TALL_TOKENS = ((33, 48), (65, 128))  # ... and tall ones of it (7B's down: K >= 3N) at these
+BATCH_TOKEN_BOUNDS = (*FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_LARGE_TOKENS, 48, 65, 128)  # the ranges' ends
+FRAGMENT_BATCH_ROW = True  # (KERNELS.md: w4_gemm was faster on 7B's down at 49-64, 3B's gate/up at 128, 3B's down)
 W8_MAX_TOKENS = 32  # the W8 kernel's row: at 33-64 tokens it beat the dense row on some products only (KERNELS.md)
 W8_MAX_IN_FEATURES = kernels_w8.MAX_IN_FEATURES  # ... at any K its group index takes
 
@@ -181,16 +183,20 @@ def fragment_serves(shape: ProductShape) -> bool:
 
 
 def fragment_batch_serves(shape: ProductShape) -> bool:
-    """Where FRAGMENT_BATCH_ROW is on: W4 with G = 128 * 2^i or one group a row, products of at least
-    FRAGMENT_LARGE_WEIGHT (7B's MLP) at 33-96 tokens where wide, 65-128 where tall (the H200 timing: wgmma)."""
-    if not (FRAGMENT_BATCH_ROW and shape.bits == 4 and shape.in_features * shape.out_features >= FRAGMENT_LARGE_WEIGHT
+    """Where FRAGMENT_BATCH_ROW is on: W4 with G = 128 * 2^i or one group a row; wide products of at least
+    FRAGMENT_BATCH_WIDE_WEIGHT (3B's gate/up) at 33-96 tokens, of FRAGMENT_LARGE_WEIGHT (7B's) at 33-128; tall ones
+    of FRAGMENT_LARGE_WEIGHT (7B's down) at 33-48 and 65-128 (the H200 timing: wgmma)."""
+    weight = shape.in_features * shape.out_features
+    if not (FRAGMENT_BATCH_ROW and shape.bits == 4 and weight >= FRAGMENT_BATCH_WIDE_WEIGHT
             and (shape.group_size == shape.in_features
                  or (shape.group_size >= 128 and shape.group_size & (shape.group_size - 1) == 0))):
         return False
+    large = weight >= FRAGMENT_LARGE_WEIGHT
     if wide(shape):
-        return FRAGMENT_BATCH_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TOKENS[1]
+        low, high = FRAGMENT_BATCH_LARGE_TOKENS if large else FRAGMENT_BATCH_TOKENS
+        return low <= shape.tokens <= high
     tall = shape.in_features >= 3 * shape.out_features
-    return tall and FRAGMENT_BATCH_TALL_TOKENS[0] <= shape.tokens <= FRAGMENT_BATCH_TALL_TOKENS[1]
+    return tall and large and any(low <= shape.tokens <= high for low, high in FRAGMENT_BATCH_TALL_TOKENS)
 
 
 FRAGMENT_KERNELS = ("fragment", "fragment_batch")  # the rows that read the fragment layout
@@ -201,7 +207,7 @@ def fragment_may_serve(packed: PackedWeight) -> bool:
     return fragment_takes(packed) and any(
         product_row(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                  packed.group_size)).kernel in FRAGMENT_KERNELS
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_TALL_TOKENS))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *BATCH_TOKEN_BOUNDS))
 
 
 @cache
@@ -279,11 +285,12 @@ PRODUCT_TABLE = (
                "to w4_gemm / ksplit at 32 on the attention products and 3B's down "
                "(results/bench_gemv_qwen2.5-w4a16-fragment-bf16_nvidia_h200.json)"),
     ProductRow("fragment_batch", fragment_batch_serves, fragment_batch,
-               "the 33-128-token kernel over the same layout (wgmma on SM90), where FRAGMENT_BATCH_ROW is on: on an "
-               "H200 faster than w4_gemm on 7B's gate/up 3584 x 37888 at 48-96 tokens (64.1 us against 74.9 at 64, "
-               "117.2 against 121.8 at 96; at 128 123.7 against 120.5) and 7B's down 18944 x 3584 at 96-128 (59.9 "
-               "against 83.9 at 128; at 48-64 35.5 against 34.6), slower on 3B's products but 2048 x 22016 at 64 "
-               "(results/bench_gemv_qwen2.5-w4a16-fragment-batch_nvidia_h200.json)"),
+               "the 33-128-token kernel over the same layout (wgmma on SM90: the 256-row tile over 48- or 64-token "
+               "blocks), where FRAGMENT_BATCH_ROW is on: on an H200 faster than w4_gemm on 3B's gate/up 2048 x 22016 "
+               "at 48-96 tokens (21.5 us against 28.5 at 48, 34.0 against 43.8 at 96; at 128 44.2 against 43.5), 7B's "
+               "gate/up 3584 x 37888 at 48-128 (44.9 against 74.6 at 48, 108.6 against 127.3 at 128) and 7B's down "
+               "18944 x 3584 at 48 and 96-128 (32.5 against 34.3, 56.0 against 84.1 at 128; at 64 38.9 against 34.3); "
+               "slower on 3B's down at every count (28.8 against 18.6 at 64) (H200 run of the w4 branch, bench gemv)"),
     ProductRow("w4_gemm", gemm_serves, gemm,
                "on an H200 with bf16 activations, on Qwen2.5-3B's and 7B's products larger than 2048 x 2048 at "
                "17-64 tokens faster than every other kernel (at 32 tokens 7B's q/k/v 10.1 us against ksplit's 22.3, "
@@ -335,8 +342,9 @@ class Epilogue(NamedTuple):
 QKV_ROPE = Epilogue("quant_matmul_rope_cache", "tc", kernels.QKV_ROPE_MAX_TOKENS)
 GATE_UP_ACT = Epilogue("quant_matmul_act_and_mul", "tcs", None)
 # the fragment kernels over a gate/up layout of interleaved rows, where their flags are on (the H200 run's numbers)
-FRAGMENT_GATE_UP_ACT = Epilogue("w4_fragment_gemm_act_and_mul", "fragment", None)
-FRAGMENT_GATE_UP_ACT_ROW = False
+# (few-token: up to 16 tokens, where the fused call was faster; the 3B step at 16 tokens 1.987 ms against 1.993)
+FRAGMENT_GATE_UP_ACT = Epilogue("w4_fragment_gemm_act_and_mul", "fragment", 16)
+FRAGMENT_GATE_UP_ACT_ROW = True
 FRAGMENT_BATCH_GATE_UP_ACT = Epilogue("w4_fragment_batch_act_and_mul", "fragment_batch", None)
 FRAGMENT_BATCH_GATE_UP_ACT_ROW = False
 
@@ -390,7 +398,7 @@ def fragment_plain_needed(packed: PackedWeight) -> bool:
                 and not epilogue_serves(FRAGMENT_BATCH_GATE_UP_ACT, shape))
     return any(plain_only(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                        packed.group_size))
-               for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_TALL_TOKENS))
+               for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *BATCH_TOKEN_BOUNDS))
 
 
 def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
@@ -399,4 +407,4 @@ def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
         epilogue_serves(epilogue, ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                                packed.group_size))
         for epilogue in (FRAGMENT_GATE_UP_ACT, FRAGMENT_BATCH_GATE_UP_ACT)
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_TALL_TOKENS))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *BATCH_TOKEN_BOUNDS))
