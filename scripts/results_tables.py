@@ -217,9 +217,10 @@ def main() -> None:
          lambda w4, bf16: side_by_side(w4, bf16, ("W4A16", "bf16")), f"bench_serving_qwen2.5-3b-bf16_{gpu}.json")
     show("INT8 KV cache", f"bench_serving_{subject}-int8-kv_{gpu}.json",
          lambda int8, same: side_by_side(int8, same, ("INT8 KV", "bf16 KV")), f"bench_serving_{subject}_{gpu}.json")
-    show("Structured outputs", f"bench_structured_{subject}_{gpu}.json",
-         lambda constrained, free: side_by_side(constrained, free, ("JSON schema", "unconstrained")),
-         f"bench_serving_{subject}_{gpu}.json")
+    structured = load(f"bench_structured_{subject}_{gpu}.json")  # a bundle: both runs of one device call
+    if structured is not None:
+        print(f"### Structured outputs: `bench_structured_{subject}_{gpu}.json`\n\n{env_line(structured['constrained'])}\n\n"
+              f"{side_by_side(structured['constrained'], structured['plain'], ('JSON schema', 'unconstrained'))}\n")
     show("Inside a 4 GiB budget", f"bench_concurrency_{subject}-4gib_{gpu}.json", budget)
     show("Long-prompt insertion", f"bench_jitter_{subject}_{gpu}.json", jitter)
     show("Async scheduling", f"bench_concurrency_{subject}-async_{gpu}.json",
