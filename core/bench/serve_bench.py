@@ -187,8 +187,6 @@ def summarize_level(run: _LevelRun, counter: TokenCounter, slo_ms: dict[str, flo
     def per_s(value: float) -> float | None:
         return value / wall_s if wall_s > 0 else None
 
-    client_cpu_s = run.cpu_s if run.cpu_s is not None else time.process_time() - run.cpu_started_s
-
     return {
         **run.level,
         "num_prompts": run.num_prompts,
@@ -198,8 +196,8 @@ def summarize_level(run: _LevelRun, counter: TokenCounter, slo_ms: dict[str, flo
         "errors": dict(Counter(r.error_kind for r in records if not r.ok)),
         "partial": len(records) < run.num_prompts,
         "wall_s": wall_s,
-        "client_cpu_s": client_cpu_s,
-        "client_cpu_per_wall": per_s(client_cpu_s),
+        "client_cpu_s": run.cpu_s,  # None for a level that never started
+        "client_cpu_per_wall": None if run.cpu_s is None else per_s(run.cpu_s),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "token_sources": dict(sources),
