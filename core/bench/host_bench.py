@@ -61,6 +61,7 @@ from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.worker import inflight as inflight_module
 from deepinfer.core.engine.worker.sampler import SamplerOutput
+from deepinfer.core.engine.worker.transfers import HostCopy
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.models.loader import LoadedModel, dummy_tokenizer
@@ -139,13 +140,15 @@ class StandInSampler:
         self.tokens = torch.from_numpy(np.ascontiguousarray(token_ids, dtype=np.int64))
         self.position = 0
 
-    def sample(self, logits: torch.Tensor, rows: list, grammar_mask=None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list, grammar_mask=None,
+               out: torch.Tensor | None = None) -> SamplerOutput:
         n = len(rows)
         if self.position + n > self.tokens.shape[0]:
             self.position = 0
         sampled = self.tokens[self.position:self.position + n]
         self.position += n
-        return SamplerOutput(sampled, None, [None] * n)
+        # As the sampler does: the tokens into `out` (the next padded step's inputs), read back from the stream.
+        return SamplerOutput(sampled if out is None else out.copy_(sampled), None, [None] * n, HostCopy([sampled]))
 
 
 def stand_in_spec(vocab_size: int, max_model_len: int) -> ModelSpec:
