@@ -30,9 +30,10 @@ step already launched; that token is discarded, and no kept token depends on the
 
 Host transfers: `sample` never waits for the device, so the engine can launch it and go on (async
 scheduling). It returns a SamplerOutput whose `sampled` ids stay on the device (the next step's
-inputs read them there) while a copy to pinned host memory runs in the background, the logprobs
-of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that copy when
-first read. The per-row parameters go host->device in small non-blocking copies, made once per
+inputs read them there; `out` puts them where those inputs are) while a copy to pinned host memory
+runs in the background (a few pinned buffers and events reused in turn, core/engine/worker/transfers.py),
+the logprobs of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that
+copy when first read. Greedy batches take one argmax: no sort, no draw. The per-row parameters go host->device in small non-blocking copies, made once per
 batch of rows: while a call's rows are the same objects as the last call's (steady decoding), their
 facts and device tensors are reused (core/engine/worker/sampling_batch.py).
 
@@ -179,8 +180,7 @@ class Sampler:
         if grammar_mask is not None:
             logits = _float32(logits)
             apply_grammar_mask(logits, grammar_mask)
-        seeded = self._batch_of(rows, logits).seeded  # the rows whose generators a draw advances
-        states = [(generator, generator.get_state()) for _, generator in seeded]
+        states = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
         try:
             return self._sample_batch(logits, rows, out)
         except Exception:  # whatever one row's parameters made fail, the others go on
