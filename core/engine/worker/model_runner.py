@@ -5,7 +5,7 @@ InflightStep (core/engine/worker/inflight.py) without waiting for it; `execute` 
 Per step:
 1. `prepare_inputs` orders the chunks decodes first (query length 1, what AttentionMetadata
    expects) and stages them (core/engine/worker/step_inputs.py, the stager padded steps use too): host
-   buffers pinned on CUDA, allocated once at the largest step size, one non-blocking copy per dtype.
+   buffer pinned on CUDA, allocated once at the largest step size, one non-blocking copy a step.
    A chunk whose last input token is still pending (`last_token_pending`: sampled by the `previous`
    step, in flight: async scheduling) gets it on the device, from that step's sampled tokens.
 2. `model.forward` over the flat batch; the hidden rows of each sampling chunk's last token go
