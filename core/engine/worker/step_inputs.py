@@ -70,7 +70,8 @@ class StepInputs:
     sampling_chunks: list[ScheduledChunk]  # [N], the requests of those rows, same order
 
 
-# Kernels load block tables vectorized: the int32 values of a step start on this boundary (bytes).
+# The int32 values of a step start on this boundary (bytes), so kernels that read them (block tables, lengths)
+# see the alignment a tensor of their own would have, whatever the int64 values before them.
 INT32_ALIGNMENT = 64
 
 
