@@ -351,6 +351,30 @@ def test_static_buffers_fill_pending_tokens_from_the_step_in_flight():
         buffers.load(chunks[2:], tokens=1, bound=16)
 
 
+def test_static_buffers_take_pending_tokens_the_last_padded_step_sampled_into_them():
+    """A padded step's sampler writes its tokens into the static input ids (`sampled_ids`): the next step
+    finds them in place when its rows are the same requests in the same order, and reads them before its
+    copy overwrites the ids when they are not."""
+    buffers = StaticStepBuffers(max_tokens=16, max_rows=4, max_model_len=64, block_size=4, dummy_block=99,
+                                device=torch.device("cpu"))
+
+    def sampled_in_place(request_ids, tokens):
+        previous = in_flight_step(request_ids, tokens)
+        previous.sampled.sampled = buffers.sampled_ids(len(tokens)).copy_(torch.tensor(tokens))
+        return previous
+
+    steady = [pending_decode("y", [1, 2], [6]), pending_decode("z", [1, 2, 3], [7]), pending_decode("x", [3, 4], [2])]
+    buffers.load(steady, tokens=4, bound=16, previous=sampled_in_place(["y", "z", "x"], [301, 302, 303]))
+    input_ids, positions, _, meta = buffers.views(4, 16)
+    assert input_ids.tolist() == [301, 302, 303, 0] and positions.tolist() == [2, 3, 2, 0]
+    assert meta.slot_mapping.tolist() == [6 * 4 + 2, 7 * 4 + 3, 2 * 4 + 2, 99 * 4]
+    known = Request("k", [5, 6, 7], greedy(4))
+    joined = [pending_decode("x", [3, 4, 5, 6, 7], [2, 8]), ScheduledChunk(known, 2, 1, [4], sample=True),
+              pending_decode("y", [1, 2], [6])]
+    buffers.load(joined, tokens=4, bound=16, previous=sampled_in_place(["y", "z", "x"], [401, 402, 403]))
+    assert buffers.views(4, 16)[0].tolist() == [403, 7, 401, 0]
+
+
 def test_eager_inputs_fill_pending_tokens_from_the_step_in_flight(loaded):
     spec = loaded.spec
     cache = KVCache(spec.num_layers, 16, 8, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")

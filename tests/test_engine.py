@@ -149,11 +149,11 @@ class LogitsRecorder:
     def __init__(self, sampler):
         self.sampler, self.logits = sampler, {}
 
-    def sample(self, logits, rows, grammar_mask=None):
+    def sample(self, logits, rows, grammar_mask=None, out=None):
         for row_logits, row in zip(logits, rows):
             key = tuple(row.prompt_token_ids)
             self.logits.setdefault(key, []).append(row_logits.clone())
-        return self.sampler.sample(logits, rows, grammar_mask)
+        return self.sampler.sample(logits, rows, grammar_mask, out)
 
 
 # e4m3 keeps 3 mantissa bits; the random model's near-flat logits turn its small errors into other greedy picks

@@ -226,3 +226,23 @@ def test_rows_that_change_between_calls_sample_by_their_own_parameters():
                     torch.log_softmax(logits[i], dim=-1)[out.token_ids[i]].item(), abs=1e-6)
             else:
                 assert out.logprobs[i] is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tokens_written_into_a_reused_buffer_stay_each_calls_own(temperature):
+    """`out` is the padded runner's input ids, overwritten by the next step: each call's token_ids are still its
+    own, also for calls read only after more calls than the sampler keeps host slots for."""
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=temperature, top_k=3, seed=5)
+    out = torch.full((8,), -1, dtype=torch.int64)
+    sampler, outputs, expected = Sampler(), [], []
+    for _ in range(7):
+        logits = torch.randn(3, 50)
+        rows = [row(params) for _ in range(3)]
+        reference = Sampler().sample(logits, [row(params) for _ in range(3)]).token_ids
+        result = sampler.sample(logits, rows, out=out[:3])
+        assert result.sampled.data_ptr() == out.data_ptr() and out[:3].tolist() == reference
+        out.fill_(-1)  # the next step's inputs overwrite the buffer
+        outputs.append(result)
+        expected.append(reference)
+    assert [result.token_ids for result in outputs] == expected

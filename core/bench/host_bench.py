@@ -30,6 +30,10 @@ stop strings, snapshots) and the forward, the median over the timed steps (as ar
 the forward's figures), from the cheapest of `repeats` timed passes. `fit` is a least-squares line of the core's CPU µs per step over N: its slope
 is the cost per running sequence, its intercept the fixed cost per step.
 
+A last untimed pass of a few steps counts the torch calls the host issues per step outside the forward
+(core/bench/torch_ops.py: device work, copies each way, views, CUDA event records and waits), by phase:
+on a GPU each costs the host microseconds whatever its size, so they make the step's fixed cost.
+
 On a CUDA device (`--forward model`) the timed passes also take the device time of the same steps
 (core/bench/step_gpu_time.py: CUDA events on the engine's stream around each launch, read after the
 pass, nothing synchronized inside a step) and report the step's wall time over it (`wall_over_gpu`;
@@ -49,12 +53,15 @@ import numpy as np
 import torch
 
 from deepinfer.core.bench.step_gpu_time import cuda_step_timer
+from deepinfer.core.bench.torch_ops import TorchOpCounter
+from deepinfer.core.bench.torch_ops import per_step as torch_ops_per_step
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend import detokenizer as detokenizer_module
 from deepinfer.core.engine.llm_engine import LLMEngine
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.worker import inflight as inflight_module
 from deepinfer.core.engine.worker.sampler import SamplerOutput
+from deepinfer.core.engine.worker.transfers import HostCopy
 from deepinfer.core.errors import InvalidRequestError
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.models.loader import LoadedModel, dummy_tokenizer
@@ -68,6 +75,7 @@ FORWARDS = ("stand-in", "model")
 PHASES = ("schedule", "kv_slots", "staging", "forward", "sampling", "launch_other", "collect", "update",
           "output", "detokenize", "other")
 FRONT_END_PHASES = ("output", "detokenize")
+COUNTED_STEPS = 8  # steps of the pass that counts torch calls, after the timed ones
 # A character the bench's stop string is made of and no token of its token pool decodes to, so the stop
 # string is checked on every token and never found.
 _STOP_CHAR = "\x07"
@@ -102,9 +110,9 @@ class HostWorkload:
                 raise InvalidRequestError(message)
 
     def max_output_tokens(self, num_seqs: int, token_budget: int) -> int:
-        """Output tokens a stream of a point can reach: its prefill steps, the warm-up and both passes."""
+        """Output tokens a stream of a point can reach: its prefill steps, the warm-up and every pass."""
         prefill_steps = cdiv(num_seqs * self.prompt_len, max(1, token_budget - num_seqs)) + 2
-        return prefill_steps + self.warmup_steps + (self.repeats + 1) * self.steps + 8
+        return prefill_steps + self.warmup_steps + (self.repeats + 1) * self.steps + COUNTED_STEPS + 8
 
 
 # The stand-in. ------------------------------------------------------------------------------------------
@@ -132,13 +140,15 @@ class StandInSampler:
         self.tokens = torch.from_numpy(np.ascontiguousarray(token_ids, dtype=np.int64))
         self.position = 0
 
-    def sample(self, logits: torch.Tensor, rows: list, grammar_mask=None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list, grammar_mask=None,
+               out: torch.Tensor | None = None) -> SamplerOutput:
         n = len(rows)
         if self.position + n > self.tokens.shape[0]:
             self.position = 0
         sampled = self.tokens[self.position:self.position + n]
         self.position += n
-        return SamplerOutput(sampled, None, [None] * n)
+        # As the sampler does: the tokens into `out` (the next padded step's inputs), read back from the stream.
+        return SamplerOutput(sampled if out is None else out.copy_(sampled), None, [None] * n, HostCopy([sampled]))
 
 
 def stand_in_spec(vocab_size: int, max_model_len: int) -> ModelSpec:
@@ -232,8 +242,8 @@ class PhaseClock:
         self._restore.clear()
 
 
-def instrument(engine: LLMEngine, clock: PhaseClock, phases: tuple[str, ...] = PHASES) -> PhaseClock:
-    """Spans around the engine's components, for the phases named."""
+def engine_spans(engine: LLMEngine) -> list[tuple[object, str, str]]:
+    """(owner, method, phase) of every span around the engine's components."""
     runner = engine.runner
     spans = [
         (engine.scheduler, "schedule", "schedule"),
@@ -252,7 +262,12 @@ def instrument(engine: LLMEngine, clock: PhaseClock, phases: tuple[str, ...] = P
     if runner.step_runner is not None:
         spans += [(runner.step_runner.buffers, "load", "staging"), (runner.step_runner, "replay", "forward"),
                   (runner.step_runner, "forward", "forward")]
-    for owner, attr, phase in spans:
+    return spans
+
+
+def instrument(engine: LLMEngine, clock: PhaseClock, phases: tuple[str, ...] = PHASES) -> PhaseClock:
+    """Spans around the engine's components, for the phases named."""
+    for owner, attr, phase in engine_spans(engine):
         if phase in phases:
             clock.wrap(owner, attr, phase)
     return clock
@@ -367,6 +382,26 @@ def _pass(engine: LLMEngine, point: _Point, steps: int, clock: PhaseClock, phase
     return samples, per_step
 
 
+def _count_pass(engine: LLMEngine, point: _Point, steps: int) -> dict:
+    """`steps` steps with the torch calls the host issues outside the forward counted, per step, by kind and
+    by phase (core/bench/torch_ops.py). Untimed: the dispatch mode adds to every op it sees."""
+    counter = TorchOpCounter()
+    try:
+        for owner, attr, phase in engine_spans(engine):
+            if phase == "forward":
+                counter.exclude(owner, attr)
+            else:
+                counter.attribute(owner, attr, phase)
+        if engine.device.type == "cuda":
+            counter.count_cuda_events()
+        with counter:
+            for _ in range(steps):
+                point.step()
+    finally:
+        counter.close()
+    return torch_ops_per_step(counter.take(), steps)
+
+
 def _core_median(samples: list[StepSample], spans: list[dict[str, float]]) -> float:
     """Median over the steps of the step's CPU time less its front end and forward."""
     return statistics.median(s.cpu_s - step.get("output", 0.0) - step.get("forward", 0.0)
@@ -391,6 +426,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward", "collect"),
                        gpu_time=True) for _ in range(workload.repeats)]
         phase_pass = _pass(engine, point, workload.steps, PhaseClock(time.thread_time), PHASES)
+        torch_ops = _count_pass(engine, point, min(workload.steps, COUNTED_STEPS))
     finally:
         point.finish()
     repeat_cores = [_core_median(*run) for run in timed]
@@ -441,6 +477,9 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "phases_us_per_step": phases,
         "phases_core_us_per_seq": (phase_cpu * 1e6 - front_phases - phases["forward"]) / num_seqs,
         "phases_pass_cpu_us_per_step": phase_cpu * 1e6,
+        # The torch calls the host issues per step outside the forward (graph replays are none), by kind and
+        # by phase; on the stand-in the sampler's are the stand-in's (core/bench/torch_ops.py).
+        "torch_ops_per_step": torch_ops,
     }
 
 
@@ -531,6 +570,12 @@ def _run(config: EngineConfig, workload: HostWorkload, forward: str, on_point, t
 # Tables. --------------------------------------------------------------------------------------------------
 
 
+def _device_calls(point: dict) -> str:
+    """The point's torch calls per step that are not views (a payload written before they were counted: -)."""
+    ops = point.get("torch_ops_per_step")
+    return "-" if ops is None else f"{ops['device_calls']:.0f}"
+
+
 def host_tables(payload: dict) -> list:
     """Per point: CPU and wall µs per step, the core's µs per sequence and the front end's per token; then
     the phase pass's µs per step; then each mode's fit (and the baseline's, when the payload has one)."""
@@ -541,7 +586,7 @@ def host_tables(payload: dict) -> list:
              f"{workload['prompt_len']}, long prompt {workload['long_prompt_len']}, {workload['steps']} steps a point")
     totals = Table(title=title, title_justify="left")
     for name in ("mode", "seqs", "tokens/step", "CPU µs/step p50", "CPU µs/step", "wall µs/step", "GPU µs/step",
-                 "wall/GPU", "core µs/step", "core µs/seq", "front µs/token"):
+                 "wall/GPU", "core µs/step", "core µs/seq", "front µs/token", "device calls/step"):
         totals.add_column(name, justify="right", no_wrap=True)
     phases = Table(title="where a step's time goes, CPU µs per step (phase pass)", title_justify="left")
     for name in ("mode", "seqs", *PHASES):
@@ -553,7 +598,7 @@ def host_tables(payload: dict) -> list:
                        f"{point['cpu_us_per_step_mean']:.0f}", f"{point['wall_us_per_step']['mean']:.0f}",
                        "-" if gpu is None else f"{gpu['mean']:.0f}", "-" if ratio is None else f"{ratio:.2f}",
                        f"{point['core_cpu_us_per_step']:.0f}", f"{point['core_cpu_us_per_seq']:.2f}",
-                       "-" if front is None else f"{front:.2f}")
+                       "-" if front is None else f"{front:.2f}", _device_calls(point))
         phases.add_row(point["mode"], str(point["num_seqs"]),
                        *(f"{point['phases_us_per_step'][p]:.0f}" for p in PHASES))
     fits = Table(title="engine core CPU µs per step = fixed + per_seq x seqs (least squares over the sizes)",

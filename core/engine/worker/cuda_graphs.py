@@ -55,7 +55,7 @@ from deepinfer.core.attention.metadata import AttentionMetadata
 from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
 from deepinfer.core.engine.worker.inflight import InflightStep
 from deepinfer.core.engine.worker.memory import MiB
-from deepinfer.core.engine.worker.step_inputs import StepStager
+from deepinfer.core.engine.worker.step_inputs import StepStager, int32_offset, typed
 from deepinfer.core.engine.worker.transfers import to_device
 from deepinfer.core.kv.kv_manager import cdiv
 from deepinfer.core.ops import paged_attention_table as attention_table
@@ -124,22 +124,23 @@ def max_prefill_tiles(tokens: int, max_rows: int, tile_tokens: int) -> int:
 
 
 class StaticStepBuffers:
-    """The device tensors a padded step reads, filled through the step stager (core/engine/worker/step_inputs.py,
-    the one the eager runner uses too) in two copies.
+    """The device buffer a padded step reads, filled through the step stager (core/engine/worker/step_inputs.py,
+    the one the eager runner uses too) in one copy.
 
     For a step of bucket `tokens` (t), `rows` = min(t, max_num_seqs) logit rows (s), s + 1 request
     rows (the last one for padding) and context bound `bound` (w = cdiv(bound, block_size) columns), in a
-    tiled bucket (`num_tiles`) m = max_prefill_tiles prefill tiles, else m = 0:
+    tiled bucket (`num_tiles`) m = max_prefill_tiles prefill tiles, else m = 0, the int64 values come
+    first, then from byte int32_offset(3t + s) the int32 values:
         int64[0:t]          input ids      int32[0:t]                  context length of each token
         int64[t:2t]         positions      int32[t:2t]                 request row of each token
         int64[2t:3t]        slot mapping   int32[2t:2t + (s + 1) * w]  block table [s + 1, w]
         int64[3t:3t + s]    logit rows     int32[.. + s]               (tiled) the decode kernel's lengths
-        int64[3t + s:+2k]   (*)            int32[.. + 2m]              (tiled) tiles: first token row, count
-    (*) the fill of k pending input tokens (the stager's).
-    Each (bucket, bound) views the first elements, so every view is contiguous and one host->device
-    copy per dtype moves a whole step. Pending tokens (async scheduling: sampled by the step still
-    in flight) are scattered into the input ids after that copy, on the same stream and outside
-    any graph, so the graphs replay unchanged.
+                                           int32[.. + 2m]              (tiled) tiles: first token row, count
+    then the fill of k pending input tokens (the stager's). Each (bucket, bound) views the first bytes,
+    so one host->device copy moves a whole step. Pending tokens (async scheduling: sampled by the step
+    still in flight) are scattered into the input ids after that copy, on the same stream and outside
+    any graph, so the graphs replay unchanged; the sampler of a padded step writes its tokens into the
+    input ids (`sampled_ids`), where a steady decode step after it finds them in place.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, dummy_block: int,
@@ -152,8 +153,8 @@ class StaticStepBuffers:
         tiled_extra = max_rows + 2 * self.num_tiles(max_tokens)
         self.stager = StepStager(max_tokens, max_rows, 2 * max_tokens + (max_rows + 1) * max_blocks + tiled_extra,
                                  block_size, device)
-        self.int64 = torch.zeros(self.stager.host_int64.shape, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(self.stager.host_int32.shape, dtype=torch.int32, device=device)
+        self.staging = torch.zeros(self.stager.nbytes, dtype=torch.uint8, device=device)  # what the graphs read
+        self._sampled_ids: dict[int, torch.Tensor] = {}  # num_rows -> the view `sampled_ids` gives
         self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)  # one token each
 
     def rows_of(self, tokens: int) -> int:
@@ -176,7 +177,7 @@ class StaticStepBuffers:
         stager = self.stager
         stager.begin()
         bs, width, rows = self.block_size, cdiv(bound, self.block_size), self.rows_of(tokens)
-        h32 = stager.h32
+        h32 = stager.int32_staging(3 * tokens + rows)
         ids, positions, slots = stager.token_rows(tokens)
         logit_rows = stager.h64[3 * tokens:3 * tokens + rows]
         seq_lens, token_rows = h32[:tokens], h32[tokens:2 * tokens]
@@ -203,15 +204,16 @@ class StaticStepBuffers:
         logit_rows[len(chunks):] = 0
         n32 = 2 * tokens + (rows + 1) * width
         if num_tiles:
-            n32 += self._stage_tiles(h32[n32:], lengths.tolist(), tokens, rows, num_tiles)
-        stager.send(tokens, rows, n32, staged, previous, int64_out=self.int64, int32_out=self.int32)
+            n32 += self._stage_tiles(h32[n32:], seq_lens, lengths.tolist(), tokens, rows, num_tiles)
+        stager.send(tokens, rows, n32, staged, previous, out=self.staging)
 
-    def _stage_tiles(self, h32: np.ndarray, placed_lengths: list[int], tokens: int, rows: int, num_tiles: int) -> int:
+    def _stage_tiles(self, h32: np.ndarray, seq_lens: np.ndarray, placed_lengths: list[int], tokens: int, rows: int,
+                     num_tiles: int) -> int:
         """Fill a tiled step's decode lengths (h32[:rows]) and tiles (h32[rows:rows + 2 * num_tiles]) after its
-        token rows are staged (placed_lengths: the chunks' token counts in row order); -> elements filled.
-        Chunks of several tokens and the padding rows (seq_len 1 each, all in the padding row's table) attend in
-        tiles; the decode kernel gives their rows among the first `rows` length 0."""
-        seq_lens = self.stager.h32[:tokens]
+        token rows and their context lengths (`seq_lens` [tokens]) are staged (placed_lengths: the chunks' token
+        counts in row order); -> elements filled. Chunks of several tokens and the padding rows (seq_len 1 each,
+        all in the padding row's table) attend in tiles; the decode kernel gives their rows among the first
+        `rows` length 0."""
         decode_lens = h32[:rows]
         tiles = h32[rows:rows + 2 * num_tiles].reshape(num_tiles, 2)
         decode_lens[:] = seq_lens[:rows]
@@ -242,13 +244,15 @@ class StaticStepBuffers:
         lengths are in the device `seq_lens`.
         """
         width, rows = cdiv(bound, self.block_size), self.rows_of(tokens)
-        tables = self.int32[2 * tokens:2 * tokens + (rows + 1) * width].view(rows + 1, width)
-        token_rows = self.int32[tokens:2 * tokens]
         end, num_tiles = 2 * tokens + (rows + 1) * width, self.num_tiles(tokens)
+        int64 = typed(self.staging, 0, 3 * tokens + rows, torch.int64)
+        int32 = typed(self.staging, int32_offset(3 * tokens + rows), end + rows + 2 * num_tiles, torch.int32)
+        tables = int32[2 * tokens:end].view(rows + 1, width)
+        token_rows = int32[tokens:2 * tokens]
         metadata = AttentionMetadata(
-            slot_mapping=self.int64[2 * tokens:3 * tokens],
+            slot_mapping=int64[2 * tokens:3 * tokens],
             query_start_loc=self.query_start_loc[:tokens + 1],
-            seq_lens=self.int32[:tokens],
+            seq_lens=int32[:tokens],
             block_tables=tables.index_select(0, token_rows),  # [t, w]
             query_lens=[1] * tokens,
             seq_lens_host=[bound] * tokens,
@@ -256,12 +260,20 @@ class StaticStepBuffers:
             max_query_len=1,
             max_seq_len=bound,
             fresh_tokens=tokens,  # one sequence's chunk may fill the bucket
-            decode_seq_lens=self.int32[end:end + rows] if num_tiles else None,
-            prefill_tiles=self.int32[end + rows:end + rows + 2 * num_tiles].view(num_tiles, 2) if num_tiles
+            decode_seq_lens=int32[end:end + rows] if num_tiles else None,
+            prefill_tiles=int32[end + rows:end + rows + 2 * num_tiles].view(num_tiles, 2) if num_tiles
             else None,
         )
-        logit_rows = self.int64[3 * tokens:3 * tokens + rows]
-        return self.int64[:tokens], self.int64[tokens:2 * tokens], logit_rows, metadata
+        return int64[:tokens], int64[tokens:2 * tokens], int64[3 * tokens:3 * tokens + rows], metadata
+
+    def sampled_ids(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] int64 on the device: the first input ids, where the sampler of a padded step writes its
+        tokens, after the step's forward has read its own (stream order): a steady decode step after it
+        (its token rows in the same requests' order) finds its inputs there and copies none."""
+        ids = self._sampled_ids.get(num_rows)
+        if ids is None:  # made once per size: a view costs torch calls every step
+            ids = self._sampled_ids[num_rows] = typed(self.staging, 0, num_rows, torch.int64)
+        return ids
 
 
 @dataclass

@@ -5,13 +5,15 @@ InflightStep (core/engine/worker/inflight.py) without waiting for it; `execute` 
 Per step:
 1. `prepare_inputs` orders the chunks decodes first (query length 1, what AttentionMetadata
    expects) and stages them (core/engine/worker/step_inputs.py, the stager padded steps use too): host
-   buffers pinned on CUDA, allocated once at the largest step size, one non-blocking copy per dtype.
+   buffer pinned on CUDA, allocated once at the largest step size, one non-blocking copy a step.
    A chunk whose last input token is still pending (`last_token_pending`: sampled by the `previous`
    step, in flight: async scheduling) gets it on the device, from that step's sampled tokens.
 2. `model.forward` over the flat batch; the hidden rows of each sampling chunk's last token go
    through `compute_logits` (a prefill chunk that stops short of the prompt's end samples nothing).
 3. The sampler draws one token per sampling chunk on the device and starts copying the tokens
-   (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync.
+   (and logprobs) to the host; `InflightStep.result` waits for that copy, the step's one sync. A padded
+   step's sampler writes its tokens into the static input ids, where a steady decode step after it
+   reads them without a copy (core/engine/worker/step_inputs.py).
 4. A step with constrained rows (structured outputs) instead starts their token masks on a worker
    thread (core/structured/step_mask.py) and is sampled when first needed, at the latest when the
    next step is launched (core/engine/worker/deferred_sample.py).
@@ -75,7 +77,8 @@ class ModelRunner:
         chunks = scheduler_output.chunks
         prompt_logprobs = None
         scores_prompt = wants_prompt_logprobs(chunks)
-        if self.step_runner is not None and not scores_prompt and self.step_runner.serves(chunks):
+        padded = self.step_runner is not None and not scores_prompt and self.step_runner.serves(chunks)
+        if padded:
             # [n, vocab] float32, the sampling chunks'
             logits = self.step_runner.run(chunks, previous, scheduler_output.block_tables)
             sampling_chunks = list(compress(chunks, map(_sample, chunks)))
@@ -95,7 +98,12 @@ class ModelRunner:
         # After the forward is enqueued: a worker fills the masks while the device runs it and this thread goes on.
         mask = self.grammar_masks.start(sampling_chunks, previous.token_of if previous is not None else None,
                                         logits.shape[1])
-        sampled = self.sampler.sample(logits, rows) if mask is None else DeferredSample(self.sampler, logits, rows, mask)
+        if mask is None:
+            # A padded step's tokens go straight into the static input ids, where the next step reads them.
+            out = self.step_runner.buffers.sampled_ids(len(rows)) if padded else None
+            sampled = self.sampler.sample(logits, rows, out=out)
+        else:
+            sampled = DeferredSample(self.sampler, logits, rows, mask)
         return InflightStep(scheduler_output, sampling_chunks, sampled, prompt_logprobs)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,

@@ -30,9 +30,10 @@ step already launched; that token is discarded, and no kept token depends on the
 
 Host transfers: `sample` never waits for the device, so the engine can launch it and go on (async
 scheduling). It returns a SamplerOutput whose `sampled` ids stay on the device (the next step's
-inputs read them there) while a copy to pinned host memory runs in the background, the logprobs
-of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that copy when
-first read. The per-row parameters go host->device in small non-blocking copies, made once per
+inputs read them there; `out` puts them where those inputs are) while a copy to pinned host memory
+runs in the background (a few pinned buffers and events reused in turn, core/engine/worker/transfers.py),
+the logprobs of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that
+copy when first read. Greedy batches take one argmax: no sort, no draw. The per-row parameters go host->device in small non-blocking copies, made once per
 batch of rows: while a call's rows are the same objects as the last call's (steady decoding), their
 facts and device tensors are reused (core/engine/worker/sampling_batch.py).
 
@@ -60,7 +61,7 @@ from deepinfer.core.engine.frontend.outputs import TokenLogprob
 from deepinfer.core.engine.sampling_params import LogitBias, SamplingParams
 from deepinfer.core.engine.worker.sampling_batch import SamplingBatch
 from deepinfer.core.engine.worker.token_counts import PenaltyBatch, TokenCounts
-from deepinfer.core.engine.worker.transfers import HostCopy, to_device
+from deepinfer.core.engine.worker.transfers import HostCopy, HostSlots, SlotCopy, to_device
 from deepinfer.core.structured.step_mask import GrammarMask, apply_grammar_mask
 
 logger = logging.getLogger(__name__)
@@ -86,28 +87,29 @@ class SamplerOutput:
     when first read (waiting for the copy started at construction)."""
 
     def __init__(self, sampled: torch.Tensor, logprob_table: torch.Tensor | None,
-                 num_top: list[int | None]) -> None:
+                 num_top: list[int | None], token_copy: SlotCopy | None = None) -> None:
         """sampled: [N] int64; logprob_table: [L, 2 + 2K] float64 for the L rows whose num_top is
-        not None (see `_logprob_table`); num_top: [N], each row's params.logprobs."""
+        not None (see `_logprob_table`); num_top: [N], each row's params.logprobs; token_copy: the copy of
+        `sampled` to the host, already started (None: started here)."""
         self.sampled = sampled
         self.failures: dict[int, str] = {}  # row -> error, for rows whose sampling raised
         self.has_logprobs = logprob_table is not None  # whether a row asked for logprobs
         self._num_top = num_top
-        self._copy = HostCopy([sampled] if logprob_table is None else [sampled, logprob_table])
+        self._tokens = token_copy if token_copy is not None else HostCopy([sampled])
+        self._table = None if logprob_table is None else HostCopy([logprob_table])
 
     @cached_property
     def token_ids(self) -> list[int]:
         """[N], one per row."""
-        return self._copy.get()[0].tolist()
+        return self._tokens.get()[0].tolist()
 
     @cached_property
     def logprobs(self) -> list[TokenLogprob | None]:
         """[N]; None for rows whose params.logprobs is None."""
         logprobs: list[TokenLogprob | None] = [None] * len(self._num_top)
-        copied = self._copy.get()
-        if len(copied) == 1:
+        if self._table is None:
             return logprobs
-        table = copied[1].tolist()
+        table = self._table.get()[0].tolist()
         max_top = (len(table[0]) - 2) // 2
         rows = [i for i, num_top in enumerate(self._num_top) if num_top is not None]
         for row, values in zip(rows, table):
@@ -151,6 +153,13 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 class Sampler:
     def __init__(self) -> None:
         self._batch: SamplingBatch | None = None  # the last call's rows' facts, reused while they stay the same
+        self._token_slots: HostSlots | None = None  # where the sampled tokens are copied back to the host
+
+    def _copy_to_host(self, token_ids: torch.Tensor) -> SlotCopy:
+        slots = self._token_slots
+        if slots is None or slots.device != token_ids.device:
+            slots = self._token_slots = HostSlots(torch.int64, token_ids.device)
+        return slots.copy(token_ids)
 
     def _batch_of(self, rows: list[SamplingRow], logits: torch.Tensor) -> SamplingBatch:
         batch = self._batch
@@ -158,20 +167,22 @@ class Sampler:
             batch = self._batch = SamplingBatch(rows, logits.device, logits.shape[1])
         return batch
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               grammar_mask: GrammarMask | None = None) -> SamplerOutput | RowwiseSamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], grammar_mask: GrammarMask | None = None,
+               out: torch.Tensor | None = None) -> SamplerOutput | RowwiseSamplerOutput:
         """logits: [N, V] float32, row i belongs to rows[i]. The caller's tensor is not modified, except by
         grammar_mask: the token masks of the constrained rows (None when there are none), which set the
         disallowed tokens of float32 logits to -inf in place (the runner's logits are the step's own).
+        out: [N] int64 on the logits' device, where the tokens are written (the `sampled` of the result;
+        the padded runner's next input ids), or None for a fresh tensor.
         A row whose sampling raises fails alone (see the module docstring)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"sampler: logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if grammar_mask is not None:
-            logits = logits.float()
+            logits = _float32(logits)
             apply_grammar_mask(logits, grammar_mask)
         states = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
         try:
-            return self._sample_batch(logits, rows)
+            return self._sample_batch(logits, rows, out)
         except Exception:  # whatever one row's parameters made fail, the others go on
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(rows), exc_info=True)
         for generator, state in states:  # the failed call may have drawn from them
@@ -186,8 +197,9 @@ class Sampler:
                 failures[index] = f"sampling failed: {type(err).__name__}: {err}"
         return RowwiseSamplerOutput(outputs, failures, logits.device)
 
-    def _sample_batch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      out: torch.Tensor | None = None) -> SamplerOutput:
+        logits = _float32(logits)
         batch = self._batch_of(rows, logits)
         logprob_index = batch.logprob_index
         raw_logprobs = None  # [L, V]
@@ -197,10 +209,12 @@ class Sampler:
 
         logits = _add_logit_bias(logits, rows, batch.biased)
         logits, penalized = _penalize(logits, rows, batch)
-        if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)  # [N]
+        if batch.all_greedy:  # no sort, no draw
+            token_ids = logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)  # [N]
         else:
             token_ids = _sample_random(logits, batch)
+            if out is not None:
+                token_ids = out.copy_(token_ids)
 
         table = None
         if raw_logprobs is not None:
@@ -208,7 +222,12 @@ class Sampler:
             table = _logprob_table(raw_logprobs, chosen_ids, batch.max_top)
         if penalized is not None:  # last: a call that raised has counted nothing
             penalized.add(token_ids)
-        return SamplerOutput(token_ids, table, batch.num_top)
+        return SamplerOutput(token_ids, table, batch.num_top, self._copy_to_host(token_ids))
+
+
+def _float32(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as float32: themselves when they are (a dtype check costs no torch call)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -2,14 +2,16 @@
 
 A step's chunks become token rows (input id, position, KV slot of each token) and request rows (a
 block table each, the row whose hidden state is sampled). `StepStager` writes them in one pass into
-pinned host staging (numpy views for fast filling, allocated once at the largest step), moves it to
-the device in one non-blocking copy per dtype, then fills the pending input tokens on the device.
-The int64 staging is the same for every step:
+one pinned host buffer (numpy views for fast filling, allocated once at the largest step) and moves
+what a step staged to the device in one non-blocking copy, then fills the pending input tokens on
+the device. The buffer holds a step's int64 values, then its int32 values (from a 64-byte boundary,
+`int32_offset`), then the fill of its pending tokens:
 
-    [0:t]  input ids   [t:2t]  positions   [2t:3t]  slot mapping   [3t:3t+s]  logit rows   [+2k]  (*)
+    int64 [0:t]  input ids   [t:2t]  positions   [2t:3t]  slot mapping   [3t:3t+s]  logit rows
+    int32 the attention metadata, in one of two layouts (below)
+    int64 [2k]  (*) the fill of k pending tokens
 
-(*) the fill of k pending tokens (below). The int32 staging holds the attention metadata, in one of
-two layouts:
+The int32 layouts:
 - per request (`stage_requests`: eager steps, and `build_attention_metadata` for tests): decodes
   first, as AttentionMetadata expects; query_start_loc [B + 1], seq_lens [B], block_tables [B, W]
   (W: the step's longest table), logit rows for the sampling chunks only; fresh device tensors.
@@ -18,12 +20,13 @@ two layouts:
 
 Pending tokens (async scheduling): a chunk whose `last_token_pending` is set takes as its last input
 the token the step in flight (`previous`, core/engine/worker/inflight.py) samples, which is on the device
-only. Its row is staged as 0, the (input row, sampled row) pairs go into the int64 staging after the
+only. Its row is staged as 0, the (input row, sampled row) pairs go into the staging after the
 step's other values, so the same copy moves them, and `fill_pending_tokens` scatters the sampled
 tokens into the input ids on the same stream, before the forward or graph replay reads them (outside
 any graph, so graphs replay unchanged). In a steady decode step (every chunk a decode of a pending token,
-the requests the step in flight sampled, in its order) token row i takes its sampled row i: one
-contiguous device copy, no pairs staged.
+the requests the step in flight sampled, in its order) token row i takes its sampled row i: no pairs
+are staged, and when the step in flight's sampler wrote its tokens straight into the static input ids
+(a padded step, `ModelRunner.launch`) they are already in place and the copy starts after them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ class StepInputs:
     sampling_chunks: list[ScheduledChunk]  # [N], the requests of those rows, same order
 
 
+# The int32 values of a step start on this boundary (bytes), so kernels that read them (block tables, lengths)
+# see the alignment a tensor of their own would have, whatever the int64 values before them.
+INT32_ALIGNMENT = 64
+
+
+def int32_offset(num_int64: int) -> int:
+    """Byte offset of a step's int32 staging, after its `num_int64` int64 values."""
+    return -(-8 * num_int64 // INT32_ALIGNMENT) * INT32_ALIGNMENT
+
+
+def typed(buffer: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """`count` values of `dtype` at byte `offset` of the uint8 `buffer` (a view)."""
+    return buffer[offset:offset + count * dtype.itemsize].view(dtype)
+
+
 class StepStager:
     """Host staging for steps of up to `max_tokens` tokens and `max_rows` requests, `int32_size`
     int32 values of metadata, copied to `device`."""
@@ -76,11 +94,13 @@ class StepStager:
         self.block_size = block_size
         self.device = device
         pin = device.type == "cuda"
-        self.host_int64 = torch.zeros(3 * max_tokens + 3 * max_rows, dtype=torch.int64, pin_memory=pin)
-        self.host_int32 = torch.zeros(int32_size, dtype=torch.int32, pin_memory=pin)
-        self.h64, self.h32 = self.host_int64.numpy(), self.host_int32.numpy()
-        # Set after each step's copies: the staging is refilled only once they have read it (a step that
-        # samples nothing has no sync that would order them before the next fill).
+        # int64: 3 per token, a logit row per request, then after the int32 values the fill (2 per request).
+        self.nbytes = -(-(int32_offset(3 * max_tokens + max_rows) + 4 * int32_size) // 8) * 8 + 16 * max_rows
+        self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        raw = self.host.numpy()
+        self.h64, self.h32 = raw.view(np.int64), raw.view(np.int32)  # [nbytes / 8], [nbytes / 4]
+        # Set after each step's copy: the staging is refilled only once it has been read (a step that
+        # samples nothing has no sync that would order it before the next fill).
         self._copied = torch.cuda.Event() if pin else None
 
     # The phases of a step: begin, stage_chunks (and the layout's own metadata), send. ----------------
@@ -94,6 +114,10 @@ class StepStager:
         """(input ids, positions, slot mapping) staging of a step of `tokens` token rows."""
         h64 = self.h64
         return h64[:tokens], h64[tokens:2 * tokens], h64[2 * tokens:3 * tokens]
+
+    def int32_staging(self, num_int64: int) -> np.ndarray:
+        """The int32 staging of a step of `num_int64` int64 values (3 per token, a logit row per request)."""
+        return self.h32[int32_offset(num_int64) // 4:]
 
     def stage_chunks(self, chunks: list[ScheduledChunk], tokens: int, tables: np.ndarray,
                      block_tables: np.ndarray | None = None, request_rows: list[int] | None = None) -> StagedChunks:
@@ -161,27 +185,37 @@ class StepStager:
         return StagedChunks(ends[pending] - 1, [chunks[i].request.request_id for i in pending], lengths, ends)
 
     def send(self, tokens: int, rows: int, num_int32: int, staged: StagedChunks,
-             previous: InflightStep | None, int64_out: torch.Tensor | None = None,
-             int32_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage the pending tokens' fill, copy the int64 staging of `tokens` token rows and `rows` logit
-        rows and the first `num_int32` int32 values to the device (into `int64_out` / `int32_out`, the
-        padded runner's static buffers, or fresh tensors), then fill the pending tokens there.
-        -> (int64, int32) device tensors holding the staged values at their staging offsets."""
+             previous: InflightStep | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage the pending tokens' fill, copy the staging of `tokens` token rows, `rows` logit rows and
+        `num_int32` int32 values to the device in one copy (into `out`, the padded runner's static uint8
+        buffer, or a fresh one), then fill the pending tokens there. -> the device uint8 buffer, holding
+        the staged values at their staging offsets."""
         num_int64 = 3 * tokens + rows
-        # Steady decoding: token row i takes row i of the step in flight's tokens, one contiguous copy.
+        fill_at = -(-(int32_offset(num_int64) + 4 * num_int32) // 8)  # int64 index of the fill
+        # Steady decoding: token row i takes row i of the step in flight's tokens.
         in_order = (staged.pending_in_order and previous is not None
                     and previous.samples_in_order(staged.pending_ids))
-        num_fill = 0 if in_order else _stage_fill(self.h64[num_int64:], staged, previous)
-        int64_out = self._copy(self.host_int64[:num_int64 + num_fill], int64_out)
-        int32_out = self._copy(self.host_int32[:num_int32], int32_out)
-        if in_order:
-            k = len(staged.pending_ids)
-            int64_out[:k].copy_(previous.sampled.sampled[:k])
-        elif num_fill:
-            fill_pending_tokens(int64_out[:tokens], int64_out[num_int64:num_int64 + num_fill], previous)
+        num_fill = 0 if in_order else _stage_fill(self.h64[fill_at:], staged, previous)
+        nbytes = 8 * (fill_at + num_fill)
+        sampled = previous.sampled.sampled if previous is not None and staged.pending_ids else None
+        # Where the step in flight sampled into `out`'s input ids, the copy would overwrite its tokens.
+        aliased = sampled is not None and out is not None and sampled.data_ptr() == out.data_ptr()
+        if in_order and aliased:  # they are this step's input ids already: copy what follows them
+            k = 8 * len(staged.pending_ids)
+            out[k:nbytes].copy_(self.host[k:nbytes], non_blocking=True)
+        else:
+            if aliased:  # read before the copy overwrites them
+                sampled = sampled.clone()
+            out = self._copy(self.host[:nbytes], out)
+            if in_order:
+                k = len(staged.pending_ids)
+                typed(out, 0, k, torch.int64).copy_(sampled[:k])
+            elif num_fill:
+                fill_pending_tokens(typed(out, 0, tokens, torch.int64), typed(out, 8 * fill_at, num_fill, torch.int64),
+                                    sampled)
         if self._copied is not None:
             self._copied.record()
-        return int64_out, int32_out
+        return out
 
     def _copy(self, host: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if out is not None:
@@ -205,7 +239,11 @@ class StepStager:
         seq_lens = [chunk.start_pos + chunk.num_tokens for chunk in chunks]
         tokens = sum(query_lens)
         width = cdiv(max(seq_lens), bs)
-        h32 = self.h32
+        samples = [chunk.sample for chunk in chunks]
+        sampling_chunks = [chunk for chunk in chunks if chunk.sample]
+        rows = len(sampling_chunks)
+        num_int64 = 3 * tokens + rows
+        h32 = self.int32_staging(num_int64)
         tables_at = 2 * num_requests + 1
         num_int32 = tables_at + num_requests * width
         tables = h32[tables_at:num_int32].reshape(num_requests, width)
@@ -214,11 +252,10 @@ class StepStager:
         h32[0] = 0
         h32[1:num_requests + 1] = staged.ends
         h32[num_requests + 1:tables_at] = seq_lens
-        samples = [chunk.sample for chunk in chunks]
-        sampling_chunks = [chunk for chunk in chunks if chunk.sample]
-        rows = len(sampling_chunks)
-        self.h64[3 * tokens:3 * tokens + rows] = staged.ends[np.array(samples, dtype=bool)] - 1
-        int64, int32 = self.send(tokens, rows, num_int32, staged, previous)
+        self.h64[3 * tokens:num_int64] = staged.ends[np.array(samples, dtype=bool)] - 1
+        staging = self.send(tokens, rows, num_int32, staged, previous)
+        int64 = typed(staging, 0, num_int64, torch.int64)
+        int32 = typed(staging, int32_offset(num_int64), num_int32, torch.int32)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_requests)
         metadata = AttentionMetadata(
             slot_mapping=int64[2 * tokens:3 * tokens],
@@ -262,11 +299,12 @@ def _table_array(block_tables: list[list[int]]) -> np.ndarray:
     return array
 
 
-def fill_pending_tokens(input_ids: torch.Tensor, index: torch.Tensor, previous: InflightStep) -> None:
-    """input_ids [T] int64 on the device; index [2k]: the staged fill, on the device. Enqueued on the
-    current stream, so the forward that follows reads the filled ids."""
+def fill_pending_tokens(input_ids: torch.Tensor, index: torch.Tensor, sampled: torch.Tensor) -> None:
+    """input_ids [T] int64 on the device; index [2k]: the staged fill, on the device; sampled [N] int64:
+    the step in flight's tokens. Enqueued on the current stream, so the forward that follows reads the
+    filled ids."""
     k = index.shape[0] // 2
-    tokens = previous.sampled.sampled.index_select(0, index[k:])  # [k]
+    tokens = sampled.index_select(0, index[k:])  # [k]
     input_ids.index_copy_(0, index[:k], tokens)
 
 
