@@ -26,9 +26,6 @@
 // acquire-release counter) adds every part in CTA order, i.e. k order, so the bits do not depend on which CTA
 // finished last.
 //
-// ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight in the interleaved layout
-// (kernels/w4_fragment_gemm.py: gate_up_layout), written as act(gate) * up [M, N / 2].
-//
 // Epilogue. The two K halves of a tile (warps wk = 0, 1; WK = 2) are added in shared memory, in the ring slot the
 // tile's last stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
 #include "w4_fragment.cuh"
@@ -52,13 +49,13 @@ struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, 
   }
 };
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, int ACT>
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA>
 __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
     const u16* __restrict__ bias,    // [N] DT, or null
-    u16* __restrict__ out,           // [M, N] DT; with ACT >= 0 [M, N / 2]
+    u16* __restrict__ out,           // [M, N] DT
     float* __restrict__ partials,    // [P, 2, TOKENS * ROWS] fp32: the parts of tiles shared by CTAs
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
@@ -305,28 +302,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
         if (tid == 0) counters[tile] = 0;
       }
     }
-    if (write && ACT >= 0) {
-      // Gate/up rows interleaved at load: row 16 T + j is gate row 8 T + j, row 16 T + 8 + j its up row, so a
-      // thread's c0, c1 (row g) are gate sums and c2, c3 (row g + 8) the matching up sums; act_and_mul_kernel's
-      // arithmetic on the two DT-rounded products gives the unfused bits.
-      const int inner = N >> 1;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const int row_tile = tile0 + wn * RT + r, feature = row_tile * 8 + g;
-        if (feature >= inner) continue;
-        const int n = row_tile * 16 + g;
-        const float b_gate = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
-        const float b_up = bias != nullptr ? Num<DT>::to_float(bias[n + 8]) : 0.0f;
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int m = tok0 + tt * 8 + 2 * t + e;
-            if (m < M) out[(size_t)m * inner + feature] = gate_times_up<DT, ACT>(acc[r][tt][e] + b_gate,
-                                                                                 acc[r][tt][2 + e] + b_up);
-          }
-      }
-    } else if (write) {
+    if (write) {
 #pragma unroll
       for (int r = 0; r < RT; ++r)
 #pragma unroll

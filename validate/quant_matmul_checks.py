@@ -265,15 +265,6 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
     return results
 
 
-# Its fused gate/up activation over the interleaved layout: (tokens, inner features, in_features, group size,
-# activation, persistent CTAs or None for the plan's).
-FRAGMENT_BATCH_GATE_UP_CASES = (
-    (33, 5504, 2048, 128, "silu", None),
-    (100, 1000, 4096, 256, "gelu_tanh", 9),
-    (128, 11008, 2048, 128, "silu", None),
-)
-
-
 def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """The 33-128-token kernel over the fragment layout on its cases, on both tensor-core paths the GPU has (mma.sync;
     wgmma on SM90), against the fp32 product of the reference dequantizer's weight."""
@@ -299,26 +290,6 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
                 return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
 
             results += guarded("w4_fragment_batch", case, run)
-        for (m, inner, k, g, activation, ctas), dtype in itertools.product(FRAGMENT_BATCH_GATE_UP_CASES, dtypes):
-            case = (f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g} "
-                    f"{config.label}" + (f" ctas={ctas}" if ctas else ""))
-
-            def run_fused(m=m, inner=inner, k=k, g=g, activation=activation, ctas=ctas, dtype=dtype, case=case,
-                          config=config):
-                packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
-                fused = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
-                order = fragment.gate_up_order(inner, device)
-                x = torch.randn(m, k, device=device, dtype=dtype)
-                out = poisoned((m, inner), dtype, device)
-                batch.w4_fragment_batch_act_and_mul(x, fused, activation, packed.bias[order], config=config, ctas=ctas,
-                                                    out=out)
-                # the same kernel's product over the same layout (the same k split of every row), rows put back
-                product = torch.empty(m, 2 * inner, device=device, dtype=dtype)
-                product[:, order] = batch.w4_fragment_batch(x, fused, packed.bias[order], config=config, ctas=ctas)
-                return fused_gate_up_checks("w4_fragment_batch", case, out, product, x, packed, inner, activation,
-                                            dtype)
-
-            results += guarded("w4_fragment_batch", case, run_fused)
     return results
 
 
