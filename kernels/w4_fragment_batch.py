@@ -36,6 +36,7 @@ class BatchConfig:
     apw: int = 2
     stages: int = 4
     wgmma: bool = False  # wgmma (SM90a: m64n(8 TT)k16, A from registers) in place of mma.sync
+    ring: bool = False  # a producer warp's bulk copies into an mbarrier ring (SM90, wgmma, wn = 8, wk = 1) for cp.async
 
     @property
     def rows(self) -> int:
@@ -47,7 +48,7 @@ class BatchConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.wn * self.wk
+        return 32 * (self.wn * self.wk + 4 * self.ring)  # the ring's producer warpgroup
 
     @property
     def bk(self) -> int:
@@ -66,11 +67,12 @@ class BatchConfig:
 
     @property
     def label(self) -> str:
-        return f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',wgmma' if self.wgmma else ''}>"
+        return (f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}"
+                f"{',wgmma' if self.wgmma else ''}{',ring' if self.ring else ''}>")
 
     def name(self, dt: int, gs: int) -> str:
         return (f"w4_fragment_batch_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages},{'true' if self.wgmma else 'false'}>")
+                f"{self.stages},{'true' if self.wgmma else 'false'},{'true' if self.ring else 'false'}>")
 
 
 # 8 warps (4 along N, 2 along K) of 2 row tiles and all 64 tokens: 128 x 64 outputs a CTA, 256 k a stage (at
