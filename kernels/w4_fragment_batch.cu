@@ -49,7 +49,7 @@ struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, 
 };
 
 template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, bool RING>
-__global__ void __launch_bounds__(32 * (WN * WK + (RING ? 4 : 0)), 1) w4_fragment_batch_kernel(
+__global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)

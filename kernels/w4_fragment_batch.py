@@ -83,7 +83,16 @@ WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
 # stage, 3 stages of 66 KiB. A stage's 32 KiB of activations serve 32 KiB of weights (the 128-row tile's serve 16).
 WIDE_WGMMA_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True)
 WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token blocks (m64n48k16)
-CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG)
+# The wide tiles fed by a producer warpgroup's bulk copies into an mbarrier ring (w4_fragment_ring.cuh), no block
+# barrier in the main loop: the same 3 slots of 66 KiB (58 at 48 tokens), and a deeper ring of 128-k stages (6 slots
+# of 33 KiB, 7 of 29 at 48 tokens), so a slot is refilled after half a 256-k stage's work and up to 5-6 stages
+# (165-174 KiB) are in flight while one is read.
+WIDE_RING_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True, ring=True)
+WIDE_48_RING_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True, ring=True)
+DEEP_RING_CONFIG = BatchConfig(wn=8, wk=1, apw=2, stages=6, wgmma=True, ring=True)
+DEEP_48_RING_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=2, stages=7, wgmma=True, ring=True)
+RING_CONFIGS = (WIDE_RING_CONFIG, WIDE_48_RING_CONFIG, DEEP_RING_CONFIG, DEEP_48_RING_CONFIG)
+CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG, *RING_CONFIGS)
 
 
 def iterations(num_tokens: int, out_features: int, in_features: int, config: BatchConfig = CONFIG) -> int:
