@@ -13,10 +13,15 @@
 // warpgroups side by side along N, each warp all 4 atoms of a 256-k stage, so a stage's 32 KiB of activations serve
 // 32 KiB of weights (the 128-row tile's serve 16) and no K halves meet in the epilogue.
 //
-// Pipeline. Weights, scale entries and activations of a stage are one cp.async group in a ring of STAGES slots;
-// the first stages' weights and scales are fetched before the programmatic-launch wait (no earlier kernel writes
-// them). The ring runs on across output tiles: a stage's copies are those of the (tile, k block) the CTA reaches
-// STAGES - 1 iterations ahead, so the copies of the next tile are in flight while one tile finishes.
+// Pipeline. Without RING, weights, scale entries and activations of a stage are one cp.async group of every thread
+// in a ring of STAGES slots, a block barrier a stage; the first stages' weights and scales are fetched before the
+// programmatic-launch wait (no earlier kernel writes them). The ring runs on across output tiles: a stage's copies
+// are those of the (tile, k block) the CTA reaches STAGES - 1 iterations ahead, so the copies of the next tile are in
+// flight while one tile finishes. With RING (the wide wgmma tiles, SM90) a third warpgroup's producer warp fills the
+// STAGES slots (weights and scale entries by cp.async.bulk, activations by cp.async) and the two consumer
+// warpgroups wait on each slot's full mbarrier and release it on its empty one, so a slot is refilled as soon as
+// every consumer warp is done with it and no block barrier is left in the main loop (kernels/w4_fragment_ring.cuh);
+// every slot's weights go out before the programmatic-launch wait. Both pipelines give the same bits.
 //
 // Work split (stream-K). The work is tiles x k blocks iterations, tile-major, token blocks of one row block
 // adjacent (they read the same weights, so the second read is an L2 hit); CTA c of the grid's P takes iterations
@@ -92,9 +97,9 @@ __global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batc
       // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
       // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
       // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
-      // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose copy state leaves
-      // registers for no more (with three ptxas spilled inside the loop).
-      constexpr int SETS = APW > 2 && TT > 6 ? 2 : 3;
+      // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose registers hold no more
+      // (with three ptxas spilled inside the loop).
+      constexpr int SETS = (APW > 2 || RING) && TT > 6 ? 2 : 3;
       u32 a[SETS][RT][4];
 #pragma unroll
       for (int s = 0; s < L::STEPS; ++s) {
