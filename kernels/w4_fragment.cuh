@@ -1,9 +1,9 @@
 // What the W4 kernels over the fragment layout share (kernels/w4_fragment_gemm.cu for 1-32 tokens,
 // kernels/w4_fragment_batch.cu for 33-128): the unpacking of a lane's fragment words, ldmatrix, a CTA's stage
 // layout in shared memory and the reads of a warp's words, scale entries and B fragments from it, the cp.async
-// copies of one stage, the scaling of each group's sums into the accumulators, the fused gate/up arithmetic and the
-// arrival count of split or stream-K parts. The layout itself is described in kernels/w4_fragment_gemm.py and at the
-// top of w4_fragment_gemm.cu.
+// copies of one stage, the scaling of each group's sums into the accumulators, the fused gate/up arithmetic (the
+// few-token kernel's) and the arrival count of split or stream-K parts. The layout itself is described in
+// kernels/w4_fragment_gemm.py and at the top of w4_fragment_gemm.cu.
 #include "common.cuh"
 
 template <int DT> struct FragDequant;
@@ -154,16 +154,29 @@ __device__ __forceinline__ u16 gate_times_up(float gate, float up) {
   return Num<DT>::from_float(act * up_r);
 }
 
+// A barrier of the CTA's first THREADS threads (0: all of them; else named barrier 1, which a producer warp past
+// those threads keeps out of).
+template <int THREADS>
+__device__ __forceinline__ void cta_barrier() {
+  if constexpr (THREADS == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+  }
+}
+
 // Whether this CTA is the last of `others` + 1 to leave its part of a tile (the tile's counter, acquire-release):
 // every thread's part is written before thread 0 counts, and the last CTA's threads read the others' after it.
+// THREADS: the threads that hold parts (cta_barrier's).
+template <int THREADS = 0>
 __device__ __forceinline__ bool last_to_arrive(u32* counter, u32 others, int& flag) {
-  __syncthreads();
+  cta_barrier<THREADS>();
   if (threadIdx.x == 0) {
     u32 arrived;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counter) : "memory");
     flag = arrived == others;
   }
-  __syncthreads();
+  cta_barrier<THREADS>();
   return flag;
 }
 

@@ -13,10 +13,15 @@
 // warpgroups side by side along N, each warp all 4 atoms of a 256-k stage, so a stage's 32 KiB of activations serve
 // 32 KiB of weights (the 128-row tile's serve 16) and no K halves meet in the epilogue.
 //
-// Pipeline. Weights, scale entries and activations of a stage are one cp.async group in a ring of STAGES slots;
-// the first stages' weights and scales are fetched before the programmatic-launch wait (no earlier kernel writes
-// them). The ring runs on across output tiles: a stage's copies are those of the (tile, k block) the CTA reaches
-// STAGES - 1 iterations ahead, so the copies of the next tile are in flight while one tile finishes.
+// Pipeline. Without RING, weights, scale entries and activations of a stage are one cp.async group of every thread
+// in a ring of STAGES slots, a block barrier a stage; the first stages' weights and scales are fetched before the
+// programmatic-launch wait (no earlier kernel writes them). The ring runs on across output tiles: a stage's copies
+// are those of the (tile, k block) the CTA reaches STAGES - 1 iterations ahead, so the copies of the next tile are in
+// flight while one tile finishes. With RING (the wide wgmma tiles, SM90) a third warpgroup's producer warp fills the
+// STAGES slots (weights and scale entries by cp.async.bulk, activations by cp.async) and the two consumer
+// warpgroups wait on each slot's full mbarrier and release it on its empty one, so a slot is refilled as soon as
+// every consumer warp is done with it and no block barrier is left in the main loop (kernels/w4_fragment_ring.cuh);
+// every slot's weights go out before the programmatic-launch wait. Both pipelines give the same bits.
 //
 // Work split (stream-K). The work is tiles x k blocks iterations, tile-major, token blocks of one row block
 // adjacent (they read the same weights, so the second read is an L2 hit); CTA c of the grid's P takes iterations
@@ -26,12 +31,9 @@
 // acquire-release counter) adds every part in CTA order, i.e. k order, so the bits do not depend on which CTA
 // finished last.
 //
-// ACT: -1 the product; 0 (SiLU) or 1 (GeLU-tanh): a merged gate/up weight in the interleaved layout
-// (kernels/w4_fragment_gemm.py: gate_up_layout), written as act(gate) * up [M, N / 2].
-//
 // Epilogue. The two K halves of a tile (warps wk = 0, 1; WK = 2) are added in shared memory, in the ring slot the
 // tile's last stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
-#include "w4_fragment.cuh"
+#include "w4_fragment_ring.cuh"
 #include "wgmma.cuh"
 
 // The stage layout: FragTile's; with WGMMA the activations as BK / 64 blocks of TOKENS rows x 128 bytes (64 k) in
@@ -45,27 +47,29 @@ struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, 
   using Base = FragTile<RT, TT, WN, WK, APW, GS>;
   static constexpr int X_ROW = 128;
   static constexpr int X_BLOCK = Base::TOKENS * 128;
-  static_assert(Base::THREADS == Base::BK, "one pass of activation copies a stage");
   static_assert(Base::X_OFFSET % 1024 == 0 && Base::STAGE_BYTES % 1024 == 0, "1024-byte aligned blocks");
   static __device__ __forceinline__ int x_offset(int row, int chunk) {
     return Base::X_OFFSET + (chunk >> 3) * X_BLOCK + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
   }
 };
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, int ACT>
-__global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, bool RING>
+__global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
     const u16* __restrict__ bias,    // [N] DT, or null
-    u16* __restrict__ out,           // [M, N] DT; with ACT >= 0 [M, N / 2]
+    u16* __restrict__ out,           // [M, N] DT
     float* __restrict__ partials,    // [P, 2, TOKENS * ROWS] fp32: the parts of tiles shared by CTAs
     u32* __restrict__ counters,      // [tiles], zero between launches
     int M, int N, int K, int group_shift, int num_groups) {
   using L = BatchTile<RT, TT, WN, WK, APW, GS, WGMMA>;
   static_assert(WK == 1 || WK == 2, "the epilogue adds at most two K halves");
   static_assert(WK == 1 || L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
+  static_assert(RING || !WGMMA || L::THREADS == L::BK, "one pass of the CTA's activation copies a stage");
+  static_assert(!RING || (WGMMA && WK == 1), "the ring feeds the wgmma warpgroups of one K range");
   constexpr int OUTS = L::TOKENS * L::ROWS;
+  constexpr int CONSUMER_THREADS = L::THREADS;  // the warps that multiply (all but the ring's producer warpgroup)
   constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0 (every warp when WK = 1), which write the outputs
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ int last_flag;
@@ -81,172 +85,117 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   const int steps = end - begin;
   const StageGroups<L> groups(group_shift);
 
-  // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
-  auto copies_of = [&](int tile) {
-    return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
-                         k_atoms, M, K, num_groups, groups.count);
-  };
-  // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
-  struct Position {
-    int tile, kb;
-  };
-  auto advance = [&](Position& at, FragCopies<L>& copies) {
-    if (++at.kb == num_kb) {
-      at.kb = 0;
-      copies = copies_of(++at.tile);
-    }
-  };
-  const Position start{begin / num_kb, begin % num_kb};
-  Position at = start;
-  FragCopies<L> fill = copies_of(start.tile);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s)
-    if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
-      if (s > 0) advance(at, fill);
-      fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
-    }
-  wait_for_prior_grids();
-  at = start;
-  fill = copies_of(start.tile);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) {
-      if (s > 0) advance(at, fill);
-      fill.activations(smem + s * L::STAGE_BYTES, at.kb);
-    }
-    cp_async_commit();
-  }
-
   float acc[RT][TT][4], part[RT][TT][4];
-  zero(acc);
-  zero(part);
-  int read_slot = 0, fill_slot = STAGES - 1;  // the slot read now and the one refilled
-  unsigned char* stage = smem;                // the slot read last
-  for (int it = begin; it < end;) {
-    // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
-    const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
-    int k_stage = (it - tile * num_kb) * L::BK;
-    for (; it < segment_end; ++it, k_stage += L::BK) {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // this stage landed for every thread; nobody still reads the one refilled next
-      if (it + STAGES - 1 < end) {  // the copies STAGES - 1 iterations ahead, whatever tile they are of
-        advance(at, fill);
-        unsigned char* refill = smem + fill_slot * L::STAGE_BYTES;
-        fill.weights(refill, at.kb, group_shift);
-        fill.activations(refill, at.kb);
-      }
-      cp_async_commit();
-      fill_slot = fill_slot == STAGES - 1 ? 0 : fill_slot + 1;
-      stage = smem + read_slot * L::STAGE_BYTES;
-      read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
-      const bool tile_ends = it + 1 == segment_end;
-
-      uint2 entry[RT];  // the scale entries of the current group
-      if constexpr (WGMMA) {
-        // The lane's fragment words of atom ai for both row tiles, loaded as the atom's first step comes (APW = 4
-        // keeps 8 registers of them, not 32).
-        uint4 w[RT];
-        // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
-        // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
-        // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
-        // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose copy state leaves
-        // registers for no more (with three ptxas spilled inside the loop).
-        constexpr int SETS = APW > 2 && TT > 6 ? 2 : 3;
-        u32 a[SETS][RT][4];
+  // One stage's products: the warp's RT row tiles by its APW atoms of the stage at `stage` (k offset k_stage in K),
+  // each group's sums scaled into acc. tile_ends: the stage is the last of the CTA's part of its tile.
+  auto multiply_stage = [&](const unsigned char* stage, int k_stage, bool tile_ends) {
+    uint2 entry[RT];  // the scale entries of the current group
+    if constexpr (WGMMA) {
+      // The lane's fragment words of atom ai for both row tiles, loaded as the atom's first step comes (APW = 4
+      // keeps 8 registers of them, not 32).
+      uint4 w[RT];
+      // A k16 step at a time: both row tiles' A fragments into register set s % SETS while the wgmma groups of
+      // the SETS - 1 steps before run (the wait after each commit leaves SETS - 1 in flight, so the set rewritten
+      // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
+      // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose registers hold no more
+      // (with three ptxas spilled inside the loop).
+      constexpr int SETS = (APW > 2 || RING) && TT > 6 ? 2 : 3;
+      u32 a[SETS][RT][4];
 #pragma unroll
-        for (int s = 0; s < L::STEPS; ++s) {
-          const int ai = s >> 2, j = s & 3;
-          const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of step s inside the stage
-          if (j == 0) {
+      for (int s = 0; s < L::STEPS; ++s) {
+        const int ai = s >> 2, j = s & 3;
+        const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of step s inside the stage
+        if (j == 0) {
 #pragma unroll
-            for (int r = 0; r < RT; ++r) w[r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
-          }
-          if (GS == 0 ? s == 0 : s % GS == 0) {
+          for (int r = 0; r < RT; ++r) w[r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
+        }
+        if (GS == 0 ? s == 0 : s % GS == 0) {
 #pragma unroll
-            for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
-          }
+          for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
+        }
 #pragma unroll
-          for (int r = 0; r < RT; ++r) {
-            FragDequant<DT>(entry[r].y).unpack(step_word(w[r], j), a[s % SETS][r]);
-          }
+        for (int r = 0; r < RT; ++r) {
+          FragDequant<DT>(entry[r].y).unpack(step_word(w[r], j), a[s % SETS][r]);
+        }
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+          for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hold(part[r][tt][e]);  // no register moves of the sums in flight
+        wgmma_fence();
+        const unsigned char* xb = stage + L::X_OFFSET + (dk >> 6) * L::X_BLOCK + (dk & 63) * 2;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) wgmma_rs<DT, 8 * TT>(&part[r][0][0], a[s % SETS][r], swizzled_desc(xb));
+        wgmma_commit();
+        bool flush;
+        if constexpr (GS > 0) {
+          flush = (s + 1) % GS == 0;
+        } else {
+          flush = s + 1 == L::STEPS &&
+                  (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
+        }
+        if (flush) {
+          wgmma_wait<0>();
+          scale_into(acc, part, entry);
+        } else {
+          wgmma_wait<SETS - 1>();
 #pragma unroll
           for (int r = 0; r < RT; ++r)
 #pragma unroll
-            for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) hold(part[r][tt][e]);  // no register moves of the sums in flight
-          wgmma_fence();
-          const unsigned char* xb = stage + L::X_OFFSET + (dk >> 6) * L::X_BLOCK + (dk & 63) * 2;
-#pragma unroll
-          for (int r = 0; r < RT; ++r) wgmma_rs<DT, 8 * TT>(&part[r][0][0], a[s % SETS][r], swizzled_desc(xb));
-          wgmma_commit();
-          bool flush;
-          if constexpr (GS > 0) {
-            flush = (s + 1) % GS == 0;
-          } else {
-            flush = s + 1 == L::STEPS &&
-                    (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
-          }
-          if (flush) {
-            wgmma_wait<0>();
-            scale_into(acc, part, entry);
-          } else {
-            wgmma_wait<SETS - 1>();
-#pragma unroll
-            for (int r = 0; r < RT; ++r)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s + 1 - SETS's set: its group is done
-          }
-        }
-        wgmma_wait<0>();
-      } else {
-        // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A
-        // fragments of both steps for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
-        uint4 w[APW][RT];  // the lane's fragment words of the stage
-#pragma unroll
-        for (int ai = 0; ai < APW; ++ai)
-#pragma unroll
-          for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
-#pragma unroll
-        for (int s = 0; s < L::STEPS; s += 2) {
-          const int ai = s >> 2;
-          const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
-          if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
-#pragma unroll
-            for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
-          }
-          u32 a[2][RT][4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int j = (s & 3) + h;
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-              FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a[h][r]);
-            }
-          }
-#pragma unroll
-          for (int tt = 0; tt < TT; ++tt) {
-            u32 b[4];
-            L::b_fragments(b, stage, tt, dk, lane);
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int r = 0; r < RT; ++r)
-                Num<DT>::mma(part[r][tt], a[h][r][0], a[h][r][1], a[h][r][2], a[h][r][3], b[2 * h], b[2 * h + 1]);
-          }
-          bool flush;
-          if constexpr (GS > 0) {
-            flush = (s + 2) % GS == 0;
-          } else {  // at the stage's last steps, where the warp's next atoms lie in another group or the tile's part ends
-            flush = s + 2 == L::STEPS &&
-                    (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
-          }
-          if (flush) scale_into(acc, part, entry);
+            for (int e = 0; e < 4; ++e) hold(a[(s + 1) % SETS][r][e]);  // step s + 1 - SETS's set: its group is done
         }
       }
+      wgmma_wait<0>();
+    } else {
+      // Two k16 steps at a time (one ldmatrix.x4 of a token tile holds both steps' B fragments): the A
+      // fragments of both steps for every row tile, then token tile by token tile, so B takes 4 registers at any TT.
+      uint4 w[APW][RT];  // the lane's fragment words of the stage
+#pragma unroll
+      for (int ai = 0; ai < APW; ++ai)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
+#pragma unroll
+      for (int s = 0; s < L::STEPS; s += 2) {
+        const int ai = s >> 2;
+        const int dk = (wk * APW + ai) * 64 + 16 * (s & 3);  // k offset of step s inside the stage
+        if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group (GS is even: groups start on even steps)
+#pragma unroll
+          for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
+        }
+        u32 a[2][RT][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = (s & 3) + h;
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a[h][r]);
+          }
+        }
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+          u32 b[4];
+          L::b_fragments(b, stage, tt, dk, lane);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+              Num<DT>::mma(part[r][tt], a[h][r][0], a[h][r][1], a[h][r][2], a[h][r][3], b[2 * h], b[2 * h + 1]);
+        }
+        bool flush;
+        if constexpr (GS > 0) {
+          flush = (s + 2) % GS == 0;
+        } else {  // at the stage's last steps, where the warp's next atoms lie in another group or the tile's part ends
+          flush = s + 2 == L::STEPS &&
+                  (tile_ends || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
+        }
+        if (flush) scale_into(acc, part, entry);
+      }
     }
-
-    // The tile's part is done: K half 1 (if any) hands its sums to half 0 through the slot just read.
+  };
+  // The CTA's part of tile `tile` (iterations [segment_begin, segment_end)) is done: K half 1 (if any) hands its
+  // sums to half 0 through `stage`, the slot just read; a whole tile is written, a part meets the others'.
+  auto finish_tile = [&](int tile, int segment_begin, int segment_end, unsigned char* stage) {
     const int tile0 = (tile / tok_blocks) * L::TILES, tok0 = (tile % tok_blocks) * L::TOKENS;
     if constexpr (WK == 2) {
       float* red = reinterpret_cast<float*>(stage);
@@ -287,7 +236,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
       }
       const long long first_it = (long long)tile * num_kb, last_it = first_it + num_kb - 1;
       const int c_lo = (int)(((first_it + 1) * ctas - 1) / total), c_hi = (int)(((last_it + 1) * ctas - 1) / total);
-      write = last_to_arrive(counters + tile, (u32)(c_hi - c_lo), last_flag) && write;
+      write = last_to_arrive<RING ? CONSUMER_THREADS : 0>(counters + tile, (u32)(c_hi - c_lo), last_flag) && write;
       if (write) {
         zero(acc);
 #pragma unroll 1
@@ -305,28 +254,7 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
         if (tid == 0) counters[tile] = 0;
       }
     }
-    if (write && ACT >= 0) {
-      // Gate/up rows interleaved at load: row 16 T + j is gate row 8 T + j, row 16 T + 8 + j its up row, so a
-      // thread's c0, c1 (row g) are gate sums and c2, c3 (row g + 8) the matching up sums; act_and_mul_kernel's
-      // arithmetic on the two DT-rounded products gives the unfused bits.
-      const int inner = N >> 1;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const int row_tile = tile0 + wn * RT + r, feature = row_tile * 8 + g;
-        if (feature >= inner) continue;
-        const int n = row_tile * 16 + g;
-        const float b_gate = bias != nullptr ? Num<DT>::to_float(bias[n]) : 0.0f;
-        const float b_up = bias != nullptr ? Num<DT>::to_float(bias[n + 8]) : 0.0f;
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int m = tok0 + tt * 8 + 2 * t + e;
-            if (m < M) out[(size_t)m * inner + feature] = gate_times_up<DT, ACT>(acc[r][tt][e] + b_gate,
-                                                                                 acc[r][tt][2 + e] + b_up);
-          }
-      }
-    } else if (write) {
+    if (write) {
 #pragma unroll
       for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -344,6 +272,134 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
         }
     }
     zero(acc);
+  };
+
+  if constexpr (RING) {
+    // Warp-specialized (kernels/w4_fragment_ring.cuh): warps 0 .. WN - 1 (two warpgroups) multiply, warp WN of the
+    // third warpgroup copies; that warpgroup keeps PRODUCER_REGISTERS a thread and the consumers take the rest
+    // (65536 registers an SM: 128 x 40 + 256 x 232).
+    constexpr u32 PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static_assert(WN == 8, "two consumer warpgroups and the producer's");
+    const Ring<STAGES> ring;
+    if (tid == 0) ring.init(WN);
+    __syncthreads();  // the barriers are initialized; the only CTA-wide barrier (the producers leave the others)
+    if (warp >= WN) {
+      release_registers<PRODUCER_REGISTERS>();
+      if (warp > WN) return;
+      auto copies_of = [&](int tile) {
+        return RingCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
+                             k_atoms, M, K, num_groups, groups.count);
+      };
+      int tile = begin / num_kb, kb = begin % num_kb;
+      RingCopies<L> copies = copies_of(tile);
+      {  // the weights and scale entries of every stage the ring holds, before the PDL wait
+        int ahead_tile = tile, ahead_kb = kb;
+        RingCopies<L> ahead = copies;
+        for (int i = 0; i < min(steps, STAGES); ++i) {
+          ahead.weights(smem + i * L::STAGE_BYTES, ring.full + i, ahead_kb, group_shift);
+          if (++ahead_kb == num_kb) {
+            ahead_kb = 0;
+            ahead = copies_of(++ahead_tile);
+          }
+        }
+      }
+      wait_for_prior_grids();
+      RingPosition<STAGES> at;
+      for (int i = 0; i < steps; ++i, at.step()) {
+        unsigned char* slot = smem + at.slot * L::STAGE_BYTES;
+        if (i >= STAGES) {
+          barrier_wait(ring.empty + at.slot, at.phase ^ 1);  // the consumers are done with the slot's last use
+          copies.weights(slot, ring.full + at.slot, kb, group_shift);
+        }
+        copies.activations(slot, ring.full + at.slot, kb);
+        if (++kb == num_kb) {
+          kb = 0;
+          copies = copies_of(++tile);
+        }
+      }
+      return;
+    }
+    claim_registers<CONSUMER_REGISTERS>();
+    wait_for_prior_grids();  // before the first write (outputs, partials, counters)
+    zero(acc);
+    zero(part);
+    RingPosition<STAGES> at;
+    unsigned char* stage = smem;
+    for (int it = begin; it < end;) {
+      // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
+      const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
+      int k_stage = (it - tile * num_kb) * L::BK;
+      for (; it < segment_end; ++it, k_stage += L::BK, at.step()) {
+        stage = smem + at.slot * L::STAGE_BYTES;
+        barrier_wait(ring.full + at.slot, at.phase);
+        multiply_stage(stage, k_stage, it + 1 == segment_end);
+        __syncwarp();  // every lane's reads of the slot are done (multiply_stage waited for its wgmma)
+        if (lane == 0) barrier_arrive(ring.empty + at.slot);
+      }
+      finish_tile(tile, segment_begin, segment_end, stage);
+    }
+  } else {
+    // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
+    auto copies_of = [&](int tile) {
+      return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
+                           k_atoms, M, K, num_groups, groups.count);
+    };
+    // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
+    struct Position {
+      int tile, kb;
+    };
+    auto advance = [&](Position& at, FragCopies<L>& copies) {
+      if (++at.kb == num_kb) {
+        at.kb = 0;
+        copies = copies_of(++at.tile);
+      }
+    };
+    const Position start{begin / num_kb, begin % num_kb};
+    Position at = start;
+    FragCopies<L> fill = copies_of(start.tile);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
+        if (s > 0) advance(at, fill);
+        fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
+      }
+    wait_for_prior_grids();
+    at = start;
+    fill = copies_of(start.tile);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < steps) {
+        if (s > 0) advance(at, fill);
+        fill.activations(smem + s * L::STAGE_BYTES, at.kb);
+      }
+      cp_async_commit();
+    }
+
+    zero(acc);
+    zero(part);
+    int read_slot = 0, fill_slot = STAGES - 1;  // the slot read now and the one refilled
+    unsigned char* stage = smem;                // the slot read last
+    for (int it = begin; it < end;) {
+      // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
+      const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
+      int k_stage = (it - tile * num_kb) * L::BK;
+      for (; it < segment_end; ++it, k_stage += L::BK) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // this stage landed for every thread; nobody still reads the one refilled next
+        if (it + STAGES - 1 < end) {  // the copies STAGES - 1 iterations ahead, whatever tile they are of
+          advance(at, fill);
+          unsigned char* refill = smem + fill_slot * L::STAGE_BYTES;
+          fill.weights(refill, at.kb, group_shift);
+          fill.activations(refill, at.kb);
+        }
+        cp_async_commit();
+        fill_slot = fill_slot == STAGES - 1 ? 0 : fill_slot + 1;
+        stage = smem + read_slot * L::STAGE_BYTES;
+        read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
+        multiply_stage(stage, k_stage, it + 1 == segment_end);
+      }
+      finish_tile(tile, segment_begin, segment_end, stage);
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
 }

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels.act_and_mul import ACTIVATIONS, fused_epilogue_operands
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import i32, launch, planned_launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import _COUNTER_SLOTS, _num_sms, split_k_buffers
@@ -37,6 +36,7 @@ class BatchConfig:
     apw: int = 2
     stages: int = 4
     wgmma: bool = False  # wgmma (SM90a: m64n(8 TT)k16, A from registers) in place of mma.sync
+    ring: bool = False  # a producer warp's bulk copies into an mbarrier ring (SM90, wgmma, wn = 8, wk = 1) for cp.async
 
     @property
     def rows(self) -> int:
@@ -48,7 +48,7 @@ class BatchConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.wn * self.wk
+        return 32 * (self.wn * self.wk + 4 * self.ring)  # the ring's producer warpgroup
 
     @property
     def bk(self) -> int:
@@ -67,11 +67,12 @@ class BatchConfig:
 
     @property
     def label(self) -> str:
-        return f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',wgmma' if self.wgmma else ''}>"
+        return (f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}"
+                f"{',wgmma' if self.wgmma else ''}{',ring' if self.ring else ''}>")
 
-    def name(self, dt: int, gs: int, act: int = -1) -> str:
+    def name(self, dt: int, gs: int) -> str:
         return (f"w4_fragment_batch_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages},{'true' if self.wgmma else 'false'},{act}>")
+                f"{self.stages},{'true' if self.wgmma else 'false'},{'true' if self.ring else 'false'}>")
 
 
 # 8 warps (4 along N, 2 along K) of 2 row tiles and all 64 tokens: 128 x 64 outputs a CTA, 256 k a stage (at
@@ -82,7 +83,16 @@ WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
 # stage, 3 stages of 66 KiB. A stage's 32 KiB of activations serve 32 KiB of weights (the 128-row tile's serve 16).
 WIDE_WGMMA_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True)
 WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token blocks (m64n48k16)
-CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG)
+# The wide tiles fed by a producer warpgroup's bulk copies into an mbarrier ring (w4_fragment_ring.cuh), no block
+# barrier in the main loop: the same 3 slots of 66 KiB (58 at 48 tokens), and a deeper ring of 128-k stages (6 slots
+# of 33 KiB, 7 of 29 at 48 tokens), so a slot is refilled after half a 256-k stage's work and up to 5-6 stages
+# (165-174 KiB) are in flight while one is read.
+WIDE_RING_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True, ring=True)
+WIDE_48_RING_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True, ring=True)
+DEEP_RING_CONFIG = BatchConfig(wn=8, wk=1, apw=2, stages=6, wgmma=True, ring=True)
+DEEP_48_RING_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=2, stages=7, wgmma=True, ring=True)
+RING_CONFIGS = (WIDE_RING_CONFIG, WIDE_48_RING_CONFIG, DEEP_RING_CONFIG, DEEP_48_RING_CONFIG)
+CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG, *RING_CONFIGS)
 
 
 def iterations(num_tokens: int, out_features: int, in_features: int, config: BatchConfig = CONFIG) -> int:
@@ -111,23 +121,16 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 
 
 def instantiations() -> tuple[str, ...]:
-    """Every launch shape at each of its group-step variants, both dtypes, and the fused activations at G >= 128
-    (the table's; compiled ahead by validate-kernels, the others on first use)."""
-    names = []
-    for config in CONFIGS:
-        steps = sorted({config.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)})
-        fused_steps = sorted({config.group_steps(g, 1 << 20) for g in (128, 256)})
-        names += [name for dt in (0, 1)
-                  for name in (*(config.name(dt, gs) for gs in steps),
-                               *(config.name(dt, gs, act) for gs in fused_steps for act in ACTIVATIONS.values()))]
-    return tuple(names)
+    """Every launch shape at each of its group-step variants, both dtypes (compiled ahead by validate-kernels)."""
+    return tuple(config.name(dt, gs) for config in CONFIGS for dt in (0, 1)
+                 for gs in sorted({config.group_steps(g, 1 << 20) for g in (32, 64, 128, 256)}))
 
 
 _configured: set[tuple[str, int]] = set()
 
 
-def _kernel(config: BatchConfig, dt: int, gs: int, act: int, device_index: int):
-    name = config.name(dt, gs, act)
+def _kernel(config: BatchConfig, dt: int, gs: int, device_index: int):
+    name = config.name(dt, gs)
     fn = get_kernel(SOURCE, name, device_index)
     if (name, device_index) not in _configured:
         _allow_shared_memory(fn, config.shared_bytes(gs), device_index)
@@ -140,20 +143,6 @@ def w4_fragment_batch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tenso
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype; `weight` from `fragment_layout` for x's
     dtype. `config` / `ctas` override the plan (benchmarks, validation); any M works, the plan is made for 33-128."""
-    return _launch(x, weight, bias, -1, config, ctas, out)
-
-
-def w4_fragment_batch_act_and_mul(x: torch.Tensor, weight: FragmentWeight, activation: str,
-                                  bias: torch.Tensor | None = None, config: BatchConfig | None = None,
-                                  ctas: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """act(x @ gate.T + b_gate) * (x @ up.T + b_up) [M, I] in x's dtype, the same bits as the product followed by
-    act_and_mul_kernel; `weight` from `gate_up_layout` (2I rows), `bias` [2I] in `gate_up_order`."""
-    act, out = fused_epilogue_operands(x, activation, weight.out_features, out)
-    return _launch(x, weight, bias, act, config, ctas, out)
-
-
-def _launch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None, act: int,
-            config: BatchConfig | None, ctas: int | None, out: torch.Tensor | None) -> torch.Tensor:
     num_tokens, in_features = x.shape
     out_features = weight.out_features
     if in_features != weight.in_features:
@@ -174,7 +163,7 @@ def _launch(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None, 
     partials, counters = split_k_buffers(x.device, 2, ctas, config.rows * config.tokens)
     if partials is None or ctas == 1:  # one CTA covers every tile whole: nothing meets in the partials
         partials, counters = None, None
-    fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, act, index)
+    fn = _kernel(config, _DTYPE_CODES[x.dtype], gs, index)
     args = (ptr(x), ptr(weight.frag), ptr(weight.sz), ptr(bias), ptr(out), ptr(partials), ptr(counters),
             i32(num_tokens), i32(out_features), i32(in_features),
             i32(group_shift(weight.group_size, in_features)), i32(weight.sz.shape[1]))

@@ -85,7 +85,6 @@ def recorded(monkeypatch):
             (kf, "w4_fragment_gemm", _raise("fragment")), (quant_matmul_table, "fragment_weight", lambda *args: ()),
             (kfb, "w4_fragment_batch", _raise("fragment_batch")),
             (kf, "w4_fragment_gemm_act_and_mul", _raise("fused")),
-            (kfb, "w4_fragment_batch_act_and_mul", _raise("fused")),
             (gate_up_activation, "gate_up_fragment_weight", lambda *args: ((), None)),
             (kq, "quant_matmul_rope_cache", _raise("fused")), (kq, "quant_matmul_act_and_mul", _raise("fused")),
             (kp, "paged_decode_attention", chosen_path), (kp, "paged_prefill_attention", _raise("prefill")),

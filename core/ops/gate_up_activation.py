@@ -4,10 +4,9 @@ A decode step runs the W4 gate/up product on the tcs kernel and then act_and_mul
 product back and writes act(gate) * up [T, I]: a kernel launch and its round trips per layer. Where the fused
 kernel serves (core/ops/quant_matmul_table.py: GATE_UP_ACT; kernels/quant_matmul.py:
 gate_up_act_unsupported_reason), the product's epilogue does that work instead, with the same roundings, so the
-result is the unfused one bit for bit. Where the product's row is a fragment kernel (FRAGMENT_GATE_UP_ACT: the
-few-token one, the same bits as its product then act_and_mul; FRAGMENT_BATCH_GATE_UP_ACT: the 33-128-token one,
-whose stream-K split of a row's k follows its tile, so the bits are those of its product over the interleaved
-layout), its act-and-mul epilogue over the weight's interleaved gate/up layout does that work.
+result is the unfused one bit for bit. Where the product's row is the few-token fragment kernel
+(FRAGMENT_GATE_UP_ACT: the same bits as its product then act_and_mul), its act-and-mul epilogue over the weight's
+interleaved gate/up layout does that work.
 Everywhere else (other weights, more tokens, the CPU) the caller runs the two ops.
 """
 
@@ -20,7 +19,6 @@ import torch
 from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.quant_matmul import ProductCase, product_reason, product_shape, stored_order
 from deepinfer.core.ops.quant_matmul_table import (
-    FRAGMENT_BATCH_GATE_UP_ACT,
     FRAGMENT_GATE_UP_ACT,
     GATE_UP_ACT,
     epilogue_serves,
@@ -29,7 +27,6 @@ from deepinfer.core.ops.quant_matmul_table import (
 )
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import quant_matmul as kernels
-from deepinfer.kernels import w4_fragment_batch as kernels_batch
 from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
 from deepinfer.kernels.act_and_mul import ACTIVATIONS
 
@@ -78,19 +75,16 @@ def gate_up_act_and_mul(x: torch.Tensor, packed: PackedWeight | None, activation
     if packed is None:
         return None
     shape = product_shape(x.shape[0], packed)
-    for epilogue in (FRAGMENT_GATE_UP_ACT, FRAGMENT_BATCH_GATE_UP_ACT):
-        if not epilogue_serves(epilogue, shape):
-            continue
+    if epilogue_serves(FRAGMENT_GATE_UP_ACT, shape):
         case = FragmentGateUpActCase((x.device, packed.qweight.device), ProductCase.of(x, packed),
                                      fragment_takes(packed), packed.out_features, activation)
         layout = (gate_up_fragment_weight(packed, x.dtype)
-                  if dispatch.decide(epilogue.op, case, _fragment_reason, (x,), fallback="separate ops") else None)
+                  if dispatch.decide(FRAGMENT_GATE_UP_ACT.op, case, _fragment_reason, (x,), fallback="separate ops")
+                  else None)
         if layout is None:
             return None
         weight, bias = layout
-        launch = (kernels_fragment.w4_fragment_gemm_act_and_mul if epilogue is FRAGMENT_GATE_UP_ACT
-                  else kernels_batch.w4_fragment_batch_act_and_mul)
-        return launch(stored_order(x, packed), weight, activation, bias)
+        return kernels_fragment.w4_fragment_gemm_act_and_mul(stored_order(x, packed), weight, activation, bias)
     if not epilogue_serves(GATE_UP_ACT, shape):
         return None
     case = GateUpActCase((x.device, packed.qweight.device), ProductCase.of(x, packed), packed.in_features,

@@ -341,12 +341,10 @@ class Epilogue(NamedTuple):
 
 QKV_ROPE = Epilogue("quant_matmul_rope_cache", "tc", kernels.QKV_ROPE_MAX_TOKENS)
 GATE_UP_ACT = Epilogue("quant_matmul_act_and_mul", "tcs", None)
-# the fragment kernels over a gate/up layout of interleaved rows, where their flags are on (the H200 run's numbers)
-# (few-token: up to 16 tokens, where the fused call was faster; the 3B step at 16 tokens 1.987 ms against 1.993)
+# the few-token fragment kernel over a gate/up layout of interleaved rows, where its flag is on: up to 16 tokens,
+# where the fused call was faster (the H200 run: the 3B step at 16 tokens 1.987 ms against 1.993)
 FRAGMENT_GATE_UP_ACT = Epilogue("w4_fragment_gemm_act_and_mul", "fragment", 16)
 FRAGMENT_GATE_UP_ACT_ROW = True
-FRAGMENT_BATCH_GATE_UP_ACT = Epilogue("w4_fragment_batch_act_and_mul", "fragment_batch", None)
-FRAGMENT_BATCH_GATE_UP_ACT_ROW = False
 
 
 def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
@@ -354,8 +352,7 @@ def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
     those through dispatch.decide)."""
     if shape.tokens <= 0 or (epilogue.max_tokens is not None and shape.tokens > epilogue.max_tokens):
         return False
-    if ((epilogue is FRAGMENT_GATE_UP_ACT and not FRAGMENT_GATE_UP_ACT_ROW)
-            or (epilogue is FRAGMENT_BATCH_GATE_UP_ACT and not FRAGMENT_BATCH_GATE_UP_ACT_ROW)):
+    if epilogue is FRAGMENT_GATE_UP_ACT and not FRAGMENT_GATE_UP_ACT_ROW:
         return False
     return product_row(shape).kernel == epilogue.kernel
 
@@ -394,8 +391,7 @@ def fragment_plain_needed(packed: PackedWeight) -> bool:
     """Whether a row over the plain fragment layout serves this gate/up weight at a token count no fused fragment
     epilogue does."""
     def plain_only(shape: ProductShape) -> bool:
-        return (product_row(shape).kernel in FRAGMENT_KERNELS and not epilogue_serves(FRAGMENT_GATE_UP_ACT, shape)
-                and not epilogue_serves(FRAGMENT_BATCH_GATE_UP_ACT, shape))
+        return product_row(shape).kernel in FRAGMENT_KERNELS and not epilogue_serves(FRAGMENT_GATE_UP_ACT, shape)
     return any(plain_only(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
                                        packed.group_size))
                for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *BATCH_TOKEN_BOUNDS))
@@ -404,7 +400,6 @@ def fragment_plain_needed(packed: PackedWeight) -> bool:
 def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
     """Whether the fused fragment epilogue serves some token count of this merged gate/up weight."""
     return fragment_takes(packed) and packed.out_features % 16 == 0 and any(
-        epilogue_serves(epilogue, ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
-                                               packed.group_size))
-        for epilogue in (FRAGMENT_GATE_UP_ACT, FRAGMENT_BATCH_GATE_UP_ACT)
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *BATCH_TOKEN_BOUNDS))
+        epilogue_serves(FRAGMENT_GATE_UP_ACT,
+                        ProductShape(tokens, packed.in_features, packed.out_features, packed.bits, packed.group_size))
+        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS))
