@@ -63,28 +63,46 @@ struct W8Step {
   u32 z[RT][2][2];
 };
 
+// Where a thread's rows start: row0 + 16 rt + 8 r, clamped to N - 1 (a row past N is multiplied, never stored), in
+// words of qweight (plus the thread's 8 codes of a block) and in groups.
+template <int RT>
+struct W8Rows {
+  u32 codes[RT][2];
+  u32 groups[RT][2];
+};
+
+template <int RT>
+__device__ __forceinline__ W8Rows<RT> w8_rows(int row0, int t, int N, int K, int num_groups) {
+  W8Rows<RT> rows;
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const u32 row = (u32)min(row0 + rt * 16 + 8 * r, N - 1);
+      rows.codes[rt][r] = row * (u32)(K / 4) + 2 * t;
+      rows.groups[rt][r] = row * (u32)num_groups;
+    }
+  return rows;
+}
+
+// The weights of segment `seg` (nothing past the warp's K part or past K: those are never multiplied).
 template <int DT, int RT, int ZMODE, int SCALE_F32>
-__device__ __forceinline__ void load_w8_step(W8Step<RT>& d, int seg, int seg_end, const u32* __restrict__ qweight,
-                                             const void* __restrict__ scales, const void* __restrict__ zeros,
-                                             int row0, int t, int N, int K, int num_groups, int group_magic) {
+__device__ __forceinline__ void load_w8_step(W8Step<RT>& d, int seg, int seg_end, const W8Rows<RT>& rows,
+                                             const u32* __restrict__ qweight, const void* __restrict__ scales,
+                                             const void* __restrict__ zeros, int K, int group_magic) {
+  if (seg >= seg_end) return;  // uniform across the warp
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int kblock = seg * W8_SEGMENT + b * W8_BLOCK;
-    const int group = (int)__umulhi((u32)kblock, (u32)group_magic);  // kblock / group_size
+    if (kblock >= K) break;  // uniform
+    const u32 group = __umulhi((u32)kblock, (u32)group_magic);  // kblock / group_size
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = row0 + rt * 16 + 8 * r;
-        const bool valid = seg < seg_end && kblock < K && row < N;
-        d.codes[rt][r][b] = valid ? __ldg(reinterpret_cast<const uint2*>(qweight + (i64)row * (K / 4) +
-                                                                         (kblock + 8 * t) / 4))
-                                  : make_uint2(0, 0);
-        float s = 0.0f, z = 0.0f;
-        if (valid) {
-          s = load_group_value<SCALE_F32>(scales, (i64)row * num_groups + group);
-          z = load_group_value<SCALE_F32>(zeros, (i64)row * num_groups + group);
-        }
+        d.codes[rt][r][b] = __ldg(reinterpret_cast<const uint2*>(qweight + (rows.codes[rt][r] + (u32)kblock / 4)));
+        const float s = load_group_value<SCALE_F32>(scales, rows.groups[rt][r] + group);
+        const float z = load_group_value<SCALE_F32>(zeros, rows.groups[rt][r] + group);
         d.s[rt][r][b] = s;
         if constexpr (ZMODE != 0) {
           d.z[rt][r][b] = __float_as_uint(z);
@@ -123,32 +141,56 @@ __device__ __forceinline__ void word_pairs(u32 word, float s, u32 z, u32& lo, u3
 
 // The CTA's activations of a step: [KW parts][8 TT tokens][8 16-byte chunks], chunk c of token row r stored at
 // c ^ 4 (r & 1): a warp's 16-byte loads of 8 tokens x 4 chunks then meet all 32 banks twice without conflict.
+// Thread i copies chunks i, i + 256, ...; W8Copies holds where each comes from at step 0 (a token past M reads
+// token M - 1: never stored), where it goes, and for how many steps it is inside the part and K (zero-filled after).
 template <int TT, int KW>
-__device__ __forceinline__ void copy_x_step(u16* slot, int step, int steps, const u16* __restrict__ x, int tok0,
-                                            int seg_begin, int seg_end, int M, int K) {
-  constexpr int CHUNKS = KW * 8 * TT * 8;
-  if (step >= steps) return;  // past the last stage: nothing to copy (the group is still committed)
-  for (int c = threadIdx.x; c < CHUNKS; c += W8_WARPS * 32) {
+struct W8Copies {
+  static constexpr int CHUNKS = KW * 8 * TT * 8;
+  static constexpr int PER_THREAD = (CHUNKS + W8_WARPS * 32 - 1) / (W8_WARPS * 32);
+  u32 src[PER_THREAD];  // u16 offset in x (the launcher checks M K < 2^32)
+  u32 dst[PER_THREAD];  // u16 offset in a stage
+  int steps[PER_THREAD];
+};
+
+template <int TT, int KW>
+__device__ __forceinline__ W8Copies<TT, KW> w8_copies(const u16* __restrict__ x, int tok0, int seg_begin,
+                                                      int seg_end, int steps, int M, int K) {
+  W8Copies<TT, KW> copies;
+#pragma unroll
+  for (int i = 0; i < W8Copies<TT, KW>::PER_THREAD; ++i) {
+    const int c = threadIdx.x + i * W8_WARPS * 32;
     const int part = c / (8 * TT * 8), tok = (c / 8) % (8 * TT), chunk = c % 8;
-    const int seg = seg_begin + part * steps + step;
-    const int k = seg * W8_SEGMENT + chunk * 8;
-    const bool valid = seg < seg_end && tok0 + tok < M && k < K;
-    const u16* src = valid ? x + (i64)(tok0 + tok) * K + k : x;
-    cp_async16(slot + ((part * 8 * TT + tok) * 8 + (chunk ^ ((tok & 1) << 2))) * 8, src, valid);
+    const int seg = seg_begin + part * steps;
+    copies.src[i] = (u32)min(tok0 + tok, M - 1) * (u32)K + (u32)(seg * W8_SEGMENT + chunk * 8);
+    copies.dst[i] = ((part * 8 * TT + tok) * 8 + (chunk ^ ((tok & 1) << 2))) * 8;
+    const int k_segments = (K - chunk * 8 + W8_SEGMENT - 1) / W8_SEGMENT;  // segments holding this chunk's k
+    copies.steps[i] = c < W8Copies<TT, KW>::CHUNKS ? min(seg_end, k_segments) - seg : -1;
+  }
+  return copies;
+}
+
+template <int TT, int KW>
+__device__ __forceinline__ void copy_x_step(u16* slot, int step, int steps, const W8Copies<TT, KW>& copies,
+                                            const u16* __restrict__ x) {
+  if (step >= steps) return;  // past the last stage: nothing to copy (the group is still committed)
+#pragma unroll
+  for (int i = 0; i < W8Copies<TT, KW>::PER_THREAD; ++i) {
+    if (copies.steps[i] < 0) continue;  // no chunk for this thread
+    const bool valid = step < copies.steps[i];
+    cp_async16(slot + copies.dst[i], x + (valid ? copies.src[i] + step * W8_SEGMENT : 0), valid);
   }
 }
 
-// One step of a warp: both blocks of its segment, each two mma steps a row tile and token tile. ZMODE 0 sums into
-// the group sums and scales them into acc where the group (or the warp's K part) ends after the block.
+// One step of a warp: both blocks of its segment, each two mma steps a row tile and token tile. ZMODE 0 sums a block
+// from zero (the tensor cores take the zero accumulator: no register is cleared) and adds it to acc times the
+// block's group scale; the other modes multiply weights already scaled into acc.
 template <int DT, int TT, int RT, int KW, int ZMODE>
 __device__ __forceinline__ void mma_w8_step(const W8Step<RT>& d, const u16* slot, int seg, int seg_end_warp, int kw,
-                                            int g, int t, int K, int group_magic, float (&acc)[RT][TT][4],
-                                            float (&group_acc)[RT][TT][4]) {
+                                            int g, int t, int K, float (&acc)[RT][TT][4]) {
   if (seg >= seg_end_warp) return;  // uniform across the warp
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
-    const int kblock = seg * W8_SEGMENT + b * W8_BLOCK;
-    if (kblock >= K) break;  // uniform: K ends in the segment's first block
+    if (seg * W8_SEGMENT + b * W8_BLOCK >= K) break;  // uniform: K ends in the segment's first block
     u32 a[RT][2][4];  // [row tile][step j][a0, a1, a2, a3]
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
@@ -166,25 +208,19 @@ __device__ __forceinline__ void mma_w8_step(const W8Step<RT>& d, const u16* slot
       const uint4 xv = *reinterpret_cast<const uint4*>(slot + ((kw * 8 * TT + tok) * 8 + chunk) * 8);
       const u32 bx[4] = {xv.x, xv.y, xv.z, xv.w};  // x[8t + 2i], x[8t + 2i + 1] of the block
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
+      for (int rt = 0; rt < RT; ++rt) {
+        if constexpr (ZMODE == 0) {
+          float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-          Num<DT>::mma(ZMODE == 0 ? group_acc[rt][tt] : acc[rt][tt], a[rt][j][0], a[rt][j][1], a[rt][j][2],
-                       a[rt][j][3], bx[2 * j], bx[2 * j + 1]);
-    }
-    if constexpr (ZMODE == 0) {
-      const int knext = kblock + W8_BLOCK;
-      const bool group_ends = __umulhi((u32)knext, (u32)group_magic) != __umulhi((u32)kblock, (u32)group_magic);
-      if (group_ends || knext >= min(K, seg_end_warp * W8_SEGMENT)) {
+          for (int j = 0; j < 2; ++j)
+            Num<DT>::mma(sums, a[rt][j][0], a[rt][j][1], a[rt][j][2], a[rt][j][3], bx[2 * j], bx[2 * j + 1]);
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
+          for (int e = 0; e < 4; ++e) acc[rt][tt][e] = fmaf(d.s[rt][e >> 1][b], sums[e], acc[rt][tt][e]);
+        } else {
 #pragma unroll
-          for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              acc[rt][tt][e] = fmaf(d.s[rt][e >> 1][b], group_acc[rt][tt][e], acc[rt][tt][e]);
-              group_acc[rt][tt][e] = 0.0f;
-            }
+          for (int j = 0; j < 2; ++j)
+            Num<DT>::mma(acc[rt][tt], a[rt][j][0], a[rt][j][1], a[rt][j][2], a[rt][j][3], bx[2 * j], bx[2 * j + 1]);
+        }
       }
     }
   }
@@ -249,45 +285,45 @@ __global__ void __launch_bounds__(256) w8_gemm_kernel(
   launch_dependents();
 
   // Weights one step ahead in registers, activations DEPTH - 1 stages ahead in shared memory.
+  const W8Rows<RT> rows = w8_rows<RT>(row0, t, N, K, num_groups);
   W8Step<RT> cur, nxt;
-  load_w8_step<DT, RT, ZMODE, SCALE_F32>(cur, warp_begin, warp_end, qweight, scales, zeros, row0, t, N, K,
-                                         num_groups, group_magic);
+  load_w8_step<DT, RT, ZMODE, SCALE_F32>(cur, warp_begin, warp_end, rows, qweight, scales, zeros, K, group_magic);
   wait_for_prior_grids();
+  const W8Copies<TT, KW> copies = w8_copies<TT, KW>(x, tok0, seg_begin, seg_end, steps, M, K);
 #pragma unroll
   for (int s = 0; s < DEPTH - 1; ++s) {
-    copy_x_step<TT, KW>(x_stages + s * SLOT, s, steps, x, tok0, seg_begin, seg_end, M, K);
+    copy_x_step<TT, KW>(x_stages + s * SLOT, s, steps, copies, x);
     cp_async_commit();
   }
 
-  float acc[RT][TT][4], group_acc[RT][TT][4];
+  float acc[RT][TT][4];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
     for (int i = 0; i < TT; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[rt][i][e] = group_acc[rt][i][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) acc[rt][i][e] = 0.0f;
 
   // Stage s: wait for its activations, then (every warp being past stage s - 1) refill that slot with stage
   // s + DEPTH - 1, load the next step's weights and multiply.
   auto begin_stage = [&](int s) {
     cp_async_wait<DEPTH - 2>();
     __syncthreads();
-    copy_x_step<TT, KW>(x_stages + ((s + DEPTH - 1) % DEPTH) * SLOT, s + DEPTH - 1, steps, x, tok0, seg_begin,
-                        seg_end, M, K);
+    copy_x_step<TT, KW>(x_stages + ((s + DEPTH - 1) % DEPTH) * SLOT, s + DEPTH - 1, steps, copies, x);
     cp_async_commit();
   };
   for (int s = 0; s < steps; s += 2) {
     begin_stage(s);
-    load_w8_step<DT, RT, ZMODE, SCALE_F32>(nxt, warp_begin + s + 1, warp_end, qweight, scales, zeros, row0, t, N,
-                                           K, num_groups, group_magic);
+    load_w8_step<DT, RT, ZMODE, SCALE_F32>(nxt, warp_begin + s + 1, warp_end, rows, qweight, scales, zeros, K,
+                                           group_magic);
     mma_w8_step<DT, TT, RT, KW, ZMODE>(cur, x_stages + (s % DEPTH) * SLOT, warp_begin + s, warp_end, kw, g, t, K,
-                                       group_magic, acc, group_acc);
+                                       acc);
     if (s + 1 >= steps) break;  // uniform across the CTA
     begin_stage(s + 1);
-    load_w8_step<DT, RT, ZMODE, SCALE_F32>(cur, warp_begin + s + 2, warp_end, qweight, scales, zeros, row0, t, N,
-                                           K, num_groups, group_magic);
+    load_w8_step<DT, RT, ZMODE, SCALE_F32>(cur, warp_begin + s + 2, warp_end, rows, qweight, scales, zeros, K,
+                                           group_magic);
     mma_w8_step<DT, TT, RT, KW, ZMODE>(nxt, x_stages + ((s + 1) % DEPTH) * SLOT, warp_begin + s + 1, warp_end, kw,
-                                       g, t, K, group_magic, acc, group_acc);
+                                       g, t, K, acc);
   }
 
   cp_async_wait<0>();

@@ -189,6 +189,8 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     out_features = qweight.shape[0]
     if in_features > MAX_IN_FEATURES:
         raise ValueError(f"in_features {in_features} > {MAX_IN_FEATURES}: the W8 kernel's group index is exact below")
+    if num_tokens * in_features >= 1 << 32:
+        raise ValueError(f"{num_tokens} x {in_features} activations: the W8 kernel addresses them in 32 bits")
     x, bias, out = product_operands(x, bias, out_features, out)
     if num_tokens == 0:
         return out
