@@ -117,7 +117,7 @@ def plan(num_tokens: int, in_features: int, out_features: int, device_index: int
          depth: int | None = None) -> Plan:
     """The launch of a product; `tiles`, `row_warps`, `splits`, `row_tiles`, `depth` override the planned ones
     (validation, benchmarks). Splits need clusters (SM90+) and are cut to what K holds (a split has at least one K
-    step); a launch whose shared memory the device lacks has its depth cut to what fits."""
+    step); a launch whose shared memory the device lacks has fewer stages (down to DEPTH_CHOICES[0])."""
     tiles = tiles or token_tiles(num_tokens)
     planned = LAUNCHES[tiles]
     row_warps = row_warps or planned.row_warps
