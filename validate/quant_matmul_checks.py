@@ -538,6 +538,15 @@ def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckR
     """The W8 kernel on its cases against the fp32 product of the reference dequantizer's weight, and through
     core.ops' dispatch (an act-order permutation on the activation side)."""
     from deepinfer.kernels import w8_gemm as w8
+    from deepinfer.kernels.compiler import precompile
+
+    # the overridden launches are not among the instantiations validate-kernels compiles ahead: compile them in parallel
+    names = set()
+    for m, n, k, g, zeros_kind, f32_scales, _, overrides in W8_CASES:
+        launch = w8.plan(m, k, n, device.index, *(overrides or (None,) * 5))
+        zmode = w8.zero_mode_code("min" if zeros_kind == "min" else "zero", zeros_kind in ("q8_0", "int"))
+        names |= {w8.kernel_name(dtype, launch, zmode, f32_scales) for dtype in dtypes}
+    precompile([(w8.SOURCE, name) for name in sorted(names - set(w8.instantiations()))], device.index, workers=8)
 
     results = []
     for m, n, k, g, zeros_kind, f32_scales, with_bias, overrides in W8_CASES:
