@@ -56,6 +56,63 @@ def split_choices(num_tokens: int, in_features: int, out_features: int, launch: 
     return tuple(sorted({fill, min(w8.MAX_SPLITS, 2 * fill)}))
 
 
+def sweep_point(num_tokens: int, in_features: int, out_features: int, device, sms: int, repeats: int) -> list[dict]:
+    """Every candidate launch of one token count and shape, and the planned one."""
+    index = device.index
+    copies = weights(in_features, out_features, device)
+    x = torch.randn(num_tokens, in_features, device=device, dtype=torch.bfloat16)
+    outs = [torch.empty(num_tokens, out_features, device=device, dtype=torch.bfloat16) for _ in copies]
+    planned = w8.plan(num_tokens, in_features, out_features, index)
+    launches = [(c, s) for c in CANDIDATES[w8.token_tiles(num_tokens)]
+                for s in split_choices(num_tokens, in_features, out_features, c, sms)]
+    planned_launch = ((planned.row_warps, planned.row_tiles, planned.depth), planned.splits)
+    if planned_launch not in launches:
+        launches.append(planned_launch)
+    points = []
+    for (row_warps, row_tiles, depth), splits in launches:
+        def launch_all(row_warps=row_warps, row_tiles=row_tiles, depth=depth, splits=splits) -> None:
+            for weight, out in zip(copies, outs):
+                w8.w8_gemm(x, weight["qweight"], weight["scales"], weight["zeros"], GROUP_SIZE, "zero", True,
+                           row_warps=row_warps, row_tiles=row_tiles, depth=depth, splits=splits, out=out)
+
+        mean_us, std_us = time_graph(launch_all, len(copies), repeats, device)
+        used = w8.plan(num_tokens, in_features, out_features, index, None, row_warps, splits, row_tiles, depth)
+        points.append({"in_features": in_features, "out_features": out_features, "tokens": num_tokens,
+                       "row_warps": row_warps, "row_tiles": row_tiles, "depth": used.depth, "splits": used.splits,
+                       "planned": used == planned, "us_mean": round(mean_us, 3), "us_std": round(std_us, 3)})
+    return points
+
+
+def summarize(num_tokens: int, at: list[dict]) -> dict:
+    """The (row_warps, row_tiles, depth) of the least summed time over the shapes (each at its best splits), the
+    splits most often best among the shapes that split, and each shape's best against the planned launch."""
+    by_launch: dict[tuple, dict] = {}
+    for p in at:
+        key = (p["row_warps"], p["row_tiles"], p["depth"])
+        shape = (p["in_features"], p["out_features"])
+        if shape not in by_launch.setdefault(key, {}) or p["us_mean"] < by_launch[key][shape]["us_mean"]:
+            by_launch[key][shape] = p
+    complete = [key for key in by_launch if len(by_launch[key]) == len(SHAPES)]
+    best_key = min(complete, key=lambda k: sum(p["us_mean"] for p in by_launch[k].values()))
+    split_votes: dict[int, int] = {}
+    for p in by_launch[best_key].values():
+        if p["splits"] > 1:
+            split_votes[p["splits"]] = split_votes.get(p["splits"], 0) + 1
+    splits = max(split_votes, key=split_votes.get) if split_votes else 1
+    shapes = {}
+    for in_features, out_features in SHAPES:
+        mine = [p for p in at if (p["in_features"], p["out_features"]) == (in_features, out_features)]
+        planned = next((p for p in mine if p["planned"]), None)
+        shapes[f"{in_features}x{out_features}"] = {"best": min(mine, key=lambda p: p["us_mean"]),
+                                                   "planned_us": planned and planned["us_mean"]}
+    print(f"T={num_tokens} proposed Launch{(best_key[0], best_key[1], splits, best_key[2])} "
+          f"sum {sum(p['us_mean'] for p in by_launch[best_key].values()):.1f}us | best/planned: "
+          + " ".join(f"{v['best']['us_mean']:.1f}/{v['planned_us'] or float('nan'):.1f}" for v in shapes.values()),
+          flush=True)
+    return {"proposed": {"row_warps": best_key[0], "row_tiles": best_key[1], "splits": splits, "depth": best_key[2]},
+            "shapes": shapes}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="16,32,48,64")
@@ -75,62 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(failed)} candidates failed to compile: {failed[0]['kernel']}: {failed[0]['error'][:300]}")
         return 1
 
-    points = []
-    for in_features, out_features in SHAPES:
-        copies = weights(in_features, out_features, device)
-        for num_tokens in token_counts:
-            x = torch.randn(num_tokens, in_features, device=device, dtype=torch.bfloat16)
-            outs = [torch.empty(num_tokens, out_features, device=device, dtype=torch.bfloat16) for _ in copies]
-            planned = w8.plan(num_tokens, in_features, out_features, index)
-            launches = [(c, s) for c in CANDIDATES[w8.token_tiles(num_tokens)]
-                        for s in split_choices(num_tokens, in_features, out_features, c, sms)]
-            planned_launch = ((planned.row_warps, planned.row_tiles, planned.depth), planned.splits)
-            if planned_launch not in launches:
-                launches.append(planned_launch)
-            for (row_warps, row_tiles, depth), splits in launches:
-                def launch_all(row_warps=row_warps, row_tiles=row_tiles, depth=depth, splits=splits) -> None:
-                    for weight, out in zip(copies, outs):
-                        w8.w8_gemm(x, weight["qweight"], weight["scales"], weight["zeros"], GROUP_SIZE, "zero", True,
-                                   row_warps=row_warps, row_tiles=row_tiles, depth=depth, splits=splits, out=out)
-
-                mean_us, std_us = time_graph(launch_all, len(copies), args.repeats, device)
-                used = w8.plan(num_tokens, in_features, out_features, index, None, row_warps, splits, row_tiles, depth)
-                points.append({"in_features": in_features, "out_features": out_features, "tokens": num_tokens,
-                               "row_warps": row_warps, "row_tiles": row_tiles, "depth": used.depth,
-                               "splits": used.splits, "planned": used == planned, "us_mean": round(mean_us, 3),
-                               "us_std": round(std_us, 3)})
-        del copies
-        torch.cuda.empty_cache()
-
-    summary = {}
-    for num_tokens in token_counts:
-        at = [p for p in points if p["tokens"] == num_tokens]
-        by_launch: dict[tuple, dict] = {}
-        for p in at:
-            key = (p["row_warps"], p["row_tiles"], p["depth"])
-            shape = (p["in_features"], p["out_features"])
-            if shape not in by_launch.setdefault(key, {}) or p["us_mean"] < by_launch[key][shape]["us_mean"]:
-                by_launch[key][shape] = p
-        best_key = min(by_launch, key=lambda k: sum(p["us_mean"] for p in by_launch[k].values()))
-        split_votes: dict[int, int] = {}
-        for p in by_launch[best_key].values():
-            if p["splits"] > 1:
-                split_votes[p["splits"]] = split_votes.get(p["splits"], 0) + 1
-        splits = max(split_votes, key=split_votes.get) if split_votes else 1
-        shapes = {}
+    points, summary = [], {}
+    for num_tokens in token_counts:  # token counts outermost: each count's summary prints as soon as it is timed
         for in_features, out_features in SHAPES:
-            mine = [p for p in at if (p["in_features"], p["out_features"]) == (in_features, out_features)]
-            best = min(mine, key=lambda p: p["us_mean"])
-            planned = next((p for p in mine if p["planned"]), None)
-            shapes[f"{in_features}x{out_features}"] = {"best": best, "planned_us": planned and planned["us_mean"]}
-        summary[num_tokens] = {"proposed": {"row_warps": best_key[0], "row_tiles": best_key[1], "splits": splits,
-                                            "depth": best_key[2]}, "shapes": shapes}
-        print(f"T={num_tokens} proposed Launch{(best_key[0], best_key[1], splits, best_key[2])} "
-              f"sum {sum(p['us_mean'] for p in by_launch[best_key].values()):.1f}us | best/planned: "
-              + " ".join(f"{v['best']['us_mean']:.1f}/{v['planned_us'] or float('nan'):.1f}" for v in shapes.values()))
-    with open(args.output, "w") as fh:
-        json.dump({"env": env_info(sys.argv), "group_size": GROUP_SIZE, "points": points, "summary": summary}, fh,
-                  indent=1)
+            points += sweep_point(num_tokens, in_features, out_features, device, sms, args.repeats)
+            torch.cuda.empty_cache()
+        summary[num_tokens] = summarize(num_tokens, [p for p in points if p["tokens"] == num_tokens])
+        with open(args.output, "w") as fh:
+            json.dump({"env": env_info(sys.argv), "group_size": GROUP_SIZE, "points": points, "summary": summary}, fh,
+                      indent=1)
     return 0
 
 
