@@ -833,6 +833,352 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   }
 }
 
+// ---- Code caches with the query heads as the mma N dimension ---------------------------------------------------
+// paged_decode_kernel puts a KV head's query heads on the 16 rows of the mma's A operand; with G <= 8 heads (GQA
+// groups of Qwen2.5, Llama 3) half of every Q.K^T and P.V mma multiplies zero rows. paged_decode_heads_n_kernel
+// (int8 / e4m3 caches, G <= 8, D = 64 or 128) transposes both products so that the heads are the mma's n = 8:
+//   S^T [16 tokens, 8 heads] = K [16 tokens, D] . Q^T [D, 8 heads]    (K codes the A operand)
+//   O^T [D, 8 heads]        += V^T [D, 16 tokens] . P^T [16 tokens, 8 heads]   (V codes the A operand)
+// so a 32-token tile takes D / 16 k-steps x 2 m-tiles of each, half the mma of the other layout, and every code of
+// the tile is converted to fp16 once, by the one thread that loaded it. Q^T stays in registers for the CTA's life.
+// One CTA per (KV head, sequence, split of the context); its WARPS warps take the split's 32-token tiles round
+// robin, each loading the next tile while it multiplies the current one, and combine their softmax states in
+// shared memory; with several splits the CTA writes a partial that paged_reduce_kernel combines.
+//
+// Operand layouts (g = lane / 4, t = lane % 4; any permutation of a reduction axis is fine if both operands share
+// it, and the output's d permutation is undone when it is written):
+//   m-tile rows: S^T row r of an m-tile (16 tokens from a multiple of 16) is token 2r for r < 8 and 2(r - 8) + 1
+//     for r >= 8, so thread g's rows g and g + 8 are tokens 2g and 2g + 1 (one block, one 4-byte int8 scale load),
+//     and the P^T rows 2t, 2t + 1, 2t + 8, 2t + 9 it multiplies with V are tokens 4t, 4t + 2, 4t + 1, 4t + 3.
+//   K (A of S^T, k = d): thread t holds codes d = 64c + 16t + 0..15 (c < D / 64) of tokens 2g, 2g + 1; k-step
+//     w = 4c + u takes word u of chunk c: codes 0, 1 at k = 2t, 2t + 1 and codes 2, 3 at k = 2t + 8, 2t + 9. The Q^T
+//     B fragment of head g holds the query at the same d (its words 8c + 2u, 8c + 2u + 1).
+//   V (A of O^T, m = d): thread g holds codes d = VB g + 0..VB-1 (VB = D / 8) of tokens 4t .. 4t + 3; O^T m-tile j
+//     rows g and g + 8 are d = VB g + 2j and + 1, so a thread ends with the VB consecutive outputs from VB g of heads
+//     2t and 2t + 1.
+//   P^T (B of O^T): the S^T accumulator of rows g / g + 8, heads 2t, 2t + 1, packed to fp16 and transposed as two
+//     8 x 8 matrices (movmatrix) is the B fragment (k = 2t, 2t + 1 / 2t + 8, 2t + 9; n = head g).
+// int8: each token's K scale multiplies its scores, its V scale its P (in fp16, so products below 2^-14 lose
+// precision: they weigh at most 2^-14 of the largest); e4m3: the head's scales multiply the scores and the output.
+// Scores are kept in log2 units (ex2), and written to partials in natural ones (paged_reduce_kernel's).
+template <int D>
+struct HeadsNSlices {
+  static_assert(D == 64 || D == 128, "the heads-as-n kernel takes head_dim 64 or 128");
+  static constexpr int KCHUNKS = D / 64, KWORDS = 4 * KCHUNKS;  // K: 16-code chunks, words (= k-steps) a row
+  static constexpr int VB = D / 8, VWORDS = VB / 4;              // V: codes, words a row
+  static constexpr int MTILES = D / 16;                          // O^T m-tiles
+};
+
+// A thread's codes of a 32-token tile (m-tiles mt = 0, 1 of 16 tokens), as loaded: K of tokens 16mt + 2g + h, V of
+// tokens 16mt + 4t + q; int8: the fp16 K and V scales of tokens 16mt + 2g, + 1 (low, high half).
+template <int D>
+struct HeadsNTile {
+  using S = HeadsNSlices<D>;
+  u32 k[2][2][S::KWORDS];
+  u32 v[2][4][S::VWORDS];
+  u32 kscale[2], vscale[2];
+};
+
+// Rows outside [begin, ctx.end) load as zeros (their block-table entries are not read).
+template <int D, int KVQ>
+__device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D>& T, int tile, int begin, const TileContext& ctx) {
+  using S = HeadsNSlices<D>;
+  const int block_size = 1 << ctx.log2_block_size, g = ctx.g, t = ctx.t;
+  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache);
+  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    // tokens ktok, ktok + 1 and vtok .. vtok + 3 each lie in one block (block_size >= 8, groups aligned)
+    const int ktok = tile + 16 * mt + 2 * g, vtok = tile + 16 * mt + 4 * t;
+    const int kblk = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
+    const int vblk = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
+    const i64 krow = ((i64)kblk * ctx.num_kv_heads + ctx.kv_head) * block_size + (ktok & (block_size - 1));
+    const i64 vrow = ((i64)vblk * ctx.num_kv_heads + ctx.kv_head) * block_size + (vtok & (block_size - 1));
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < S::KCHUNKS; ++c)
+        load_codes<16>(keys + (krow + h) * D + 64 * c + 16 * t, ktok + h >= begin && ktok + h < ctx.end,
+                       &T.k[mt][h][4 * c]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      load_codes<S::VB>(values + (vrow + q) * D + S::VB * g, vtok + q >= begin && vtok + q < ctx.end, T.v[mt][q]);
+    if constexpr (KVQ == 1) {  // any value where masked: attend_heads_n_tile zeroes those tokens' V scales
+      T.kscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.key_scales + krow));
+      T.vscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.value_scales + krow));
+    }
+  }
+}
+
+// 8 x 8 b16 matrix transpose across the warp: the fragment of row g, columns 2t, 2t + 1 becomes that of the
+// transpose.
+__device__ __forceinline__ u32 transpose_8x8(u32 x) {
+  u32 y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float LOG2_E = 1.4426950408889634f;
+
+// One 32-token tile: S^T, the online softmax over it (per head 2t + e: running max row_max[e] in log2 units,
+// this thread's share of the running sum row_sum[e]), O^T = O^T * alpha + V^T P^T. q: head g's Q^T B fragments
+// (k-step w: q[2w], q[2w + 1]); score_scale: the softmax scale (times LOG2_E without softcap), times an e4m3
+// cache's key scale; o[j]: O^T m-tile j (c0 / c1: row g, heads 2t / 2t + 1; c2 / c3: row g + 8).
+template <int D, int KVQ>
+__device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int tile, int begin,
+                                                    const TileContext& ctx, const u32 (&q)[2 * HeadsNSlices<D>::KWORDS],
+                                                    float score_scale, float softcap,
+                                                    float (&o)[HeadsNSlices<D>::MTILES][4], float (&row_max)[2],
+                                                    float (&row_sum)[2]) {
+  using S = HeadsNSlices<D>;
+  const int g = ctx.g, t = ctx.t;
+  float s[2][4];  // [mt][2h + e]: token 16mt + 2g + h, head 2t + e
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < S::KWORDS; ++w) {
+      u32 a0, a1, a2, a3;
+      codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
+      codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
+      Num<0>::mma(s[mt], a0, a1, a2, a3, q[2 * w], q[2 * w + 1]);
+    }
+  }
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tok = tile + 16 * mt + 2 * g + h;
+      const float token_scale =
+          KVQ == 1 ? score_scale * half_bits_to_float((u16)(T.kscale[mt] >> (16 * h))) : score_scale;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = s[mt][2 * h + e] * token_scale;
+        if (softcap > 0.0f) v = tanhf(v / softcap) * (softcap * LOG2_E);
+        v = tok >= begin && tok < ctx.end ? v : -INFINITY;
+        s[mt][2 * h + e] = v;
+        tile_max[e] = fmaxf(tile_max[e], v);
+      }
+    }
+  float alpha[2], base[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // the head's max over the tile's 32 tokens: the 8 threads of column 2t + e
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 4));
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 8));
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 16));
+    const float new_max = fmaxf(row_max[e], tile_max[e]);
+    base[e] = new_max == -INFINITY ? 0.0f : new_max;  // a head with nothing seen yet
+    alpha[e] = exp2_approx(row_max[e] - base[e]);
+    row_max[e] = new_max;
+    row_sum[e] *= alpha[e];
+  }
+#pragma unroll
+  for (int j = 0; j < S::MTILES; ++j) {
+    o[j][0] *= alpha[0]; o[j][1] *= alpha[1];
+    o[j][2] *= alpha[0]; o[j][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    float p[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tok = tile + 16 * mt + 2 * g + h;
+      // int8: the token's V scale, 0 where masked (its P is 0 and its scale may be anything, NaN included)
+      const float value_scale =
+          KVQ == 1 ? (tok >= begin && tok < ctx.end ? half_bits_to_float((u16)(T.vscale[mt] >> (16 * h))) : 0.0f)
+                   : 1.0f;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2_approx(s[mt][2 * h + e] - base[e]);
+        row_sum[e] += pe;
+        p[2 * h + e] = KVQ == 1 ? pe * value_scale : pe;
+      }
+    }
+    // P^T of the m-tile's 16 tokens as the B operand: rows 0..7 (tokens 2r) and 8..15 (tokens 2r + 1), transposed
+    const u32 b0 = transpose_8x8(Num<0>::pack(p[0], p[1]));
+    const u32 b1 = transpose_8x8(Num<0>::pack(p[2], p[3]));
+#pragma unroll
+    for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: m-tiles 2w, 2w + 1
+      // (V[4t][d], V[4t + 2][d]) for k = 2t, 2t + 1 and (V[4t + 1][d], V[4t + 3][d]) for k = 2t + 8, 2t + 9
+      u32 a0[2], a1[2], a2[2], a3[2];
+      codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x5140), a0[0], a1[0]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x7362), a0[1], a1[1]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x5140), a2[0], a3[0]);
+      codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x7362), a2[1], a3[1]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) Num<0>::mma(o[2 * w + i], a0[i], a1[i], a2[i], a3[i], b0, b1);
+    }
+  }
+}
+
+// The warps' states combined as combine_warps combines paged_decode_kernel's, in warp order: per head the CTA max
+// M (log2 units), the total sum_w 2^(m_w - M) l_w, o = sum_w 2^(m_w - M) o_w through shared memory. row_sum enters
+// summed over the warp's threads of its head; on return the last warp holds the CTA's state.
+template <int D, int WARPS>
+__device__ __forceinline__ void combine_heads_n_warps(float (&o)[HeadsNSlices<D>::MTILES][4], float (&row_max)[2],
+                                                      float (&row_sum)[2], bool walked_tiles) {
+  constexpr int MTILES = HeadsNSlices<D>::MTILES;
+  __shared__ float warp_row_max[WARPS][8], warp_row_sum[WARPS][8];
+  __shared__ float4 o_sum[MTILES][32];  // o[j] of each lane, in fragment order
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+  if (lane < 4) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      warp_row_max[warp][2 * t + e] = row_max[e];
+      warp_row_sum[warp][2 * t + e] = row_sum[e];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int head = 2 * t + e;
+    float cta_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) cta_max = fmaxf(cta_max, warp_row_max[w][head]);
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float m = warp_row_max[w][head];
+      total += (m == -INFINITY ? 0.0f : exp2_approx(m - cta_max)) * warp_row_sum[w][head];
+    }
+    const float weight = row_max[e] == -INFINITY ? 0.0f : exp2_approx(row_max[e] - cta_max);
+#pragma unroll
+    for (int j = 0; j < MTILES; ++j) {
+      o[j][e] *= weight;
+      o[j][e + 2] *= weight;
+    }
+    row_max[e] = cta_max;
+    row_sum[e] = total;
+  }
+  for (int w = 0; w < WARPS - 1; ++w) {
+    if (warp == w && (w == 0 || walked_tiles)) {  // warp 0 initializes; an idle warp would add zeros
+#pragma unroll
+      for (int j = 0; j < MTILES; ++j) {
+        const float4 v = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
+        const float4 sum = o_sum[j][lane];
+        o_sum[j][lane] = w == 0 ? v : make_float4(sum.x + v.x, sum.y + v.y, sum.z + v.z, sum.w + v.w);
+      }
+    }
+    __syncthreads();
+  }
+  if (warp == WARPS - 1) {
+#pragma unroll
+    for (int j = 0; j < MTILES; ++j) {
+      const float4 sum = o_sum[j][lane];
+      o[j][0] += sum.x; o[j][1] += sum.y; o[j][2] += sum.z; o[j][3] += sum.w;
+    }
+  }
+}
+
+// WARPS: 1 on the split path, COMBINED_WARPS on the combined and combined_split paths (kernels/paged_attention.py);
+// the arguments are paged_decode_kernel's. Grid (num_kv_heads, num_seqs, splits).
+template <int DT, int D, int KVQ, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_heads_n_kernel(
+    const u16* __restrict__ query, const void* __restrict__ key_cache, const void* __restrict__ value_cache,
+    const u16* __restrict__ key_scales, const u16* __restrict__ value_scales, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, u16* __restrict__ out, float* __restrict__ part_out,
+    float* __restrict__ part_stats, int num_heads, int num_kv_heads, int log2_block_size, int max_blocks,
+    int tokens_per_split, float scale, float softcap, int window, int fresh_tokens) {
+  launch_dependents();
+  static_assert(KVQ == 1 || KVQ == 2, "the heads-as-n kernel reads int8 or e4m3 caches");
+  using S = HeadsNSlices<D>;
+  constexpr int TILE = 32;
+  const int warp = WARPS == 1 ? 0 : threadIdx.x >> 5, lane = threadIdx.x - 32 * warp, g = lane >> 2, t = lane & 3;
+  const int group = num_heads / num_kv_heads;  // <= 8
+  const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int seq_len = __ldcg(seq_lens + seq);
+  const int window_start = window > 0 ? max(0, seq_len - window) : 0;
+  const int begin = max(split * tokens_per_split, window_start);
+  const int end = min(seq_len, (split + 1) * tokens_per_split);
+  // e4m3 scales are written once, before any step, so they are read at once (before the PDL wait)
+  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float value_head_scale =
+      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float score_scale = scale * key_head_scale * (softcap > 0.0f ? 1.0f : LOG2_E);
+  const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
+                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
+
+  float o[S::MTILES][4];
+#pragma unroll
+  for (int j = 0; j < S::MTILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  // Tiles start at multiples of 16 tokens (keys before `begin` masked); warp w walks tiles w, w + WARPS, ...
+  // As in paged_decode_kernel, a first tile older than the sequence's `fresh_tokens` newest positions is fetched
+  // before waiting for the kernel just before this one; the query and everything else wait.
+  const int first = (begin & ~15) + TILE * warp, stride = TILE * WARPS;
+  const bool settled_first_tile = first + TILE - 1 < seq_len - fresh_tokens;
+  HeadsNTile<D> a, b;
+  if (!settled_first_tile) wait_for_prior_grids();
+  fetch_heads_n_tile<D, KVQ>(a, first, begin, ctx);
+  if (settled_first_tile) wait_for_prior_grids();
+  u32 q[2 * S::KWORDS];  // Q^T of head g (zero past the group): words 8c .. 8c + 7 are d = 64c + 16t .. + 15
+  {
+    const bool live = g < group;
+    const u16* row = query + ((i64)seq * num_heads + kv_head * group + (live ? g : 0)) * D + 16 * t;
+#pragma unroll
+    for (int c = 0; c < S::KCHUNKS; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint4 v = live ? __ldg(reinterpret_cast<const uint4*>(row + 64 * c + 8 * half)) : make_uint4(0, 0, 0, 0);
+        q[8 * c + 4 * half] = halves_of<DT>(v.x); q[8 * c + 4 * half + 1] = halves_of<DT>(v.y);
+        q[8 * c + 4 * half + 2] = halves_of<DT>(v.z); q[8 * c + 4 * half + 3] = halves_of<DT>(v.w);
+      }
+  }
+  for (int tile = first; tile < end; tile += 2 * stride) {
+    fetch_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx);
+    attend_heads_n_tile<D, KVQ>(a, tile, begin, ctx, q, score_scale, softcap, o, row_max, row_sum);
+    if (tile + stride >= end) break;
+    fetch_heads_n_tile<D, KVQ>(a, tile + 2 * stride, begin, ctx);
+    attend_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx, q, score_scale, softcap, o, row_max, row_sum);
+  }
+
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // the head's sum over its 8 threads (they share its running max)
+    row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 4);
+    row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 8);
+    row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 16);
+  }
+  if constexpr (WARPS > 1) {
+    combine_heads_n_warps<D, WARPS>(o, row_max, row_sum, first < end);
+    if (warp != WARPS - 1) return;  // the last warp holds the CTA's output
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (2 * t + e >= group) continue;
+    const i64 row = (i64)seq * num_heads + kv_head * group + 2 * t + e;
+    if (splits == 1) {
+      const float inv = row_sum[e] > 0.0f ? value_head_scale / row_sum[e] : 0.0f;
+      u32 packed[S::MTILES];  // d = VB g + 2j, + 1
+#pragma unroll
+      for (int j = 0; j < S::MTILES; ++j) packed[j] = Num<DT>::pack(o[j][e] * inv, o[j][e + 2] * inv);
+#pragma unroll
+      for (int i = 0; i < S::MTILES / 4; ++i)
+        reinterpret_cast<uint4*>(out + row * D + S::VB * g)[i] =
+            make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+    } else {  // natural-log max, as paged_reduce_kernel weighs the splits; a split with no keys writes max -inf
+      const i64 base = row * splits + split;
+      float* partial = part_out + base * D + S::VB * g;
+#pragma unroll
+      for (int i = 0; i < S::MTILES / 2; ++i)
+        reinterpret_cast<float4*>(partial)[i] =
+            make_float4(o[2 * i][e] * value_head_scale, o[2 * i][e + 2] * value_head_scale,
+                        o[2 * i + 1][e] * value_head_scale, o[2 * i + 1][e + 2] * value_head_scale);
+      if (g == 0) {
+        part_stats[base * 2] = row_max[e] * (1.0f / LOG2_E);
+        part_stats[base * 2 + 1] = row_sum[e];
+      }
+    }
+  }
+}
+
 // ---- Paged prefill attention ----------------------------------------------------------------------------------
 // A prefill chunk's tokens each attend to their causal prefix of one context, so consecutive tokens read nearly the
 // same K/V. paged_decode_kernel, run with every token as a sequence of its own (a graphed step), reads a chunk's
