@@ -860,6 +860,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 //     8 x 8 matrices (movmatrix) is the B fragment (k = 2t, 2t + 1 / 2t + 8, 2t + 9; n = head g).
 // int8: each token's K scale multiplies its scores, its V scale its P (in fp16, so products below 2^-14 lose
 // precision: they weigh at most 2^-14 of the largest); e4m3: the head's scales multiply the scores and the output.
+// int8 K codes enter the mma biased, as the halves 1152 + code (key_codes_to_halves: no subtraction), and the
+// bias's share of each score, 1152 sum_d Q[head][d] (the same for every token), is subtracted from the scores: a
+// tile's sums are over D products only, so the bias costs fp32 precision only against the scores' own size. V codes
+// are converted exactly (codes_to_halves): a bias there would accumulate over the whole context.
 // Scores are kept in log2 units (ex2), and written to partials in natural ones (paged_reduce_kernel's).
 template <int D>
 struct HeadsNSlices {
@@ -879,34 +883,67 @@ struct HeadsNTile {
   u32 kscale[2], vscale[2];
 };
 
-// Rows outside [begin, ctx.end) load as zeros (their block-table entries are not read).
+// BYTES (8 or 16) codes at p into BYTES / 4 words where valid; elsewhere the words keep what they held.
+template <int BYTES>
+__device__ __forceinline__ void load_codes_if(const unsigned char* p, bool valid, u32* w) {
+  if (!valid) return;
+  if constexpr (BYTES == 16) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  }
+}
+
+// Rows outside [begin, ctx.end) are not loaded (nor their block-table entries read): their words keep an earlier
+// tile's codes (zeros before the first), finite values that the masked scores and zero probabilities ignore, so no
+// instruction a load clears them. Addresses: a block's rows
+// of the CTA's KV head start at head_base + block * block_bytes (one 64-bit multiply a row group), the rest is
+// 32-bit.
 template <int D, int KVQ>
 __device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D>& T, int tile, int begin, const TileContext& ctx) {
   using S = HeadsNSlices<D>;
   const int block_size = 1 << ctx.log2_block_size, g = ctx.g, t = ctx.t;
-  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache);
-  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache);
+  const u32 block_rows = (u32)ctx.num_kv_heads << ctx.log2_block_size;  // rows of one block, all KV heads
+  const u32 head_row = (u32)ctx.kv_head << ctx.log2_block_size;
+  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache) + (u64)head_row * D;
+  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache) + (u64)head_row * D;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
     // tokens ktok, ktok + 1 and vtok .. vtok + 3 each lie in one block (block_size >= 8, groups aligned)
     const int ktok = tile + 16 * mt + 2 * g, vtok = tile + 16 * mt + 4 * t;
-    const int kblk = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
-    const int vblk = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
-    const i64 krow = ((i64)kblk * ctx.num_kv_heads + ctx.kv_head) * block_size + (ktok & (block_size - 1));
-    const i64 vrow = ((i64)vblk * ctx.num_kv_heads + ctx.kv_head) * block_size + (vtok & (block_size - 1));
+    const u32 kblk = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
+    const u32 vblk = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
+    const unsigned char* krow = keys + (u64)(kblk * block_rows) * D + (u32)((ktok & (block_size - 1)) * D + 16 * t);
+    const unsigned char* vrow = values + (u64)(vblk * block_rows) * D + (u32)((vtok & (block_size - 1)) * D + S::VB * g);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int c = 0; c < S::KCHUNKS; ++c)
-        load_codes<16>(keys + (krow + h) * D + 64 * c + 16 * t, ktok + h >= begin && ktok + h < ctx.end,
-                       &T.k[mt][h][4 * c]);
+        load_codes_if<16>(krow + h * D + 64 * c, ktok + h >= begin && ktok + h < ctx.end, &T.k[mt][h][4 * c]);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      load_codes<S::VB>(values + (vrow + q) * D + S::VB * g, vtok + q >= begin && vtok + q < ctx.end, T.v[mt][q]);
+      load_codes_if<S::VB>(vrow + q * D, vtok + q >= begin && vtok + q < ctx.end, T.v[mt][q]);
     if constexpr (KVQ == 1) {  // any value where masked: attend_heads_n_tile zeroes those tokens' V scales
-      T.kscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.key_scales + krow));
-      T.vscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.value_scales + krow));
+      const u32 scale_row = kblk * block_rows + head_row + (ktok & (block_size - 1));
+      T.kscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.key_scales + scale_row));
+      T.vscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.value_scales + scale_row));
     }
+  }
+}
+
+// Four K codes (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3) as the heads-as-n kernel's S^T
+// takes them: e4m3 as codes_to_halves converts them, int8 as the exact halves 1152 + code (KEY_CODE_BIAS_PAIR: the bias).
+constexpr u32 KEY_CODE_BIAS_PAIR = 0x64806480u;  // the halves (1152, 1152)
+template <int KVQ> __device__ __forceinline__ void key_codes_to_halves(u32 w, u32& p01, u32& p23) {
+  if constexpr (KVQ == 1) {
+    // flip the sign bit: byte u = e + 128; half (0x64 << 8 | u) = 1024 + u = 1152 + e
+    const u32 u = w ^ 0x80808080u;
+    p01 = __byte_perm(u, 0x64646464u, 0x4140);
+    p23 = __byte_perm(u, 0x64646464u, 0x4342);
+  } else {
+    codes_to_halves<KVQ>(w, p01, p23);
   }
 }
 
@@ -928,12 +965,14 @@ constexpr float LOG2_E = 1.4426950408889634f;
 
 // One 32-token tile: S^T, the online softmax over it (per head 2t + e: running max row_max[e] in log2 units,
 // this thread's share of the running sum row_sum[e]), O^T = O^T * alpha + V^T P^T. q: head g's Q^T B fragments
-// (k-step w: q[2w], q[2w + 1]); score_scale: the softmax scale (times LOG2_E without softcap), times an e4m3
-// cache's key scale; o[j]: O^T m-tile j (c0 / c1: row g, heads 2t / 2t + 1; c2 / c3: row g + 8).
+// (k-step w: q[2w], q[2w + 1]); key_bias[e]: int8 K codes' bias in head 2t + e's scores; score_scale: the softmax
+// scale (times LOG2_E without softcap), times an e4m3 cache's key scale; inv_softcap: 1 / softcap (softcap > 0);
+// o[j]: O^T m-tile j (c0 / c1: row g, heads 2t / 2t + 1; c2 / c3: row g + 8).
 template <int D, int KVQ>
 __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int tile, int begin,
                                                     const TileContext& ctx, const u32 (&q)[2 * HeadsNSlices<D>::KWORDS],
-                                                    float score_scale, float softcap,
+                                                    const float (&key_bias)[2], float score_scale, float softcap,
+                                                    float inv_softcap,
                                                     float (&o)[HeadsNSlices<D>::MTILES][4], float (&row_max)[2],
                                                     float (&row_sum)[2]) {
   using S = HeadsNSlices<D>;
@@ -945,8 +984,8 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
 #pragma unroll
     for (int w = 0; w < S::KWORDS; ++w) {
       u32 a0, a1, a2, a3;
-      codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
-      codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
+      key_codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
+      key_codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
       Num<0>::mma(s[mt], a0, a1, a2, a3, q[2 * w], q[2 * w + 1]);
     }
   }
@@ -960,8 +999,8 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
           KVQ == 1 ? score_scale * half_bits_to_float((u16)(T.kscale[mt] >> (16 * h))) : score_scale;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float v = s[mt][2 * h + e] * token_scale;
-        if (softcap > 0.0f) v = tanhf(v / softcap) * (softcap * LOG2_E);
+        float v = (KVQ == 1 ? s[mt][2 * h + e] - key_bias[e] : s[mt][2 * h + e]) * token_scale;
+        if (softcap > 0.0f) v = tanhf(v * inv_softcap) * (softcap * LOG2_E);
         v = tok >= begin && tok < ctx.end ? v : -INFINITY;
         s[mt][2 * h + e] = v;
         tile_max[e] = fmaxf(tile_max[e], v);
@@ -979,10 +1018,13 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
     row_max[e] = new_max;
     row_sum[e] *= alpha[e];
   }
+  // the warp's maxima of all heads unchanged (most tiles past the first few): alpha is exactly 1
+  if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-  for (int j = 0; j < S::MTILES; ++j) {
-    o[j][0] *= alpha[0]; o[j][1] *= alpha[1];
-    o[j][2] *= alpha[0]; o[j][3] *= alpha[1];
+    for (int j = 0; j < S::MTILES; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[1];
+      o[j][2] *= alpha[0]; o[j][3] *= alpha[1];
+    }
   }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
@@ -1102,6 +1144,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   const float value_head_scale =
       KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
   const float score_scale = scale * key_head_scale * (softcap > 0.0f ? 1.0f : LOG2_E);
+  const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
                         log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
 
@@ -1115,7 +1158,7 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   // before waiting for the kernel just before this one; the query and everything else wait.
   const int first = (begin & ~15) + TILE * warp, stride = TILE * WARPS;
   const bool settled_first_tile = first + TILE - 1 < seq_len - fresh_tokens;
-  HeadsNTile<D> a, b;
+  HeadsNTile<D> a = {}, b = {};
   if (!settled_first_tile) wait_for_prior_grids();
   fetch_heads_n_tile<D, KVQ>(a, first, begin, ctx);
   if (settled_first_tile) wait_for_prior_grids();
@@ -1132,12 +1175,25 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
         q[8 * c + 4 * half + 2] = halves_of<DT>(v.z); q[8 * c + 4 * half + 3] = halves_of<DT>(v.w);
       }
   }
+  // int8: the K codes' bias in the scores of heads 2t, 2t + 1, as the mma sums it (c0, c1 of bias x Q^T)
+  float key_bias[2] = {0.0f, 0.0f};
+  if constexpr (KVQ == 1) {
+    float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int w = 0; w < S::KWORDS; ++w)
+      Num<0>::mma(bias, KEY_CODE_BIAS_PAIR, KEY_CODE_BIAS_PAIR, KEY_CODE_BIAS_PAIR, KEY_CODE_BIAS_PAIR, q[2 * w],
+                  q[2 * w + 1]);
+    key_bias[0] = bias[0];
+    key_bias[1] = bias[1];
+  }
   for (int tile = first; tile < end; tile += 2 * stride) {
     fetch_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx);
-    attend_heads_n_tile<D, KVQ>(a, tile, begin, ctx, q, score_scale, softcap, o, row_max, row_sum);
+    attend_heads_n_tile<D, KVQ>(a, tile, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o, row_max,
+                                row_sum);
     if (tile + stride >= end) break;
     fetch_heads_n_tile<D, KVQ>(a, tile + 2 * stride, begin, ctx);
-    attend_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx, q, score_scale, softcap, o, row_max, row_sum);
+    attend_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o,
+                                row_max, row_sum);
   }
 
 #pragma unroll
