@@ -1060,62 +1060,87 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
   }
 }
 
-// The warps' states combined as combine_warps combines paged_decode_kernel's, in warp order: per head the CTA max
-// M (log2 units), the total sum_w 2^(m_w - M) l_w, o = sum_w 2^(m_w - M) o_w through shared memory. row_sum enters
-// summed over the warp's threads of its head; on return the last warp holds the CTA's state.
-template <int D, int WARPS>
-__device__ __forceinline__ void combine_heads_n_warps(float (&o)[HeadsNSlices<D>::MTILES][4], float (&row_max)[2],
-                                                      float (&row_sum)[2], bool walked_tiles) {
-  constexpr int MTILES = HeadsNSlices<D>::MTILES;
+// Where the CTA's rows go: out [B, H, D] (one split) or part_out / part_stats (several), for KV head `kv_head`'s
+// `group` heads of sequence `seq`.
+struct HeadsNOutput {
+  u16* out;
+  float* part_out;
+  float* part_stats;
+  i64 first_row;  // (seq, kv_head's first query head) of [B, H]
+  int group, split, splits;
+  float value_scale;  // e4m3: the KV head's V scale; 1 for int8
+};
+
+// Two consecutive outputs d, d + 1 of head `head` of the group (o0, o1: unnormalized, fp32), with the head's
+// softmax state: normalized DT values into out, or (splits > 1) fp32 partials and, with `stats`, the head's max
+// (natural-log units, as paged_reduce_kernel weighs the splits; -inf for a split with no keys) and sum.
+template <int DT, int D>
+__device__ __forceinline__ void write_heads_n_pair(const HeadsNOutput& w, int head, int d, float o0, float o1,
+                                                   float row_max, float row_sum, bool stats) {
+  if (head >= w.group) return;
+  const i64 row = w.first_row + head;
+  if (w.splits == 1) {
+    const float inv = row_sum > 0.0f ? w.value_scale / row_sum : 0.0f;
+    *reinterpret_cast<u32*>(w.out + row * D + d) = Num<DT>::pack(o0 * inv, o1 * inv);
+  } else {
+    const i64 base = row * w.splits + w.split;
+    *reinterpret_cast<float2*>(w.part_out + base * D + d) = make_float2(o0 * w.value_scale, o1 * w.value_scale);
+    if (stats) {
+      w.part_stats[base * 2] = row_max * (1.0f / LOG2_E);
+      w.part_stats[base * 2 + 1] = row_sum;
+    }
+  }
+}
+
+// The CTA's WARPS softmax states combined and written: every warp stores its o (fragment order) and its heads'
+// (max, sum) in shared memory; after one barrier each thread takes one fragment entry (m-tile j, lane l: rows d =
+// VB g_l + 2j and + 1 of heads 2t_l, 2t_l + 1), sums it over the warps in warp order (deterministic) weighted by
+// 2^(m_w - M), M the CTA's max of the head (a warp that saw nothing weighs 0), and writes it. row_sum enters summed
+// over the warp's threads of its head. Shared memory: D * WARPS * 32 bytes of o (32 KiB at D = 128) + stats.
+template <int DT, int D, int WARPS>
+__device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[HeadsNSlices<D>::MTILES][4],
+                                                          const float (&row_max)[2], const float (&row_sum)[2],
+                                                          const HeadsNOutput& w) {
+  using S = HeadsNSlices<D>;
   __shared__ float warp_row_max[WARPS][8], warp_row_sum[WARPS][8];
-  __shared__ float4 o_sum[MTILES][32];  // o[j] of each lane, in fragment order
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+  __shared__ float4 warp_o[WARPS][S::MTILES][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane < 4) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      warp_row_max[warp][2 * t + e] = row_max[e];
-      warp_row_sum[warp][2 * t + e] = row_sum[e];
+      warp_row_max[warp][2 * lane + e] = row_max[e];
+      warp_row_sum[warp][2 * lane + e] = row_sum[e];
     }
   }
+#pragma unroll
+  for (int j = 0; j < S::MTILES; ++j) warp_o[warp][j][lane] = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
   __syncthreads();
+  for (int entry = threadIdx.x; entry < S::MTILES * 32; entry += 32 * WARPS) {
+    const int j = entry >> 5, l = entry & 31, g = l >> 2, t = l & 3;
+    float weight[2][WARPS], cta_max[2], total[2];
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int head = 2 * t + e;
-    float cta_max = -INFINITY;
+    for (int e = 0; e < 2; ++e) {
+      cta_max[e] = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) cta_max = fmaxf(cta_max, warp_row_max[w][head]);
-    float total = 0.0f;
+      for (int q = 0; q < WARPS; ++q) cta_max[e] = fmaxf(cta_max[e], warp_row_max[q][2 * t + e]);
+      total[e] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float m = warp_row_max[w][head];
-      total += (m == -INFINITY ? 0.0f : exp2_approx(m - cta_max)) * warp_row_sum[w][head];
-    }
-    const float weight = row_max[e] == -INFINITY ? 0.0f : exp2_approx(row_max[e] - cta_max);
-#pragma unroll
-    for (int j = 0; j < MTILES; ++j) {
-      o[j][e] *= weight;
-      o[j][e + 2] *= weight;
-    }
-    row_max[e] = cta_max;
-    row_sum[e] = total;
-  }
-  for (int w = 0; w < WARPS - 1; ++w) {
-    if (warp == w && (w == 0 || walked_tiles)) {  // warp 0 initializes; an idle warp would add zeros
-#pragma unroll
-      for (int j = 0; j < MTILES; ++j) {
-        const float4 v = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
-        const float4 sum = o_sum[j][lane];
-        o_sum[j][lane] = w == 0 ? v : make_float4(sum.x + v.x, sum.y + v.y, sum.z + v.z, sum.w + v.w);
+      for (int q = 0; q < WARPS; ++q) {
+        const float m = warp_row_max[q][2 * t + e];
+        weight[e][q] = m == -INFINITY ? 0.0f : exp2_approx(m - cta_max[e]);
+        total[e] += weight[e][q] * warp_row_sum[q][2 * t + e];
       }
     }
-    __syncthreads();
-  }
-  if (warp == WARPS - 1) {
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int j = 0; j < MTILES; ++j) {
-      const float4 sum = o_sum[j][lane];
-      o[j][0] += sum.x; o[j][1] += sum.y; o[j][2] += sum.z; o[j][3] += sum.w;
+    for (int q = 0; q < WARPS; ++q) {
+      const float4 v = warp_o[q][j][l];
+      sum = make_float4(sum.x + weight[0][q] * v.x, sum.y + weight[1][q] * v.y, sum.z + weight[0][q] * v.z,
+                        sum.w + weight[1][q] * v.w);
     }
+    const int d = S::VB * g + 2 * j;
+    write_heads_n_pair<DT, D>(w, 2 * t, d, sum.x, sum.z, cta_max[0], total[0], entry < 4);
+    write_heads_n_pair<DT, D>(w, 2 * t + 1, d, sum.y, sum.w, cta_max[1], total[1], entry < 4);
   }
 }
 
@@ -1202,36 +1227,17 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
     row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 8);
     row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 16);
   }
+  const HeadsNOutput written{out, part_out, part_stats, (i64)seq * num_heads + kv_head * group, group, split,
+                             splits, value_head_scale};
   if constexpr (WARPS > 1) {
-    combine_heads_n_warps<D, WARPS>(o, row_max, row_sum, first < end);
-    if (warp != WARPS - 1) return;  // the last warp holds the CTA's output
-  }
+    combine_and_write_heads_n<DT, D, WARPS>(o, row_max, row_sum, written);
+  } else {
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (2 * t + e >= group) continue;
-    const i64 row = (i64)seq * num_heads + kv_head * group + 2 * t + e;
-    if (splits == 1) {
-      const float inv = row_sum[e] > 0.0f ? value_head_scale / row_sum[e] : 0.0f;
-      u32 packed[S::MTILES];  // d = VB g + 2j, + 1
+    for (int j = 0; j < S::MTILES; ++j)  // o[j]: rows d = VB g + 2j, + 1 of heads 2t, 2t + 1
 #pragma unroll
-      for (int j = 0; j < S::MTILES; ++j) packed[j] = Num<DT>::pack(o[j][e] * inv, o[j][e + 2] * inv);
-#pragma unroll
-      for (int i = 0; i < S::MTILES / 4; ++i)
-        reinterpret_cast<uint4*>(out + row * D + S::VB * g)[i] =
-            make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
-    } else {  // natural-log max, as paged_reduce_kernel weighs the splits; a split with no keys writes max -inf
-      const i64 base = row * splits + split;
-      float* partial = part_out + base * D + S::VB * g;
-#pragma unroll
-      for (int i = 0; i < S::MTILES / 2; ++i)
-        reinterpret_cast<float4*>(partial)[i] =
-            make_float4(o[2 * i][e] * value_head_scale, o[2 * i][e + 2] * value_head_scale,
-                        o[2 * i + 1][e] * value_head_scale, o[2 * i + 1][e + 2] * value_head_scale);
-      if (g == 0) {
-        part_stats[base * 2] = row_max[e] * (1.0f / LOG2_E);
-        part_stats[base * 2 + 1] = row_sum[e];
-      }
-    }
+      for (int e = 0; e < 2; ++e)
+        write_heads_n_pair<DT, D>(written, 2 * t + e, S::VB * g + 2 * j, o[j][e], o[j][e + 2], row_max[e],
+                                  row_sum[e], j == 0 && g == 0);
   }
 }
 
