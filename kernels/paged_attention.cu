@@ -860,10 +860,11 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 //     8 x 8 matrices (movmatrix) is the B fragment (k = 2t, 2t + 1 / 2t + 8, 2t + 9; n = head g).
 // int8: each token's K scale multiplies its scores, its V scale its P (in fp16, so products below 2^-14 lose
 // precision: they weigh at most 2^-14 of the largest); e4m3: the head's scales multiply the scores and the output.
-// int8 K codes enter the mma biased, as the halves 1152 + code (key_codes_to_halves: no subtraction), and the
-// bias's share of each score, 1152 sum_d Q[head][d] (the same for every token), is subtracted from the scores: a
-// tile's sums are over D products only, so the bias costs fp32 precision only against the scores' own size. V codes
-// are converted exactly (codes_to_halves): a bias there would accumulate over the whole context.
+// int8 codes enter the mma biased, as the exact halves 1152 + code (biased_codes_to_halves: no subtraction). In
+// S^T the bias's share of each score, 1152 sum_d Q[head][d], is the same for every token and subtracted from the
+// scores. In O^T it is 1152 sum_k P^T[k][head] of the tile, the same for every d: the mma computes it from the same
+// fp16 P (A = all 1152), and the rescale before the tile's P.V subtracts it from o, so the large terms cancel within
+// the tile's own sums (fp32) and never accumulate over the context.
 // Scores are kept in log2 units (ex2), and written to partials in natural ones (paged_reduce_kernel's).
 template <int D>
 struct HeadsNSlices {
@@ -874,14 +875,29 @@ struct HeadsNSlices {
 };
 
 // A thread's codes of a 32-token tile (m-tiles mt = 0, 1 of 16 tokens), as loaded: K of tokens 16mt + 2g + h, V of
-// tokens 16mt + 4t + q; int8: the fp16 K and V scales of tokens 16mt + 2g, + 1 (low, high half).
+// tokens 16mt + 4t + q; int8: the fp16 K and V scales of tokens 16mt + 2g, + 1 (low, high half). kblock / vblock:
+// the blocks holding those K and V tokens (0 where none is in range), read a tile before the rows
+// (fetch_heads_n_blocks), so that a row load never waits on its block-table read.
 template <int D>
 struct HeadsNTile {
   using S = HeadsNSlices<D>;
   u32 k[2][2][S::KWORDS];
   u32 v[2][4][S::VWORDS];
   u32 kscale[2], vscale[2];
+  u32 kblock[2], vblock[2];
 };
+
+// The block-table entries of a tile's rows (fetch_heads_n_tile's; tokens ktok, ktok + 1 and vtok .. vtok + 3 each
+// lie in one block: block_size >= 8 and tiles start at multiples of 16).
+template <int D>
+__device__ __forceinline__ void fetch_heads_n_blocks(HeadsNTile<D>& T, int tile, int begin, const TileContext& ctx) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int ktok = tile + 16 * mt + 2 * ctx.g, vtok = tile + 16 * mt + 4 * ctx.t;
+    T.kblock[mt] = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
+    T.vblock[mt] = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
+  }
+}
 
 // BYTES (8 or 16) codes at p into BYTES / 4 words where valid; elsewhere the words keep what they held.
 template <int BYTES>
@@ -896,11 +912,10 @@ __device__ __forceinline__ void load_codes_if(const unsigned char* p, bool valid
   }
 }
 
-// Rows outside [begin, ctx.end) are not loaded (nor their block-table entries read): their words keep an earlier
-// tile's codes (zeros before the first), finite values that the masked scores and zero probabilities ignore, so no
-// instruction a load clears them. Addresses: a block's rows
-// of the CTA's KV head start at head_base + block * block_bytes (one 64-bit multiply a row group), the rest is
-// 32-bit.
+// The rows of T's blocks (fetch_heads_n_blocks of the same tile). Rows outside [begin, ctx.end) are not loaded:
+// their words keep an earlier tile's codes (zeros before the first), finite values that the masked scores and zero
+// probabilities ignore, so no instruction a load clears them. Addresses: a block's rows of the CTA's KV head start
+// at head_base + block * block_bytes (one 64-bit multiply a row group), the rest is 32-bit.
 template <int D, int KVQ>
 __device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D>& T, int tile, int begin, const TileContext& ctx) {
   using S = HeadsNSlices<D>;
@@ -911,10 +926,8 @@ __device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D>& T, int tile, i
   const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache) + (u64)head_row * D;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
-    // tokens ktok, ktok + 1 and vtok .. vtok + 3 each lie in one block (block_size >= 8, groups aligned)
     const int ktok = tile + 16 * mt + 2 * g, vtok = tile + 16 * mt + 4 * t;
-    const u32 kblk = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
-    const u32 vblk = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
+    const u32 kblk = T.kblock[mt], vblk = T.vblock[mt];
     const unsigned char* krow = keys + (u64)(kblk * block_rows) * D + (u32)((ktok & (block_size - 1)) * D + 16 * t);
     const unsigned char* vrow = values + (u64)(vblk * block_rows) * D + (u32)((vtok & (block_size - 1)) * D + S::VB * g);
 #pragma unroll
@@ -933,10 +946,10 @@ __device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D>& T, int tile, i
   }
 }
 
-// Four K codes (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3) as the heads-as-n kernel's S^T
-// takes them: e4m3 as codes_to_halves converts them, int8 as the exact halves 1152 + code (KEY_CODE_BIAS_PAIR: the bias).
-constexpr u32 KEY_CODE_BIAS_PAIR = 0x64806480u;  // the halves (1152, 1152)
-template <int KVQ> __device__ __forceinline__ void key_codes_to_halves(u32 w, u32& p01, u32& p23) {
+// Four codes (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3) as the heads-as-n kernel's mma take
+// them: e4m3 as codes_to_halves converts them, int8 as the exact halves 1152 + code (CODE_BIAS_PAIR: the bias).
+constexpr u32 CODE_BIAS_PAIR = 0x64806480u;  // the halves (1152, 1152)
+template <int KVQ> __device__ __forceinline__ void biased_codes_to_halves(u32 w, u32& p01, u32& p23) {
   if constexpr (KVQ == 1) {
     // flip the sign bit: byte u = e + 128; half (0x64 << 8 | u) = 1024 + u = 1152 + e
     const u32 u = w ^ 0x80808080u;
@@ -984,8 +997,8 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
 #pragma unroll
     for (int w = 0; w < S::KWORDS; ++w) {
       u32 a0, a1, a2, a3;
-      key_codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
-      key_codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
+      biased_codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
+      biased_codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
       Num<0>::mma(s[mt], a0, a1, a2, a3, q[2 * w], q[2 * w + 1]);
     }
   }
@@ -1018,14 +1031,7 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
     row_max[e] = new_max;
     row_sum[e] *= alpha[e];
   }
-  // the warp's maxima of all heads unchanged (most tiles past the first few): alpha is exactly 1
-  if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-    for (int j = 0; j < S::MTILES; ++j) {
-      o[j][0] *= alpha[0]; o[j][1] *= alpha[1];
-      o[j][2] *= alpha[0]; o[j][3] *= alpha[1];
-    }
-  }
+  u32 pt[2][2];  // P^T B fragments of m-tile mt
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
     float p[4];
@@ -1044,18 +1050,41 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
       }
     }
     // P^T of the m-tile's 16 tokens as the B operand: rows 0..7 (tokens 2r) and 8..15 (tokens 2r + 1), transposed
-    const u32 b0 = transpose_8x8(Num<0>::pack(p[0], p[1]));
-    const u32 b1 = transpose_8x8(Num<0>::pack(p[2], p[3]));
+    pt[mt][0] = transpose_8x8(Num<0>::pack(p[0], p[1]));
+    pt[mt][1] = transpose_8x8(Num<0>::pack(p[2], p[3]));
+  }
+  // int8: the V codes' bias in this tile's O^T of heads 2t, 2t + 1 (c0, c1 of bias x P^T), taken out of o with the
+  // rescale
+  float value_bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (KVQ == 1) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      Num<0>::mma(value_bias, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, pt[mt][0], pt[mt][1]);
+#pragma unroll
+    for (int j = 0; j < S::MTILES; ++j) {
+      o[j][0] = fmaf(o[j][0], alpha[0], -value_bias[0]); o[j][1] = fmaf(o[j][1], alpha[1], -value_bias[1]);
+      o[j][2] = fmaf(o[j][2], alpha[0], -value_bias[0]); o[j][3] = fmaf(o[j][3], alpha[1], -value_bias[1]);
+    }
+  } else if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+    // the warp's maxima of all heads unchanged (most tiles past the first few): alpha is exactly 1
+#pragma unroll
+    for (int j = 0; j < S::MTILES; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[1];
+      o[j][2] *= alpha[0]; o[j][3] *= alpha[1];
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
     for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: m-tiles 2w, 2w + 1
       // (V[4t][d], V[4t + 2][d]) for k = 2t, 2t + 1 and (V[4t + 1][d], V[4t + 3][d]) for k = 2t + 8, 2t + 9
       u32 a0[2], a1[2], a2[2], a3[2];
-      codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x5140), a0[0], a1[0]);
-      codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x7362), a0[1], a1[1]);
-      codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x5140), a2[0], a3[0]);
-      codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x7362), a2[1], a3[1]);
+      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x5140), a0[0], a1[0]);
+      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x7362), a0[1], a1[1]);
+      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x5140), a2[0], a3[0]);
+      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x7362), a2[1], a3[1]);
 #pragma unroll
-      for (int i = 0; i < 2; ++i) Num<0>::mma(o[2 * w + i], a0[i], a1[i], a2[i], a3[i], b0, b1);
+      for (int i = 0; i < 2; ++i) Num<0>::mma(o[2 * w + i], a0[i], a1[i], a2[i], a3[i], pt[mt][0], pt[mt][1]);
     }
   }
 }
@@ -1184,8 +1213,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   const int first = (begin & ~15) + TILE * warp, stride = TILE * WARPS;
   const bool settled_first_tile = first + TILE - 1 < seq_len - fresh_tokens;
   HeadsNTile<D> a = {}, b = {};
+  fetch_heads_n_blocks<D>(a, first, begin, ctx);  // block tables: the step's inputs, no kernel of the layer's output
   if (!settled_first_tile) wait_for_prior_grids();
   fetch_heads_n_tile<D, KVQ>(a, first, begin, ctx);
+  fetch_heads_n_blocks<D>(b, first + stride, begin, ctx);
   if (settled_first_tile) wait_for_prior_grids();
   u32 q[2 * S::KWORDS];  // Q^T of head g (zero past the group): words 8c .. 8c + 7 are d = 64c + 16t .. + 15
   {
@@ -1206,17 +1237,19 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
     float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int w = 0; w < S::KWORDS; ++w)
-      Num<0>::mma(bias, KEY_CODE_BIAS_PAIR, KEY_CODE_BIAS_PAIR, KEY_CODE_BIAS_PAIR, KEY_CODE_BIAS_PAIR, q[2 * w],
-                  q[2 * w + 1]);
+      Num<0>::mma(bias, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, q[2 * w], q[2 * w + 1]);
     key_bias[0] = bias[0];
     key_bias[1] = bias[1];
   }
+  // a tile's rows are loaded a tile ahead of its math, its blocks two tiles ahead
   for (int tile = first; tile < end; tile += 2 * stride) {
     fetch_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx);
+    fetch_heads_n_blocks<D>(a, tile + 2 * stride, begin, ctx);
     attend_heads_n_tile<D, KVQ>(a, tile, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o, row_max,
                                 row_sum);
     if (tile + stride >= end) break;
     fetch_heads_n_tile<D, KVQ>(a, tile + 2 * stride, begin, ctx);
+    fetch_heads_n_blocks<D>(b, tile + 3 * stride, begin, ctx);
     attend_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o,
                                 row_max, row_sum);
   }
