@@ -833,31 +833,37 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   }
 }
 
-// ---- Code caches with the query heads as the mma N dimension ---------------------------------------------------
+// ---- Query heads as the mma N dimension ------------------------------------------------------------------------
 // paged_decode_kernel puts a KV head's query heads on the 16 rows of the mma's A operand; with G <= 8 heads (GQA
 // groups of Qwen2.5, Llama 3) half of every Q.K^T and P.V mma multiplies zero rows. paged_decode_heads_n_kernel
-// (int8 / e4m3 caches, G <= 8, D = 64 or 128) transposes both products so that the heads are the mma's n = 8:
-//   S^T [16 tokens, 8 heads] = K [16 tokens, D] . Q^T [D, 8 heads]    (K codes the A operand)
-//   O^T [D, 8 heads]        += V^T [D, 16 tokens] . P^T [16 tokens, 8 heads]   (V codes the A operand)
-// so a 32-token tile takes D / 16 k-steps x 2 m-tiles of each, half the mma of the other layout, and every code of
-// the tile is converted to fp16 once, by the one thread that loaded it. Q^T stays in registers for the CTA's life.
-// One CTA per (KV head, sequence, split of the context); its WARPS warps take the split's 32-token tiles round
-// robin, each loading the next tile while it multiplies the current one, and combine their softmax states in
-// shared memory; with several splits the CTA writes a partial that paged_reduce_kernel combines.
+// (G <= 8, D = 64 or 128, any cache the decode kernel reads) transposes both products so that the heads are the
+// mma's n = 8:
+//   S^T [16 tokens, 8 heads] = K [16 tokens, D] . Q^T [D, 8 heads]    (K rows the A operand)
+//   O^T [D, 8 heads]        += V^T [D, 16 tokens] . P^T [16 tokens, 8 heads]   (V rows the A operand)
+// so a 16-token m-tile takes D / 16 k-steps of each, half the mma of the other layout, and every cache element is
+// loaded and (codes) converted once, by one thread. Q^T stays in registers for the CTA's life. A tile is 8 KiB of a
+// warp's loads: 16 tokens of a 16-bit cache, 32 (two m-tiles) of codes.
+// One CTA per (KV head, sequence, split of the context); its WARPS warps take the split's tiles round robin, each
+// loading a tile's rows one tile ahead of its math and its block-table entries two tiles ahead, and combine their
+// softmax states in shared memory; with several splits the CTA writes a partial that paged_reduce_kernel combines.
 //
 // Operand layouts (g = lane / 4, t = lane % 4; any permutation of a reduction axis is fine if both operands share
 // it, and the output's d permutation is undone when it is written):
 //   m-tile rows: S^T row r of an m-tile (16 tokens from a multiple of 16) is token 2r for r < 8 and 2(r - 8) + 1
 //     for r >= 8, so thread g's rows g and g + 8 are tokens 2g and 2g + 1 (one block, one 4-byte int8 scale load),
 //     and the P^T rows 2t, 2t + 1, 2t + 8, 2t + 9 it multiplies with V are tokens 4t, 4t + 2, 4t + 1, 4t + 3.
-//   K (A of S^T, k = d): thread t holds codes d = 64c + 16t + 0..15 (c < D / 64) of tokens 2g, 2g + 1; k-step
-//     w = 4c + u takes word u of chunk c: codes 0, 1 at k = 2t, 2t + 1 and codes 2, 3 at k = 2t + 8, 2t + 9. The Q^T
-//     B fragment of head g holds the query at the same d (its words 8c + 2u, 8c + 2u + 1).
-//   V (A of O^T, m = d): thread g holds codes d = VB g + 0..VB-1 (VB = D / 8) of tokens 4t .. 4t + 3; O^T m-tile j
-//     rows g and g + 8 are d = VB g + 2j and + 1, so a thread ends with the VB consecutive outputs from VB g of heads
-//     2t and 2t + 1.
-//   P^T (B of O^T): the S^T accumulator of rows g / g + 8, heads 2t, 2t + 1, packed to fp16 and transposed as two
-//     8 x 8 matrices (movmatrix) is the B fragment (k = 2t, 2t + 1 / 2t + 8, 2t + 9; n = head g).
+//   K (A of S^T, k = d): thread t holds the 16-byte chunks at bytes 64c + 16t of its tokens' rows 2g, 2g + 1 (a
+//     warp's load covers whole sectors). Codes: chunk c is d = 64c + 16t + 0..15 and k-step w = 4c + u takes its
+//     word u (codes 0, 1 at k = 2t, 2t + 1, codes 2, 3 at k = 2t + 8, 2t + 9); 16-bit rows: chunk c is d = 32c + 8t
+//     + 0..7 and k-step w takes the row's words 2w (k = 2t, 2t + 1) and 2w + 1 (k = 2t + 8, 2t + 9). The Q^T B
+//     fragment of head g holds the query at the same d (q[2w], q[2w + 1]).
+//   V (A of O^T, m = d): thread g holds d = VB g + 0..VB-1 (VB = D / 8 elements) of tokens 4t .. 4t + 3; O^T m-tile
+//     j rows g and g + 8 are d = VB g + 2j and + 1, so a thread ends with the VB consecutive outputs from VB g of
+//     heads 2t and 2t + 1. A pair (V[4t][d], V[4t + 2][d]) is one byte_perm of two rows (codes: 4 d, 2 m-tiles, a
+//     word; 16-bit: pair_of_los / pair_of_his).
+//   P^T (B of O^T): the S^T accumulator of rows g / g + 8, heads 2t, 2t + 1, packed and transposed as two 8 x 8
+//     matrices (movmatrix) is the B fragment (k = 2t, 2t + 1 / 2t + 8, 2t + 9; n = head g).
+// Codes multiply in fp16 whatever the query dtype (as paged_decode_kernel's code tiles), 16-bit rows in their dtype.
 // int8: each token's K scale multiplies its scores, its V scale its P (in fp16, so products below 2^-14 lose
 // precision: they weigh at most 2^-14 of the largest); e4m3: the head's scales multiply the scores and the output.
 // int8 codes enter the mma biased, as the exact halves 1152 + code (biased_codes_to_halves: no subtraction). In
@@ -866,78 +872,90 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
 // fp16 P (A = all 1152), and the rescale before the tile's P.V subtracts it from o, so the large terms cancel within
 // the tile's own sums (fp32) and never accumulate over the context.
 // Scores are kept in log2 units (ex2), and written to partials in natural ones (paged_reduce_kernel's).
-template <int D>
+template <int D, int KVQ>
 struct HeadsNSlices {
   static_assert(D == 64 || D == 128, "the heads-as-n kernel takes head_dim 64 or 128");
-  static constexpr int KCHUNKS = D / 64, KWORDS = 4 * KCHUNKS;  // K: 16-code chunks, words (= k-steps) a row
-  static constexpr int VB = D / 8, VWORDS = VB / 4;              // V: codes, words a row
+  static constexpr int ELEMENT = KVQ ? 1 : 2;                    // bytes of a cache element
+  static constexpr int MTS = KVQ ? 2 : 1, TILE = 16 * MTS;       // m-tiles, tokens a tile
+  static constexpr int KSTEPS = D / 16;                          // S^T k-steps
+  static constexpr int KCHUNKS = D * ELEMENT / 64;               // K: 16-byte chunks a row
+  static constexpr int KWORDS = 4 * KCHUNKS;                     // K: words a row (codes: one a k-step)
+  static constexpr int VB = D / 8, VBYTES = VB * ELEMENT;        // V: elements, bytes a row
+  static constexpr int VWORDS = VBYTES / 4;                      // V: words a row
   static constexpr int MTILES = D / 16;                          // O^T m-tiles
 };
 
-// A thread's codes of a 32-token tile (m-tiles mt = 0, 1 of 16 tokens), as loaded: K of tokens 16mt + 2g + h, V of
-// tokens 16mt + 4t + q; int8: the fp16 K and V scales of tokens 16mt + 2g, + 1 (low, high half). kblock / vblock:
-// the blocks holding those K and V tokens (0 where none is in range), read a tile before the rows
-// (fetch_heads_n_blocks), so that a row load never waits on its block-table read.
-template <int D>
+// A thread's rows of a tile (m-tiles mt of 16 tokens), as loaded: K of tokens 16mt + 2g + h, V of tokens 16mt + 4t +
+// q; int8: the fp16 K and V scales of tokens 16mt + 2g, + 1 (low, high half). kblock / vblock: the blocks holding
+// those K and V tokens (0 where none is in range), read a tile before the rows (fetch_heads_n_blocks), so that a row
+// load never waits on its block-table read.
+template <int D, int KVQ>
 struct HeadsNTile {
-  using S = HeadsNSlices<D>;
-  u32 k[2][2][S::KWORDS];
-  u32 v[2][4][S::VWORDS];
-  u32 kscale[2], vscale[2];
-  u32 kblock[2], vblock[2];
+  using S = HeadsNSlices<D, KVQ>;
+  u32 k[S::MTS][2][S::KWORDS];
+  u32 v[S::MTS][4][S::VWORDS];
+  u32 kscale[S::MTS], vscale[S::MTS];
+  u32 kblock[S::MTS], vblock[S::MTS];
 };
 
 // The block-table entries of a tile's rows (fetch_heads_n_tile's; tokens ktok, ktok + 1 and vtok .. vtok + 3 each
 // lie in one block: block_size >= 8 and tiles start at multiples of 16).
-template <int D>
-__device__ __forceinline__ void fetch_heads_n_blocks(HeadsNTile<D>& T, int tile, int begin, const TileContext& ctx) {
+template <int D, int KVQ>
+__device__ __forceinline__ void fetch_heads_n_blocks(HeadsNTile<D, KVQ>& T, int tile, int begin,
+                                                     const TileContext& ctx) {
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < HeadsNSlices<D, KVQ>::MTS; ++mt) {
     const int ktok = tile + 16 * mt + 2 * ctx.g, vtok = tile + 16 * mt + 4 * ctx.t;
     T.kblock[mt] = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
     T.vblock[mt] = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
   }
 }
 
-// BYTES (8 or 16) codes at p into BYTES / 4 words where valid; elsewhere the words keep what they held.
+// BYTES (8, 16 or 32) at p into BYTES / 4 words where valid; elsewhere the words keep what they held.
 template <int BYTES>
-__device__ __forceinline__ void load_codes_if(const unsigned char* p, bool valid, u32* w) {
+__device__ __forceinline__ void load_row_if(const unsigned char* p, bool valid, u32* w) {
   if (!valid) return;
-  if constexpr (BYTES == 16) {
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-  } else {
+  if constexpr (BYTES == 8) {
     const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p));
     w[0] = v.x; w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
   }
 }
 
 // The rows of T's blocks (fetch_heads_n_blocks of the same tile). Rows outside [begin, ctx.end) are not loaded:
-// their words keep an earlier tile's codes (zeros before the first), finite values that the masked scores and zero
+// their words keep an earlier tile's (zeros before the first), finite values that the masked scores and zero
 // probabilities ignore, so no instruction a load clears them. Addresses: a block's rows of the CTA's KV head start
 // at head_base + block * block_bytes (one 64-bit multiply a row group), the rest is 32-bit.
 template <int D, int KVQ>
-__device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D>& T, int tile, int begin, const TileContext& ctx) {
-  using S = HeadsNSlices<D>;
+__device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D, KVQ>& T, int tile, int begin,
+                                                   const TileContext& ctx) {
+  using S = HeadsNSlices<D, KVQ>;
+  constexpr int ROW = D * S::ELEMENT;  // bytes
   const int block_size = 1 << ctx.log2_block_size, g = ctx.g, t = ctx.t;
   const u32 block_rows = (u32)ctx.num_kv_heads << ctx.log2_block_size;  // rows of one block, all KV heads
   const u32 head_row = (u32)ctx.kv_head << ctx.log2_block_size;
-  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache) + (u64)head_row * D;
-  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache) + (u64)head_row * D;
+  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache) + (u64)head_row * ROW;
+  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache) + (u64)head_row * ROW;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < S::MTS; ++mt) {
     const int ktok = tile + 16 * mt + 2 * g, vtok = tile + 16 * mt + 4 * t;
     const u32 kblk = T.kblock[mt], vblk = T.vblock[mt];
-    const unsigned char* krow = keys + (u64)(kblk * block_rows) * D + (u32)((ktok & (block_size - 1)) * D + 16 * t);
-    const unsigned char* vrow = values + (u64)(vblk * block_rows) * D + (u32)((vtok & (block_size - 1)) * D + S::VB * g);
+    const unsigned char* krow = keys + (u64)(kblk * block_rows) * ROW + (u32)((ktok & (block_size - 1)) * ROW + 16 * t);
+    const unsigned char* vrow =
+        values + (u64)(vblk * block_rows) * ROW + (u32)((vtok & (block_size - 1)) * ROW + S::VBYTES * g);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int c = 0; c < S::KCHUNKS; ++c)
-        load_codes_if<16>(krow + h * D + 64 * c, ktok + h >= begin && ktok + h < ctx.end, &T.k[mt][h][4 * c]);
+        load_row_if<16>(krow + h * ROW + 64 * c, ktok + h >= begin && ktok + h < ctx.end, &T.k[mt][h][4 * c]);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      load_codes_if<S::VB>(vrow + q * D, vtok + q >= begin && vtok + q < ctx.end, T.v[mt][q]);
+      load_row_if<S::VBYTES>(vrow + q * ROW, vtok + q >= begin && vtok + q < ctx.end, T.v[mt][q]);
     if constexpr (KVQ == 1) {  // any value where masked: attend_heads_n_tile zeroes those tokens' V scales
       const u32 scale_row = kblk * block_rows + head_row + (ktok & (block_size - 1));
       T.kscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.key_scales + scale_row));
@@ -976,35 +994,40 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 constexpr float LOG2_E = 1.4426950408889634f;
 
-// One 32-token tile: S^T, the online softmax over it (per head 2t + e: running max row_max[e] in log2 units,
-// this thread's share of the running sum row_sum[e]), O^T = O^T * alpha + V^T P^T. q: head g's Q^T B fragments
-// (k-step w: q[2w], q[2w + 1]); key_bias[e]: int8 K codes' bias in head 2t + e's scores; score_scale: the softmax
-// scale (times LOG2_E without softcap), times an e4m3 cache's key scale; inv_softcap: 1 / softcap (softcap > 0);
-// o[j]: O^T m-tile j (c0 / c1: row g, heads 2t / 2t + 1; c2 / c3: row g + 8).
-template <int D, int KVQ>
-__device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int tile, int begin,
-                                                    const TileContext& ctx, const u32 (&q)[2 * HeadsNSlices<D>::KWORDS],
+// One tile: S^T, the online softmax over it (per head 2t + e: running max row_max[e] in log2 units, this thread's
+// share of the running sum row_sum[e]), O^T = O^T * alpha + V^T P^T. MT (DT for 16-bit rows, fp16 for codes): the
+// mma's operand type. q: head g's Q^T B fragments (k-step w: q[2w], q[2w + 1]); key_bias[e]: int8 K codes' bias in
+// head 2t + e's scores; score_scale: the softmax scale (times LOG2_E without softcap), times an e4m3 cache's key
+// scale; inv_softcap: 1 / softcap (softcap > 0); o[j]: O^T m-tile j (c0 / c1: row g, heads 2t / 2t + 1; c2 / c3:
+// row g + 8).
+template <int MT, int D, int KVQ>
+__device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D, KVQ>& T, int tile, int begin,
+                                                    const TileContext& ctx, const u32 (&q)[2 * D / 16],
                                                     const float (&key_bias)[2], float score_scale, float softcap,
-                                                    float inv_softcap,
-                                                    float (&o)[HeadsNSlices<D>::MTILES][4], float (&row_max)[2],
+                                                    float inv_softcap, float (&o)[D / 16][4], float (&row_max)[2],
                                                     float (&row_sum)[2]) {
-  using S = HeadsNSlices<D>;
+  using S = HeadsNSlices<D, KVQ>;
   const int g = ctx.g, t = ctx.t;
-  float s[2][4];  // [mt][2h + e]: token 16mt + 2g + h, head 2t + e
+  float s[S::MTS][4];  // [mt][2h + e]: token 16mt + 2g + h, head 2t + e
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < S::MTS; ++mt) {
     s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < S::KWORDS; ++w) {
+    for (int w = 0; w < S::KSTEPS; ++w) {
       u32 a0, a1, a2, a3;
-      biased_codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
-      biased_codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
-      Num<0>::mma(s[mt], a0, a1, a2, a3, q[2 * w], q[2 * w + 1]);
+      if constexpr (KVQ) {
+        biased_codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
+        biased_codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
+      } else {
+        a0 = T.k[mt][0][2 * w]; a2 = T.k[mt][0][2 * w + 1];
+        a1 = T.k[mt][1][2 * w]; a3 = T.k[mt][1][2 * w + 1];
+      }
+      Num<MT>::mma(s[mt], a0, a1, a2, a3, q[2 * w], q[2 * w + 1]);
     }
   }
   float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < S::MTS; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tok = tile + 16 * mt + 2 * g + h;
@@ -1021,7 +1044,7 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
     }
   float alpha[2], base[2];
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {  // the head's max over the tile's 32 tokens: the 8 threads of column 2t + e
+  for (int e = 0; e < 2; ++e) {  // the head's max over the tile's tokens: the 8 threads of column 2t + e
     tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 4));
     tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 8));
     tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 16));
@@ -1031,9 +1054,9 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
     row_max[e] = new_max;
     row_sum[e] *= alpha[e];
   }
-  u32 pt[2][2];  // P^T B fragments of m-tile mt
+  u32 pt[S::MTS][2];  // P^T B fragments of m-tile mt
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < S::MTS; ++mt) {
     float p[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -1050,15 +1073,15 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
       }
     }
     // P^T of the m-tile's 16 tokens as the B operand: rows 0..7 (tokens 2r) and 8..15 (tokens 2r + 1), transposed
-    pt[mt][0] = transpose_8x8(Num<0>::pack(p[0], p[1]));
-    pt[mt][1] = transpose_8x8(Num<0>::pack(p[2], p[3]));
+    pt[mt][0] = transpose_8x8(Num<MT>::pack(p[0], p[1]));
+    pt[mt][1] = transpose_8x8(Num<MT>::pack(p[2], p[3]));
   }
-  // int8: the V codes' bias in this tile's O^T of heads 2t, 2t + 1 (c0, c1 of bias x P^T), taken out of o with the
-  // rescale
-  float value_bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if constexpr (KVQ == 1) {
+    // the V codes' bias in this tile's O^T of heads 2t, 2t + 1 (c0, c1 of bias x P^T), taken out of o with the
+    // rescale
+    float value_bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < S::MTS; ++mt)
       Num<0>::mma(value_bias, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, pt[mt][0], pt[mt][1]);
 #pragma unroll
     for (int j = 0; j < S::MTILES; ++j) {
@@ -1074,17 +1097,25 @@ __device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D>& T, int 
     }
   }
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < S::MTS; ++mt) {
+    // (V[4t][d], V[4t + 2][d]) for k = 2t, 2t + 1 and (V[4t + 1][d], V[4t + 3][d]) for k = 2t + 8, 2t + 9
+    if constexpr (KVQ) {
 #pragma unroll
-    for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: m-tiles 2w, 2w + 1
-      // (V[4t][d], V[4t + 2][d]) for k = 2t, 2t + 1 and (V[4t + 1][d], V[4t + 3][d]) for k = 2t + 8, 2t + 9
-      u32 a0[2], a1[2], a2[2], a3[2];
-      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x5140), a0[0], a1[0]);
-      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x7362), a0[1], a1[1]);
-      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x5140), a2[0], a3[0]);
-      biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x7362), a2[1], a3[1]);
+      for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: m-tiles 2w, 2w + 1
+        u32 a0[2], a1[2], a2[2], a3[2];
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x5140), a0[0], a1[0]);
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x7362), a0[1], a1[1]);
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x5140), a2[0], a3[0]);
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x7362), a2[1], a3[1]);
 #pragma unroll
-      for (int i = 0; i < 2; ++i) Num<0>::mma(o[2 * w + i], a0[i], a1[i], a2[i], a3[i], pt[mt][0], pt[mt][1]);
+        for (int i = 0; i < 2; ++i) Num<0>::mma(o[2 * w + i], a0[i], a1[i], a2[i], a3[i], pt[mt][0], pt[mt][1]);
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < S::VWORDS; ++w)  // elements 2w, 2w + 1 of the slice: m-tile w, rows g, g + 8
+        Num<MT>::mma(o[w], pair_of_los(T.v[mt][0][w], T.v[mt][2][w]), pair_of_his(T.v[mt][0][w], T.v[mt][2][w]),
+                     pair_of_los(T.v[mt][1][w], T.v[mt][3][w]), pair_of_his(T.v[mt][1][w], T.v[mt][3][w]),
+                     pt[mt][0], pt[mt][1]);
     }
   }
 }
@@ -1097,7 +1128,7 @@ struct HeadsNOutput {
   float* part_stats;
   i64 first_row;  // (seq, kv_head's first query head) of [B, H]
   int group, split, splits;
-  float value_scale;  // e4m3: the KV head's V scale; 1 for int8
+  float value_scale;  // e4m3: the KV head's V scale; 1 otherwise
 };
 
 // Two consecutive outputs d, d + 1 of head `head` of the group (o0, o1: unnormalized, fp32), with the head's
@@ -1127,12 +1158,11 @@ __device__ __forceinline__ void write_heads_n_pair(const HeadsNOutput& w, int he
 // 2^(m_w - M), M the CTA's max of the head (a warp that saw nothing weighs 0), and writes it. row_sum enters summed
 // over the warp's threads of its head. Shared memory: D * WARPS * 32 bytes of o (32 KiB at D = 128) + stats.
 template <int DT, int D, int WARPS>
-__device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[HeadsNSlices<D>::MTILES][4],
-                                                          const float (&row_max)[2], const float (&row_sum)[2],
-                                                          const HeadsNOutput& w) {
-  using S = HeadsNSlices<D>;
+__device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[D / 16][4], const float (&row_max)[2],
+                                                          const float (&row_sum)[2], const HeadsNOutput& w) {
+  constexpr int MTILES = D / 16, VB = D / 8;
   __shared__ float warp_row_max[WARPS][8], warp_row_sum[WARPS][8];
-  __shared__ float4 warp_o[WARPS][S::MTILES][32];
+  __shared__ float4 warp_o[WARPS][MTILES][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane < 4) {
 #pragma unroll
@@ -1142,9 +1172,9 @@ __device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[Heads
     }
   }
 #pragma unroll
-  for (int j = 0; j < S::MTILES; ++j) warp_o[warp][j][lane] = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
+  for (int j = 0; j < MTILES; ++j) warp_o[warp][j][lane] = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
   __syncthreads();
-  for (int entry = threadIdx.x; entry < S::MTILES * 32; entry += 32 * WARPS) {
+  for (int entry = threadIdx.x; entry < MTILES * 32; entry += 32 * WARPS) {
     const int j = entry >> 5, l = entry & 31, g = l >> 2, t = l & 3;
     float weight[2][WARPS], cta_max[2], total[2];
 #pragma unroll
@@ -1167,7 +1197,7 @@ __device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[Heads
       sum = make_float4(sum.x + weight[0][q] * v.x, sum.y + weight[1][q] * v.y, sum.z + weight[0][q] * v.z,
                         sum.w + weight[1][q] * v.w);
     }
-    const int d = S::VB * g + 2 * j;
+    const int d = VB * g + 2 * j;
     write_heads_n_pair<DT, D>(w, 2 * t, d, sum.x, sum.z, cta_max[0], total[0], entry < 4);
     write_heads_n_pair<DT, D>(w, 2 * t + 1, d, sum.y, sum.w, cta_max[1], total[1], entry < 4);
   }
@@ -1183,9 +1213,8 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
     float* __restrict__ part_stats, int num_heads, int num_kv_heads, int log2_block_size, int max_blocks,
     int tokens_per_split, float scale, float softcap, int window, int fresh_tokens) {
   launch_dependents();
-  static_assert(KVQ == 1 || KVQ == 2, "the heads-as-n kernel reads int8 or e4m3 caches");
-  using S = HeadsNSlices<D>;
-  constexpr int TILE = 32;
+  using S = HeadsNSlices<D, KVQ>;
+  constexpr int MT = KVQ ? 0 : DT;  // the mma's operand type
   const int warp = WARPS == 1 ? 0 : threadIdx.x >> 5, lane = threadIdx.x - 32 * warp, g = lane >> 2, t = lane & 3;
   const int group = num_heads / num_kv_heads;  // <= 8
   const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -1210,33 +1239,34 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   // Tiles start at multiples of 16 tokens (keys before `begin` masked); warp w walks tiles w, w + WARPS, ...
   // As in paged_decode_kernel, a first tile older than the sequence's `fresh_tokens` newest positions is fetched
   // before waiting for the kernel just before this one; the query and everything else wait.
-  const int first = (begin & ~15) + TILE * warp, stride = TILE * WARPS;
-  const bool settled_first_tile = first + TILE - 1 < seq_len - fresh_tokens;
-  HeadsNTile<D> a = {}, b = {};
-  fetch_heads_n_blocks<D>(a, first, begin, ctx);  // block tables: the step's inputs, no kernel of the layer's output
+  const int first = (begin & ~15) + S::TILE * warp, stride = S::TILE * WARPS;
+  const bool settled_first_tile = first + S::TILE - 1 < seq_len - fresh_tokens;
+  HeadsNTile<D, KVQ> a = {}, b = {};
+  fetch_heads_n_blocks<D, KVQ>(a, first, begin, ctx);  // block tables: the step's inputs, no kernel's output
   if (!settled_first_tile) wait_for_prior_grids();
   fetch_heads_n_tile<D, KVQ>(a, first, begin, ctx);
-  fetch_heads_n_blocks<D>(b, first + stride, begin, ctx);
+  fetch_heads_n_blocks<D, KVQ>(b, first + stride, begin, ctx);
   if (settled_first_tile) wait_for_prior_grids();
-  u32 q[2 * S::KWORDS];  // Q^T of head g (zero past the group): words 8c .. 8c + 7 are d = 64c + 16t .. + 15
+  // Q^T of head g (zero past the group), at K's d (codes: words 8c .. 8c + 7 are d = 64c + 16t .. + 15; 16-bit
+  // rows: words 4c .. 4c + 3 are d = 32c + 8t .. + 7)
+  u32 q[2 * S::KSTEPS];
   {
     const bool live = g < group;
-    const u16* row = query + ((i64)seq * num_heads + kv_head * group + (live ? g : 0)) * D + 16 * t;
+    const u16* row = query + ((i64)seq * num_heads + kv_head * group + (live ? g : 0)) * D;
 #pragma unroll
-    for (int c = 0; c < S::KCHUNKS; ++c)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint4 v = live ? __ldg(reinterpret_cast<const uint4*>(row + 64 * c + 8 * half)) : make_uint4(0, 0, 0, 0);
-        q[8 * c + 4 * half] = halves_of<DT>(v.x); q[8 * c + 4 * half + 1] = halves_of<DT>(v.y);
-        q[8 * c + 4 * half + 2] = halves_of<DT>(v.z); q[8 * c + 4 * half + 3] = halves_of<DT>(v.w);
-      }
+    for (int i = 0; i < D / 32; ++i) {  // 8 elements a load
+      const int d = KVQ ? 64 * (i >> 1) + 16 * t + 8 * (i & 1) : 32 * i + 8 * t;
+      const uint4 v = live ? __ldg(reinterpret_cast<const uint4*>(row + d)) : make_uint4(0, 0, 0, 0);
+      q[4 * i] = KVQ ? halves_of<DT>(v.x) : v.x; q[4 * i + 1] = KVQ ? halves_of<DT>(v.y) : v.y;
+      q[4 * i + 2] = KVQ ? halves_of<DT>(v.z) : v.z; q[4 * i + 3] = KVQ ? halves_of<DT>(v.w) : v.w;
+    }
   }
   // int8: the K codes' bias in the scores of heads 2t, 2t + 1, as the mma sums it (c0, c1 of bias x Q^T)
   float key_bias[2] = {0.0f, 0.0f};
   if constexpr (KVQ == 1) {
     float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int w = 0; w < S::KWORDS; ++w)
+    for (int w = 0; w < S::KSTEPS; ++w)
       Num<0>::mma(bias, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, q[2 * w], q[2 * w + 1]);
     key_bias[0] = bias[0];
     key_bias[1] = bias[1];
@@ -1244,14 +1274,14 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   // a tile's rows are loaded a tile ahead of its math, its blocks two tiles ahead
   for (int tile = first; tile < end; tile += 2 * stride) {
     fetch_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx);
-    fetch_heads_n_blocks<D>(a, tile + 2 * stride, begin, ctx);
-    attend_heads_n_tile<D, KVQ>(a, tile, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o, row_max,
-                                row_sum);
+    fetch_heads_n_blocks<D, KVQ>(a, tile + 2 * stride, begin, ctx);
+    attend_heads_n_tile<MT>(a, tile, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o, row_max,
+                            row_sum);
     if (tile + stride >= end) break;
     fetch_heads_n_tile<D, KVQ>(a, tile + 2 * stride, begin, ctx);
-    fetch_heads_n_blocks<D>(b, tile + 3 * stride, begin, ctx);
-    attend_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o,
-                                row_max, row_sum);
+    fetch_heads_n_blocks<D, KVQ>(b, tile + 3 * stride, begin, ctx);
+    attend_heads_n_tile<MT>(b, tile + stride, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o,
+                            row_max, row_sum);
   }
 
 #pragma unroll

@@ -19,11 +19,11 @@ Decode: one CTA per (kv head, 16-query-head tile, sequence, context split):
   fill the GPU would each write a partial of all the KV head's query heads for a few tiles of keys, and the
   partials would outweigh the cache; a CTA's warps combine theirs in shared memory and write one.
 
-Over int8 and e4m3 caches with at most HEADS_N_MAX_GROUP query heads a KV head and head_dim in HEADS_N_HEAD_DIMS,
-the split, combined and combined_split paths run paged_decode_heads_n_kernel (`heads_n_serves`): the KV head's
-query heads as the mma's N dimension (S^T = K Q^T, O^T += V^T P^T; kernels/paged_attention.cu), one CTA per (KV
-head, sequence, split), half the mma and fewer instructions a code than paged_decode_kernel's heads-as-rows tiles,
-which serve everything else (and the clustered path).
+With at most HEADS_N_MAX_GROUP query heads a KV head, head_dim in HEADS_N_HEAD_DIMS and blocks of 8 tokens or more
+(any cache dtype), the split, combined and combined_split paths run paged_decode_heads_n_kernel (`heads_n_serves`):
+the KV head's query heads as the mma's N dimension (S^T = K Q^T, O^T += V^T P^T; kernels/paged_attention.cu), one
+CTA per (KV head, sequence, split), half the mma and half the instructions a cache byte of paged_decode_kernel's
+heads-as-rows tiles, which serve everything else (and the clustered path).
 
 For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the grid depends
 only on it, the path and the batch's shape.
@@ -70,9 +70,11 @@ MIN_TOKENS_PER_COMBINED_SPLIT = 256
 # BALANCED_MAX_SPLITS that fills its waves best: 96 CTAs a split run 4 splits (384 CTAs in 3 waves of 132).
 WAVE_FILL = 0.9
 BALANCED_MAX_SPLITS = 8
-# paged_decode_heads_n_kernel: query heads a KV head (the mma's n), head dims (its row slices)
+# paged_decode_heads_n_kernel: query heads a KV head (the mma's n), head dims (its row slices), the least block
+# (a thread's 2 K and 4 V tokens in one block)
 HEADS_N_MAX_GROUP = 8
 HEADS_N_HEAD_DIMS = (64, 128)
+HEADS_N_MIN_BLOCK = 8
 # The clustered path's cluster: CTAs a (KV head tile, sequence) spreads over. 4 x 8 warps cover a 512-token round
 # (a 1024 bound: two tiles a warp); clusters of 4 full-SM CTAs fit the H200's GPCs of 16-18 SMs.
 CLUSTER_CTAS = 4
@@ -116,9 +118,10 @@ def unsupported_reason(operands: AttentionOperands) -> str | None:
 
 
 def heads_n_serves(operands: AttentionOperands) -> bool:
-    """Whether paged_decode_heads_n_kernel reads these operands (the decode kernel must serve them too)."""
-    return (operands.kv_dtype in _KV_CODES and operands.num_heads // operands.num_kv_heads <= HEADS_N_MAX_GROUP
-            and operands.head_dim in HEADS_N_HEAD_DIMS)
+    """Whether paged_decode_heads_n_kernel reads these operands (where unsupported_reason lets the decode kernels
+    serve them)."""
+    return (operands.num_heads // operands.num_kv_heads <= HEADS_N_MAX_GROUP and operands.head_dim in HEADS_N_HEAD_DIMS
+            and operands.block_size >= HEADS_N_MIN_BLOCK)
 
 
 @cache
