@@ -77,9 +77,9 @@ DECODE_TABLE = (
               "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
               "(e0c504d:results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
     DecodeRow("combined_split", lambda s: s.heads_as_n and not short_bound(s),
-              "int8 / e4m3 caches of G <= 8 at long bounds, any batch: the heads-as-n kernel's 8-warp CTAs, one an "
-              "SM, over splits that fill whole waves (combined_split_plan), one partial a CTA; its per-tile "
-              "instructions are fewer than the one-warp split path's partials and reduce cost (docs/KERNELS.md)"),
+              "G <= 8 at long bounds, any batch and cache dtype: the heads-as-n kernel's 8-warp CTAs, one an SM, "
+              "over splits that fill whole waves (combined_split_plan), one partial a CTA where the split path's "
+              "one-warp CTAs write one a few tiles; not yet measured on the H200 (docs/KERNELS.md)"),
     DecodeRow("combined_split", lambda s: not short_bound(s) and ctas(s) * FEW_STREAMS_SM_SHARE <= s.multiprocessors,
               "few sequences at long bounds: the combined path's CTAs over splits, one partial a CTA; H200, "
               "Qwen2.5-3B heads at 32k: one stream 18.3 against 30.1 µs split (FP16), 16.2 against 28.2 (int8), 8 "
