@@ -14,10 +14,11 @@ Decode: one CTA per (kv head, 16-query-head tile, sequence, context split):
   whole waves of the CTAs the GPU holds at once (a partial last wave would leave SMs idle at the end); with more
   than one split, paged_reduce_kernel combines the splits' partial outputs. The split count, hence the grid,
   depends only on max_seq_len, and splits past a sequence's end write an empty partial.
-- "combined_split": the combined path's CTAs, each over one split of the context (about one CTA an SM, at most
-  REDUCE_HELD_SPLITS splits), then paged_reduce_kernel. Few long streams: one-warp splits numerous enough to
-  fill the GPU would each write a partial of all the KV head's query heads for a few tiles of keys, and the
-  partials would outweigh the cache; a CTA's warps combine theirs in shared memory and write one.
+- "combined_split": the combined path's CTAs, each over one split of the context (about one CTA an SM in whole
+  waves, at most REDUCE_HELD_SPLITS splits: combined_split_plan), then paged_reduce_kernel. Long contexts: one-warp
+  splits numerous enough to fill the GPU would each write a partial of all the KV head's query heads for a few
+  tiles of keys, and the partials would outweigh the cache; a CTA's warps combine theirs in shared memory and
+  write one.
 
 With at most HEADS_N_MAX_GROUP query heads a KV head, head_dim in HEADS_N_HEAD_DIMS and blocks of 8 tokens or more
 (any cache dtype), the split, combined and combined_split paths run paged_decode_heads_n_kernel (`heads_n_serves`):
