@@ -463,7 +463,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
-                     "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
+                     "paged_decode_kernel", "paged_decode_heads_n_kernel", "paged_reduce_kernel", "paged_prefill_kernel",
+                     "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
                      "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w4_fragment_batch_kernel",
                      "token_bitmask_kernel"}
