@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         self._max_tokens = params.max_tokens
         self._stop_token_ids = params.stop_token_ids  # a frozenset, shared by the request's samples
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self._ending_token_ids = self._stop_token_ids | self._eos_token_ids  # one set test per token
         self._stop_matcher = StopStringMatcher(params.stop, params.stop.failure_tables) if params.stop else None
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._decoder = _stream_decoder(tokenizer, context, params.skip_special_tokens) or _WindowDecoder(
@@ -82,7 +83,7 @@ class IncrementalDetokenizer:
         text = self._text
         text_len_before = len(text)
         decoder = self._decoder
-        if token_id in self._stop_token_ids or token_id in self._eos_token_ids:
+        if token_id in self._ending_token_ids:
             # The stop token's own text is not part of the output.
             text += decoder.flush()
             self.finish_reason = "stop"

@@ -32,6 +32,8 @@ class StopStringMatcher:
         self.stops = list(stops)
         self._tables = list(failure_tables) if failure_tables is not None else [failure_table(s) for s in stops]
         self._matched = [0] * len(self.stops)  # per stop: how many of its first characters end the text
+        self._held = 0  # max(self._matched)
+        self._first_chars = frozenset(stop[0] for stop in self.stops)
         self._text_len = 0  # characters fed so far
 
     def feed(self, new_text: str) -> tuple[int, str] | None:
@@ -40,6 +42,8 @@ class StopStringMatcher:
         or None when they complete none."""
         base = self._text_len
         self._text_len += len(new_text)
+        if not self._held and self._first_chars.isdisjoint(new_text):
+            return None  # most steps: no stop in progress and no stop's first character among the new ones
         earliest: tuple[int, str] | None = None
         for index, stop in enumerate(self.stops):
             matched = self._matched[index]
@@ -58,9 +62,10 @@ class StopStringMatcher:
                     matched = table[matched - 1]
                     break
             self._matched[index] = matched
+        self._held = max(self._matched)
         return earliest
 
     @property
     def held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop."""
-        return max(self._matched, default=0)
+        return self._held
