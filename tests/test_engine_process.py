@@ -37,10 +37,10 @@ def test_messages_are_one_frame_each_and_come_back_as_the_objects_sent():
     params = SamplingParams(temperature=0.5, max_tokens=7, stop=["\n\n"], seed=3)
     stats = IterationStats(num_running=2, num_generation_tokens=5, inter_token_latencies_s=[0.01, 0.02],
                            finished_requests=[FinishedRequestStats("length", 4, 7, 0.5, 0.1, 0.01)])
-    add = codec.encode(ADD, ("r1", [1, 2, 3], params, None))
+    add = codec.encode(ADD, (1, "r1", [1, 2, 3], params, None))
     assert isinstance(add, bytes)
-    kind, (request_id, ids, decoded_params, salt) = codec.decode(add)
-    assert (kind, request_id, ids, salt) == (ADD, "r1", [1, 2, 3], None)
+    kind, (client, request_id, ids, decoded_params, salt) = codec.decode(add)
+    assert (kind, client, request_id, ids, salt) == (ADD, 1, "r1", [1, 2, 3], None)
     assert decoded_params == params and decoded_params.stop.failure_tables == params.stop.failure_tables
     assert codec.decode(codec.encode(ABORT, ["r1#0", "r1#1"])) == (ABORT, ["r1#0", "r1#1"])
     step = (["r1", "r2"], [17, 4], None, [("r1", 12.5, 8)], [("r2", "abort", None, None, 13.0)])

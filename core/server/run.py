@@ -13,6 +13,10 @@
 Returns the exit status: 0 after SIGTERM (a requested, clean stop), 130 after SIGINT (the shell's
 convention for Ctrl-C), 1 when the engine process (--engine-process) died; a model that cannot load
 is a ServerStartError with its reason.
+
+With --api-server-count N > 1, step 3 and 4 are core/server/api_servers.py's: N processes serve the
+bound socket in front of one engine-core process, and this process supervises them. Each of them
+runs `serve_socket` over the socket it was handed.
 """
 
 from __future__ import annotations
@@ -98,9 +102,10 @@ def uvicorn_config(app, server_config: ServerConfig, max_connections: int, log_l
 class _Server(uvicorn.Server):
     """uvicorn's server with our signal handling instead of its own (which re-raises the signal at exit)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal):
+    def __init__(self, config: uvicorn.Config, on_signal, signals: tuple[int, ...]):
         super().__init__(config)
         self._on_signal = on_signal
+        self._signals = signals
         self.received: list[int] = []
 
     @contextlib.contextmanager
@@ -108,7 +113,7 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._handle) for sig in self._signals}
         try:
             yield
         finally:
@@ -127,6 +132,21 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     host, port = sock.getsockname()[:2]
     logger.info("listening on http://%s:%d (the model loads in the background)",
                 f"[{host}]" if ":" in host else host, port)
+    if server_config.api_server_count > 1:
+        from deepinfer.core.server.api_servers import run_api_servers
+
+        try:
+            return run_api_servers(sock, engine_config, server_config, log_level)
+        finally:
+            sock.close()
+    return serve_socket(sock, engine_config, server_config, log_level)
+
+
+def serve_socket(sock: socket.socket, engine_config: EngineConfig, server_config: ServerConfig,
+                 log_level: str = "info", signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+                 **app_kwargs) -> int:
+    """Serve on the listening `sock` until a signal of `signals` (or the engine's death) stops it; closes
+    `sock`. `app_kwargs` go to create_app (an engine factory, shared metric tallies). -> the exit status."""
     max_connections = fit_open_files(server_config.max_connections)
     load_errors: list[Exception] = []
 
@@ -141,7 +161,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         server.should_exit = True
 
     app = create_app(engine_config, server_config, on_load_failed=stop_on_load_failure,
-                     on_engine_dead=stop_on_engine_death)
+                     on_engine_dead=stop_on_engine_death, **app_kwargs)
     state = app.state.deepinfer
     running: list[asyncio.AbstractEventLoop] = []
 
@@ -157,7 +177,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         else:
             running[0].call_soon_threadsafe(state.end_requests)
 
-    server = _Server(uvicorn_config(app, server_config, max_connections, log_level), on_signal)
+    server = _Server(uvicorn_config(app, server_config, max_connections, log_level), on_signal, signals)
 
     async def serve() -> None:
         running.append(asyncio.get_running_loop())
