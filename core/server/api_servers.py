@@ -28,7 +28,7 @@ the engine-core process (core/engine/sched/core_process.py) serves them all.
   Linux), and the engine core stops when its parent is gone (core_process.py).
 
 Exit status: that of a single server (0 after SIGTERM, 130 after SIGINT, 1 when the engine died),
-or 1 when an API server failed (a model that cannot load: API server 0 prints the reason).
+or 1 when an API server failed or the model did not load (API server 0 prints the reason).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ STOP_SIGNAL = signal.SIGUSR1  # the supervisor's "stop" to an API server
 POLL_S = 0.1  # how often the supervisor looks at its children
 ENGINE_DEATH_GRACE_S = 10.0  # after the engine died: for the API servers to answer their open requests and exit
 FAILED_EXIT_CODE = 1
+START_FAILED_EXIT_CODE = 3  # an API server's: its engine never became ready (it printed why)
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -137,7 +138,6 @@ def _supervise(engine: multiprocessing.Process, api_servers: list[multiprocessin
             failed = next((p for p in api_servers if p.exitcode is not None), None)
             if engine.exitcode is not None:
                 cause, deadline = "engine", now + ENGINE_DEATH_GRACE_S
-                logger.error("the engine process died (exit code %s); the API servers stop", engine.exitcode)
             elif failed is not None:
                 cause, deadline = failed.name, now + drain_s
                 logger.error("%s exited (exit code %s); stopping the others", failed.name, failed.exitcode)
@@ -156,7 +156,10 @@ def _supervise(engine: multiprocessing.Process, api_servers: list[multiprocessin
         logger.warning("the engine process did not stop in %.0f s; killing it", SHUTDOWN_TIMEOUT_S)
         engine.kill()
         engine.join()
+    if any(p.exitcode == START_FAILED_EXIT_CODE for p in api_servers):
+        return FAILED_EXIT_CODE
     if cause == "engine":
+        logger.error("the engine process died (exit code %s); the API servers stopped", engine.exitcode)
         return ENGINE_DIED_EXIT_CODE
     if cause is not None:
         return FAILED_EXIT_CODE
@@ -184,7 +187,7 @@ def _serve_api_server(client: ClientSockets, engine_pid: int, sock: socket.socke
     except ServerStartError as err:
         if client.index == 0:  # every API server failed alike; one line says why
             print(f"error: cannot serve: {err}", file=sys.stderr)
-        code = FAILED_EXIT_CODE
+        code = START_FAILED_EXIT_CODE
     sys.exit(code)
 
 
