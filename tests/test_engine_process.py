@@ -1,8 +1,9 @@
 """The engine core in its own process: message framing, the client against the in-process engine
 (greedy tokens equal; stop strings, n > 1 and logprobs equal, with the front end detokenizing; aborts,
 bad input, stats), `LLM`, chat and bench concurrency with the engine in its own process, a clean
-shutdown, and the server when the engine process is killed (its open stream ends, new requests get a
-503, the server exits non-zero)."""
+shutdown, the server when the engine process is killed (its open stream ends, new requests get a
+503, the server exits non-zero), and one engine process shared by two clients (each gets its own
+requests' outputs, their stats sum to the engine's, it stops after the last client)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Real processes on the CPU with the tiny model: requests pinned to each API serve
 connections until both processes hold some, reading which process owns each from /proc) answer as
 one in-process server does (greedy); /metrics of either is the total of both; SIGTERM stops every
 process with exit status 0; a killed engine process ends the open streams of both API servers with
-a 5xx error and the server exits 1, leaving no process behind. The shared metric tallies are also
-checked alone, added into by a spawned process.
+a 5xx error and the server exits 1, leaving no process behind; a model that does not load is one
+error line. The shared metric tallies are also checked alone, added into by a spawned process.
 """
 
 from __future__ import annotations
@@ -297,3 +297,14 @@ def test_a_killed_engine_ends_the_streams_of_both_api_servers_with_a_5xx_and_the
         assert server.processes_left() == []
     finally:
         server.stop()
+
+
+def test_a_model_that_does_not_load_is_one_error_line_and_status_1(tmp_path):
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "serve", "--model", str(tmp_path / "absent-model"), "--port", str(port),
+         "--device", "cpu", "--log-level", "critical", "--api-server-count", "2"],
+        check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: cannot serve: ModelLoadError: model path {tmp_path / 'absent-model'} does not exist"], result.stderr
