@@ -18,8 +18,11 @@ the engine's; the gauges (running, waiting, KV usage) go to all it is sent to. A
 sample in a step hears of it only when the health dict is due (every HEALTH_INTERVAL_S, and when the
 engine goes idle), so its /health and gauges stay current without a wake-up per step.
 
-It ends once every front end has sent SHUTDOWN, or when the process that started it is gone (its
-parent id changes: a killed front end or supervisor leaves no orphan engine). SIGINT is ignored
+A front end that takes no outputs (its queue of ZeroMQ's high-water mark is full: its process died or
+hangs) is dropped and its requests aborted, rather than blocking the step loop for the others.
+
+It ends once every front end has sent SHUTDOWN (or was dropped), or when the process that started it
+is gone (its parent id changes: a killed front end or supervisor leaves no orphan engine). SIGINT is ignored
 here: Ctrl-C reaches the whole process group, and the front end (or the supervisor of several)
 stops the engine in order.
 """
@@ -146,7 +149,22 @@ def _serve(engine, inputs, outputs: list, codec: MessageCodec, parent: int) -> N
             continue
         for client, message in _split_by_owner(engine.sampled, finished + touched, owners, refused, stats, health,
                                                open_clients):
-            outputs[client].send(codec.encode(OUTPUTS, message))
+            try:
+                outputs[client].send(codec.encode(OUTPUTS, message), zmq.NOBLOCK)
+            except zmq.Again:  # a full queue: that front end is gone or stuck, and must not stall the others
+                logger.error("front end %d takes no outputs; aborting its requests", client)
+                _drop_client(engine, client, owners, open_clients)
+        if not open_clients:
+            return
+
+
+def _drop_client(engine, client: int, owners: dict[str, int], open_clients: set[int]) -> None:
+    """Stop serving front end `client`: abort its samples and send it nothing more."""
+    open_clients.discard(client)
+    samples = [sample_id for sample_id, owner in owners.items() if owner == client]
+    engine.finish(samples, RequestStatus.FINISHED_ABORTED)
+    for sample_id in samples:
+        del owners[sample_id]
 
 
 def _split_by_owner(sampled: list, touched: list, owners: dict[str, int], refused: list[list],
