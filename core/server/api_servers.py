@@ -8,9 +8,12 @@ first token grows with the requests it parses one after another. Here each of N 
 whole front end (core/server/app.py over run.py's `serve_socket`) for the connections it accepts;
 the engine-core process (core/engine/sched/core_process.py) serves them all.
 
-- The listening socket is this process's (run.py bound it, so a busy port still fails at once);
-  each API server is handed it and accepts on it, and the kernel gives each new connection to one
-  of them.
+- Each API server listens on the port with a socket of its own (SO_REUSEPORT), and the kernel spreads
+  new connections evenly over them by a hash of each client's address and port. (One socket
+  shared by all would leave that to a race: the process that wakes first accepts every connection
+  queued, and bursts of connections pile onto one API server.) This process bound the port first,
+  without listening, so a busy port still fails at once and the port stays held while API servers
+  start and stop.
 - The engine core is spawned with one ClientSockets per API server; each API server's
   EngineCoreClient binds its own and attaches to it (core/engine/frontend/core_client.py).
 - /metrics: the tallies are shared memory (metric_tallies.py) that every API server adds into, so
@@ -40,7 +43,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -52,7 +54,13 @@ from deepinfer.core.engine.sched.core_process import run_engine_core
 from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.metric_tallies import MetricTallies
 from deepinfer.core.server.metrics import new_tallies
-from deepinfer.core.server.run import ENGINE_DIED_EXIT_CODE, SHUTDOWN_GRACE_S, ServerStartError, serve_socket
+from deepinfer.core.server.run import (
+    ENGINE_DIED_EXIT_CODE,
+    SHUTDOWN_GRACE_S,
+    ServerStartError,
+    bind_socket,
+    serve_socket,
+)
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -64,9 +72,10 @@ START_FAILED_EXIT_CODE = 3  # an API server's: its engine never became ready (it
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def run_api_servers(sock: socket.socket, engine_config: EngineConfig, server_config: ServerConfig,
+def run_api_servers(port: int, engine_config: EngineConfig, server_config: ServerConfig,
                     log_level: str = "info") -> int:
-    """Serve `sock` with server_config.api_server_count API servers and one engine core; -> the exit status."""
+    """Serve `port` (bound by this process, SO_REUSEPORT) with server_config.api_server_count API servers
+    and one engine core; -> the exit status."""
     import torch
 
     context = multiprocessing.get_context("spawn")
@@ -91,7 +100,7 @@ def run_api_servers(sock: socket.socket, engine_config: EngineConfig, server_con
         for client in clients:
             process = context.Process(
                 target=_serve_api_server, name=f"deepinfer-api-server-{client.index}", daemon=True,
-                args=(client, engine.pid, sock, engine_config, server_config, tallies, log_level, os.getpid()))
+                args=(client, engine.pid, port, engine_config, server_config, tallies, log_level, os.getpid()))
             with _signals_ignored():
                 process.start()
             api_servers.append(process)
@@ -169,9 +178,10 @@ def _supervise(engine: multiprocessing.Process, api_servers: list[multiprocessin
     return 130 if received and received[0] == signal.SIGINT else 0
 
 
-def _serve_api_server(client: ClientSockets, engine_pid: int, sock: socket.socket, engine_config: EngineConfig,
+def _serve_api_server(client: ClientSockets, engine_pid: int, port: int, engine_config: EngineConfig,
                       server_config: ServerConfig, tallies: MetricTallies, log_level: str, supervisor: int) -> None:
-    """An API server process's main: the app over `sock`, its engine the client `client` of the engine core."""
+    """An API server process's main: the app listening on `port`, its engine the client `client` of the
+    engine core."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _exit_with(supervisor)
@@ -182,6 +192,7 @@ def _serve_api_server(client: ClientSockets, engine_pid: int, sock: socket.socke
         return EngineCoreClient(config, client, engine_pid)
 
     try:
+        sock = bind_socket(server_config.host, port, shared_port=True)
         code = serve_socket(sock, engine_config, server_config, log_level, signals=(STOP_SIGNAL,),
                             engine_factory=attach, metric_tallies=tallies)
     except ServerStartError as err:

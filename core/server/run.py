@@ -14,9 +14,9 @@ Returns the exit status: 0 after SIGTERM (a requested, clean stop), 130 after SI
 convention for Ctrl-C), 1 when the engine process (--engine-process) died; a model that cannot load
 is a ServerStartError with its reason.
 
-With --api-server-count N > 1, step 3 and 4 are core/server/api_servers.py's: N processes serve the
-bound socket in front of one engine-core process, and this process supervises them. Each of them
-runs `serve_socket` over the socket it was handed.
+With --api-server-count N > 1, step 1 binds the port without listening (SO_REUSEPORT), and steps 2-4
+are core/server/api_servers.py's: N processes, each listening on that port and running
+`serve_socket`, in front of one engine-core process, and this process supervises them.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ class ServerStartError(DeepInferError):
     """The server cannot start: the port is busy, the address is not this host's, the model does not load."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; ServerStartError in one line when that is not possible."""
+def bind_socket(host: str, port: int, shared_port: bool = False, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on host:port; ServerStartError in one line when that is not possible.
+    `shared_port`: SO_REUSEPORT, so this process's other sockets with it may listen on the port too
+    (the kernel spreads the connections over the listening ones); `listen` False only holds the port."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -62,8 +64,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
-        sock.listen(BACKLOG)
+        if listen:
+            sock.listen(BACKLOG)
     except OSError as err:
         sock.close()
         hint = " (another process is listening there; pick another --port)" if err.errno == errno.EADDRINUSE else ""
@@ -128,15 +133,16 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
-    sock = bind_socket(server_config.host, server_config.port)
+    several = server_config.api_server_count > 1  # each API server listens; this process holds the port
+    sock = bind_socket(server_config.host, server_config.port, shared_port=several, listen=not several)
     host, port = sock.getsockname()[:2]
     logger.info("listening on http://%s:%d (the model loads in the background)",
                 f"[{host}]" if ":" in host else host, port)
-    if server_config.api_server_count > 1:
+    if several:
         from deepinfer.core.server.api_servers import run_api_servers
 
         try:
-            return run_api_servers(sock, engine_config, server_config, log_level)
+            return run_api_servers(port, engine_config, server_config, log_level)
         finally:
             sock.close()
     return serve_socket(sock, engine_config, server_config, log_level)
