@@ -284,6 +284,11 @@ def test_a_killed_engine_ends_the_streams_of_both_api_servers_with_a_5xx_and_the
             started.wait(timeout=60)  # both streams are running
             os.kill(server.engine, signal.SIGKILL)
             events = [future.result(timeout=60) for future in streams]
+        try:  # the streams ended: the API servers know; /health is never healthy again
+            health = httpx.get(server.base_url + "/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] in ("engine_dead", "shutting_down")
+        except httpx.TransportError:
+            pass  # already stopped listening
         server.process.wait(timeout=60)  # the server stops by itself: it never hangs
         _, stderr = server.process.communicate()
         assert server.process.returncode == 1, stderr

@@ -226,8 +226,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         if state.status != "ready":
             body = {"status": state.status} | ({"error": state.error} if state.error else {})
             return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "served_model_name": state.serving.model_name,
-                             **state.health.latest, "engine_alive": state.engine.is_alive})
+        alive = state.engine.is_alive  # False from the engine's death until this server has stopped
+        return JSONResponse({"status": "ok" if alive else "engine_dead", "served_model_name": state.serving.model_name,
+                             **state.health.latest, "engine_alive": alive}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
