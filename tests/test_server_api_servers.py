@@ -117,14 +117,14 @@ def connections_by_process(port: int, pids: list[int]) -> dict[int, int]:
 class MultiServer:
     """A `deepinfer serve --api-server-count 2` subprocess, its API-server pids and its engine pid."""
 
-    def __init__(self, model: Path):
+    def __init__(self, model: Path, own_session: bool = False):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepinfer", "serve", "--model", str(model), "--port", str(self.port),
              "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "8MiB",
              "--log-level", "warning", "--api-server-count", "2", "--shutdown-timeout", "5", "--served-model-name", "tiny"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_session)
         wait_until_healthy(self.process, self.base_url)
         spawned = [pid for pid in children(self.process.pid)
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -313,3 +313,35 @@ def test_a_model_that_does_not_load_is_one_error_line_and_status_1(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"error: cannot serve: ModelLoadError: model path {tmp_path / 'absent-model'} does not exist"], result.stderr
+
+
+def test_ctrl_c_to_the_process_group_drains_once_and_exits_130(tiny_llama_dir):
+    """SIGINT to every process (a terminal's Ctrl-C): only `deepinfer serve` acts on it, once, so the
+    running stream gets the drain (it finishes, or is ended at --shutdown-timeout with [DONE]),
+    not the immediate end a second signal means."""
+    server = MultiServer(tiny_llama_dir, own_session=True)
+    try:
+        (http,) = server.pinned_clients(per_process=1)[server.api_servers[0]]
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        events, signalled_at = [], None
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        os.killpg(server.process.pid, signal.SIGINT)
+                        signalled_at = time.monotonic()
+        ended_after_s = time.monotonic() - signalled_at
+        _, stderr = server.process.communicate(timeout=60)
+        assert server.process.returncode == 130, stderr
+        assert "Traceback" not in stderr, stderr
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] in ("length", "abort")
+        if chunks[-1]["choices"][0]["finish_reason"] == "abort":
+            assert ended_after_s >= 4  # ended at the 5 s deadline, not at once
+        deadline = time.monotonic() + 10
+        while server.processes_left() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.processes_left() == []
+    finally:
+        server.stop()

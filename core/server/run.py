@@ -53,8 +53,8 @@ class ServerStartError(DeepInferError):
 
 def bind_socket(host: str, port: int, shared_port: bool = False, listen: bool = True) -> socket.socket:
     """A listening TCP socket on host:port; ServerStartError in one line when that is not possible.
-    `shared_port`: SO_REUSEPORT, so this process's other sockets with it may listen on the port too
-    (the kernel spreads the connections over the listening ones); `listen` False only holds the port."""
+    `shared_port`: SO_REUSEPORT, so that more sockets of this user with it may listen on the port (the
+    kernel spreads the connections over the listening ones); `listen` False only holds the port."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
