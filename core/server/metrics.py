@@ -22,6 +22,7 @@ or collide on a metric. Histogram buckets are vLLM's. The exposition has no `_cr
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
@@ -124,7 +125,7 @@ class ServerMetrics:
                                      "HTTP requests answered with an error status (4xx or 5xx), by status.",
                                      labels=["status"])
         with self.tallies.lock:
-            counts = self.tallies.values[LAYOUT.rejected:LAYOUT.rejected + len(REJECTED_STATUSES)].copy()
+            counts = self.tallies.array[LAYOUT.rejected:LAYOUT.rejected + len(REJECTED_STATUSES)].copy()
         for offset in np.flatnonzero(counts):
             family.add_metric([str(REJECTED_STATUSES.start + int(offset))], float(counts[offset]))
         yield family
@@ -133,12 +134,20 @@ class ServerMetrics:
         return generate_latest(_WithoutCreated(self.registry))
 
 
-def _observe(values: np.ndarray, start: int, buckets: np.ndarray, observed: list[float]) -> None:
+FEW_OBSERVATIONS = 16  # up to this many a step are counted one by one; more at once with numpy
+
+
+def _observe(tallies: MetricTallies, start: int, buckets: list[float], observed: list[float]) -> None:
     """Add `observed` to the histogram at `start`: the bucket of a value is the first bound >= it, as
     prometheus_client's."""
-    counts = np.bincount(np.searchsorted(buckets, observed, side="left"), minlength=len(buckets) + 1)
-    values[start:start + len(buckets) + 1] += counts
-    values[start + len(buckets) + 1] += sum(observed)
+    if len(observed) <= FEW_OBSERVATIONS:
+        values = tallies.values
+        for value in observed:
+            values[start + bisect_left(buckets, value)] += 1
+    else:
+        counts = np.bincount(np.searchsorted(buckets, observed, side="left"), minlength=len(buckets) + 1)
+        tallies.array[start:start + len(buckets) + 1] += counts
+    tallies.values[start + len(buckets) + 1] += sum(observed)
 
 
 class EngineMetrics:
@@ -146,7 +155,8 @@ class EngineMetrics:
 
     Register with `engine.add_stats_listener(metrics.record)`. `record` runs once per engine step on
     the engine's (or its client's) thread, at hundreds of steps a second with a token of every running
-    request each: it adds plain numbers into the tallies under their lock, where prometheus_client's
+    request each: it adds plain numbers into the tallies under their lock (a step's many inter-token
+    latencies at once, with numpy), where prometheus_client's
     metric objects would take a lock and check their state for every increment and observation. The
     registry reads the tallies through `collect` on each scrape."""
 
@@ -155,14 +165,13 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.tallies = tallies if tallies is not None else new_tallies()
         self._model_name = model_name
-        self._buckets = {name: np.asarray(buckets, dtype=np.float64) for name, (_, buckets) in HISTOGRAMS.items()}
         self.registry.register(self)
 
     def record(self, stats: IterationStats) -> None:
         """One engine step's report (thread-safe, and across the processes sharing the tallies)."""
-        gauges, counters, histograms, buckets = LAYOUT.gauges, LAYOUT.counters, LAYOUT.histograms, self._buckets
-        with self.tallies.lock:
-            values = self.tallies.values
+        gauges, counters, histograms, tallies = LAYOUT.gauges, LAYOUT.counters, LAYOUT.histograms, self.tallies
+        with tallies.lock:
+            values = tallies.values
             values[gauges["num_requests_running"]] = stats.num_running
             values[gauges["num_requests_waiting"]] = stats.num_waiting
             values[gauges["kv_cache_usage_perc"]] = stats.kv_cache_usage
@@ -176,26 +185,25 @@ class EngineMetrics:
             values[by_source["local_compute"]] += stats.request_prompt_tokens - stats.request_cached_tokens
             values[by_source["local_cache_hit"]] += stats.request_cached_tokens
             if stats.time_to_first_tokens_s:
-                name = "time_to_first_token_seconds"
-                _observe(values, histograms[name], buckets[name], stats.time_to_first_tokens_s)
+                _observe(tallies, histograms["time_to_first_token_seconds"], TTFT_BUCKETS,
+                         stats.time_to_first_tokens_s)
             if stats.inter_token_latencies_s:
-                name = "inter_token_latency_seconds"
-                _observe(values, histograms[name], buckets[name], stats.inter_token_latencies_s)
+                _observe(tallies, histograms["inter_token_latency_seconds"], ITL_BUCKETS,
+                         stats.inter_token_latencies_s)
             if stats.finished_requests:
                 for finished in stats.finished_requests:
                     values[LAYOUT.request_success[finished.finish_reason]] += 1
-                name = "e2e_request_latency_seconds"
-                _observe(values, histograms[name], buckets[name], [f.e2e_latency_s for f in stats.finished_requests])
+                _observe(tallies, histograms["e2e_request_latency_seconds"], REQUEST_LATENCY_BUCKETS,
+                         [f.e2e_latency_s for f in stats.finished_requests])
                 queue_times = [f.queue_time_s for f in stats.finished_requests if f.queue_time_s is not None]
                 if queue_times:
-                    name = "request_queue_time_seconds"
-                    _observe(values, histograms[name], buckets[name], queue_times)
+                    _observe(tallies, histograms["request_queue_time_seconds"], REQUEST_LATENCY_BUCKETS, queue_times)
 
     def collect(self):
         """The metric families now (prometheus_client's custom-collector protocol)."""
         model = [self._model_name]
         with self.tallies.lock:
-            values = self.tallies.values.copy()
+            values = self.tallies.array.copy()
         for name, index in LAYOUT.gauges.items():
             family = GaugeMetricFamily(f"deepinfer:{name}", GAUGES[name], labels=["model_name"])
             family.add_metric(model, float(values[index]))
