@@ -2,7 +2,8 @@
 
 Real processes on the CPU with the tiny model: requests pinned to each API server (the test opens
 connections until both processes hold some, reading which process owns each from /proc) answer as
-one in-process server does (greedy); /metrics of either is the total of both; SIGTERM stops every
+one in-process server does (greedy); /metrics of either is the total of both; a client that
+disconnects aborts its request; SIGTERM stops every
 process with exit status 0; a killed engine process ends the open streams of both API servers with
 a 5xx error and the server exits 1, leaving no process behind; a model that does not load is one
 error line. The shared metric tallies are also checked alone, added into by a spawned process.
@@ -248,6 +249,27 @@ def test_health_is_the_engines_through_either_api_server(servers):
         health = clients[0].get("/health")
         assert health.status_code == 200 and health.json()["engine_alive"] is True
         clients[0].close()
+
+
+def test_a_client_that_disconnects_aborts_its_request_in_the_shared_engine(servers):
+    pinned = servers.pinned_clients(per_process=1)
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    for clients in pinned.values():
+        http = clients[0]
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: "))
+        http.close()  # gone after its first chunk, with some 470 tokens to go
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(servers.base_url + "/health", timeout=10).json()
+        if health["scheduler"]["num_running"] == 0 and health["blocks"]["num_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["scheduler"]["num_running"] == 0 and health["blocks"]["num_used"] == 0
+    label = (("model_name", "tiny"),)
+    aborted = metric_values(httpx.get(servers.base_url + "/metrics", timeout=10).text)[
+        ("deepinfer:request_success_total", (("finished_reason", "abort"), *label))]
+    assert aborted == len(pinned)
 
 
 def test_sigterm_stops_every_process_and_exits_0(servers):
