@@ -283,6 +283,7 @@ def test_sigterm_stops_every_process_and_exits_0(servers):
     assert servers.processes_left() == []
 
 
+@pytest.mark.slow
 def test_a_killed_engine_ends_the_streams_of_both_api_servers_with_a_5xx_and_the_server_exits_1(tiny_llama_dir):
     server = MultiServer(tiny_llama_dir)
     try:
@@ -326,6 +327,7 @@ def test_a_killed_engine_ends_the_streams_of_both_api_servers_with_a_5xx_and_the
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_load_is_one_error_line_and_status_1(tmp_path):
     port = free_port()
     result = subprocess.run(
@@ -337,6 +339,7 @@ def test_a_model_that_does_not_load_is_one_error_line_and_status_1(tmp_path):
         f"error: cannot serve: ModelLoadError: model path {tmp_path / 'absent-model'} does not exist"], result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_group_drains_once_and_exits_130(tiny_llama_dir):
     """SIGINT to every process (a terminal's Ctrl-C): only `deepinfer serve` acts on it, once, so the
     running stream gets the drain (it finishes, or is ended at --shutdown-timeout with [DONE]),
