@@ -49,6 +49,10 @@ CpuThreadsOpt = Annotated[int | None, typer.Option(
 EngineProcessOpt = Annotated[bool, typer.Option(
     "--engine-process/--no-engine-process",
     help="Run the engine core in its own process (HTTP and tokenization never share its GIL).")]
+ApiServerCountOpt = Annotated[int, typer.Option(
+    "--api-server-count", min=1,
+    help="API-server processes (HTTP, tokenization, detokenization) in front of one engine process; more than 1 "
+         "implies --engine-process. Use more when one API server's CPU limits throughput at high concurrency.")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
@@ -66,6 +70,7 @@ def serve(
     allowed_origins: AllowedOriginsOpt = None,
     shutdown_timeout: ShutdownTimeoutOpt = 30.0,
     engine_process: EngineProcessOpt = False,
+    api_server_count: ApiServerCountOpt = 1,
     request_timeout: RequestTimeoutOpt = 30.0,
     stream_write_timeout: StreamWriteTimeoutOpt = 60.0,
     max_connections: MaxConnectionsOpt = 2048,
@@ -94,6 +99,7 @@ def serve(
                                      request_timeout_s=request_timeout,
                                      stream_write_timeout_s=stream_write_timeout, max_connections=max_connections,
                                      tool_call_parser=tool_call_parser, engine_process=engine_process,
+                                     api_server_count=api_server_count,
                                      reasoning_parser=reasoning_parser)
     except ValueError as err:
         fail(str(err))

@@ -1,8 +1,9 @@
 """The engine core in its own process: message framing, the client against the in-process engine
 (greedy tokens equal; stop strings, n > 1 and logprobs equal, with the front end detokenizing; aborts,
 bad input, stats), `LLM`, chat and bench concurrency with the engine in its own process, a clean
-shutdown, and the server when the engine process is killed (its open stream ends, new requests get a
-503, the server exits non-zero)."""
+shutdown, the server when the engine process is killed (its open stream ends, new requests get a
+503, the server exits non-zero), and one engine process shared by two clients (each gets its own
+requests' outputs, their stats sum to the engine's, it stops after the last client)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def test_messages_are_one_frame_each_and_come_back_as_the_objects_sent():
     params = SamplingParams(temperature=0.5, max_tokens=7, stop=["\n\n"], seed=3)
     stats = IterationStats(num_running=2, num_generation_tokens=5, inter_token_latencies_s=[0.01, 0.02],
                            finished_requests=[FinishedRequestStats("length", 4, 7, 0.5, 0.1, 0.01)])
-    add = codec.encode(ADD, ("r1", [1, 2, 3], params, None))
+    add = codec.encode(ADD, (1, "r1", [1, 2, 3], params, None))
     assert isinstance(add, bytes)
-    kind, (request_id, ids, decoded_params, salt) = codec.decode(add)
-    assert (kind, request_id, ids, salt) == (ADD, "r1", [1, 2, 3], None)
+    kind, (client, request_id, ids, decoded_params, salt) = codec.decode(add)
+    assert (kind, client, request_id, ids, salt) == (ADD, 1, "r1", [1, 2, 3], None)
     assert decoded_params == params and decoded_params.stop.failure_tables == params.stop.failure_tables
     assert codec.decode(codec.encode(ABORT, ["r1#0", "r1#1"])) == (ABORT, ["r1#0", "r1#1"])
     step = (["r1", "r2"], [17, 4], None, [("r1", 12.5, 8)], [("r2", "abort", None, None, 13.0)])
@@ -323,3 +324,100 @@ def test_bench_concurrency_runs_with_the_engine_in_its_own_process(tmp_path, tin
     (run,) = data["levels"][0]["repeats"]
     assert run["num_failed"] == 0 and run["output_tokens"] == 12 and run["max_running"] == 2
     assert [r["output_len"] for r in run["requests"]] == [3] * 4
+
+
+@pytest.fixture(scope="module")
+def shared_engine(engine_config, loop, tmp_path_factory):
+    """One engine process with two attached clients, as the API servers of `serve --api-server-count 2`."""
+    import multiprocessing
+
+    import torch
+
+    from deepinfer.core.engine.core_ipc import client_sockets
+    from deepinfer.core.engine.frontend.core_client import EngineCoreClient
+    from deepinfer.core.engine.sched.core_process import run_engine_core
+
+    sockets = client_sockets(tmp_path_factory.mktemp("sockets"), 2)
+    engine = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(engine_config, sockets, torch.get_num_threads()), daemon=True)
+    engine.start()
+    clients = [EngineCoreClient(engine_config, s, engine.pid) for s in sockets]
+    for client in clients:
+        client.stats = []
+        client.add_stats_listener(client.stats.append)
+        loop.run_until_complete(client.start())
+    yield engine, clients
+    for client in clients:
+        if client.is_alive:
+            loop.run_until_complete(client.shutdown())
+    engine.join(10)
+    if engine.is_alive():
+        engine.kill()
+
+
+def test_two_clients_of_one_engine_get_their_own_outputs_and_together_its_counts(shared_engine, in_process, loop):
+    """Each client's requests (the same ids in both: each client's are its own) answer as the in-process
+    engine does; the stats of the two sum to the engine's: every generation token counted once."""
+    _, clients = shared_engine
+    prompts = {"a": ("Once upon a time", greedy(14)), "b": ([5, 9, 33, 71, 2, 8], greedy(9)),
+               "c": ("The capital of", greedy(20, stop=["e t"]))}
+    expected, expected_generated = _in_process_finals(in_process, prompts)
+    for client in clients:
+        client.stats.clear()
+
+    async def run():
+        streams = [(index, rid, client.add_request(p, params, request_id=rid))
+                   for index, client in enumerate(clients) for rid, (p, params) in prompts.items()]
+        finals = await asyncio.gather(*(collect(stream) for _, _, stream in streams))
+        return {(index, rid): outputs for (index, rid, _), outputs in zip(streams, finals)}
+
+    results = loop.run_until_complete(run())
+    for (_, rid), outputs in results.items():
+        final, want = outputs[-1], expected[rid]
+        assert final.finished
+        assert (final.outputs[0].token_ids, final.outputs[0].text, final.outputs[0].finish_reason) == (
+            want.outputs[0].token_ids, want.outputs[0].text, want.outputs[0].finish_reason), rid
+        assert "".join(out.outputs[0].delta_text for out in outputs) == want.outputs[0].text
+    deadline = time.monotonic() + 10
+    while (sum(len(s.finished_requests) for c in clients for s in c.stats) < 2 * len(prompts)
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    for client in clients:  # each client counts its own requests' tokens
+        assert sum(s.num_generation_tokens for s in client.stats) == expected_generated
+        assert len([f for s in client.stats for f in s.finished_requests]) == len(prompts)
+    # The engine-wide figures of a step go to one client only: the prefix-cache lookups of the six
+    # requests add up to the in-process engine's for the same six.
+    twice = {f"{rid}{index}": request for rid, request in prompts.items() for index in range(2)}
+    for request_id, (prompt, params) in twice.items():
+        in_process.add_request(prompt, params, request_id=request_id)
+    looked_up = 0
+    while in_process.has_unfinished_requests():
+        looked_up += in_process.step()[1].prefix_cache_queries
+    assert looked_up > 0 and sum(s.prefix_cache_queries for c in clients for s in c.stats) == looked_up
+
+
+def test_an_abort_from_one_client_leaves_the_other_clients_request_running(shared_engine, loop):
+    _, (first, second) = shared_engine
+
+    async def run():
+        aborted = first.add_request("Tell me a long story", greedy(200), request_id="same")
+        kept = second.add_request("Tell me a long story", greedy(30), request_id="same")
+        await aborted.__anext__()
+        aborted.abort()
+        return await collect(aborted), await collect(kept)
+
+    aborted, kept = loop.run_until_complete(run())
+    assert aborted[-1].outputs[0].finish_reason == "abort" and len(aborted[-1].outputs[0].token_ids) < 200
+    assert kept[-1].outputs[0].finish_reason == "length" and len(kept[-1].outputs[0].token_ids) == 30
+
+
+def test_the_shared_engine_stops_once_every_client_has_shut_down(shared_engine, loop):
+    engine, (first, second) = shared_engine
+    loop.run_until_complete(first.shutdown())
+    time.sleep(0.5)
+    assert engine.is_alive() and second.is_alive  # the other client is still served
+    stream_outputs = loop.run_until_complete(collect(second.add_request([5, 9, 33], greedy(4))))
+    assert stream_outputs[-1].finished and len(stream_outputs[-1].outputs[0].token_ids) == 4
+    loop.run_until_complete(second.shutdown())
+    engine.join(10)
+    assert engine.exitcode == 0

@@ -29,6 +29,7 @@ from deepinfer.core.server.config import ServerConfig
 from deepinfer.core.server.connection import AcceptErrorLog
 from deepinfer.core.server.errors import APIError, install_error_handlers
 from deepinfer.core.server.health import HealthSnapshots
+from deepinfer.core.server.metric_tallies import MetricTallies
 from deepinfer.core.server.metrics import CONTENT_TYPE, EngineMetrics, ServerMetrics
 from deepinfer.core.server.middleware import (
     ApiKeyMiddleware,
@@ -90,12 +91,12 @@ class ServerState:
     """Where the server is: "loading" -> "ready" (serving set) or "failed" (error set); then
     "shutting_down" once a signal came (new requests get a 503, running ones finish)."""
 
-    def __init__(self, server_config: ServerConfig):
+    def __init__(self, server_config: ServerConfig, metric_tallies: MetricTallies | None = None):
         self.status = "loading"
         self.engine = None
         self.serving: ServingEngine | None = None
         self.health: HealthSnapshots | None = None
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(metric_tallies)
         self.preprocessor = Preprocessor(server_config.preprocess_workers, server_config.max_pending_requests)
         self.error: str | None = None
         self._end_timer: asyncio.TimerHandle | None = None
@@ -142,13 +143,15 @@ class ServerState:
 def create_app(engine_config: EngineConfig, server_config: ServerConfig | None = None,
                engine_factory: Callable[[EngineConfig], object] = _build_engine,
                on_load_failed: Callable[[Exception], None] | None = None,
-               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
+               on_engine_dead: Callable[[], None] | None = None,
+               metric_tallies: MetricTallies | None = None) -> FastAPI:
     """`engine_factory(config)` builds the (unstarted) AsyncEngine; it runs on a loader thread
     (with `server_config.engine_process` the default factory builds an EngineCoreClient instead).
     `on_load_failed(err)` lets the caller stop the process when the model cannot be loaded;
-    `on_engine_dead()`, when the engine process dies (its open requests have already ended with a 503)."""
+    `on_engine_dead()`, when the engine process dies (its open requests have already ended with a 503).
+    `metric_tallies`: where /metrics tallies (shared by the API servers of one engine); None = this app's own."""
     server_config = server_config or ServerConfig()
-    state = ServerState(server_config)
+    state = ServerState(server_config, metric_tallies)
     if server_config.engine_process and engine_factory is _build_engine:
         engine_factory = _build_engine_process
 
@@ -162,7 +165,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             state.engine = engine
             serving = ServingEngine(engine, server_config, chars_per_token)
             health = HealthSnapshots(engine)  # before the engine thread runs: the first snapshot is exact
-            metrics = EngineMetrics(serving.model_name, state.metrics.registry)
+            metrics = EngineMetrics(serving.model_name, state.metrics.registry, state.metrics.tallies)
             engine.add_stats_listener(metrics.record)
             engine.add_stats_listener(health.on_step)
             if on_engine_dead is not None and hasattr(engine, "add_dead_callback"):
@@ -223,8 +226,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
         if state.status != "ready":
             body = {"status": state.status} | ({"error": state.error} if state.error else {})
             return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "served_model_name": state.serving.model_name,
-                             **state.health.latest, "engine_alive": state.engine.is_alive})
+        alive = state.engine.is_alive  # False from the engine's death until this server has stopped
+        return JSONResponse({"status": "ok" if alive else "engine_dead", "served_model_name": state.serving.model_name,
+                             **state.health.latest, "engine_alive": alive}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

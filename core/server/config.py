@@ -39,8 +39,14 @@ class ServerConfig:
     # The engine core in its own process (core/engine/frontend/core_client.py): HTTP, tokenization and
     # metrics never share a GIL with the step loop. False: the engine runs on a thread of this process.
     engine_process: bool = False
+    # API-server processes in front of the one engine-core process (core/server/api_servers.py): each
+    # does the HTTP, tokenization and detokenization of the connections it accepts. More than one
+    # implies engine_process.
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
+        if self.api_server_count > 1:
+            self.engine_process = True
         checks = [
             (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
@@ -59,6 +65,7 @@ class ServerConfig:
             (self.shutdown_timeout_s >= 0, f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}"),
             (self.preprocess_workers >= 1, f"preprocess_workers must be >= 1, got {self.preprocess_workers}"),
             (self.max_pending_requests >= 1, f"max_pending_requests must be >= 1, got {self.max_pending_requests}"),
+            (self.api_server_count >= 1, f"api_server_count must be >= 1, got {self.api_server_count}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -13,6 +13,10 @@
 Returns the exit status: 0 after SIGTERM (a requested, clean stop), 130 after SIGINT (the shell's
 convention for Ctrl-C), 1 when the engine process (--engine-process) died; a model that cannot load
 is a ServerStartError with its reason.
+
+With --api-server-count N > 1, step 1 binds the port without listening (SO_REUSEPORT), and steps 2-4
+are core/server/api_servers.py's: N processes, each listening on that port and running
+`serve_socket`, in front of one engine-core process, and this process supervises them.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ class ServerStartError(DeepInferError):
     """The server cannot start: the port is busy, the address is not this host's, the model does not load."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; ServerStartError in one line when that is not possible."""
+def bind_socket(host: str, port: int, shared_port: bool = False, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on host:port; ServerStartError in one line when that is not possible.
+    `shared_port`: SO_REUSEPORT, so that more sockets of this user with it may listen on the port (the
+    kernel spreads the connections over the listening ones); `listen` False only holds the port."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -58,8 +64,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
-        sock.listen(BACKLOG)
+        if listen:
+            sock.listen(BACKLOG)
     except OSError as err:
         sock.close()
         hint = " (another process is listening there; pick another --port)" if err.errno == errno.EADDRINUSE else ""
@@ -98,9 +107,10 @@ def uvicorn_config(app, server_config: ServerConfig, max_connections: int, log_l
 class _Server(uvicorn.Server):
     """uvicorn's server with our signal handling instead of its own (which re-raises the signal at exit)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal):
+    def __init__(self, config: uvicorn.Config, on_signal, signals: tuple[int, ...]):
         super().__init__(config)
         self._on_signal = on_signal
+        self._signals = signals
         self.received: list[int] = []
 
     @contextlib.contextmanager
@@ -108,7 +118,7 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._handle) for sig in self._signals}
         try:
             yield
         finally:
@@ -123,10 +133,26 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
-    sock = bind_socket(server_config.host, server_config.port)
+    several = server_config.api_server_count > 1  # each API server listens; this process holds the port
+    sock = bind_socket(server_config.host, server_config.port, shared_port=several, listen=not several)
     host, port = sock.getsockname()[:2]
     logger.info("listening on http://%s:%d (the model loads in the background)",
                 f"[{host}]" if ":" in host else host, port)
+    if several:
+        from deepinfer.core.server.api_servers import run_api_servers
+
+        try:
+            return run_api_servers(port, engine_config, server_config, log_level)
+        finally:
+            sock.close()
+    return serve_socket(sock, engine_config, server_config, log_level)
+
+
+def serve_socket(sock: socket.socket, engine_config: EngineConfig, server_config: ServerConfig,
+                 log_level: str = "info", signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+                 **app_kwargs) -> int:
+    """Serve on the listening `sock` until a signal of `signals` (or the engine's death) stops it; closes
+    `sock`. `app_kwargs` go to create_app (an engine factory, shared metric tallies). -> the exit status."""
     max_connections = fit_open_files(server_config.max_connections)
     load_errors: list[Exception] = []
 
@@ -141,7 +167,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         server.should_exit = True
 
     app = create_app(engine_config, server_config, on_load_failed=stop_on_load_failure,
-                     on_engine_dead=stop_on_engine_death)
+                     on_engine_dead=stop_on_engine_death, **app_kwargs)
     state = app.state.deepinfer
     running: list[asyncio.AbstractEventLoop] = []
 
@@ -157,7 +183,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
         else:
             running[0].call_soon_threadsafe(state.end_requests)
 
-    server = _Server(uvicorn_config(app, server_config, max_connections, log_level), on_signal)
+    server = _Server(uvicorn_config(app, server_config, max_connections, log_level), on_signal, signals)
 
     async def serve() -> None:
         running.append(asyncio.get_running_loop())

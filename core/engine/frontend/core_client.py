@@ -17,6 +17,13 @@ An engine process that dies (killed, crashed) is noticed within POLL_MS: every o
 EngineDeadError (a 503 on the server), new requests are refused, and `on_dead` callbacks run (the
 server stops and exits non-zero). `shutdown` asks the engine to stop, and kills it past
 SHUTDOWN_TIMEOUT_S; the process is a daemon, so it never outlives the front end either.
+
+A client either starts an engine process of its own (the default), or attaches to one that another
+process started for several clients (`sockets` and `engine_pid`: one of the API servers of
+`serve --api-server-count N`, core/server/api_servers.py). An attached client binds its own sockets,
+prefixes the ids of its requests with its index (so ids are unique across the engine's clients),
+watches the engine's pid, and at shutdown only tells the engine it is done: the engine stops when
+all its clients are, and the process that started it waits for it.
 """
 
 from __future__ import annotations
@@ -25,14 +32,25 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.core_ipc import ABORT, ADD, FAILED, FINISH, OUTPUTS, READY, SHUTDOWN, MessageCodec
+from deepinfer.core.engine.core_ipc import (
+    ABORT,
+    ADD,
+    FAILED,
+    FINISH,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    ClientSockets,
+    MessageCodec,
+    client_sockets,
+)
 from deepinfer.core.engine.core_outputs import apply_core_outputs, finish_sample
 from deepinfer.core.engine.frontend.engine_frontend import EngineFrontend
 from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
@@ -52,31 +70,62 @@ POLL_MS = 100  # how often the output thread checks that the engine process is a
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
+class EngineProcessWatch:
+    """The liveness of an engine process this process did not start (not its child: no exit code)."""
+
+    exitcode = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        except OSError:  # no /proc: ask the kernel whether the pid exists
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+        return state not in ("Z", "X")  # a zombie has exited; its parent has not reaped it yet
+
+
 class EngineCoreClient(EngineFrontend):
     thread_name = "deepinfer-engine-client"
     engine_kind = "engine process"
 
-    def __init__(self, config: EngineConfig) -> None:
-        """Starts the engine process and waits until its model is loaded (blocking, as AsyncEngine's
+    def __init__(self, config: EngineConfig, sockets: ClientSockets | None = None,
+                 engine_pid: int | None = None) -> None:
+        """Starts the engine process (or, given `sockets` and `engine_pid`, attaches to a running one as
+        its client `sockets.index`) and waits until its model is loaded (blocking, as AsyncEngine's
         constructor). Raises DeepInferError with the engine's reason when it cannot start."""
         import torch
         import zmq
 
         super().__init__(config)
-        self._socket_dir = tempfile.TemporaryDirectory(prefix="deepinfer-engine-")
-        input_address = f"ipc://{Path(self._socket_dir.name) / 'input'}"
-        output_address = f"ipc://{Path(self._socket_dir.name) / 'output'}"
+        self._owns_engine = sockets is None
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="deepinfer-engine-") if self._owns_engine else None
+        if sockets is None:
+            sockets = client_sockets(self._socket_dir.name, 1)[0]
+        self._index = sockets.index
+        self._id_prefix = "" if self._owns_engine else f"{sockets.index}:"
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
-        self._input.bind(input_address)
+        self._input.bind(sockets.input_address)
         self._output = self._context.socket(zmq.PULL)
-        self._output.bind(output_address)
+        self._output.bind(sockets.output_address)
         self._send_lock = threading.Lock()  # a ZeroMQ socket is not thread-safe; callers come from many
         self._send_codec, self._recv_codec = MessageCodec(), MessageCodec()
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address, torch.get_num_threads()),
-            name="deepinfer-engine-core", daemon=True)
-        self.process.start()
+        if self._owns_engine:
+            self.process = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, args=(config, [sockets], torch.get_num_threads()),
+                name="deepinfer-engine-core", daemon=True)
+            self.process.start()
+        else:
+            self.process = EngineProcessWatch(engine_pid)
         ready = self._wait_ready()
         self.tokenizer = ready["tokenizer"]
         self.spec = ready["spec"]
@@ -96,10 +145,11 @@ class EngineCoreClient(EngineFrontend):
         while not self._output.poll(POLL_MS):
             if not self.process.is_alive():
                 self._close()
-                raise DeepInferError(f"the engine process exited while starting (exit code {self.process.exitcode})")
+                raise DeepInferError(f"the engine process exited while starting{self._exit_code()}")
         kind, payload = self._recv_codec.decode(self._output.recv())
         if kind != READY:
-            self.process.join(SHUTDOWN_TIMEOUT_S)
+            if self._owns_engine:
+                self.process.join(SHUTDOWN_TIMEOUT_S)
             self._close()
             raise DeepInferError(payload if kind == FAILED else f"unexpected first engine message {kind!r}")
         return payload
@@ -120,7 +170,7 @@ class EngineCoreClient(EngineFrontend):
             self.config.max_waiting_requests, cache_salt)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # a bad grammar is refused here, at once
-        request_id = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        request_id = self._id_prefix + (str(request_id) if request_id is not None else f"req-{next(self._ids)}")
         samples = make_samples(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                                cache_salt=cache_salt, arrival_time=time.monotonic())
         return RequestGroup(request_id, prompt_text, token_ids, params, samples)
@@ -132,7 +182,7 @@ class EngineCoreClient(EngineFrontend):
         stream = self._open_stream(group.request_id)
         with self._outputs_lock:
             self.output_processor.add(group)
-        self._send(ADD, (group.request_id, group.prompt_token_ids, group.params, group.samples[0].cache_salt))
+        self._send(ADD, (self._index, group.request_id, group.prompt_token_ids, group.params, group.samples[0].cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -162,9 +212,10 @@ class EngineCoreClient(EngineFrontend):
     async def shutdown(self) -> None:
         self._stopping = True
         if self.process.is_alive():
-            self._send(SHUTDOWN)
-            await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
-        if self.process.is_alive():
+            self._send(SHUTDOWN, self._index)
+            if self._owns_engine:
+                await asyncio.to_thread(self.process.join, SHUTDOWN_TIMEOUT_S)
+        if self._owns_engine and self.process.is_alive():
             logger.warning("the engine process did not stop in %.0f s; killing it", SHUTDOWN_TIMEOUT_S)
             self.process.kill()
             await asyncio.to_thread(self.process.join)
@@ -179,13 +230,18 @@ class EngineCoreClient(EngineFrontend):
         with self._send_lock:
             self._input.send(self._send_codec.encode(kind, payload))
 
+    def _exit_code(self) -> str:
+        return "" if self.process.exitcode is None else f" (exit code {self.process.exitcode})"
+
     def _run(self) -> None:
         while True:
+            if self._stopping and not self._owns_engine:  # the engine goes on for its other clients
+                return
             if not self._output.poll(POLL_MS):
                 if self.process.is_alive():
                     continue
                 if not self._stopping:
-                    self._die(f"the engine process exited (exit code {self.process.exitcode})")
+                    self._die(f"the engine process exited{self._exit_code()}")
                 return
             kind, payload = self._recv_codec.decode(self._output.recv())
             if kind != OUTPUTS:
@@ -239,4 +295,5 @@ class EngineCoreClient(EngineFrontend):
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._context.term()
-        self._socket_dir.cleanup()
+        if self._socket_dir is not None:
+            self._socket_dir.cleanup()
