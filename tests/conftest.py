@@ -9,10 +9,18 @@ offset cannot hide.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The checkout's top-level folders are the sources of the installed package (kernels/ is deepinfer.kernels), and
+# `python -m pytest` puts the checkout on sys.path, where kernels/ would stand in for the `kernels` distribution
+# that transformers imports. The tests, and the Python processes they start, see the installed package only.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _CHECKOUT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Conversion and parity tests hold CPU products of packed weights to the exact reference; the default CPU layout
 # (core/ops/quant_matmul_cpu.py) rounds activations to bf16, so the suite runs the dense one unless a test asks.

@@ -40,10 +40,13 @@ def test_public_api_and_version_from_outside_the_source_tree(tmp_path):
 
 @pytest.mark.parametrize("name", ["core", "kernels", "deepinfer_cli", "validate"])
 def test_folder_names_are_not_importable_at_top_level(tmp_path, name):
-    # tmp_path as the working directory keeps the repository itself off sys.path
-    result = _run_python(f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)",
-                         tmp_path)
-    assert result.returncode == 0, f"{name!r} is importable: {result.stdout}{result.stderr}"
+    # tmp_path as the working directory keeps the repository itself off sys.path. Another distribution may own the
+    # name (transformers depends on one called `kernels`): what must not resolve to it is this checkout's folder.
+    code = (f"import importlib.util, sys; spec = importlib.util.find_spec({name!r})\n"
+            f"places = [] if spec is None else [spec.origin or '', *(spec.submodule_search_locations or [])]\n"
+            f"sys.exit(any(place.startswith({str(REPO)!r}) for place in places))")
+    result = _run_python(code, tmp_path)
+    assert result.returncode == 0, f"{name!r} imports from the checkout: {result.stdout}{result.stderr}"
 
 
 @pytest.mark.slow
