@@ -197,33 +197,43 @@ QKV_ROPE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("storage", ["same-dtype", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,in_features,group_size,zeros,bias", QKV_ROPE_CASES)
 def test_qkv_product_with_rope_and_cache_write_equals_the_unfused_kernels(tokens, heads, kv_heads, head_dim,
                                                                           in_features, group_size, zeros, bias,
-                                                                          dtype):
+                                                                          dtype, storage):
     """quant_matmul_rope_cache against the tc product followed by rope_cache_kernel: the rotated q and k, the v
-    columns and every cache row the same bits (no other row written; a padding slot -1 writes nothing)."""
+    columns and every cache row the same bits, an int8 cache's scales too (no other row written; a padding slot -1
+    writes nothing)."""
     from deepinfer.kernels.rope_cache import rope_and_cache_write
+    from deepinfer.validate.quant_matmul_checks import qkv_rope_caches, same_bits
 
     n = (heads + 2 * kv_heads) * head_dim
     packed = tc_case_weight(n, in_features, group_size, zeros, False, dtype if bias else None, DEVICE)
     x = torch.randn(tokens, in_features, dtype=dtype, device=DEVICE)
     cos, sin = rope_tables(tokens, head_dim, dtype, DEVICE)
-    caches = [poisoned((24, kv_heads, 16, head_dim), dtype, DEVICE) for _ in range(4)]
+    caches, scales = qkv_rope_caches(storage, (24, kv_heads, 16, head_dim), dtype, DEVICE)
     slots = torch.randperm(24 * 16, device=DEVICE)[:tokens]
     if tokens > 2:
         slots[tokens // 2] = -1
     weight = (packed.qweight, packed.scales, packed.zeros)
-    fused = kq.quant_matmul_rope_cache(x, *weight, packed.bias, group_size, packed.zero_mode, packed.integer_zeros,
-                                       heads, kv_heads, head_dim, cos, sin, caches[0], caches[1], slots)
     qkv = kq.quant_matmul(x, *weight, 4, group_size, packed.zero_mode, packed.bias, kernel="tc", tile=1,
                           integer_zeros=packed.integer_zeros)
     q, k, v = (part.reshape(tokens, -1, head_dim) for part in qkv.split(
         (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
-    unfused_q, unfused_k = rope_and_cache_write(q, k, v, cos, sin, caches[2], caches[3], slots)
-    for got, want in zip((*fused, caches[0], caches[1]), (unfused_q, unfused_k, v, caches[2], caches[3])):
-        assert torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
+    if storage == "fp8":  # about each head's amax / 448, some codes saturated
+        scales[0].copy_(k.float().abs().amax(dim=(0, 2)) / 300)
+        scales[1].copy_(v.float().abs().amax(dim=(0, 2)) / 600)
+    fused = kq.quant_matmul_rope_cache(x, *weight, packed.bias, group_size, packed.zero_mode, packed.integer_zeros,
+                                       heads, kv_heads, head_dim, cos, sin, caches[0], caches[1], slots, scales[0],
+                                       scales[1])
+    unfused_q, unfused_k = rope_and_cache_write(q, k, v, cos, sin, caches[2], caches[3], slots, scales[2], scales[3])
+    pairs = list(zip((*fused, caches[0], caches[1]), (unfused_q, unfused_k, v, caches[2], caches[3])))
+    if storage == "int8":
+        pairs += [(scales[0], scales[2]), (scales[1], scales[3])]
+    for got, want in pairs:
+        assert same_bits(got, want)
 
 
 # (tokens, inner I, in_features, group size, zero points, fp32 scales, bias, activation); the weight is [2I, K]
