@@ -568,11 +568,12 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
     assert_close(logits["native"], logits["torch"], 2e-2 if kv_quantization else 5e-3)
 
 
-def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(caplog, monkeypatch):
+@pytest.mark.parametrize("kv_quantization", [None, "int8", "fp8"])
+def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(caplog, monkeypatch, kv_quantization):
     """A model whose merged q/k/v projection (K % 128 == 0, head_dim 128) and merged gate/up projection (2I >= 3K)
-    the fused kernels serve: logits and KV caches must be the same bits as with the products and rope_cache_write /
-    act_and_mul run one after the other, over prefill, mixed and decode steps (the q/k/v fusion takes the steps of
-    at most 8 tokens, the gate/up one those of at most 32)."""
+    the fused kernels serve: logits and KV caches (codes and scales of an int8 / e4m3 cache) must be the same bits as
+    with the products and rope_cache_write / act_and_mul run one after the other, over prefill, mixed and decode
+    steps (the q/k/v fusion takes the steps of at most 8 tokens, the gate/up one those of at most 32)."""
     from deepinfer.core.attention.native_backend import NativePagedAttention
     from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
     from deepinfer.core.kv.cache import KVCache
@@ -596,7 +597,11 @@ def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(ca
         for name, op in fused_ops.items():
             monkeypatch.setattr(layers, name, op if fused else lambda *a, **k: None)
         spec = model.spec
-        cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, BF16, DEVICE)
+        cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, BF16, DEVICE,
+                        quantized=kv_quantization)
+        if kv_quantization == "fp8":  # scales of the order of the heads' amax / 448
+            for scales in (*cache.key_scales, *cache.value_scales):
+                scales.copy_(torch.tensor([0.01, 0.03], device=DEVICE))
         rows = []
         with torch.no_grad():
             for step in STEPS:
@@ -610,5 +615,9 @@ def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(ca
     assert "quant_matmul_rope_cache: CUDA kernel" in messages and "quant_matmul_act_and_mul: CUDA kernel" in messages
     assert torch.equal(runs[True][0], runs[False][0])
     for layer in range(model.spec.num_layers):
-        assert torch.equal(runs[True][1].key_caches[layer], runs[False][1].key_caches[layer])
-        assert torch.equal(runs[True][1].value_caches[layer], runs[False][1].value_caches[layer])
+        for pools in ("key_caches", "value_caches"):  # as bytes: equal() takes every storage dtype so
+            assert torch.equal(getattr(runs[True][1], pools)[layer].view(torch.uint8),
+                               getattr(runs[False][1], pools)[layer].view(torch.uint8))
+        if kv_quantization == "int8":
+            assert torch.equal(runs[True][1].key_scales[layer], runs[False][1].key_scales[layer])
+            assert torch.equal(runs[True][1].value_scales[layer], runs[False][1].value_scales[layer])
