@@ -58,8 +58,8 @@ _OPS = (
              + _names("quant_stream_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
     KernelOp("quant_matmul_rope_cache", quant_matmul.SOURCE,
              "the merged q/k/v W4 product (tc, up to 8 tokens) with RoPE on q/k and the KV-cache write fused into "
-             "its epilogue (fp16/bf16 KV)",
-             _names("quant_tc_rope_kernel<{dt},{mode},{f32}>", dt=_DT, mode=(0, 1), f32=(0, 1))),
+             "its epilogue (fp16/bf16, int8 and e4m3 KV)",
+             _names("quant_tc_rope_kernel<{dt},{mode},{f32},{kv}>", dt=_DT, mode=(0, 1), f32=(0, 1), kv=(0, 1, 2))),
     KernelOp("quant_matmul_act_and_mul", quant_matmul.SOURCE,
              "the merged gate/up W4 product (tcs, up to 32 tokens) with SiLU / GeLU-tanh gate times up fused into "
              "its epilogue; K splits meet in a thread-block cluster on SM90+",

@@ -479,7 +479,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
 
 def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     """Where the q/k/v product takes RoPE and the cache write into its epilogue: a W4 weight tc takes, heads that
-    tile into rotation pairs, a cache in the activations' dtype, and the token counts tc serves up to one tile."""
+    tile into rotation pairs, a cache in the activations' dtype, int8 or e4m3, and the token counts tc serves up to
+    one tile."""
     from deepinfer.core.ops.quant_matmul_table import QKV_ROPE, ProductShape, epilogue_serves, product_row
     from deepinfer.kernels import quant_matmul as kq
 
@@ -488,7 +489,12 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     assert kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, bf16, 16, bf16) is None
     assert [epilogue_serves(QKV_ROPE, ProductShape(m, 2048, 2560, 4, 128)) for m in (0, 1, 4, 8, 9, 32)] == [
         False, True, True, True, False, False]
-    assert "int8" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, int8, 16, bf16)
+    for quantized in (int8, torch.float8_e4m3fn):  # codes and scales stored by the epilogue too
+        assert kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, quantized, 16, bf16) is None
+    assert "float16" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, torch.float16, 16, bf16)
+    wide_heads = (8 + 2 * 4) * 272  # an int8 row's amax is one warp's: at most 256 elements a head
+    assert kq.qkv_rope_unsupported_reason(4, 128, 2048, wide_heads, 8, 4, 272, bf16, 16, bf16) is None
+    assert "head_dim 272" in kq.qkv_rope_unsupported_reason(4, 128, 2048, wide_heads, 8, 4, 272, int8, 16, bf16)
     assert "3-bit" in kq.qkv_rope_unsupported_reason(3, 128, 2048, qwen_3b, 16, 2, 128, bf16, 16, bf16)
     assert "heads" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 4, 128, bf16, 16, bf16)
     assert "power of two" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, bf16, 24, bf16)

@@ -377,10 +377,30 @@ QKV_ROPE_CASES = (
 )
 
 
+def qkv_rope_caches(storage: str, shape: tuple, dtype: torch.dtype, device) -> tuple[list, list]:
+    """Four poisoned caches [NB, KVH, BS, D] (fused k, v; unfused k, v) in `storage` and their scales: an int8
+    cache's per-token ones poisoned too, an e4m3 cache's per-head ones [KVH] (set by the caller) shared by both
+    paths."""
+    if storage == "fp8":  # 0x7F: the NaN code the kernels never write
+        caches = [torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+                  for _ in range(4)]
+        scales = [torch.ones(shape[1], device=device) for _ in range(2)]
+        return caches, scales + scales
+    if storage == "int8":  # -128: the code the kernels never write
+        return ([torch.full(shape, -128, dtype=torch.int8, device=device) for _ in range(4)],
+                [poisoned(shape[:3], torch.float16, device) for _ in range(4)])
+    return [poisoned(shape, dtype, device) for _ in range(4)], [None] * 4
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
 def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """quant_matmul_rope_cache against the unfused kernels it replaces (tc product, then rope_cache_kernel): the
-    rotated q and k, the v columns and the cache rows must be the same bits, and no other cache row written;
-    and against the fp32 reference product rotated in fp32 within the usual tolerance."""
+    rotated q and k, the v columns and the cache rows (codes and scales of an int8 or e4m3 cache) must be the same
+    bits, and no other cache row written; and against the fp32 reference product rotated in fp32 within the usual
+    tolerance."""
     from deepinfer.core.ops.quant_matmul_table import QKV_ROPE, ProductShape, epilogue_serves
     from deepinfer.kernels.quant_matmul import (
         qkv_rope_unsupported_reason,
@@ -392,19 +412,19 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
     results = []
     num_blocks, block_size = 24, 16
     for m, heads, kv_heads, head_dim, k, g, zeros_kind, with_bias in QKV_ROPE_CASES:
-        for dtype in dtypes:
-            case = (f"{DTYPE_NAMES[dtype]} M={m} H={heads}/{kv_heads} D={head_dim} K={k} G={g} {zeros_kind}-zeros"
-                    + (" bias" if with_bias else ""))
+        for dtype, storage in itertools.product(dtypes, ("same-dtype", "int8", "fp8")):
+            case = (f"{DTYPE_NAMES[dtype]} {storage} KV M={m} H={heads}/{kv_heads} D={head_dim} K={k} G={g} "
+                    f"{zeros_kind}-zeros" + (" bias" if with_bias else ""))
 
             def run(m=m, heads=heads, kv_heads=kv_heads, head_dim=head_dim, k=k, g=g, zeros_kind=zeros_kind,
-                    with_bias=with_bias, dtype=dtype, case=case):
+                    with_bias=with_bias, dtype=dtype, storage=storage, case=case):
                 n = (heads + 2 * kv_heads) * head_dim
                 packed = tc_case_weight(n, k, g, zeros_kind, False, dtype if with_bias else None, device)
                 zero_mode = packed.zero_mode
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 cos, sin = rope_tables(m, head_dim, dtype, device)
-                shape = (num_blocks, kv_heads, block_size, head_dim)
-                caches = [poisoned(shape, dtype, device) for _ in range(4)]
+                caches, scales = qkv_rope_caches(storage, (num_blocks, kv_heads, block_size, head_dim), dtype,
+                                                  device)
                 reason = qkv_rope_unsupported_reason(4, g, k, n, heads, kv_heads, head_dim, caches[0].dtype, block_size,
                                                      dtype)
                 served = epilogue_serves(QKV_ROPE, ProductShape(m, k, n, 4, g))
@@ -413,18 +433,26 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
                 if m > 2:
                     slots[m // 2] = -1  # a padding row: no cache write
                 args = (packed.qweight, packed.scales, packed.zeros)
-                query, key, value = quant_matmul_rope_cache(
-                    x, *args, packed.bias, g, zero_mode, packed.integer_zeros, heads, kv_heads, head_dim, cos, sin,
-                    caches[0], caches[1], slots)
                 qkv = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, kernel="tc", tile=1,
                                    integer_zeros=packed.integer_zeros)
                 q_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
                 q_raw, k_raw, v_raw = (part.reshape(m, -1, head_dim) for part in qkv.split(q_sizes, dim=-1))
-                ref_q, ref_k = rope_and_cache_write(q_raw, k_raw, v_raw, cos, sin, caches[2], caches[3], slots)
+                if storage == "fp8":  # 0.5-2x a head's amax / 448: some codes saturate, small ones are subnormal
+                    for scale, part in zip(scales[:2], (k_raw, v_raw)):
+                        amax = part.float().abs().amax(dim=(0, 2))  # [KVH]
+                        scale.copy_(amax / 448 * (0.5 + 1.5 * torch.rand(kv_heads, device=device)))
+                query, key, value = quant_matmul_rope_cache(
+                    x, *args, packed.bias, g, zero_mode, packed.integer_zeros, heads, kv_heads, head_dim, cos, sin,
+                    caches[0], caches[1], slots, scales[0], scales[1])
+                ref_q, ref_k = rope_and_cache_write(q_raw, k_raw, v_raw, cos, sin, caches[2], caches[3], slots,
+                                                    scales[2], scales[3])
+                compared = [("q", query, ref_q), ("k", key, ref_k), ("v", value, v_raw),
+                            ("k cache", caches[0], caches[2]), ("v cache", caches[1], caches[3])]
+                if storage == "int8":
+                    compared += [("k scales", scales[0], scales[2]), ("v scales", scales[1], scales[3])]
                 checks = []
-                for name, got, want in (("q", query, ref_q), ("k", key, ref_k), ("v", value, v_raw),
-                                        ("k cache", caches[0], caches[2]), ("v cache", caches[1], caches[3])):
-                    same = torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
+                for name, got, want in compared:
+                    same = same_bits(got, want)
                     checks.append(CheckResult("quant_matmul_rope_cache", f"{case} {name} == unfused", same,
                                               detail="" if same else "differs from the unfused kernels' bits"))
                 full = x.float() @ dequantize(packed, torch.float32).T
