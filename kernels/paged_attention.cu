@@ -833,6 +833,477 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   }
 }
 
+// ---- Query heads as the mma N dimension ------------------------------------------------------------------------
+// paged_decode_kernel puts a KV head's query heads on the 16 rows of the mma's A operand; with G <= 8 heads (GQA
+// groups of Qwen2.5, Llama 3) half of every Q.K^T and P.V mma multiplies zero rows. paged_decode_heads_n_kernel
+// (G <= 8, D = 64 or 128, any cache the decode kernel reads) transposes both products so that the heads are the
+// mma's n = 8:
+//   S^T [16 tokens, 8 heads] = K [16 tokens, D] . Q^T [D, 8 heads]    (K rows the A operand)
+//   O^T [D, 8 heads]        += V^T [D, 16 tokens] . P^T [16 tokens, 8 heads]   (V rows the A operand)
+// so a 16-token m-tile takes D / 16 k-steps of each, half the mma of the other layout, and every cache element is
+// loaded and (codes) converted once, by one thread. Q^T stays in registers for the CTA's life. A tile is 8 KiB of a
+// warp's loads: 16 tokens of a 16-bit cache, 32 (two m-tiles) of codes.
+// One CTA per (KV head, sequence, split of the context); its WARPS warps take the split's tiles round robin, each
+// loading a tile's rows one tile ahead of its math and its block-table entries two tiles ahead, and combine their
+// softmax states in shared memory; with several splits the CTA writes a partial that paged_reduce_kernel combines.
+//
+// Operand layouts (g = lane / 4, t = lane % 4; any permutation of a reduction axis is fine if both operands share
+// it, and the output's d permutation is undone when it is written):
+//   m-tile rows: S^T row r of an m-tile (16 tokens from a multiple of 16) is token 2r for r < 8 and 2(r - 8) + 1
+//     for r >= 8, so thread g's rows g and g + 8 are tokens 2g and 2g + 1 (one block, one 4-byte int8 scale load),
+//     and the P^T rows 2t, 2t + 1, 2t + 8, 2t + 9 it multiplies with V are tokens 4t, 4t + 2, 4t + 1, 4t + 3.
+//   K (A of S^T, k = d): thread t holds the 16-byte chunks at bytes 64c + 16t of its tokens' rows 2g, 2g + 1 (a
+//     warp's load covers whole sectors). Codes: chunk c is d = 64c + 16t + 0..15 and k-step w = 4c + u takes its
+//     word u (codes 0, 1 at k = 2t, 2t + 1, codes 2, 3 at k = 2t + 8, 2t + 9); 16-bit rows: chunk c is d = 32c + 8t
+//     + 0..7 and k-step w takes the row's words 2w (k = 2t, 2t + 1) and 2w + 1 (k = 2t + 8, 2t + 9). The Q^T B
+//     fragment of head g holds the query at the same d (q[2w], q[2w + 1]).
+//   V (A of O^T, m = d): thread g holds d = VB g + 0..VB-1 (VB = D / 8 elements) of tokens 4t .. 4t + 3; O^T m-tile
+//     j rows g and g + 8 are d = VB g + 2j and + 1, so a thread ends with the VB consecutive outputs from VB g of
+//     heads 2t and 2t + 1. A pair (V[4t][d], V[4t + 2][d]) is one byte_perm of two rows (codes: 4 d, 2 m-tiles, a
+//     word; 16-bit: pair_of_los / pair_of_his).
+//   P^T (B of O^T): the S^T accumulator of rows g / g + 8, heads 2t, 2t + 1, packed and transposed as two 8 x 8
+//     matrices (movmatrix) is the B fragment (k = 2t, 2t + 1 / 2t + 8, 2t + 9; n = head g).
+// Codes multiply in fp16 whatever the query dtype (as paged_decode_kernel's code tiles), 16-bit rows in their dtype.
+// int8: each token's K scale multiplies its scores, its V scale its P (in fp16, so products below 2^-14 lose
+// precision: they weigh at most 2^-14 of the largest); e4m3: the head's scales multiply the scores and the output.
+// int8 codes enter the mma biased, as the exact halves 1152 + code (biased_codes_to_halves: no subtraction). In
+// S^T the bias's share of each score, 1152 sum_d Q[head][d], is the same for every token and subtracted from the
+// scores. In O^T it is 1152 sum_k P^T[k][head] of the tile, the same for every d: the mma computes it from the same
+// fp16 P (A = all 1152), and the rescale before the tile's P.V subtracts it from o, so the large terms cancel within
+// the tile's own sums (fp32) and never accumulate over the context.
+// Scores are kept in log2 units (ex2), and written to partials in natural ones (paged_reduce_kernel's).
+template <int D, int KVQ>
+struct HeadsNSlices {
+  static_assert(D == 64 || D == 128, "the heads-as-n kernel takes head_dim 64 or 128");
+  static constexpr int ELEMENT = KVQ ? 1 : 2;                    // bytes of a cache element
+  static constexpr int MTS = KVQ ? 2 : 1, TILE = 16 * MTS;       // m-tiles, tokens a tile
+  static constexpr int KSTEPS = D / 16;                          // S^T k-steps
+  static constexpr int KCHUNKS = D * ELEMENT / 64;               // K: 16-byte chunks a row
+  static constexpr int KWORDS = 4 * KCHUNKS;                     // K: words a row (codes: one a k-step)
+  static constexpr int VB = D / 8, VBYTES = VB * ELEMENT;        // V: elements, bytes a row
+  static constexpr int VWORDS = VBYTES / 4;                      // V: words a row
+  static constexpr int MTILES = D / 16;                          // O^T m-tiles
+};
+
+// A thread's rows of a tile (m-tiles mt of 16 tokens), as loaded: K of tokens 16mt + 2g + h, V of tokens 16mt + 4t +
+// q; int8: the fp16 K and V scales of tokens 16mt + 2g, + 1 (low, high half). kblock / vblock: the blocks holding
+// those K and V tokens (0 where none is in range), read a tile before the rows (fetch_heads_n_blocks), so that a row
+// load never waits on its block-table read.
+template <int D, int KVQ>
+struct HeadsNTile {
+  using S = HeadsNSlices<D, KVQ>;
+  u32 k[S::MTS][2][S::KWORDS];
+  u32 v[S::MTS][4][S::VWORDS];
+  u32 kscale[S::MTS], vscale[S::MTS];
+  u32 kblock[S::MTS], vblock[S::MTS];
+};
+
+// The block-table entries of a tile's rows (fetch_heads_n_tile's; tokens ktok, ktok + 1 and vtok .. vtok + 3 each
+// lie in one block: block_size >= 8 and tiles start at multiples of 16).
+template <int D, int KVQ>
+__device__ __forceinline__ void fetch_heads_n_blocks(HeadsNTile<D, KVQ>& T, int tile, int begin,
+                                                     const TileContext& ctx) {
+#pragma unroll
+  for (int mt = 0; mt < HeadsNSlices<D, KVQ>::MTS; ++mt) {
+    const int ktok = tile + 16 * mt + 2 * ctx.g, vtok = tile + 16 * mt + 4 * ctx.t;
+    T.kblock[mt] = ktok + 1 >= begin && ktok < ctx.end ? __ldcg(ctx.table + (ktok >> ctx.log2_block_size)) : 0;
+    T.vblock[mt] = vtok + 3 >= begin && vtok < ctx.end ? __ldcg(ctx.table + (vtok >> ctx.log2_block_size)) : 0;
+  }
+}
+
+// BYTES (8, 16 or 32) at p into BYTES / 4 words where valid; elsewhere the words keep what they held.
+template <int BYTES>
+__device__ __forceinline__ void load_row_if(const unsigned char* p, bool valid, u32* w) {
+  if (!valid) return;
+  if constexpr (BYTES == 8) {
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  }
+}
+
+// The rows of T's blocks (fetch_heads_n_blocks of the same tile). Rows outside [begin, ctx.end) are not loaded:
+// their words keep an earlier tile's (zeros before the first), finite values that the masked scores and zero
+// probabilities ignore, so no instruction a load clears them. Addresses: a block's rows of the CTA's KV head start
+// at head_base + block * block_bytes (one 64-bit multiply a row group), the rest is 32-bit.
+template <int D, int KVQ>
+__device__ __forceinline__ void fetch_heads_n_tile(HeadsNTile<D, KVQ>& T, int tile, int begin,
+                                                   const TileContext& ctx) {
+  using S = HeadsNSlices<D, KVQ>;
+  constexpr int ROW = D * S::ELEMENT;  // bytes
+  const int block_size = 1 << ctx.log2_block_size, g = ctx.g, t = ctx.t;
+  const u32 block_rows = (u32)ctx.num_kv_heads << ctx.log2_block_size;  // rows of one block, all KV heads
+  const u32 head_row = (u32)ctx.kv_head << ctx.log2_block_size;
+  const unsigned char* keys = reinterpret_cast<const unsigned char*>(ctx.key_cache) + (u64)head_row * ROW;
+  const unsigned char* values = reinterpret_cast<const unsigned char*>(ctx.value_cache) + (u64)head_row * ROW;
+#pragma unroll
+  for (int mt = 0; mt < S::MTS; ++mt) {
+    const int ktok = tile + 16 * mt + 2 * g, vtok = tile + 16 * mt + 4 * t;
+    const u32 kblk = T.kblock[mt], vblk = T.vblock[mt];
+    const unsigned char* krow = keys + (u64)(kblk * block_rows) * ROW + (u32)((ktok & (block_size - 1)) * ROW + 16 * t);
+    const unsigned char* vrow =
+        values + (u64)(vblk * block_rows) * ROW + (u32)((vtok & (block_size - 1)) * ROW + S::VBYTES * g);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < S::KCHUNKS; ++c)
+        load_row_if<16>(krow + h * ROW + 64 * c, ktok + h >= begin && ktok + h < ctx.end, &T.k[mt][h][4 * c]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      load_row_if<S::VBYTES>(vrow + q * ROW, vtok + q >= begin && vtok + q < ctx.end, T.v[mt][q]);
+    if constexpr (KVQ == 1) {  // any value where masked: attend_heads_n_tile zeroes those tokens' V scales
+      const u32 scale_row = kblk * block_rows + head_row + (ktok & (block_size - 1));
+      T.kscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.key_scales + scale_row));
+      T.vscale[mt] = __ldcg(reinterpret_cast<const u32*>(ctx.value_scales + scale_row));
+    }
+  }
+}
+
+// Four codes (one u32, byte i = element i) -> fp16 pairs (e0, e1) and (e2, e3) as the heads-as-n kernel's mma take
+// them: e4m3 as codes_to_halves converts them, int8 as the exact halves 1152 + code (CODE_BIAS_PAIR: the bias).
+constexpr u32 CODE_BIAS_PAIR = 0x64806480u;  // the halves (1152, 1152)
+template <int KVQ> __device__ __forceinline__ void biased_codes_to_halves(u32 w, u32& p01, u32& p23) {
+  if constexpr (KVQ == 1) {
+    // flip the sign bit: byte u = e + 128; half (0x64 << 8 | u) = 1024 + u = 1152 + e
+    const u32 u = w ^ 0x80808080u;
+    p01 = __byte_perm(u, 0x64646464u, 0x4140);
+    p23 = __byte_perm(u, 0x64646464u, 0x4342);
+  } else {
+    codes_to_halves<KVQ>(w, p01, p23);
+  }
+}
+
+// 8 x 8 b16 matrix transpose across the warp: the fragment of row g, columns 2t, 2t + 1 becomes that of the
+// transpose.
+__device__ __forceinline__ u32 transpose_8x8(u32 x) {
+  u32 y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float LOG2_E = 1.4426950408889634f;
+
+// One tile: S^T, the online softmax over it (per head 2t + e: running max row_max[e] in log2 units, this thread's
+// share of the running sum row_sum[e]), O^T = O^T * alpha + V^T P^T. MT (DT for 16-bit rows, fp16 for codes): the
+// mma's operand type. q: head g's Q^T B fragments (k-step w: q[2w], q[2w + 1]); key_bias[e]: int8 K codes' bias in
+// head 2t + e's scores; score_scale: the softmax scale (times LOG2_E without softcap), times an e4m3 cache's key
+// scale; inv_softcap: 1 / softcap (softcap > 0); o[j]: O^T m-tile j (c0 / c1: row g, heads 2t / 2t + 1; c2 / c3:
+// row g + 8).
+template <int MT, int D, int KVQ>
+__device__ __forceinline__ void attend_heads_n_tile(const HeadsNTile<D, KVQ>& T, int tile, int begin,
+                                                    const TileContext& ctx, const u32 (&q)[2 * D / 16],
+                                                    const float (&key_bias)[2], float score_scale, float softcap,
+                                                    float inv_softcap, float (&o)[D / 16][4], float (&row_max)[2],
+                                                    float (&row_sum)[2]) {
+  using S = HeadsNSlices<D, KVQ>;
+  const int g = ctx.g, t = ctx.t;
+  float s[S::MTS][4];  // [mt][2h + e]: token 16mt + 2g + h, head 2t + e
+#pragma unroll
+  for (int mt = 0; mt < S::MTS; ++mt) {
+    s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < S::KSTEPS; ++w) {
+      u32 a0, a1, a2, a3;
+      if constexpr (KVQ) {
+        biased_codes_to_halves<KVQ>(T.k[mt][0][w], a0, a2);
+        biased_codes_to_halves<KVQ>(T.k[mt][1][w], a1, a3);
+      } else {
+        a0 = T.k[mt][0][2 * w]; a2 = T.k[mt][0][2 * w + 1];
+        a1 = T.k[mt][1][2 * w]; a3 = T.k[mt][1][2 * w + 1];
+      }
+      Num<MT>::mma(s[mt], a0, a1, a2, a3, q[2 * w], q[2 * w + 1]);
+    }
+  }
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int mt = 0; mt < S::MTS; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tok = tile + 16 * mt + 2 * g + h;
+      const float token_scale =
+          KVQ == 1 ? score_scale * half_bits_to_float((u16)(T.kscale[mt] >> (16 * h))) : score_scale;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = (KVQ == 1 ? s[mt][2 * h + e] - key_bias[e] : s[mt][2 * h + e]) * token_scale;
+        if (softcap > 0.0f) v = tanhf(v * inv_softcap) * (softcap * LOG2_E);
+        v = tok >= begin && tok < ctx.end ? v : -INFINITY;
+        s[mt][2 * h + e] = v;
+        tile_max[e] = fmaxf(tile_max[e], v);
+      }
+    }
+  float alpha[2], base[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // the head's max over the tile's tokens: the 8 threads of column 2t + e
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 4));
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 8));
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xFFFFFFFFu, tile_max[e], 16));
+    const float new_max = fmaxf(row_max[e], tile_max[e]);
+    base[e] = new_max == -INFINITY ? 0.0f : new_max;  // a head with nothing seen yet
+    alpha[e] = exp2_approx(row_max[e] - base[e]);
+    row_max[e] = new_max;
+    row_sum[e] *= alpha[e];
+  }
+  u32 pt[S::MTS][2];  // P^T B fragments of m-tile mt
+#pragma unroll
+  for (int mt = 0; mt < S::MTS; ++mt) {
+    float p[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tok = tile + 16 * mt + 2 * g + h;
+      // int8: the token's V scale, 0 where masked (its P is 0 and its scale may be anything, NaN included)
+      const float value_scale =
+          KVQ == 1 ? (tok >= begin && tok < ctx.end ? half_bits_to_float((u16)(T.vscale[mt] >> (16 * h))) : 0.0f)
+                   : 1.0f;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2_approx(s[mt][2 * h + e] - base[e]);
+        row_sum[e] += pe;
+        p[2 * h + e] = KVQ == 1 ? pe * value_scale : pe;
+      }
+    }
+    // P^T of the m-tile's 16 tokens as the B operand: rows 0..7 (tokens 2r) and 8..15 (tokens 2r + 1), transposed
+    pt[mt][0] = transpose_8x8(Num<MT>::pack(p[0], p[1]));
+    pt[mt][1] = transpose_8x8(Num<MT>::pack(p[2], p[3]));
+  }
+  if constexpr (KVQ == 1) {
+    // the V codes' bias in this tile's O^T of heads 2t, 2t + 1 (c0, c1 of bias x P^T), taken out of o with the
+    // rescale
+    float value_bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int mt = 0; mt < S::MTS; ++mt)
+      Num<0>::mma(value_bias, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, pt[mt][0], pt[mt][1]);
+#pragma unroll
+    for (int j = 0; j < S::MTILES; ++j) {
+      o[j][0] = fmaf(o[j][0], alpha[0], -value_bias[0]); o[j][1] = fmaf(o[j][1], alpha[1], -value_bias[1]);
+      o[j][2] = fmaf(o[j][2], alpha[0], -value_bias[0]); o[j][3] = fmaf(o[j][3], alpha[1], -value_bias[1]);
+    }
+  } else if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+    // the warp's maxima of all heads unchanged (most tiles past the first few): alpha is exactly 1
+#pragma unroll
+    for (int j = 0; j < S::MTILES; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[1];
+      o[j][2] *= alpha[0]; o[j][3] *= alpha[1];
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < S::MTS; ++mt) {
+    // (V[4t][d], V[4t + 2][d]) for k = 2t, 2t + 1 and (V[4t + 1][d], V[4t + 3][d]) for k = 2t + 8, 2t + 9
+    if constexpr (KVQ) {
+#pragma unroll
+      for (int w = 0; w < S::VWORDS; ++w) {  // codes 4w .. 4w + 3 of the slice: m-tiles 2w, 2w + 1
+        u32 a0[2], a1[2], a2[2], a3[2];
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x5140), a0[0], a1[0]);
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][0][w], T.v[mt][2][w], 0x7362), a0[1], a1[1]);
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x5140), a2[0], a3[0]);
+        biased_codes_to_halves<KVQ>(__byte_perm(T.v[mt][1][w], T.v[mt][3][w], 0x7362), a2[1], a3[1]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) Num<0>::mma(o[2 * w + i], a0[i], a1[i], a2[i], a3[i], pt[mt][0], pt[mt][1]);
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < S::VWORDS; ++w)  // elements 2w, 2w + 1 of the slice: m-tile w, rows g, g + 8
+        Num<MT>::mma(o[w], pair_of_los(T.v[mt][0][w], T.v[mt][2][w]), pair_of_his(T.v[mt][0][w], T.v[mt][2][w]),
+                     pair_of_los(T.v[mt][1][w], T.v[mt][3][w]), pair_of_his(T.v[mt][1][w], T.v[mt][3][w]),
+                     pt[mt][0], pt[mt][1]);
+    }
+  }
+}
+
+// Where the CTA's rows go: out [B, H, D] (one split) or part_out / part_stats (several), for KV head `kv_head`'s
+// `group` heads of sequence `seq`.
+struct HeadsNOutput {
+  u16* out;
+  float* part_out;
+  float* part_stats;
+  i64 first_row;  // (seq, kv_head's first query head) of [B, H]
+  int group, split, splits;
+  float value_scale;  // e4m3: the KV head's V scale; 1 otherwise
+};
+
+// Two consecutive outputs d, d + 1 of head `head` of the group (o0, o1: unnormalized, fp32), with the head's
+// softmax state: normalized DT values into out, or (splits > 1) fp32 partials and, with `stats`, the head's max
+// (natural-log units, as paged_reduce_kernel weighs the splits; -inf for a split with no keys) and sum.
+template <int DT, int D>
+__device__ __forceinline__ void write_heads_n_pair(const HeadsNOutput& w, int head, int d, float o0, float o1,
+                                                   float row_max, float row_sum, bool stats) {
+  if (head >= w.group) return;
+  const i64 row = w.first_row + head;
+  if (w.splits == 1) {
+    const float inv = row_sum > 0.0f ? w.value_scale / row_sum : 0.0f;
+    *reinterpret_cast<u32*>(w.out + row * D + d) = Num<DT>::pack(o0 * inv, o1 * inv);
+  } else {
+    const i64 base = row * w.splits + w.split;
+    *reinterpret_cast<float2*>(w.part_out + base * D + d) = make_float2(o0 * w.value_scale, o1 * w.value_scale);
+    if (stats) {
+      w.part_stats[base * 2] = row_max * (1.0f / LOG2_E);
+      w.part_stats[base * 2 + 1] = row_sum;
+    }
+  }
+}
+
+// The CTA's WARPS softmax states combined and written: every warp stores its o (fragment order) and its heads'
+// (max, sum) in shared memory; after one barrier each thread takes one fragment entry (m-tile j, lane l: rows d =
+// VB g_l + 2j and + 1 of heads 2t_l, 2t_l + 1), sums it over the warps in warp order (deterministic) weighted by
+// 2^(m_w - M), M the CTA's max of the head (a warp that saw nothing weighs 0), and writes it. row_sum enters summed
+// over the warp's threads of its head. Shared memory: D * WARPS * 32 bytes of o (32 KiB at D = 128) + stats.
+template <int DT, int D, int WARPS>
+__device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[D / 16][4], const float (&row_max)[2],
+                                                          const float (&row_sum)[2], const HeadsNOutput& w) {
+  constexpr int MTILES = D / 16, VB = D / 8;
+  __shared__ float warp_row_max[WARPS][8], warp_row_sum[WARPS][8];
+  __shared__ float4 warp_o[WARPS][MTILES][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane < 4) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      warp_row_max[warp][2 * lane + e] = row_max[e];
+      warp_row_sum[warp][2 * lane + e] = row_sum[e];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < MTILES; ++j) warp_o[warp][j][lane] = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
+  __syncthreads();
+  for (int entry = threadIdx.x; entry < MTILES * 32; entry += 32 * WARPS) {
+    const int j = entry >> 5, l = entry & 31, g = l >> 2, t = l & 3;
+    float weight[2][WARPS], cta_max[2], total[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      cta_max[e] = -INFINITY;
+#pragma unroll
+      for (int q = 0; q < WARPS; ++q) cta_max[e] = fmaxf(cta_max[e], warp_row_max[q][2 * t + e]);
+      total[e] = 0.0f;
+#pragma unroll
+      for (int q = 0; q < WARPS; ++q) {
+        const float m = warp_row_max[q][2 * t + e];
+        weight[e][q] = m == -INFINITY ? 0.0f : exp2_approx(m - cta_max[e]);
+        total[e] += weight[e][q] * warp_row_sum[q][2 * t + e];
+      }
+    }
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) {
+      const float4 v = warp_o[q][j][l];
+      sum = make_float4(sum.x + weight[0][q] * v.x, sum.y + weight[1][q] * v.y, sum.z + weight[0][q] * v.z,
+                        sum.w + weight[1][q] * v.w);
+    }
+    const int d = VB * g + 2 * j;
+    write_heads_n_pair<DT, D>(w, 2 * t, d, sum.x, sum.z, cta_max[0], total[0], entry < 4);
+    write_heads_n_pair<DT, D>(w, 2 * t + 1, d, sum.y, sum.w, cta_max[1], total[1], entry < 4);
+  }
+}
+
+// WARPS: 1 on the split path, COMBINED_WARPS on the combined and combined_split paths (kernels/paged_attention.py);
+// the arguments are paged_decode_kernel's. Grid (num_kv_heads, num_seqs, splits).
+template <int DT, int D, int KVQ, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_heads_n_kernel(
+    const u16* __restrict__ query, const void* __restrict__ key_cache, const void* __restrict__ value_cache,
+    const u16* __restrict__ key_scales, const u16* __restrict__ value_scales, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, u16* __restrict__ out, float* __restrict__ part_out,
+    float* __restrict__ part_stats, int num_heads, int num_kv_heads, int log2_block_size, int max_blocks,
+    int tokens_per_split, float scale, float softcap, int window, int fresh_tokens) {
+  launch_dependents();
+  using S = HeadsNSlices<D, KVQ>;
+  constexpr int MT = KVQ ? 0 : DT;  // the mma's operand type
+  const int warp = WARPS == 1 ? 0 : threadIdx.x >> 5, lane = threadIdx.x - 32 * warp, g = lane >> 2, t = lane & 3;
+  const int group = num_heads / num_kv_heads;  // <= 8
+  const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int seq_len = __ldcg(seq_lens + seq);
+  const int window_start = window > 0 ? max(0, seq_len - window) : 0;
+  const int begin = max(split * tokens_per_split, window_start);
+  const int end = min(seq_len, (split + 1) * tokens_per_split);
+  // e4m3 scales are written once, before any step, so they are read at once (before the PDL wait)
+  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float value_head_scale =
+      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float score_scale = scale * key_head_scale * (softcap > 0.0f ? 1.0f : LOG2_E);
+  const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+  const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
+                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
+
+  float o[S::MTILES][4];
+#pragma unroll
+  for (int j = 0; j < S::MTILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  // Tiles start at multiples of 16 tokens (keys before `begin` masked); warp w walks tiles w, w + WARPS, ...
+  // As in paged_decode_kernel, a first tile older than the sequence's `fresh_tokens` newest positions is fetched
+  // before waiting for the kernel just before this one; the query and everything else wait.
+  const int first = (begin & ~15) + S::TILE * warp, stride = S::TILE * WARPS;
+  const bool settled_first_tile = first + S::TILE - 1 < seq_len - fresh_tokens;
+  HeadsNTile<D, KVQ> a = {}, b = {};
+  fetch_heads_n_blocks<D, KVQ>(a, first, begin, ctx);  // block tables: the step's inputs, no kernel's output
+  if (!settled_first_tile) wait_for_prior_grids();
+  fetch_heads_n_tile<D, KVQ>(a, first, begin, ctx);
+  fetch_heads_n_blocks<D, KVQ>(b, first + stride, begin, ctx);
+  if (settled_first_tile) wait_for_prior_grids();
+  // Q^T of head g (zero past the group), at K's d (codes: words 8c .. 8c + 7 are d = 64c + 16t .. + 15; 16-bit
+  // rows: words 4c .. 4c + 3 are d = 32c + 8t .. + 7)
+  u32 q[2 * S::KSTEPS];
+  {
+    const bool live = g < group;
+    const u16* row = query + ((i64)seq * num_heads + kv_head * group + (live ? g : 0)) * D;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {  // 8 elements a load
+      const int d = KVQ ? 64 * (i >> 1) + 16 * t + 8 * (i & 1) : 32 * i + 8 * t;
+      const uint4 v = live ? __ldg(reinterpret_cast<const uint4*>(row + d)) : make_uint4(0, 0, 0, 0);
+      q[4 * i] = KVQ ? halves_of<DT>(v.x) : v.x; q[4 * i + 1] = KVQ ? halves_of<DT>(v.y) : v.y;
+      q[4 * i + 2] = KVQ ? halves_of<DT>(v.z) : v.z; q[4 * i + 3] = KVQ ? halves_of<DT>(v.w) : v.w;
+    }
+  }
+  // int8: the K codes' bias in the scores of heads 2t, 2t + 1, as the mma sums it (c0, c1 of bias x Q^T)
+  float key_bias[2] = {0.0f, 0.0f};
+  if constexpr (KVQ == 1) {
+    float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int w = 0; w < S::KSTEPS; ++w)
+      Num<0>::mma(bias, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, CODE_BIAS_PAIR, q[2 * w], q[2 * w + 1]);
+    key_bias[0] = bias[0];
+    key_bias[1] = bias[1];
+  }
+  // a tile's rows are loaded a tile ahead of its math, its blocks two tiles ahead
+  for (int tile = first; tile < end; tile += 2 * stride) {
+    fetch_heads_n_tile<D, KVQ>(b, tile + stride, begin, ctx);
+    fetch_heads_n_blocks<D, KVQ>(a, tile + 2 * stride, begin, ctx);
+    attend_heads_n_tile<MT>(a, tile, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o, row_max,
+                            row_sum);
+    if (tile + stride >= end) break;
+    fetch_heads_n_tile<D, KVQ>(a, tile + 2 * stride, begin, ctx);
+    fetch_heads_n_blocks<D, KVQ>(b, tile + 3 * stride, begin, ctx);
+    attend_heads_n_tile<MT>(b, tile + stride, begin, ctx, q, key_bias, score_scale, softcap, inv_softcap, o,
+                            row_max, row_sum);
+  }
+
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // the head's sum over its 8 threads (they share its running max)
+    row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 4);
+    row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 8);
+    row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 16);
+  }
+  const HeadsNOutput written{out, part_out, part_stats, (i64)seq * num_heads + kv_head * group, group, split,
+                             splits, value_head_scale};
+  if constexpr (WARPS > 1) {
+    combine_and_write_heads_n<DT, D, WARPS>(o, row_max, row_sum, written);
+  } else {
+#pragma unroll
+    for (int j = 0; j < S::MTILES; ++j)  // o[j]: rows d = VB g + 2j, + 1 of heads 2t, 2t + 1
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        write_heads_n_pair<DT, D>(written, 2 * t + e, S::VB * g + 2 * j, o[j][e], o[j][e + 2], row_max[e],
+                                  row_sum[e], j == 0 && g == 0);
+  }
+}
+
 // ---- Paged prefill attention ----------------------------------------------------------------------------------
 // A prefill chunk's tokens each attend to their causal prefix of one context, so consecutive tokens read nearly the
 // same K/V. paged_decode_kernel, run with every token as a sequence of its own (a graphed step), reads a chunk's

@@ -14,10 +14,17 @@ Decode: one CTA per (kv head, 16-query-head tile, sequence, context split):
   whole waves of the CTAs the GPU holds at once (a partial last wave would leave SMs idle at the end); with more
   than one split, paged_reduce_kernel combines the splits' partial outputs. The split count, hence the grid,
   depends only on max_seq_len, and splits past a sequence's end write an empty partial.
-- "combined_split": the combined path's CTAs, each over one split of the context (about one CTA an SM, at most
-  REDUCE_HELD_SPLITS splits), then paged_reduce_kernel. Few long streams: one-warp splits numerous enough to
-  fill the GPU would each write a partial of all the KV head's query heads for a few tiles of keys, and the
-  partials would outweigh the cache; a CTA's warps combine theirs in shared memory and write one.
+- "combined_split": the combined path's CTAs, each over one split of the context (about one CTA an SM in whole
+  waves, at most REDUCE_HELD_SPLITS splits: combined_split_plan), then paged_reduce_kernel. Long contexts: one-warp
+  splits numerous enough to fill the GPU would each write a partial of all the KV head's query heads for a few
+  tiles of keys, and the partials would outweigh the cache; a CTA's warps combine theirs in shared memory and
+  write one.
+
+With at most HEADS_N_MAX_GROUP query heads a KV head, head_dim in HEADS_N_HEAD_DIMS and blocks of 8 tokens or more
+(any cache dtype), the split, combined and combined_split paths run paged_decode_heads_n_kernel (`heads_n_serves`):
+the KV head's query heads as the mma's N dimension (S^T = K Q^T, O^T += V^T P^T; kernels/paged_attention.cu), one
+CTA per (KV head, sequence, split), half the mma and half the instructions a cache byte of paged_decode_kernel's
+heads-as-rows tiles, which serve everything else (and the clustered path).
 
 For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the grid depends
 only on it, the path and the batch's shape.
@@ -59,6 +66,16 @@ COMBINED_WARPS = 8
 # tokens (a round of COMBINED_WARPS warps over 32-token code tiles).
 REDUCE_HELD_SPLITS = 64
 MIN_TOKENS_PER_COMBINED_SPLIT = 256
+# Where SMs // (CTAs a split) splits would leave more than a tenth of the last wave's SMs idle (a CTA a sequence
+# and KV head past half the SMs, or more CTAs than SMs), the combined_split path takes the count up to
+# BALANCED_MAX_SPLITS that fills its waves best: 96 CTAs a split run 4 splits (384 CTAs in 3 waves of 132).
+WAVE_FILL = 0.9
+BALANCED_MAX_SPLITS = 8
+# paged_decode_heads_n_kernel: query heads a KV head (the mma's n), head dims (its row slices), the least block
+# (a thread's 2 K and 4 V tokens in one block)
+HEADS_N_MAX_GROUP = 8
+HEADS_N_HEAD_DIMS = (64, 128)
+HEADS_N_MIN_BLOCK = 8
 # The clustered path's cluster: CTAs a (KV head tile, sequence) spreads over. 4 x 8 warps cover a 512-token round
 # (a 1024 bound: two tiles a warp); clusters of 4 full-SM CTAs fit the H200's GPCs of 16-18 SMs.
 CLUSTER_CTAS = 4
@@ -99,6 +116,13 @@ def unsupported_reason(operands: AttentionOperands) -> str | None:
     if operands.num_heads % operands.num_kv_heads:
         return f"{operands.num_heads} query heads over {operands.num_kv_heads} KV heads"
     return None
+
+
+def heads_n_serves(operands: AttentionOperands) -> bool:
+    """Whether paged_decode_heads_n_kernel reads these operands (where unsupported_reason lets the decode kernels
+    serve them)."""
+    return (operands.num_heads // operands.num_kv_heads <= HEADS_N_MAX_GROUP and operands.head_dim in HEADS_N_HEAD_DIMS
+            and operands.block_size >= HEADS_N_MIN_BLOCK)
 
 
 @cache
@@ -143,30 +167,40 @@ def split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: in
 def combined_split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int, multiprocessors: int,
                         tokens_per_split: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split) of the combined_split path: about one CTA an SM (the combined kernel's CTA fills
-    one), at most REDUCE_HELD_SPLITS splits of at least MIN_TOKENS_PER_COMBINED_SPLIT tokens."""
+    one), at most REDUCE_HELD_SPLITS splits of at least MIN_TOKENS_PER_COMBINED_SPLIT tokens; where that fills
+    less than WAVE_FILL of its waves' SMs, the count up to BALANCED_MAX_SPLITS that fills them best."""
     if tokens_per_split is None:
         units = ctas_per_split(num_seqs, num_heads, num_kv_heads)
-        splits = max(1, min(REDUCE_HELD_SPLITS, multiprocessors // units,
-                            -(-max_seq_len // MIN_TOKENS_PER_COMBINED_SPLIT)))
+        most = max(1, min(REDUCE_HELD_SPLITS, -(-max_seq_len // MIN_TOKENS_PER_COMBINED_SPLIT)))
+
+        def fill(count: int) -> float:  # busy share of the SMs over the waves of units x count CTAs
+            return units * count / (-(-units * count // multiprocessors) * multiprocessors)
+
+        splits = max(1, min(most, multiprocessors // units))
+        if fill(splits) < WAVE_FILL:
+            splits = max(range(1, min(most, BALANCED_MAX_SPLITS) + 1), key=lambda count: (fill(count), -count))
         tokens_per_split = -(-max_seq_len // splits)
     tokens_per_split = -(-tokens_per_split // TILE_TOKENS) * TILE_TOKENS
     return max(1, -(-max_seq_len // tokens_per_split)), tokens_per_split
 
 
 def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool, warps: int = 1,
-                 cluster: int = 1) -> str:
+                 cluster: int = 1, heads_as_n: bool = False) -> str:
     """The split path's kernel (warps == 1) leaves WARPS at its default, the combined path's CLUSTER: the names
-    the registry compiles ahead."""
+    the registry compiles ahead. heads_as_n: paged_decode_heads_n_kernel (always loading a tile ahead)."""
     dt, head_dim, kvq = _DTYPE_CODES[query.dtype], query.shape[-1], _KV_CODES.get(key_cache.dtype, 0)
+    if heads_as_n:
+        return f"paged_decode_heads_n_kernel<{dt},{head_dim},{kvq},{warps}>"
     name = f"paged_decode_kernel<{dt},{head_dim},{kvq},{int(pipelined)}"
     return name + (f",{warps},{cluster}>" if cluster > 1 else f",{warps}>" if warps > 1 else ">")
 
 
 def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int, path: str, pipelined: bool,
-             tokens_per_split: int | None = None) -> tuple[int, int]:
-    """The (splits, tokens per split) paged_decode_attention launches on `path`: on the combined and clustered
-    paths one split of max_seq_len in whole tiles; on the combined_split path combined_split_plan; on the split
-    path split_plan with the residency of its one-warp kernel (compiled here to read its register count)."""
+             tokens_per_split: int | None = None, heads_as_n: bool | None = None) -> tuple[int, int]:
+    """The (splits, tokens per split) paged_decode_attention launches on `path` (heads_as_n as it takes it): on the
+    combined and clustered paths one split of max_seq_len in whole tiles; on the combined_split path
+    combined_split_plan; on the split path split_plan with the residency of its one-warp kernel (compiled here to
+    read its register count)."""
     if path not in DECODE_PATHS:
         raise ValueError(f"unknown decode path {path!r}; choose from {', '.join(DECODE_PATHS)}")
     index = query.device.index
@@ -177,9 +211,20 @@ def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int, pat
         if tokens_per_split is not None:
             raise ValueError(f"tokens_per_split sizes the split paths' splits; the {path} path has one")
         return 1, -(-max_seq_len // TILE_TOKENS) * TILE_TOKENS
-    kernel = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined), index)
+    heads_as_n = _takes_heads_as_n(query, key_cache, path, heads_as_n)
+    kernel = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, heads_as_n=heads_as_n), index)
     return split_plan(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len,
                       resident_ctas(kernel.num_regs, index), tokens_per_split)
+
+
+def _takes_heads_as_n(query: torch.Tensor, key_cache: torch.Tensor, path: str, heads_as_n: bool | None) -> bool:
+    """paged_decode_attention's kernel choice: None takes paged_decode_heads_n_kernel wherever it serves the
+    operands and the path (not clustered); True insists on it; False takes paged_decode_kernel."""
+    serves = path != "clustered" and heads_n_serves(attention_operands(query, key_cache))
+    if heads_as_n and not serves:
+        raise ValueError(f"paged_decode_heads_n_kernel does not serve {attention_operands(query, key_cache)} on "
+                         f"the {path} path")
+    return serves if heads_as_n is None else heads_as_n
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -187,17 +232,20 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            sliding_window: int | None = None, softcap: float | None = None,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, *, path: str, pipelined: bool,
-                           tokens_per_split: int | None = None, fresh_tokens: int = 1) -> torch.Tensor:
+                           tokens_per_split: int | None = None, fresh_tokens: int = 1,
+                           heads_as_n: bool | None = None) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D], on `path` (one of DECODE_PATHS).
 
     key_cache/value_cache [num_blocks, KVH, block_size, D] (query dtype; int8 with fp16
     key_scales/value_scales [num_blocks, KVH, block_size]; or float8_e4m3fn with fp32 key_scales/value_scales
     [KVH]); block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length including this token); max_seq_len >= every seq_len;
-    pipelined: each tile's K/V loaded one tile ahead of its math (more bytes in flight per warp, fewer warps per SM);
+    pipelined: each tile's K/V loaded one tile ahead of its math (more bytes in flight per warp, fewer warps per SM;
+    paged_decode_heads_n_kernel always does);
     tokens_per_split: the split path's split size (default split_plan's);
     fresh_tokens: at most this many of each sequence's newest positions were written by the launch just before
-    this one (the kernel reads the older ones before waiting for it).
+    this one (the kernel reads the older ones before waiting for it);
+    heads_as_n: the kernel (_takes_heads_as_n: by default paged_decode_heads_n_kernel wherever it serves).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -214,15 +262,16 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         raise ValueError("the clustered path needs thread-block clusters (SM90+)")
     dt = _DTYPE_CODES[query.dtype]
     quantized = key_cache.dtype in _KV_CODES
-    splits, per_split = plan_for(query, key_cache, max_seq_len, path, pipelined, tokens_per_split)
+    heads_as_n = _takes_heads_as_n(query, key_cache, path, heads_as_n)
+    splits, per_split = plan_for(query, key_cache, max_seq_len, path, pipelined, tokens_per_split, heads_as_n)
     warps = 1 if path == "split" else COMBINED_WARPS
     cluster = CLUSTER_CTAS if path == "clustered" else 1
-    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps, cluster), index)
+    fn = get_kernel(SOURCE, _kernel_name(query, key_cache, pipelined, warps, cluster, heads_as_n), index)
     if splits > MAX_SPLITS:
         raise ValueError(f"{splits} context splits exceed {MAX_SPLITS} (the reduce's shared memory): "
                          f"pass a larger tokens_per_split")
     group = num_heads // num_kv_heads
-    head_tiles = (group + 15) // 16
+    head_tiles = 1 if heads_as_n else (group + 15) // 16
     part_out = part_stats = None
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=device)

@@ -9,6 +9,7 @@
 //   BITS 3: pair i = codes (i, i+16) of the 96-bit chunk
 // A pair's value is exact (magic-number conversion, then one fused multiply-add with s and b).
 #include "common.cuh"
+#include "rope_cache.cuh"
 
 template <int BITS> struct Chunk;
 template <> struct Chunk<4> { static constexpr int WORDS = 4; };
@@ -917,15 +918,19 @@ __global__ void __launch_bounds__(32 * TcWarps<TT>::MAX) quant_tc_gemv_kernel(
 }
 
 // The merged q/k/v projection of an attention layer with its epilogue fused: RoPE (HF rotate-half) on the q and
-// k heads and the paged KV-cache write of k and v, what rope_cache_kernel<DT, 0, 1> does after a tc product,
-// with the same roundings (so the results are bit for bit the unfused ones). Saves that kernel's launch and
-// round trips in every decode step.
+// k heads and the paged KV-cache write of k and v, what rope_cache_kernel<DT, KV, 1> does after a tc product,
+// with the same roundings and cache stores (rope_cache.cuh), so the results are bit for bit the unfused ones.
+// Saves that kernel's launch and round trips in every decode step.
 // Rows [q heads | k heads | v heads] x D. A CTA's 16-row tile is 8 rows of the first half of one head and the 8
 // rows D/2 further (tile j of head h: rows h*D + 8j + g and h*D + D/2 + 8j + g, j < D/16), i.e. the mma tile's
 // rows g and g + 8 are a rotation pair, so warp 0 holds both elements of each pair after sum_warps. Each thread
 // then finishes tokens tok0 + 2t, 2t + 1 (TT = 1: up to 8 tokens a CTA row): q -> query_out, k -> key_out and the
 // key cache, v -> out (its v columns) and the value cache. Slots < 0 skip the cache write.
-template <int DT, int MODE, int SCALE_F32>
+// A 16-bit or e4m3 cache row element depends on that element alone, so each CTA stores its own 16 elements. An int8
+// row's scale is the amax over the whole head, whose D rows span D/16 CTAs: those CTAs count their arrivals
+// (head_counters, one a head and token tile, left at zero), and the last to arrive reads the head's finished rows
+// back from key_out / out (L2) and stores the codes and scales, its warp w the token tok0 + w.
+template <int DT, int MODE, int SCALE_F32, int KV>
 __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
     const u16* __restrict__ x,             // [M, K]
     const u32* __restrict__ qweight,       // [N, K/8], N = (H + 2 KVH) D, K % 128 == 0
@@ -937,8 +942,11 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
     u16* __restrict__ key_out,             // [M, KVH, D]
     const u16* __restrict__ cos,           // [M, D/2]
     const u16* __restrict__ sin,           // [M, D/2]
-    u16* __restrict__ key_cache,           // [NB, KVH, BS, D]
-    u16* __restrict__ value_cache,         // [NB, KVH, BS, D]
+    void* __restrict__ key_cache,          // [NB, KVH, BS, D] in DT, int8 or e4m3 (KV)
+    void* __restrict__ value_cache,        // [NB, KVH, BS, D]
+    void* __restrict__ key_scales,         // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32; else null
+    void* __restrict__ value_scales,       // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32; else null
+    int* __restrict__ head_counters,       // int8: [gridDim.y, 2 KVH] zeros; else null
     const i64* __restrict__ slot_mapping,  // [M]
     int M, int N, int K, int group_shift, int zero_mode, int num_heads, int num_kv_heads, int head_dim,
     int log2_block_size) {
@@ -949,14 +957,18 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
   const int i = (blockIdx.x - head * tiles_per_head) * 8 + g;  // the pair's element in the head's first half
   const int row0 = head * head_dim + i;
   const int tok0 = blockIdx.y * 8;
+  const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
+  const int kv_head = is_q ? 0 : head - num_heads - (is_k ? 0 : num_kv_heads);
+  const int block_size = 1 << log2_block_size;
   const TcRows<SCALE_F32> rows = tc_rows<SCALE_F32>(qweight, scales, zeros, row0, half, t, K, group_shift);
   launch_dependents();
   TcSegment<SCALE_F32> a0, a1;
   tc_first_loads(a0, a1, rows, warp, warps, t, K, group_shift);
   // warp 0's epilogue operands go out early, so their round trips overlap the product: the bias (a weight) before
-  // the PDL wait, the tokens' cos / sin and cache slots (this step's inputs) right after it
+  // the PDL wait, the tokens' cos / sin and cache slots (this step's inputs) and an e4m3 head scale right after it
   u16 bias_bits[2] = {0, 0}, cos_bits[2] = {0, 0}, sin_bits[2] = {0, 0};
   i64 slot[2] = {-1, -1};
+  float kv_scale = 1.0f;
   if (warp == 0 && bias != nullptr) {
     bias_bits[0] = bias[row0];
     bias_bits[1] = bias[row0 + half];
@@ -971,37 +983,77 @@ __global__ void __launch_bounds__(32 * TcWarps<1>::MAX) quant_tc_rope_kernel(
       sin_bits[e] = sin[(i64)tok * half + i];
       slot[e] = slot_mapping[tok];
     }
+    if (KV == KV_E4M3 && !is_q) kv_scale = reinterpret_cast<const float*>(is_k ? key_scales : value_scales)[kv_head];
   }
   float acc[1][4];
   tc_warp_sums<DT, 1, MODE>(a0, a1, rows, x, warp, warps, tok0 + g, t, M, K, group_shift, zero_mode, acc);
-  if (!sum_warps<1, TcWarps<1>::MAX>(acc, warps)) return;
-  const bool is_q = head < num_heads, is_k = !is_q && head < num_heads + num_kv_heads;
-  const int kv_head = is_q ? 0 : head - num_heads - (is_k ? 0 : num_kv_heads);
-  const float b1 = Num<DT>::to_float(bias_bits[0]), b2 = Num<DT>::to_float(bias_bits[1]);  // 0 without a bias
+  const bool sums_here = sum_warps<1, TcWarps<1>::MAX>(acc, warps);
+  if (KV != KV_INT8 && !sums_here) return;
+  if (sums_here) {
+    const float b1 = Num<DT>::to_float(bias_bits[0]), b2 = Num<DT>::to_float(bias_bits[1]);  // 0 without a bias
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {  // acc[0][e]: (row0, token 2t + e); acc[0][2 + e]: (row0 + D/2, token 2t + e)
-    const int tok = tok0 + 2 * t + e;
-    if (tok >= M) continue;
-    // the product's output as the unfused path stores it, then rope_cache_kernel's arithmetic
-    float x1 = Num<DT>::to_float(Num<DT>::from_float(acc[0][e] + b1));
-    float x2 = Num<DT>::to_float(Num<DT>::from_float(acc[0][2 + e] + b2));
-    if (!is_q && !is_k) {
-      out[(i64)tok * N + row0] = Num<DT>::from_float(x1);
-      out[(i64)tok * N + row0 + half] = Num<DT>::from_float(x2);
-    } else {
-      rotate_pair<DT>(x1, x2, Num<DT>::to_float(cos_bits[e]), Num<DT>::to_float(sin_bits[e]));
-      u16* dst = is_q ? query_out + ((i64)tok * num_heads + head) * head_dim
-                      : key_out + ((i64)tok * num_kv_heads + kv_head) * head_dim;
-      dst[i] = Num<DT>::from_float(x1);
-      dst[i + half] = Num<DT>::from_float(x2);
+    for (int e = 0; e < 2; ++e) {  // acc[0][e]: (row0, token 2t + e); acc[0][2 + e]: (row0 + D/2, token 2t + e)
+      const int tok = tok0 + 2 * t + e;
+      if (tok >= M) continue;
+      // the product's output as the unfused path stores it, then rope_cache_kernel's arithmetic
+      float x1 = Num<DT>::to_float(Num<DT>::from_float(acc[0][e] + b1));
+      float x2 = Num<DT>::to_float(Num<DT>::from_float(acc[0][2 + e] + b2));
+      if (!is_q && !is_k) {
+        out[(i64)tok * N + row0] = Num<DT>::from_float(x1);
+        out[(i64)tok * N + row0 + half] = Num<DT>::from_float(x2);
+      } else {
+        rotate_pair<DT>(x1, x2, Num<DT>::to_float(cos_bits[e]), Num<DT>::to_float(sin_bits[e]));
+        u16* dst = is_q ? query_out + ((i64)tok * num_heads + head) * head_dim
+                        : key_out + ((i64)tok * num_kv_heads + kv_head) * head_dim;
+        dst[i] = Num<DT>::from_float(x1);
+        dst[i + half] = Num<DT>::from_float(x2);
+      }
+      if (KV == KV_INT8 || is_q || slot[e] < 0) continue;
+      const i64 slot_row =
+          ((slot[e] >> log2_block_size) * num_kv_heads + kv_head) * block_size + (slot[e] & (block_size - 1));
+      void* cache = is_k ? key_cache : value_cache;
+      if constexpr (KV == KV_E4M3) {
+        unsigned char* dst = reinterpret_cast<unsigned char*>(cache) + slot_row * head_dim;
+        dst[i] = float_to_e4m3(x1 / kv_scale);
+        dst[i + half] = float_to_e4m3(x2 / kv_scale);
+      } else {
+        u16* dst = reinterpret_cast<u16*>(cache) + slot_row * head_dim;
+        dst[i] = Num<DT>::from_float(x1);
+        dst[i + half] = Num<DT>::from_float(x2);
+      }
     }
-    if (is_q || slot[e] < 0) continue;
-    const int block_size = 1 << log2_block_size;
-    const i64 slot_row =
-        ((slot[e] >> log2_block_size) * num_kv_heads + kv_head) * block_size + (slot[e] & (block_size - 1));
-    u16* cache = (is_k ? key_cache : value_cache) + slot_row * head_dim;
-    cache[i] = Num<DT>::from_float(x1);
-    cache[i + half] = Num<DT>::from_float(x2);
+  }
+  if constexpr (KV == KV_INT8) {
+    if (is_q) return;  // the whole CTA: a tile's head is the CTA's
+    __shared__ int head_done;
+    int* counter = head_counters + blockIdx.y * 2 * num_kv_heads + (head - num_heads);
+    if (sums_here) {  // warp 0 stored this CTA's elements of the head
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) head_done = atomicAdd(counter, 1) == tiles_per_head - 1;
+    }
+    __syncthreads();
+    if (!head_done) return;
+    __threadfence();
+    for (int r = warp; r < 8; r += warps) {
+      const int tok = tok0 + r;
+      if (tok >= M) break;
+      const i64 s = __ldcg(slot_mapping + tok);
+      if (s < 0) continue;
+      const u16* src = is_k ? key_out + ((i64)tok * num_kv_heads + kv_head) * head_dim
+                            : out + (i64)tok * N + (i64)head * head_dim;
+      float vals[8];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int e = lane + 32 * p;
+        vals[2 * p] = e < half ? Num<DT>::to_float(__ldcg(src + e)) : 0.0f;
+        vals[2 * p + 1] = e < half ? Num<DT>::to_float(__ldcg(src + e + half)) : 0.0f;
+      }
+      const i64 slot_row = ((s >> log2_block_size) * num_kv_heads + kv_head) * block_size + (s & (block_size - 1));
+      store_head<DT, KV_INT8>(is_k ? key_cache : value_cache, is_k ? key_scales : value_scales, slot_row * head_dim,
+                              slot_row, kv_head, vals, lane, half);
+    }
+    if (threadIdx.x == 0) *counter = 0;
   }
 }
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.kernels import rope_cache
 from deepinfer.kernels.act_and_mul import ACTIVATIONS
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import clusters_available, i32, launch, ptr
@@ -324,8 +325,8 @@ def qkv_rope_unsupported_reason(bits: int, group_size: int, in_features: int, ou
                                 dtype: torch.dtype) -> str | None:
     """Why quant_matmul_rope_cache cannot serve this merged q/k/v projection ([N, K] weight, `dtype` activations, a
     `kv_dtype` cache of `block_size`-token blocks), None when it can: a weight the tc kernel takes, heads that tile
-    into rotation pairs, and a cache in the activations' dtype (an int8 cache's per-head scale needs the whole
-    head, which spans CTAs)."""
+    into rotation pairs, and a cache in the activations' dtype, int8 or e4m3 (an int8 row's scale is one warp's
+    reduction over the head: head_dim up to rope_cache.MAX_HEAD_DIM)."""
     reason = tc_reason(bits, in_features, out_features, group_size)
     if reason:
         return f"the tc kernel does not take {reason}"
@@ -333,8 +334,10 @@ def qkv_rope_unsupported_reason(bits: int, group_size: int, in_features: int, ou
         return f"head_dim {head_dim} (needs a multiple of 16: a tile is 8 rotation pairs)"
     if out_features != (num_heads + 2 * num_kv_heads) * head_dim:
         return f"{out_features} outputs are not ({num_heads} + 2 x {num_kv_heads}) heads x {head_dim}"
-    if kv_dtype != dtype:
+    if kv_dtype not in (dtype, *rope_cache.KV_CODES):
         return f"KV cache dtype {kv_dtype} with activations {dtype}"
+    if kv_dtype == torch.int8 and head_dim > rope_cache.MAX_HEAD_DIM:
+        return f"head_dim {head_dim} over an int8 cache (at most {rope_cache.MAX_HEAD_DIM})"
     if block_size & (block_size - 1):
         return f"block_size {block_size} is not a power of two"
     return None
@@ -344,10 +347,12 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             bias: torch.Tensor | None, group_size: int, zero_mode: str, integer_zeros: bool,
                             num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                             key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The merged q/k/v product x [M, K] @ W.T (+ bias) with RoPE on q and k and the k/v cache write fused into its
     epilogue (quant_tc_rope_kernel, for weights qkv_rope_unsupported_reason accepts; core/ops sends it decode steps).
-    cos/sin [M, D/2] (or [M, 1, D/2]) in x's dtype, slot_mapping [M] int64. Returns (rotated query [M, H, D],
+    cos/sin [M, D/2] (or [M, 1, D/2]) in x's dtype, slot_mapping [M] int64; key_scales/value_scales: an int8
+    cache's [NB, KVH, BS] fp16 or an e4m3 cache's [KVH] fp32 (core/kv/cache.py). Returns (rotated query [M, H, D],
     rotated key [M, KVH, D], value [M, KVH, D] as a view of the product's v columns): what the tc product followed
     by rope_cache.rope_and_cache_write give, bit for bit."""
     num_tokens, in_features = x.shape
@@ -366,10 +371,16 @@ def quant_matmul_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     mode = tc_mode(zero_mode, integer_zeros, group_size)
     grid, block = _tc_grid_block(index, 1, num_tokens, out_features)
     scale_f32 = int(scales.dtype == torch.float32)
-    fn = get_kernel(SOURCE, f"quant_tc_rope_kernel<{_DTYPE_CODES[x.dtype]},{mode},{scale_f32}>", index)
+    kv = rope_cache.KV_CODES.get(key_cache.dtype, 0)
+    if kv and (key_scales is None or value_scales is None):
+        raise ValueError(f"a {key_cache.dtype} cache needs its key and value scales")
+    # an int8 cache's heads count their CTAs' arrivals: 2 KVH counters per token tile
+    counters = _split_counters(device) if key_cache.dtype == torch.int8 else None
+    fn = get_kernel(SOURCE, f"quant_tc_rope_kernel<{_DTYPE_CODES[x.dtype]},{mode},{scale_f32},{kv}>", index)
     launch(fn, grid, block, (
         ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), ptr(query), ptr(key), ptr(cos), ptr(sin),
-        ptr(key_cache), ptr(value_cache), ptr(slot_mapping.to(torch.int64).contiguous()), i32(num_tokens),
+        ptr(key_cache), ptr(value_cache), ptr(key_scales if kv else None), ptr(value_scales if kv else None),
+        ptr(counters), ptr(slot_mapping.to(torch.int64).contiguous()), i32(num_tokens),
         i32(out_features), i32(in_features), i32(tc_group_shift(in_features, group_size)),
         i32(0 if zero_mode == "zero" else 1), i32(num_heads), i32(num_kv_heads), i32(head_dim),
         i32(key_cache.shape[2].bit_length() - 1)), index)

@@ -58,8 +58,8 @@ _OPS = (
              + _names("quant_stream_kernel<{dt},{bits},{tile},{f32}>", dt=_DT, bits=(4, 3), tile=(1, 2, 4), f32=(0, 1))),
     KernelOp("quant_matmul_rope_cache", quant_matmul.SOURCE,
              "the merged q/k/v W4 product (tc, up to 8 tokens) with RoPE on q/k and the KV-cache write fused into "
-             "its epilogue (fp16/bf16 KV)",
-             _names("quant_tc_rope_kernel<{dt},{mode},{f32}>", dt=_DT, mode=(0, 1), f32=(0, 1))),
+             "its epilogue (fp16/bf16, int8 and e4m3 KV)",
+             _names("quant_tc_rope_kernel<{dt},{mode},{f32},{kv}>", dt=_DT, mode=(0, 1), f32=(0, 1), kv=(0, 1, 2))),
     KernelOp("quant_matmul_act_and_mul", quant_matmul.SOURCE,
              "the merged gate/up W4 product (tcs, up to 32 tokens) with SiLU / GeLU-tanh gate times up fused into "
              "its epilogue; K splits meet in a thread-block cluster on SM90+",
@@ -77,8 +77,8 @@ _OPS = (
              w4_fragment_gemm.instantiations()),
     KernelOp("w8_gemm", w8_gemm.SOURCE,
              "W8A16 product on tensor cores (mma.sync, SM80+) reading the 8-bit packed weight (GGUF Q8_0, RTN 8-bit), "
-             "dequantized in registers with the reference's fp32 arithmetic; 16 rows a CTA of 8 warps splitting K; "
-             "1-64 tokens",
+             "q - z exact in registers, each 32-code block's sums scaled in fp32; activations staged in shared memory "
+             "(cp.async) for a CTA of 8 warps of 1-4 row tiles each; K split in a cluster; 1-64 tokens",
              w8_gemm.instantiations()),
     KernelOp("w4_fragment_batch", w4_fragment_batch.SOURCE,
              "W4A16 product of 33-128 tokens over the same fragment layout: 8 warps of 128 x 64-token tiles, a "
@@ -94,6 +94,8 @@ _OPS = (
              "fp16/bf16/int8 KV",
              _names("paged_decode_kernel<{dt},{d},{kvq},{pipe}{path}>", dt=_DT, d=(64, 128, 256), kvq=(0, 1, 2),
                     pipe=(0, 1), path=_ATTENTION_PATHS)
+             + _names("paged_decode_heads_n_kernel<{dt},{d},{kvq},{warps}>", dt=_DT, d=paged_attention.HEADS_N_HEAD_DIMS,
+                      kvq=(0, 1, 2), warps=(1, paged_attention.COMBINED_WARPS))
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
              "paged GQA attention of prefill tiles (consecutive tokens of one sequence, each with its causal "

@@ -1,82 +1,15 @@
 // Rotary embedding (HF rotate-half layout) on q and k, fused with the paged KV-cache write of the
 // rotated k and of v at `slot_mapping`. With HAS_ROPE == 0 only the cache write happens.
 // Roundings follow the torch reference (core/layers.apply_rope): x1*cos and x2*sin are each rounded
-// to DT, then their difference (sum) is rounded. An int8 cache stores round(x / s) with the fp16
-// per-token, per-head scale s = DT-rounded amax / 127 (core/kv/cache.quantize_int8); an e4m3 cache (KV_INT8 = 2)
-// the e4m3 code of x / s, s the KV head's fixed fp32 scale, saturated at ±448 (core/kv/cache.quantize_fp8).
+// to DT, then their difference (sum) is rounded. The cache rows go in as rope_cache.cuh's store_head stores them
+// in the cache's storage KV (16-bit, int8 with per-token scales, e4m3 with per-head scales).
 // grid: (token, head group): the heads of a token (q heads, then k heads, then v heads) are dealt
 // out to the warps of its gridDim.y CTAs, one head per warp when there are enough CTAs (a decode
 // step's token then costs one memory round trip, not one per head); lanes walk the D/2 rotation
 // pairs (i, i + D/2) of a head.
-#include "common.cuh"
+#include "rope_cache.cuh"
 
-// This lane's elements i = lane + 32 p and i + half_dim of a head (vals: up to 4 pairs) into dst [D], in DT.
-template <int DT>
-__device__ __forceinline__ void store_pairs(u16* dst, const float* vals, int lane, int half_dim) {
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const int i = lane + 32 * p;
-    if (i < half_dim) {
-      dst[i] = Num<DT>::from_float(vals[2 * p]);
-      dst[i + half_dim] = Num<DT>::from_float(vals[2 * p + 1]);
-    }
-  }
-}
-
-// x saturated at ±448 and rounded to the nearest e4m3 code, ties to even (torch's cast of the clamped value).
-__device__ __forceinline__ unsigned char float_to_e4m3(float x) {
-  const u32 sign = (__float_as_uint(x) >> 24) & 0x80u;
-  const float a = fminf(fabsf(x), 448.0f);
-  u32 code;
-  if (a < 0.015625f) {  // below 2^-6: subnormal codes m * 2^-9, m = 0..8 (m = 8 is 2^-6, code 0x08)
-    code = (u32)__float2int_rn(a * 512.0f);
-  } else {  // round the fp32 mantissa to 3 bits (a carry bumps the exponent), then rebias 127 -> 7
-    const u32 bits = __float_as_uint(a);
-    code = ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
-  }
-  return (unsigned char)(sign | code);
-}
-
-template <int DT, int KV_INT8>
-__device__ __forceinline__ void store_head(void* cache, u16* scales, i64 row, i64 scale_index, int kv_head,
-                                           const float* vals, int lane, int half_dim) {
-  // vals: this lane's elements i = lane + 32*p and i + half_dim (already DT-rounded), up to 4 pairs
-  if constexpr (KV_INT8 == 2) {
-    const float scale = reinterpret_cast<const float*>(scales)[kv_head];  // [KVH] fp32
-    unsigned char* dst = reinterpret_cast<unsigned char*>(cache) + row;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int i = lane + 32 * p;
-      if (i < half_dim) {
-        dst[i] = float_to_e4m3(vals[2 * p] / scale);
-        dst[i + half_dim] = float_to_e4m3(vals[2 * p + 1] / scale);
-      }
-    }
-  } else if constexpr (KV_INT8) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      if (lane + 32 * p < half_dim) amax = fmaxf(amax, fmaxf(fabsf(vals[2 * p]), fabsf(vals[2 * p + 1])));
-    }
-    amax = warp_max(amax);
-    const u16 scale_bits = Num<0>::from_float(fmaxf(amax, 1e-8f) / 127.0f);
-    const float scale = half_bits_to_float(scale_bits);
-    signed char* dst = reinterpret_cast<signed char*>(cache) + row;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int i = lane + 32 * p;
-      if (i < half_dim) {
-        dst[i] = (signed char)fminf(fmaxf(rintf(vals[2 * p] / scale), -127.0f), 127.0f);
-        dst[i + half_dim] = (signed char)fminf(fmaxf(rintf(vals[2 * p + 1] / scale), -127.0f), 127.0f);
-      }
-    }
-    if (lane == 0) scales[scale_index] = scale_bits;
-  } else {
-    store_pairs<DT>(reinterpret_cast<u16*>(cache) + row, vals, lane, half_dim);
-  }
-}
-
-template <int DT, int KV_INT8, int HAS_ROPE>
+template <int DT, int KV, int HAS_ROPE>
 __global__ void __launch_bounds__(128) rope_cache_kernel(
     const u16* __restrict__ query,   // [T, H, D], token stride q_stride
     const u16* __restrict__ key,     // [T, KVH, D], token stride k_stride
@@ -87,8 +20,8 @@ __global__ void __launch_bounds__(128) rope_cache_kernel(
     u16* __restrict__ key_out,       // [T, KVH, D] contiguous (HAS_ROPE)
     void* __restrict__ key_cache,    // [NB, KVH, BS, D]
     void* __restrict__ value_cache,  // [NB, KVH, BS, D]
-    u16* __restrict__ key_scales,    // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
-    u16* __restrict__ value_scales,  // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
+    void* __restrict__ key_scales,   // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
+    void* __restrict__ value_scales, // int8: [NB, KVH, BS] fp16; e4m3: [KVH] fp32
     const i64* __restrict__ slot_mapping,  // [T]
     int num_heads, int num_kv_heads, int head_dim, int log2_block_size,
     i64 q_stride, i64 k_stride, i64 v_stride) {
@@ -130,7 +63,7 @@ __global__ void __launch_bounds__(128) rope_cache_kernel(
     }
     if (is_q || slot < 0) continue;
     const i64 slot_row = (blk * num_kv_heads + kv_head) * block_size + off;
-    store_head<DT, KV_INT8>(is_k ? key_cache : value_cache, is_k ? key_scales : value_scales, slot_row * head_dim,
+    store_head<DT, KV>(is_k ? key_cache : value_cache, is_k ? key_scales : value_scales, slot_row * head_dim,
                             slot_row, kv_head, vals, lane, half_dim);
   }
 }

@@ -9,8 +9,8 @@ from deepinfer.kernels.launch import i32, i64, launch, ptr
 
 SOURCE = "rope_cache.cu"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
-# The kernel's KV_INT8 template argument of a quantized cache (0: the activations' dtype): kernels/rope_cache.cu
-_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
+# The kernels' KV template argument of a quantized cache storage (0: the activations' dtype): kernels/rope_cache.cuh
+KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 MAX_HEAD_DIM = 256
 
 
@@ -19,7 +19,7 @@ def unsupported_reason(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
     blocks (None when it can)."""
     if dtype not in _DTYPE_CODES:
         return f"dtype {dtype} (kernel takes float16/bfloat16)"
-    if kv_dtype not in (dtype, *_KV_CODES):
+    if kv_dtype not in (dtype, *KV_CODES):
         return f"KV cache dtype {kv_dtype} with activations {dtype}"
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (kernel needs an even head_dim of at most {MAX_HEAD_DIM})"
@@ -62,7 +62,7 @@ def rope_and_cache_write(query: torch.Tensor | None, key: torch.Tensor, value: t
     if num_tokens == 0:
         return query_out, key_out
     num_heads = query.shape[1] if has_rope else 0
-    kvq = _KV_CODES.get(key_cache.dtype, 0)
+    kvq = KV_CODES.get(key_cache.dtype, 0)
     block_size = key_cache.shape[2]
     index = key.device.index
     name = f"rope_cache_kernel<{_DTYPE_CODES[key.dtype]},{kvq},{int(has_rope)}>"

@@ -8,8 +8,8 @@ then teacher-forced on the same tokens: one prefill of prompt + continuation ove
 attends over the quantized K/V of the reference context, and a position agrees when its argmax is the reference's
 token. The unquantized cache's own prefill is scored the same way: where it differs from its step-by-step decode
 (near-tied logits whose order the summation order decides) no cache can agree, so that figure is the measure's
-ceiling. --fp8-scale sets the FP8 cache's per-head scales (the shipped default is FP8_DEFAULT_SCALE). Prints one line
-a prompt and the totals.
+ceiling. The FP8 cache's per-head scales are the engine's, calibrated at start (core/engine/worker/fp8_calibration.py);
+--fp8-scale S sets every one to S instead. Prints one line a prompt and the totals.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=320, help="greedy tokens a prompt")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
-    parser.add_argument("--fp8-scale", type=float, default=None, help="the FP8 cache's per-head K and V scales")
+    parser.add_argument("--fp8-scale", type=float, default=None,
+                        help="every per-head K and V scale of the FP8 cache (default: calibrated as the engine does)")
     args = parser.parse_args()
 
     import torch
 
     from deepinfer.core.config import EngineConfig
+    from deepinfer.core.engine.worker.fp8_calibration import calibrate_fp8_scales
     from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
     from deepinfer.core.kv.cache import KVCache
     from deepinfer.core.models.loader import load_model
@@ -44,13 +46,23 @@ def main() -> None:
     loaded = load_model(EngineConfig(model=str(default_model_path())), torch.device("cpu"), torch.float32)
     model, spec, tokenizer = loaded.model, loaded.spec, loaded.tokenizer
 
+    # the scales every FP8 cache below gets: [KVH] per layer, K then V
+    calibrated = KVCache(spec.num_layers, 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu",
+                         quantized="fp8")
+    if args.fp8_scale is None:
+        calibrate_fp8_scales(model, tokenizer, calibrated, spec.max_position_embeddings)
+    else:
+        for scales in (*calibrated.key_scales, *calibrated.value_scales):
+            scales.fill_(args.fp8_scale)
+    fp8_scales = (*calibrated.key_scales, *calibrated.value_scales)
+
     def fresh_cache(tokens: int, quantized: str | None) -> tuple[KVCache, int]:
         blocks = tokens // BLOCK_SIZE + 1
         cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu",
                         quantized=quantized)
-        if quantized == "fp8" and args.fp8_scale is not None:
-            for scales in (*cache.key_scales, *cache.value_scales):
-                scales.fill_(args.fp8_scale)
+        if quantized == "fp8":
+            for scales, chosen in zip((*cache.key_scales, *cache.value_scales), fp8_scales):
+                scales.copy_(chosen)
         return cache, blocks
 
     @torch.no_grad()

@@ -197,33 +197,43 @@ QKV_ROPE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("storage", ["same-dtype", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,in_features,group_size,zeros,bias", QKV_ROPE_CASES)
 def test_qkv_product_with_rope_and_cache_write_equals_the_unfused_kernels(tokens, heads, kv_heads, head_dim,
                                                                           in_features, group_size, zeros, bias,
-                                                                          dtype):
+                                                                          dtype, storage):
     """quant_matmul_rope_cache against the tc product followed by rope_cache_kernel: the rotated q and k, the v
-    columns and every cache row the same bits (no other row written; a padding slot -1 writes nothing)."""
+    columns and every cache row the same bits, an int8 cache's scales too (no other row written; a padding slot -1
+    writes nothing)."""
     from deepinfer.kernels.rope_cache import rope_and_cache_write
+    from deepinfer.validate.quant_matmul_checks import qkv_rope_caches, same_bits
 
     n = (heads + 2 * kv_heads) * head_dim
     packed = tc_case_weight(n, in_features, group_size, zeros, False, dtype if bias else None, DEVICE)
     x = torch.randn(tokens, in_features, dtype=dtype, device=DEVICE)
     cos, sin = rope_tables(tokens, head_dim, dtype, DEVICE)
-    caches = [poisoned((24, kv_heads, 16, head_dim), dtype, DEVICE) for _ in range(4)]
+    caches, scales = qkv_rope_caches(storage, (24, kv_heads, 16, head_dim), dtype, DEVICE)
     slots = torch.randperm(24 * 16, device=DEVICE)[:tokens]
     if tokens > 2:
         slots[tokens // 2] = -1
     weight = (packed.qweight, packed.scales, packed.zeros)
-    fused = kq.quant_matmul_rope_cache(x, *weight, packed.bias, group_size, packed.zero_mode, packed.integer_zeros,
-                                       heads, kv_heads, head_dim, cos, sin, caches[0], caches[1], slots)
     qkv = kq.quant_matmul(x, *weight, 4, group_size, packed.zero_mode, packed.bias, kernel="tc", tile=1,
                           integer_zeros=packed.integer_zeros)
     q, k, v = (part.reshape(tokens, -1, head_dim) for part in qkv.split(
         (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
-    unfused_q, unfused_k = rope_and_cache_write(q, k, v, cos, sin, caches[2], caches[3], slots)
-    for got, want in zip((*fused, caches[0], caches[1]), (unfused_q, unfused_k, v, caches[2], caches[3])):
-        assert torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
+    if storage == "fp8":  # about each head's amax / 448, some codes saturated
+        scales[0].copy_(k.float().abs().amax(dim=(0, 2)) / 300)
+        scales[1].copy_(v.float().abs().amax(dim=(0, 2)) / 600)
+    fused = kq.quant_matmul_rope_cache(x, *weight, packed.bias, group_size, packed.zero_mode, packed.integer_zeros,
+                                       heads, kv_heads, head_dim, cos, sin, caches[0], caches[1], slots, scales[0],
+                                       scales[1])
+    unfused_q, unfused_k = rope_and_cache_write(q, k, v, cos, sin, caches[2], caches[3], slots, scales[2], scales[3])
+    pairs = list(zip((*fused, caches[0], caches[1]), (unfused_q, unfused_k, v, caches[2], caches[3])))
+    if storage == "int8":
+        pairs += [(scales[0], scales[2]), (scales[1], scales[3])]
+    for got, want in pairs:
+        assert same_bits(got, want)
 
 
 # (tokens, inner I, in_features, group size, zero points, fp32 scales, bias, activation); the weight is [2I, K]
@@ -558,11 +568,12 @@ def test_native_backend_behind_the_fused_rope_write_matches_torch_backend(dtype,
     assert_close(logits["native"], logits["torch"], 2e-2 if kv_quantization else 5e-3)
 
 
-def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(caplog, monkeypatch):
+@pytest.mark.parametrize("kv_quantization", [None, "int8", "fp8"])
+def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(caplog, monkeypatch, kv_quantization):
     """A model whose merged q/k/v projection (K % 128 == 0, head_dim 128) and merged gate/up projection (2I >= 3K)
-    the fused kernels serve: logits and KV caches must be the same bits as with the products and rope_cache_write /
-    act_and_mul run one after the other, over prefill, mixed and decode steps (the q/k/v fusion takes the steps of
-    at most 8 tokens, the gate/up one those of at most 32)."""
+    the fused kernels serve: logits and KV caches (codes and scales of an int8 / e4m3 cache) must be the same bits as
+    with the products and rope_cache_write / act_and_mul run one after the other, over prefill, mixed and decode
+    steps (the q/k/v fusion takes the steps of at most 8 tokens, the gate/up one those of at most 32)."""
     from deepinfer.core.attention.native_backend import NativePagedAttention
     from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
     from deepinfer.core.kv.cache import KVCache
@@ -586,7 +597,11 @@ def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(ca
         for name, op in fused_ops.items():
             monkeypatch.setattr(layers, name, op if fused else lambda *a, **k: None)
         spec = model.spec
-        cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, BF16, DEVICE)
+        cache = KVCache(spec.num_layers, 24, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, BF16, DEVICE,
+                        quantized=kv_quantization)
+        if kv_quantization == "fp8":  # scales of the order of the heads' amax / 448
+            for scales in (*cache.key_scales, *cache.value_scales):
+                scales.copy_(torch.tensor([0.01, 0.03], device=DEVICE))
         rows = []
         with torch.no_grad():
             for step in STEPS:
@@ -600,5 +615,9 @@ def test_merged_w4_projections_with_fused_epilogues_equal_the_unfused_kernels(ca
     assert "quant_matmul_rope_cache: CUDA kernel" in messages and "quant_matmul_act_and_mul: CUDA kernel" in messages
     assert torch.equal(runs[True][0], runs[False][0])
     for layer in range(model.spec.num_layers):
-        assert torch.equal(runs[True][1].key_caches[layer], runs[False][1].key_caches[layer])
-        assert torch.equal(runs[True][1].value_caches[layer], runs[False][1].value_caches[layer])
+        for pools in ("key_caches", "value_caches"):  # as bytes: equal() takes every storage dtype so
+            assert torch.equal(getattr(runs[True][1], pools)[layer].view(torch.uint8),
+                               getattr(runs[False][1], pools)[layer].view(torch.uint8))
+        if kv_quantization == "int8":
+            assert torch.equal(runs[True][1].key_scales[layer], runs[False][1].key_scales[layer])
+            assert torch.equal(runs[True][1].value_scales[layer], runs[False][1].value_scales[layer])

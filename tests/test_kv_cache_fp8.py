@@ -1,6 +1,7 @@
 """The FP8 (e4m3) KV cache on the CPU reference path: codes against hand-computed e4m3 bytes, saturation, the
-reference attention over the codes against explicit attention over their dequantized values, and SmolLM2's
-next-token choices over quantized caches against the unquantized one.
+reference attention over the codes against explicit attention over their dequantized values, the per-head scales
+calibrated at engine start against the amax of the K/V the model's layers produce, and SmolLM2's next-token choices
+over quantized caches against the unquantized one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
+from deepinfer.core.engine.worker.fp8_calibration import SCALE_MARGIN
 from deepinfer.core.kv.cache import FP8_DEFAULT_SCALE, KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
@@ -74,6 +76,47 @@ def test_reference_attention_over_fp8_codes_is_attention_over_their_values(windo
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         torch.testing.assert_close(out[rows], torch.einsum("hqk,khd->qhd", probs, v), rtol=1e-5, atol=1e-5)
         offset += length
+
+
+def test_engine_start_calibrates_fp8_scales_to_each_heads_amax_over_448(tiny_llama_dir, monkeypatch):
+    from deepinfer.core.engine.llm_engine import LLMEngine
+    from deepinfer.core.engine.worker import fp8_calibration
+    from deepinfer.core.models import layers
+    from deepinfer.core.models.loader import load_model
+
+    loaded = load_model(EngineConfig(model=str(tiny_llama_dir)), torch.device("cpu"), torch.float32)
+    spec = loaded.spec
+    # what the layers hand the cache write: the rotated key and the value [T, KVH, D] of each layer in turn
+    written = []
+    original = layers.rotary_and_cache_write
+
+    def recording(query, key, value, *args, **kwargs):
+        query, rotated = original(query, key, value, *args, **kwargs)
+        written.append((rotated.clone(), value.clone()))
+        return query, rotated
+
+    monkeypatch.setattr(layers, "rotary_and_cache_write", recording)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_dtype="fp8", num_gpu_blocks=16,
+                                    block_size=8), loaded_model=loaded)
+    prompt = fp8_calibration.calibration_prompt(loaded.tokenizer)[:engine.max_model_len]
+    assert len(written) == spec.num_layers  # one prefill through every layer, before any request
+    cache = engine.kv_cache
+    for layer, (key, value) in enumerate(written):
+        assert key.shape == (len(prompt), spec.num_kv_heads, spec.head_dim)
+        for head in range(spec.num_kv_heads):
+            want_k = float(key[:, head].abs().max()) * fp8_calibration.SCALE_MARGIN / 448
+            want_v = float(value[:, head].abs().max()) * fp8_calibration.SCALE_MARGIN / 448
+            assert cache.key_scales[layer][head].item() == pytest.approx(want_k, rel=1e-6)
+            assert cache.value_scales[layer][head].item() == pytest.approx(want_v, rel=1e-6)
+    assert cache.key_scales[0].dtype == torch.float32 and cache.key_scales[0].shape == (spec.num_kv_heads,)
+
+
+def test_a_head_of_zeros_keeps_the_default_scale():
+    from deepinfer.core.engine.worker.fp8_calibration import head_scales
+
+    pool = torch.zeros(3, 2, 4, 8)
+    pool[1, 0, 2, 5] = -89.6  # head 0's amax: scale 0.2
+    assert head_scales(pool).tolist() == pytest.approx([89.6 / 448 * SCALE_MARGIN, FP8_DEFAULT_SCALE])
 
 
 @pytest.fixture(scope="module")

@@ -434,8 +434,9 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     from deepinfer.kernels import w8_gemm as kw8
 
     monkeypatch.setattr(kw8, "get_kernel", lambda source, name, index: _Kernel((source, name)))
-    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index, cluster=None:
+    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index, shared_mem=0, cluster=None:
                         launches.append((kernel, args)))
+    monkeypatch.setattr(kw8, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     monkeypatch.setattr(kw8, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kw8, "clusters_available", lambda index: True)
     eight = quantize_rtn(torch.randn(256, 512), bits=8, group_size=32)
@@ -462,7 +463,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     names = {name.split("<")[0] for (_, name), _ in launches}
     assert names == {"quant_tc_gemv_kernel", "quant_tc_rope_kernel", "quant_tcs_kernel", "quant_tcs_act_kernel",
                      "quant_gemv_kernel", "quant_stream_kernel", "quant_mma_ksplit_kernel", "quant_mma_staged_kernel",
-                     "paged_decode_kernel", "paged_reduce_kernel", "paged_prefill_kernel", "paged_prefill_reduce_kernel",
+                     "paged_decode_kernel", "paged_decode_heads_n_kernel", "paged_reduce_kernel", "paged_prefill_kernel",
+                     "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
                      "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w4_fragment_batch_kernel",
                      "token_bitmask_kernel"}
@@ -477,7 +479,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
 
 def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     """Where the q/k/v product takes RoPE and the cache write into its epilogue: a W4 weight tc takes, heads that
-    tile into rotation pairs, a cache in the activations' dtype, and the token counts tc serves up to one tile."""
+    tile into rotation pairs, a cache in the activations' dtype, int8 or e4m3, and the token counts tc serves up to
+    one tile."""
     from deepinfer.core.ops.quant_matmul_table import QKV_ROPE, ProductShape, epilogue_serves, product_row
     from deepinfer.kernels import quant_matmul as kq
 
@@ -486,7 +489,12 @@ def test_qkv_rope_fusion_serves_decode_products_of_w4_merged_projections_only():
     assert kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, bf16, 16, bf16) is None
     assert [epilogue_serves(QKV_ROPE, ProductShape(m, 2048, 2560, 4, 128)) for m in (0, 1, 4, 8, 9, 32)] == [
         False, True, True, True, False, False]
-    assert "int8" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, int8, 16, bf16)
+    for quantized in (int8, torch.float8_e4m3fn):  # codes and scales stored by the epilogue too
+        assert kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, quantized, 16, bf16) is None
+    assert "float16" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, torch.float16, 16, bf16)
+    wide_heads = (8 + 2 * 4) * 272  # an int8 row's amax is one warp's: at most 256 elements a head
+    assert kq.qkv_rope_unsupported_reason(4, 128, 2048, wide_heads, 8, 4, 272, bf16, 16, bf16) is None
+    assert "head_dim 272" in kq.qkv_rope_unsupported_reason(4, 128, 2048, wide_heads, 8, 4, 272, int8, 16, bf16)
     assert "3-bit" in kq.qkv_rope_unsupported_reason(3, 128, 2048, qwen_3b, 16, 2, 128, bf16, 16, bf16)
     assert "heads" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 4, 128, bf16, 16, bf16)
     assert "power of two" in kq.qkv_rope_unsupported_reason(4, 128, 2048, qwen_3b, 16, 2, 128, bf16, 24, bf16)

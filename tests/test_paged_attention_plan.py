@@ -1,5 +1,6 @@
 """Which path paged decode attention takes (core/ops/paged_attention_table.py) and what each path launches
-(kernels/paged_attention.py; CPU: kernels and launches faked).
+(kernels/paged_attention.py; CPU: kernels and launches faked). The path tests launch paged_decode_kernel (heads as
+mma rows, `heads_as_n=False`); the heads-as-n kernel's own tests follow them.
 
 Combined path (bounds up to COMBINED_MAX_SEQ_LEN, at least COMBINED_MIN_CTAS CTAs): one kernel, one split, CTAs of
 COMBINED_WARPS warps, a grid that does not depend on the bound. Clustered path (the same bounds, fewer CTAs, SM90+):
@@ -54,10 +55,11 @@ def _inputs(num_seqs=3, heads=16, kv_heads=2, head_dim=64, dtype=torch.float16, 
     return query, cache, scales, tables, seq_lens
 
 
-def _attend(max_seq_len, path, tokens_per_split=None, pipelined=True, **shape):
+def _attend(max_seq_len, path, tokens_per_split=None, pipelined=True, heads_as_n=False, **shape):
     query, cache, scales, tables, seq_lens = _inputs(**shape)
     kp.paged_decode_attention(query, cache, cache, tables, seq_lens, max_seq_len, 0.125, key_scales=scales,
-                              value_scales=scales, path=path, pipelined=pipelined, tokens_per_split=tokens_per_split)
+                              value_scales=scales, path=path, pipelined=pipelined, tokens_per_split=tokens_per_split,
+                              heads_as_n=heads_as_n)
 
 
 def _path(num_seqs, num_heads, num_kv_heads, max_seq_len, clusters=False, multiprocessors=132):
@@ -287,3 +289,85 @@ def test_prefill_over_codes_launches_the_codes_kernel_with_the_caches_scales(lau
         assert launched == name and grid == (2, 3, 1) and block == (128, 1, 1)
         expected = 0 if kv_dtype == torch.bfloat16 else scales.data_ptr()
         assert int(args[3]) == int(args[4]) == expected
+
+
+def test_the_heads_as_n_kernel_serves_at_most_8_heads_a_kv_head_at_head_dims_64_and_128_in_blocks_of_8():
+    for kv_dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        for heads, kv_heads, head_dim, served in ((16, 2, 128, True), (28, 4, 128, True), (9, 3, 64, True),
+                                                  (8, 8, 64, True), (32, 2, 128, False), (16, 2, 256, False),
+                                                  (4, 4, 96, False), (8, 2, 32, False)):
+            operands = kp.AttentionOperands(torch.bfloat16, heads, kv_heads, head_dim, kv_dtype, 16)
+            assert kp.heads_n_serves(operands) == served, (kv_dtype, heads, kv_heads, head_dim)
+    for block_size, served in ((4, False), (8, True), (128, True)):
+        operands = kp.AttentionOperands(torch.float16, 16, 2, 128, torch.float16, block_size)
+        assert kp.heads_n_serves(operands) == served, block_size
+
+
+def test_8_heads_a_kv_head_launch_the_heads_as_n_kernel_on_every_path_but_clustered(launches, monkeypatch):
+    """One CTA per (KV head, sequence, split): grid (KV heads, sequences, splits); one warp on the split path, 8 on
+    the combined paths; the split paths' partials go to the same reduce. The default (heads_as_n=None) takes it."""
+    _attend(5000, "split", int8=True, heads_as_n=None)
+    splits, _ = kp.split_plan(3, 16, 2, 5000, kp.resident_ctas(255, None))
+    _attend(300, "combined", int8=True, heads_as_n=None)
+    _attend(5000, "combined_split", dtype=torch.bfloat16, heads_as_n=None)
+    assert [(name, grid, block) for name, grid, block, *_ in launches] == [
+        ("paged_decode_heads_n_kernel<0,64,1,1>", (2, 3, splits), (32, 1, 1)),
+        ("paged_reduce_kernel<0>", (16, 3, 1), (128, 1, 1)),
+        ("paged_decode_heads_n_kernel<0,64,1,8>", (2, 3, 1), (256, 1, 1)),
+        ("paged_decode_heads_n_kernel<1,64,0,8>", (2, 3, 20), (256, 1, 1)),
+        ("paged_reduce_kernel<1>", (16, 3, 1), (128, 1, 1)),
+    ]
+    launches.clear()
+    monkeypatch.setattr(kp, "clusters_available", lambda index: True)
+    _attend(300, "clustered", int8=True, heads_as_n=None)  # the clustered path keeps the heads-as-rows kernel
+    _attend(300, "combined", int8=True, pipelined=False)  # heads_as_n=False: the heads-as-rows kernel
+    assert [name for name, *_ in launches] == ["paged_decode_kernel<0,64,1,1,8,4>", "paged_decode_kernel<0,64,1,0,8>"]
+    query, cache, scales, tables, seq_lens = _inputs(int8=True, heads=32)  # 16 query heads a KV head
+    with pytest.raises(ValueError, match="heads_n"):
+        kp.paged_decode_attention(query, cache, cache, tables, seq_lens, 300, 0.125, key_scales=scales,
+                                  value_scales=scales, path="combined", pipelined=True, heads_as_n=True)
+
+
+def test_the_heads_as_n_kernels_are_compiled_ahead():
+    from deepinfer.kernels import registry
+
+    compiled_ahead = set(registry.get("paged_decode_attention").instantiations)
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in kp.HEADS_N_HEAD_DIMS:
+            for kv_dtype in (dtype, torch.int8, torch.float8_e4m3fn):
+                query = torch.zeros(1, 16, head_dim, dtype=dtype)
+                cache = torch.zeros(1, 2, 16, head_dim, dtype=kv_dtype)
+                for warps in (1, kp.COMBINED_WARPS):
+                    assert kp._kernel_name(query, cache, True, warps, heads_as_n=True) in compiled_ahead
+
+
+def test_8_heads_a_kv_head_take_the_combined_split_path_at_long_bounds_at_any_batch():
+    def path(num_seqs, max_seq_len, heads_as_n):
+        return table.decode_path(table.DecodeShape(num_seqs, 16, 2, max_seq_len, False, 132, heads_as_n))
+
+    for num_seqs in (1, 8, 16, 64, 256):
+        for bound in (4096, 32768):
+            assert path(num_seqs, bound, True) == "combined_split", (num_seqs, bound)
+    assert path(16, 16384, False) == path(64, 4096, False) == "split"  # the heads-as-rows kernel's choice
+    assert path(64, 1024, True) == "combined" and path(1, 1024, True) == "split"  # short bounds as before
+
+
+def test_the_combined_split_plan_fills_whole_waves_past_half_the_sms():
+    # 48 sequences x 2 KV heads = 96 CTAs a split: one split leaves 36 of 132 SMs idle; 4 splits are 3 full waves
+    assert kp.combined_split_plan(48, 16, 2, 8192, 132) == (4, 2048)
+    assert kp.combined_split_plan(80, 16, 2, 4096, 132) == (4, 1024)  # 160 CTAs: 640 in 5 waves of 132
+    assert kp.combined_split_plan(64, 16, 2, 4096, 132) == (1, 4096)  # 128 CTAs: one wave
+    assert kp.combined_split_plan(16, 16, 2, 16384, 132) == (4, 4096)  # 132 // 32
+    assert kp.combined_split_plan(48, 16, 2, 1024, 132) == (4, 256)
+    assert kp.combined_split_plan(48, 16, 2, 512, 132) == (1, 512)  # 2 splits of 256 tokens fill no better
+
+
+def test_the_ops_decode_path_takes_the_heads_as_n_row_where_the_kernel_serves(monkeypatch):
+    from deepinfer.core.ops import paged_attention
+
+    monkeypatch.setattr(kp, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(paged_attention, "clusters_available", lambda index: False)
+    for heads, kv_dtype, path in ((16, torch.int8, "combined_split"), (16, torch.float8_e4m3fn, "combined_split"),
+                                  (16, torch.float16, "combined_split"), (32, torch.float16, "split")):
+        operands = kp.AttentionOperands(torch.float16, heads, 2, 128, kv_dtype, 16)
+        assert paged_attention.decode_path(64, operands, 16384, 0) == path, (heads, kv_dtype)

@@ -15,7 +15,9 @@ from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compar
 # the combined path (one CTA of 8 warps a sequence) and the clustered path (a cluster of such CTAs), forced whatever
 # the batch's CTA count (dispatch gives the combined path 64 CTAs or more, the clustered one fewer), and on the split
 # path (one-warp CTAs, then the reduce); the rest on the split path. Every case also runs on the combined_split path
-# (CTAs of 8 warps over splits, then the reduce), which dispatch gives few sequences at long bounds.
+# (CTAs of 8 warps over splits, then the reduce), which dispatch gives few sequences at long bounds. int8 / e4m3
+# cases of at most 8 query heads a KV head and head_dim 64 or 128 run both decode kernels on the split, combined and
+# combined_split paths: the heads-as-n kernel (dispatch's) and, forced, the heads-as-rows one.
 ATTENTION_CASES = (
     # split path: bounds past 1024, or an explicit tokens/split
     (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
@@ -49,6 +51,14 @@ ATTENTION_CASES = (
     # code tiles' narrower row slices: head_dim 96 (8-byte K, 4-byte V loads) and 32, windows from mid-tile
     (torch.bfloat16, "fp8", 4, 4, 96, 64, (65, 129, 1500), 70, None, None, None),
     (torch.float16, True, 8, 2, 32, 8, (3, 40, 2100), 33, 20.0, None, None),
+    # the heads-as-n kernel: Qwen2.5-7B's G = 7, contexts ending mid-tile, splits that start mid-tile (48 tokens),
+    # windows, softcaps, block sizes 8-128; many sequences at a long bound (combined_split's balanced splits)
+    (torch.float16, True, 28, 4, 128, 32, (1, 31, 33, 4097), 1000, 50.0, None, None),
+    (torch.bfloat16, "fp8", 28, 4, 128, 64, (2, 63, 65, 3000), None, None, 48, None),
+    (torch.float16, "fp8", 16, 2, 128, 8, (7, 100, 1500), 77, 30.0, 48, None),
+    (torch.bfloat16, True, 16, 2, 64, 128, (129, 257, 1025), 200, None, None, 4096),
+    (torch.float16, True, 16, 2, 128, 16, tuple(range(1, 4097, 85)), None, None, None, 4096),  # 49 sequences
+    (torch.bfloat16, "fp8", 16, 2, 128, 16, tuple(range(3000, 3048)), None, 50.0, None, None),  # 48 sequences
 )
 
 
@@ -57,7 +67,7 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
     tokens/split) the combined path and, on SM90+, the clustered path."""
     from deepinfer.core.ops.paged_attention_table import COMBINED_MAX_SEQ_LEN
     from deepinfer.kernels.launch import clusters_available
-    from deepinfer.kernels.paged_attention import paged_decode_attention
+    from deepinfer.kernels.paged_attention import AttentionOperands, heads_n_serves, paged_decode_attention
 
     short_bound_paths = ("split", "combined_split", "combined") + (("clustered",) if clusters_available(device.index)
                                                                     else ())
@@ -65,17 +75,26 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
     for dtype, int8, heads, kv_heads, head_dim, block_size, lengths, window, softcap, per_split, bound in cases:
         bound = bound or max(lengths)
         paths = short_bound_paths if bound <= COMBINED_MAX_SEQ_LEN and per_split is None else ("split", "combined_split")
-        for path, pipelined in ((p, pipe) for p in paths for pipe in ((True, False) if head_dim <= 128 else (True,))):
+        kv_dtype = torch.float8_e4m3fn if int8 == "fp8" else torch.int8 if int8 else dtype
+        heads_n = heads_n_serves(AttentionOperands(dtype, heads, kv_heads, head_dim, kv_dtype, block_size))
+        # (path, pipelined, heads_as_n): the heads-as-n kernel has one load variant
+        variants = [(p, pipe, False if heads_n and p != "clustered" else None) for p in paths
+                    for pipe in ((True, False) if head_dim <= 128 else (True,))]
+        variants += [(p, True, None) for p in paths if heads_n and p != "clustered"]
+        for path, pipelined, heads_as_n in variants:
+            kernel = (" heads-as-n" if heads_as_n is None and heads_n and path != "clustered"
+                      else " heads-as-rows" if heads_as_n is False else "")
+            loads = "" if pipelined or kernel == " heads-as-n" else " in-step loads"
             context = (f"ctx={list(lengths)}" if len(lengths) <= 8
                        else f"{len(lengths)} ctx {min(lengths)}..{max(lengths)}")
             case = (f"{path} {DTYPE_NAMES[dtype]} {'fp8' if int8 == 'fp8' else 'int8' if int8 else 'same-dtype'} KV H={heads}/{kv_heads} "
                     f"D={head_dim} bs={block_size} {context} bound={bound}" + (f" window={window}" if window else "")
                     + (f" softcap={softcap}" if softcap else "") + (f" tokens/split={per_split}" if per_split else "")
-                    + ("" if pipelined else " in-step loads"))
+                    + loads + kernel)
 
             def run(dtype=dtype, int8=int8, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     block_size=block_size, lengths=lengths, window=window, softcap=softcap, per_split=per_split,
-                    bound=bound, pipelined=pipelined, case=case, path=path):
+                    bound=bound, pipelined=pipelined, case=case, path=path, heads_as_n=heads_as_n):
                 k_cache, v_cache, k_scales, v_scales, tables = random_paged_kv(
                     lengths, kv_heads, head_dim, block_size, dtype, int8 is True, device,
                     table_blocks=-(-bound // block_size), fp8=int8 == "fp8")
@@ -85,7 +104,7 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
                 out = poisoned(query.shape, dtype, device)
                 paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, bound, scale, window,
                                        softcap, k_scales, v_scales, out=out, path=path, pipelined=pipelined,
-                                       tokens_per_split=per_split)
+                                       tokens_per_split=per_split, heads_as_n=heads_as_n)
                 ref = paged_decode_attention_reference(query.float(), k_cache, v_cache, tables, seq_lens, scale,
                                                        window, softcap, k_scales, v_scales, max(lengths))
                 return compare("paged_decode_attention", case, out, ref, REL_TOL[dtype])

@@ -377,10 +377,30 @@ QKV_ROPE_CASES = (
 )
 
 
+def qkv_rope_caches(storage: str, shape: tuple, dtype: torch.dtype, device) -> tuple[list, list]:
+    """Four poisoned caches [NB, KVH, BS, D] (fused k, v; unfused k, v) in `storage` and their scales: an int8
+    cache's per-token ones poisoned too, an e4m3 cache's per-head ones [KVH] (set by the caller) shared by both
+    paths."""
+    if storage == "fp8":  # 0x7F: the NaN code the kernels never write
+        caches = [torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+                  for _ in range(4)]
+        scales = [torch.ones(shape[1], device=device) for _ in range(2)]
+        return caches, scales + scales
+    if storage == "int8":  # -128: the code the kernels never write
+        return ([torch.full(shape, -128, dtype=torch.int8, device=device) for _ in range(4)],
+                [poisoned(shape[:3], torch.float16, device) for _ in range(4)])
+    return [poisoned(shape, dtype, device) for _ in range(4)], [None] * 4
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
 def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """quant_matmul_rope_cache against the unfused kernels it replaces (tc product, then rope_cache_kernel): the
-    rotated q and k, the v columns and the cache rows must be the same bits, and no other cache row written;
-    and against the fp32 reference product rotated in fp32 within the usual tolerance."""
+    rotated q and k, the v columns and the cache rows (codes and scales of an int8 or e4m3 cache) must be the same
+    bits, and no other cache row written; and against the fp32 reference product rotated in fp32 within the usual
+    tolerance."""
     from deepinfer.core.ops.quant_matmul_table import QKV_ROPE, ProductShape, epilogue_serves
     from deepinfer.kernels.quant_matmul import (
         qkv_rope_unsupported_reason,
@@ -392,19 +412,19 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
     results = []
     num_blocks, block_size = 24, 16
     for m, heads, kv_heads, head_dim, k, g, zeros_kind, with_bias in QKV_ROPE_CASES:
-        for dtype in dtypes:
-            case = (f"{DTYPE_NAMES[dtype]} M={m} H={heads}/{kv_heads} D={head_dim} K={k} G={g} {zeros_kind}-zeros"
-                    + (" bias" if with_bias else ""))
+        for dtype, storage in itertools.product(dtypes, ("same-dtype", "int8", "fp8")):
+            case = (f"{DTYPE_NAMES[dtype]} {storage} KV M={m} H={heads}/{kv_heads} D={head_dim} K={k} G={g} "
+                    f"{zeros_kind}-zeros" + (" bias" if with_bias else ""))
 
             def run(m=m, heads=heads, kv_heads=kv_heads, head_dim=head_dim, k=k, g=g, zeros_kind=zeros_kind,
-                    with_bias=with_bias, dtype=dtype, case=case):
+                    with_bias=with_bias, dtype=dtype, storage=storage, case=case):
                 n = (heads + 2 * kv_heads) * head_dim
                 packed = tc_case_weight(n, k, g, zeros_kind, False, dtype if with_bias else None, device)
                 zero_mode = packed.zero_mode
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 cos, sin = rope_tables(m, head_dim, dtype, device)
-                shape = (num_blocks, kv_heads, block_size, head_dim)
-                caches = [poisoned(shape, dtype, device) for _ in range(4)]
+                caches, scales = qkv_rope_caches(storage, (num_blocks, kv_heads, block_size, head_dim), dtype,
+                                                  device)
                 reason = qkv_rope_unsupported_reason(4, g, k, n, heads, kv_heads, head_dim, caches[0].dtype, block_size,
                                                      dtype)
                 served = epilogue_serves(QKV_ROPE, ProductShape(m, k, n, 4, g))
@@ -413,18 +433,26 @@ def check_quant_matmul_rope_cache(device, dtypes=(torch.float16, torch.bfloat16)
                 if m > 2:
                     slots[m // 2] = -1  # a padding row: no cache write
                 args = (packed.qweight, packed.scales, packed.zeros)
-                query, key, value = quant_matmul_rope_cache(
-                    x, *args, packed.bias, g, zero_mode, packed.integer_zeros, heads, kv_heads, head_dim, cos, sin,
-                    caches[0], caches[1], slots)
                 qkv = quant_matmul(x, *args, 4, g, zero_mode, packed.bias, kernel="tc", tile=1,
                                    integer_zeros=packed.integer_zeros)
                 q_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
                 q_raw, k_raw, v_raw = (part.reshape(m, -1, head_dim) for part in qkv.split(q_sizes, dim=-1))
-                ref_q, ref_k = rope_and_cache_write(q_raw, k_raw, v_raw, cos, sin, caches[2], caches[3], slots)
+                if storage == "fp8":  # 0.5-2x a head's amax / 448: some codes saturate, small ones are subnormal
+                    for scale, part in zip(scales[:2], (k_raw, v_raw)):
+                        amax = part.float().abs().amax(dim=(0, 2))  # [KVH]
+                        scale.copy_(amax / 448 * (0.5 + 1.5 * torch.rand(kv_heads, device=device)))
+                query, key, value = quant_matmul_rope_cache(
+                    x, *args, packed.bias, g, zero_mode, packed.integer_zeros, heads, kv_heads, head_dim, cos, sin,
+                    caches[0], caches[1], slots, scales[0], scales[1])
+                ref_q, ref_k = rope_and_cache_write(q_raw, k_raw, v_raw, cos, sin, caches[2], caches[3], slots,
+                                                    scales[2], scales[3])
+                compared = [("q", query, ref_q), ("k", key, ref_k), ("v", value, v_raw),
+                            ("k cache", caches[0], caches[2]), ("v cache", caches[1], caches[3])]
+                if storage == "int8":
+                    compared += [("k scales", scales[0], scales[2]), ("v scales", scales[1], scales[3])]
                 checks = []
-                for name, got, want in (("q", query, ref_q), ("k", key, ref_k), ("v", value, v_raw),
-                                        ("k cache", caches[0], caches[2]), ("v cache", caches[1], caches[3])):
-                    same = torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
+                for name, got, want in compared:
+                    same = same_bits(got, want)
                     checks.append(CheckResult("quant_matmul_rope_cache", f"{case} {name} == unfused", same,
                                               detail="" if same else "differs from the unfused kernels' bits"))
                 full = x.float() @ dequantize(packed, torch.float32).T
@@ -503,29 +531,33 @@ def check_quant_matmul_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16
 
 
 # The W8 product (kernels/w8_gemm.py): (tokens, out_features, in_features, group size, zeros, fp32 scales, bias, launch
-# overrides (tiles, row_warps, splits) or None for the planned launch), zeros "q8_0" (GGUF Q8_0 as re-packed: zero point
-# 128, fp16 scales, G = 32), "int" (round-to-nearest asymmetric: whole zero points), "frac" (zero points that are not
-# whole numbers) or "min". One token to 64, more through grid.y, N off the CTAs' row tiles, K off the 64-code segments
-# (K = 576, SmolLM2's hidden size); each row-tile count, K splits over a cluster (SM90+) up to 8, a split of fewer
-# segments than the others.
+# overrides (tiles, row_warps, splits, row_tiles, depth) or None for the planned launch), zeros "q8_0" (GGUF Q8_0 as
+# re-packed: zero point 128, fp16 scales, G = 32), "int" (round-to-nearest asymmetric: whole zero points), "frac" (zero
+# points that are not whole numbers) or "min". One token to 64, more through grid.y, tokens off the 8-token tiles, N
+# off the CTAs' rows, K off the 64-code segments (K = 576, SmolLM2's hidden size; K = 160, 2.5 segments); each
+# row-tile and row-warp count, 2-4 activation stages, K splits over a cluster (SM90+) up to 8, a split of fewer
+# segments than the others, warps along K with nothing to do.
 W8_CASES = (
     (1, 2048, 2048, 32, "q8_0", False, False, None),
     (1, 11008, 2048, 128, "int", False, True, None),
-    (1, 2048, 11008, 128, "int", False, True, (None, 1, 8)),
+    (1, 2048, 11008, 128, "int", False, True, (None, 1, 8, None, None)),
     (3, 1000, 4096, 32, "q8_0", False, False, None),
     (8, 2048, 11008, 128, "int", True, False, None),
     (9, 2560, 2048, 32, "q8_0", False, True, None),
     (16, 1536, 576, 64, "frac", False, False, None),
+    (13, 3584, 3584, 32, "q8_0", False, False, (None, 2, 4, 4, 4)),
     (24, 22016, 2048, 32, "q8_0", False, False, None),
     (32, 2048, 2048, 128, "min", True, True, None),
+    (29, 4608, 3584, 32, "q8_0", False, True, (None, 8, 2, 1, 2)),
     (48, 1000, 2048, 2048, "int", False, False, None),  # one group a row
     (64, 4096, 4096, 32, "q8_0", False, True, None),
-    (64, 2048, 2048, 32, "q8_0", False, False, (None, 8, 8)),
-    (33, 1000, 576, 64, "frac", False, True, (None, 2, 3)),  # 9 segments in splits of 4, 4 and 1
-    (7, 2560, 2048, 128, "min", True, False, (None, 4, 1)),
+    (64, 2048, 2048, 32, "q8_0", False, False, (None, 8, 8, None, None)),
+    (57, 2048, 2048, 64, "int", False, False, (None, 4, 1, 1, 4)),
+    (33, 1000, 576, 64, "frac", False, True, (None, 2, 3, None, None)),  # 9 segments in splits of 4, 4 and 1
+    (7, 2560, 2048, 128, "min", True, False, (None, 4, 1, 4, 3)),
     (100, 2048, 2048, 32, "q8_0", False, False, None),  # two CTA columns of 64 tokens
-    (5, 40, 160, 32, "min", False, False, (8, None, None)),  # a partial row tile, K = 2.5 segments, a wide tile
-    (5, 40, 160, 32, "min", False, False, (8, 8, 2)),
+    (5, 40, 160, 32, "min", False, False, (8, None, None, None, None)),  # a partial row tile, a wide tile
+    (5, 40, 160, 32, "int", False, False, (8, 8, 2, None, None)),
 )
 
 
@@ -533,27 +565,40 @@ def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckR
     """The W8 kernel on its cases against the fp32 product of the reference dequantizer's weight, and through
     core.ops' dispatch (an act-order permutation on the activation side)."""
     from deepinfer.kernels import w8_gemm as w8
+    from deepinfer.kernels.compiler import precompile
+
+    # the overridden launches are not among the instantiations validate-kernels compiles ahead: compile them in parallel
+    names = set()
+    for m, n, k, g, zeros_kind, f32_scales, _, overrides in W8_CASES:
+        launch = w8.plan(m, k, n, device.index, *(overrides or (None,) * 5))
+        zmode = w8.zero_mode_code("min" if zeros_kind == "min" else "zero", zeros_kind in ("q8_0", "int"))
+        names |= {w8.kernel_name(dtype, launch, zmode, f32_scales) for dtype in dtypes}
+    precompile([(w8.SOURCE, name) for name in sorted(names - set(w8.instantiations()))], device.index, workers=8)
 
     results = []
     for m, n, k, g, zeros_kind, f32_scales, with_bias, overrides in W8_CASES:
-        tiles, row_warps, splits = overrides or (None, None, None)
+        tiles, row_warps, splits, row_tiles, depth = overrides or (None,) * 5
         for dtype in dtypes:
-            launch = w8.plan(m, k, n, device.index, tiles, row_warps, splits)
+            launch = w8.plan(m, k, n, device.index, tiles, row_warps, splits, row_tiles, depth)
             case = (f"{DTYPE_NAMES[dtype]} W8 {zeros_kind}-zeros M={m} N={n} K={k} G={g} "
-                    f"tiles={launch.tiles} row_warps={launch.row_warps} splits={launch.splits}"
+                    f"tiles={launch.tiles} row_warps={launch.row_warps} row_tiles={launch.row_tiles} "
+                    f"depth={launch.depth} splits={launch.splits}"
                     + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
 
             def run(m=m, n=n, k=k, g=g, zeros_kind=zeros_kind, f32_scales=f32_scales, with_bias=with_bias,
-                    tiles=tiles, row_warps=row_warps, splits=splits, dtype=dtype, case=case):
+                    tiles=tiles, row_warps=row_warps, splits=splits, row_tiles=row_tiles, depth=depth, dtype=dtype,
+                    case=case):
                 packed = w8_case_weight(n, k, g, zeros_kind, f32_scales, dtype if with_bias else None, device)
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = poisoned((m, n), dtype, device)
                 w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode, packed.integer_zeros,
-                           packed.bias, tiles=tiles, row_warps=row_warps, splits=splits, out=out)
+                           packed.bias, tiles=tiles, row_warps=row_warps, splits=splits, row_tiles=row_tiles,
+                           depth=depth, out=out)
                 checks = [compare("w8_gemm", case, out, reference_product(x, packed), REL_TOL[dtype])]
                 # the split sums meet in a fixed order: a second launch gives the same bits
                 again = w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode,
-                                   packed.integer_zeros, packed.bias, tiles=tiles, row_warps=row_warps, splits=splits)
+                                   packed.integer_zeros, packed.bias, tiles=tiles, row_warps=row_warps, splits=splits,
+                                   row_tiles=row_tiles, depth=depth)
                 same = torch.equal(again.view(torch.int16), out.view(torch.int16))
                 checks.append(CheckResult("w8_gemm", f"{case} deterministic", same,
                                           detail="" if same else "a second launch gave other bits"))

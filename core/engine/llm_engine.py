@@ -103,7 +103,8 @@ class LLMEngine:
         self.sampling_defaults = SamplingDefaults.layer(generation.values, generation.source,
                                                         config.override_generation_config)
 
-        runtime = start_up(config, self.model, self.spec, self.device, self.dtype, decode_mode)
+        runtime = start_up(config, self.model, self.spec, self.device, self.dtype, decode_mode,
+                           tokenizer=self.tokenizer)
         self.decode_mode = runtime.decode_mode
         self.kv_dtype, self.kv_quantized = runtime.kv_dtype, runtime.kv_quantized
         self.kv_budget = runtime.kv_budget

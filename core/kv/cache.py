@@ -20,9 +20,11 @@ Two quantized storages (`kv_cache_dtype`), each with its scales beside the pools
       key_scales[l], value_scales[l]: [num_kv_heads] float32
       x ≈ float(e4m3) * scale,  e4m3 = saturate(x / scale) to ±448
 
-  The scale is FP8_DEFAULT_SCALE (1.0, vLLM's default without calibrated scales): e4m3 keeps 3 mantissa bits
-  over 2^-9..448, which covers the K/V magnitudes of the models we serve; larger values saturate at ±448
-  instead of becoming NaN. One block costs `2 * num_kv_heads * block_size * head_dim` bytes per layer.
+  A new cache holds FP8_DEFAULT_SCALE (1.0); the engine sets each layer's and KV head's scale from the model's
+  own K/V before it captures graphs (core/engine/worker/fp8_calibration.py: amax over a calibration prefill,
+  with headroom, / 448), so a head's values use e4m3's normal range (3 mantissa bits) rather than its
+  subnormals, and values beyond it saturate at ±448 instead of becoming NaN. One block costs
+  `2 * num_kv_heads * block_size * head_dim` bytes per layer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-FP8_DEFAULT_SCALE = 1.0
+FP8_DEFAULT_SCALE = 1.0  # until calibrated, and for a head whose calibration values are all zero
 QUANTIZATIONS = ("int8", "fp8")  # the kv_cache_dtype values stored as codes with scales
 STORAGE_DTYPES = {"int8": torch.int8, "fp8": FP8_DTYPE}
 

@@ -135,12 +135,14 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         layer = self.layer_idx
         key_cache, value_cache = kv_cache.key_caches[layer], kv_cache.value_caches[layer]
+        key_scales, value_scales = ((kv_cache.key_scales[layer], kv_cache.value_scales[layer])
+                                    if kv_cache.quantized else (None, None))
         fused = None
         if self.qkv_proj is not None and self.q_norm is None:
             # decode steps: the product's epilogue rotates q/k and writes the cache (None where it cannot)
             fused = qkv_rotary_and_cache_write(x, getattr(self.qkv_proj, "packed", None), self.num_heads,
                                                self.num_kv_heads, self.head_dim, cos, sin, key_cache, value_cache,
-                                               attn_metadata.slot_mapping)
+                                               attn_metadata.slot_mapping, key_scales, value_scales)
         if fused is not None:
             query, key, value = fused
         else:
@@ -154,8 +156,6 @@ class Attention(nn.Module):
             value = value.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
             if self.q_norm is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
-            key_scales, value_scales = ((kv_cache.key_scales[layer], kv_cache.value_scales[layer])
-                                        if kv_cache.quantized else (None, None))
             query, key = rotary_and_cache_write(query, key, value, cos, sin, key_cache, value_cache,
                                                 attn_metadata.slot_mapping, key_scales, value_scales)
         out = backend.forward(layer, query, key, value, attn_metadata, kv_cache, self.scale, self.sliding_window,

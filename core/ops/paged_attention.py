@@ -108,7 +108,8 @@ def decode_path(num_seqs: int, operands: kernels.AttentionOperands, max_seq_len:
     """The decode path core/ops/paged_attention_table.py picks for this batch on this device."""
     return table.decode_path(table.DecodeShape(num_seqs, operands.num_heads, operands.num_kv_heads, max_seq_len,
                                                clusters_available(device_index),
-                                               kernels.multiprocessors(device_index)))
+                                               kernels.multiprocessors(device_index),
+                                               kernels.heads_n_serves(operands)))
 
 
 def decode_kernel_serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

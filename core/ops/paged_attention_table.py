@@ -50,6 +50,7 @@ class DecodeShape(NamedTuple):
     max_seq_len: int  # the bound of the batch's context lengths
     clusters: bool  # the device launches thread-block clusters (SM90+)
     multiprocessors: int
+    heads_as_n: bool = False  # paged_decode_heads_n_kernel serves the operands (kernels.heads_n_serves)
 
 
 def ctas(shape: DecodeShape) -> int:
@@ -75,6 +76,10 @@ DECODE_TABLE = (
     DecodeRow("combined", lambda s: short_bound(s) and ctas(s) >= COMBINED_MIN_CTAS,
               "many sequences under short bounds: faster than split at 32 streams, slower at one (2 CTAs) "
               "(e0c504d:results/fused_norm_and_combined_attention_experiments_qwen2.5-3b_nvidia_h200.json, 'run1')"),
+    DecodeRow("combined_split", lambda s: s.heads_as_n and not short_bound(s),
+              "G <= 8 at long bounds, any batch and cache dtype: the heads-as-n kernel's 8-warp CTAs, one an SM, "
+              "over splits that fill whole waves (combined_split_plan), one partial a CTA where the split path's "
+              "one-warp CTAs write one a few tiles; not yet measured on the H200 (docs/KERNELS.md)"),
     DecodeRow("combined_split", lambda s: not short_bound(s) and ctas(s) * FEW_STREAMS_SM_SHARE <= s.multiprocessors,
               "few sequences at long bounds: the combined path's CTAs over splits, one partial a CTA; H200, "
               "Qwen2.5-3B heads at 32k: one stream 18.3 against 30.1 µs split (FP16), 16.2 against 28.2 (int8), 8 "
@@ -86,7 +91,8 @@ DECODE_TABLE = (
 
 
 def decode_pipelined(path: str, quantized: bool) -> bool:
-    """Whether the decode kernel on `path` loads each tile one tile ahead (`quantized`: an int8 or e4m3 cache)."""
+    """Whether paged_decode_kernel on `path` loads each tile one tile ahead (`quantized`: an int8 or e4m3 cache);
+    paged_decode_heads_n_kernel always does."""
     return PIPELINED and not (quantized and path != "split")
 
 

@@ -8,8 +8,9 @@ KV budget and pool, padded-step runner and CUDA graph capture, in that order.
    (`warmup_requests`) on scratch KV blocks and measures the peak torch memory; with graphs, their
    memory is measured too (`estimate_graph_memory`). core/engine/worker/memory.py turns that into the KV
    budget, and max_model_len is lowered to what the pool holds.
-4. The KV pool (one block more for the padding rows of padded steps), the padded-step runner, the
-   eager ModelRunner, then the graphs are captured: they bind the pool's addresses.
+4. The KV pool (one block more for the padding rows of padded steps); an FP8 pool's per-head scales are
+   calibrated from one prefill of a fixed text (core/engine/worker/fp8_calibration.py); the padded-step
+   runner, the eager ModelRunner, then the graphs are captured: they bind the pool's addresses.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from deepinfer.core.engine.sched.request import Request
 from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk, SchedulerOutput
 from deepinfer.core.engine.worker.backends import choose_attention_backend, prefill_tile_tokens
 from deepinfer.core.engine.worker.cuda_graphs import PaddedStepRunner
+from deepinfer.core.engine.worker.fp8_calibration import calibrate_fp8_scales
 from deepinfer.core.engine.worker.memory import DeviceMemory, KVBudget, MiB, log_kv_budget, plan_kv_budget
 from deepinfer.core.engine.worker.model_runner import ModelRunner
 from deepinfer.core.errors import DeepInferError
@@ -72,14 +74,17 @@ class EngineRuntime:
 
 
 def start_up(config: EngineConfig, model, spec, device: torch.device, dtype: torch.dtype,
-             decode_mode: str | None = None) -> EngineRuntime:
-    """Everything between a ready model and the first step. decode_mode: see LLMEngine."""
-    return _Startup(config, model, spec, device, dtype).run(decode_mode)
+             decode_mode: str | None = None, *, tokenizer) -> EngineRuntime:
+    """Everything between a ready model and the first step. decode_mode: see LLMEngine; tokenizer: the model's,
+    for an FP8 cache's calibration prompt."""
+    return _Startup(config, model, spec, device, dtype, tokenizer).run(decode_mode)
 
 
 class _Startup:
-    def __init__(self, config: EngineConfig, model, spec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model, spec, device: torch.device, dtype: torch.dtype,
+                 tokenizer) -> None:
         self.config, self.model, self.spec, self.device, self.dtype = config, model, spec, device, dtype
+        self.tokenizer = tokenizer
         self.kv_quantized = config.kv_cache_dtype if config.kv_cache_dtype in QUANTIZATIONS else None
         self.kv_dtype = DTYPES.get(config.kv_cache_dtype, dtype)  # "auto", "int8" and "fp8": the model's dtype
         self.kv_storage_dtype = STORAGE_DTYPES.get(self.kv_quantized, self.kv_dtype)
@@ -103,6 +108,9 @@ class _Startup:
         # Padded steps get one block beyond the scheduler's pool, for their padding rows.
         padded = self.decode_mode != "eager"
         kv_cache = self._make_kv_cache(kv_budget.num_blocks + int(padded))
+        if self.kv_quantized == "fp8":  # before any graph reads the scales
+            calibrate_fp8_scales(self.model, self.tokenizer, kv_cache,
+                                 min(max_model_len, config.max_num_batched_tokens))
         step_runner = None
         if padded:
             step_runner = self._make_step_runner(kv_cache, max_model_len, dummy_block=kv_budget.num_blocks)
