@@ -167,19 +167,14 @@ def instantiations() -> tuple[str, ...]:
 _configured: set[tuple[str, int]] = set()
 
 
-def _allow_shared_memory(fn, shared_bytes: int, device_index: int) -> None:
-    """Beyond 48 KiB a kernel must ask for its dynamic shared memory (once per kernel and device)."""
+def _kernel(name: str, shared_bytes: int, device_index: int):
+    """The compiled kernel, allowed the dynamic shared memory of its launches (beyond 48 KiB a kernel must ask)."""
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        fn.max_dynamic_shared_size_bytes = shared_bytes
-
-
-def _kernel(name: str, shared_bytes: int, device_index: int):
-    """The compiled kernel, allowed the dynamic shared memory of its launches."""
     fn = get_kernel(SOURCE, name, device_index)
     if (name, device_index) not in _configured:
-        _allow_shared_memory(fn, shared_bytes, device_index)
+        with cupy.cuda.Device(device_index):
+            fn.max_dynamic_shared_size_bytes = shared_bytes
         _configured.add((name, device_index))
     return fn
 

@@ -434,9 +434,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     from deepinfer.kernels import w8_gemm as kw8
 
     monkeypatch.setattr(kw8, "get_kernel", lambda source, name, index: _Kernel((source, name)))
-    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index, shared_mem=0, cluster=None:
+    monkeypatch.setattr(kw8, "launch", lambda kernel, grid, block, args, index, cluster=None:
                         launches.append((kernel, args)))
-    monkeypatch.setattr(kw8, "_allow_shared_memory", lambda fn, shared_bytes, index: None)
     monkeypatch.setattr(kw8, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kw8, "clusters_available", lambda index: True)
     eight = quantize_rtn(torch.randn(256, 512), bits=8, group_size=32)
