@@ -77,8 +77,8 @@ _OPS = (
              w4_fragment_gemm.instantiations()),
     KernelOp("w8_gemm", w8_gemm.SOURCE,
              "W8A16 product on tensor cores (mma.sync, SM80+) reading the 8-bit packed weight (GGUF Q8_0, RTN 8-bit), "
-             "q - z exact in registers, each 32-code block's sums scaled in fp32; activations staged in shared memory "
-             "(cp.async) for a CTA of 8 warps of 1-4 row tiles each; K split in a cluster; 1-64 tokens",
+             "dequantized in registers with the reference's fp32 arithmetic; 16 rows a CTA of 8 warps splitting K; "
+             "1-64 tokens",
              w8_gemm.instantiations()),
     KernelOp("w4_fragment_batch", w4_fragment_batch.SOURCE,
              "W4A16 product of 33-128 tokens over the same fragment layout: 8 warps of 128 x 64-token tiles, a "

@@ -83,13 +83,10 @@ KERNELS = (
            ("90",)),
     Kernel("tc TT=4 (up to 32 tokens)", "quant_matmul.cu", "quant_tc_gemv_kernel<1,4,0,0>", 4, False),
     Kernel("tcs TT=4 (wide, up to 32 tokens)", "quant_matmul.cu", "quant_tcs_kernel<1,4,0,0>", 4, False),
-    # the W8 product (whole zero points, as Q8_0's) at every launch of its table, bf16 and fp16: each weight
-    # fragment feeds TT mma (its token tiles)
-    *(Kernel(f"w8_gemm TT={tt} RW={launch.row_warps} RT={launch.row_tiles} depth={launch.depth} "
-             f"{'bf16' if dt else 'fp16'}", "w8_gemm.cu",
-             f"w8_gemm_kernel<{dt},{tt},{launch.row_warps},{launch.row_tiles},{launch.depth},0,0>", tt, False,
-             tile_bytes=256)
-      for tt, launch in w8.LAUNCHES.items() for dt in (1, 0)),
+    # the W8 product (whole zero points, as Q8_0's) at the launches its table row serves (1-32 tokens)
+    *(Kernel(f"w8_gemm TT={tt} RW={w8.LAUNCHES[tt][0]} bf16", "w8_gemm.cu",
+             f"w8_gemm_kernel<1,{tt},{w8.LAUNCHES[tt][0]},0,0>", tt, False, tile_bytes=256)
+      for tt in (1, 2, 4)),
 )
 
 

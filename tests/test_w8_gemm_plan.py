@@ -1,7 +1,6 @@
 """The W8 kernel's launch plan and group index on the CPU: K splits cover K exactly once in whole steps of the
-warps along K, at most a cluster's 8 and only where the device has clusters; a warp's row tiles times token tiles
-stay within its accumulators, the shared memory within the device's; the multiply-high group index equals integer
-division wherever the launcher lets the kernel run."""
+warps along K, at most a cluster's 8 and only where the device has clusters; the multiply-high group index equals
+integer division wherever the launcher lets the kernel run."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from deepinfer.kernels import w8_gemm as w8
 def sm90(monkeypatch):
     monkeypatch.setattr(w8, "_num_sms", lambda index: 132)
     monkeypatch.setattr(w8, "clusters_available", lambda index: True)
-    monkeypatch.setattr(w8, "_max_shared_bytes", lambda index: 227 * 1024)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 9, 16, 33, 64])
@@ -30,47 +28,25 @@ def test_splits_cover_k_once_in_whole_steps(sm90, tokens, in_features, out_featu
     assert plan.segs_per_split % k_warps == 0
     assert (plan.splits - 1) * plan.segs_per_split < segments <= plan.splits * plan.segs_per_split
     assert 8 * plan.tiles >= min(tokens, w8.MAX_TOKENS)
-    assert plan.row_tiles * plan.tiles <= w8.MAX_ACCUMULATOR_TILES
-    assert plan.shared_bytes <= 227 * 1024
 
 
 def test_few_row_tiles_split_k_and_many_do_not(sm90):
-    # 2048-3584 rows are fewer than 2 CTAs an SM: split as LAUNCHES says; 22016 rows fill the GPU on their own
-    for tokens in (1, 16, 32, 64):
-        launch = w8.LAUNCHES[w8.token_tiles(tokens)]
-        for in_features, out_features in ((2048, 2048), (11008, 2048), (18944, 3584)):
-            plan = w8.plan(tokens, in_features, out_features, 0)
-            assert (plan.row_warps, plan.row_tiles, plan.splits, plan.depth) == launch
+    # 2048-3584 rows are fewer than 2 CTAs an SM at one token: split in 2; 22016 rows fill the GPU on their own
+    for in_features, out_features in ((2048, 2048), (11008, 2048), (18944, 3584)):
+        assert w8.plan(1, in_features, out_features, 0)[1:3] == (1, 2)
+        assert w8.plan(16, in_features, out_features, 0)[1:3] == (4, 8)
     assert w8.plan(1, 2048, 22016, 0).splits == w8.plan(16, 2048, 22016, 0).splits == 1
 
 
 def test_overrides_and_devices_without_clusters(sm90, monkeypatch):
-    plan = w8.plan(64, 2048, 2048, 0, row_warps=2, splits=3)
-    assert (plan.row_warps, plan.row_tiles, plan.depth, plan.splits) == (2, 1, w8.LAUNCHES[8].depth, 3)
-    plan = w8.plan(16, 2048, 2048, 0, row_tiles=4, depth=4)
-    assert (plan.row_tiles, plan.depth) == (4, 4)
+    assert w8.plan(64, 2048, 2048, 0, row_warps=2, splits=3)[1:3] == (2, 3)
     # K of 3 segments: one K step of 8 warps along K, three of one warp
     assert w8.plan(1, 160, 40, 0, splits=8).splits == 1
     assert w8.plan(1, 160, 40, 0, row_warps=8, splits=8).splits == 3
     with pytest.raises(ValueError, match="row_warps"):
         w8.plan(1, 2048, 2048, 0, row_warps=3)
-    with pytest.raises(ValueError, match="row_tiles"):
-        w8.plan(64, 2048, 2048, 0, row_tiles=2)  # 2 row tiles x 8 token tiles: more sums than registers hold
-    with pytest.raises(ValueError, match="depth"):
-        w8.plan(1, 2048, 2048, 0, depth=5)
     monkeypatch.setattr(w8, "clusters_available", lambda index: False)
     assert w8.plan(1, 11008, 2048, 0).splits == w8.plan(1, 11008, 2048, 0, splits=8).splits == 1
-
-
-def test_shared_memory_is_the_stages_or_the_partial_sums(sm90, monkeypatch):
-    # 4 stages of 8 warps along K x 64 tokens x 64 codes x 2 bytes = 256 KiB: cut to 3 stages (192 KiB) on 227 KiB
-    plan = w8.plan(64, 4096, 4096, 0, row_warps=1, depth=4)
-    assert (plan.depth, plan.shared_bytes) == (3, 3 * 8 * 64 * 64 * 2)
-    # one warp along K, 2 stages of 8 tokens: 2 KiB of activations; the partial sums of 8 warps x 4 row tiles take more
-    plan = w8.plan(8, 4096, 4096, 0, row_warps=8, row_tiles=4, depth=2)
-    assert plan.shared_bytes == 8 * 4 * 1 * 4 * 32 * 4
-    monkeypatch.setattr(w8, "_max_shared_bytes", lambda index: 99 * 1024)
-    assert w8.plan(64, 4096, 4096, 0, row_warps=1, depth=4).depth == 2
 
 
 def test_group_index_by_multiply_high_is_integer_division():
