@@ -10,8 +10,9 @@ layer's cached K (after RoPE) and V back, and sets
     value_scales[l][h] = the same over V
 
 into the FP8 cache's device tensors in place (their addresses stay what the graphs will read).
-SCALE_MARGIN leaves headroom for values beyond the calibration text's (other texts can exceed its amax): e4m3's precision is relative, so a larger scale costs only the subnormal range at the bottom, which
-moves up by the same factor, while a value past 448 * scale saturates. A head whose values are all zero keeps
+SCALE_MARGIN leaves headroom for values beyond the calibration text's (other texts can exceed its amax):
+e4m3's precision is relative, so a larger scale costs only the subnormal range at the bottom, which moves up by
+the same factor, while a value past 448 * scale saturates. A head whose values are all zero keeps
 FP8_DEFAULT_SCALE.
 """
 
