@@ -19,7 +19,7 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_help_lists_every_command_without_importing_torch():
     probe = (
         "import sys\n"
-        "from deepinfer_cli.main import main\n"
+        "from deepinfer.cli.main import main\n"
         "sys.argv = ['deepinfer', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'TORCH_ABSENT')\n"
