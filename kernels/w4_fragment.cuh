@@ -154,29 +154,16 @@ __device__ __forceinline__ u16 gate_times_up(float gate, float up) {
   return Num<DT>::from_float(act * up_r);
 }
 
-// A barrier of the CTA's first THREADS threads (0: all of them; else named barrier 1, which a producer warp past
-// those threads keeps out of).
-template <int THREADS>
-__device__ __forceinline__ void cta_barrier() {
-  if constexpr (THREADS == 0) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
-  }
-}
-
 // Whether this CTA is the last of `others` + 1 to leave its part of a tile (the tile's counter, acquire-release):
 // every thread's part is written before thread 0 counts, and the last CTA's threads read the others' after it.
-// THREADS: the threads that hold parts (cta_barrier's).
-template <int THREADS = 0>
 __device__ __forceinline__ bool last_to_arrive(u32* counter, u32 others, int& flag) {
-  cta_barrier<THREADS>();
+  __syncthreads();
   if (threadIdx.x == 0) {
     u32 arrived;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(counter) : "memory");
     flag = arrived == others;
   }
-  cta_barrier<THREADS>();
+  __syncthreads();
   return flag;
 }
 

@@ -13,15 +13,11 @@
 // warpgroups side by side along N, each warp all 4 atoms of a 256-k stage, so a stage's 32 KiB of activations serve
 // 32 KiB of weights (the 128-row tile's serve 16) and no K halves meet in the epilogue.
 //
-// Pipeline. Without RING, weights, scale entries and activations of a stage are one cp.async group of every thread
-// in a ring of STAGES slots, a block barrier a stage; the first stages' weights and scales are fetched before the
+// Pipeline. Weights, scale entries and activations of a stage are one cp.async group of every thread in a ring of
+// STAGES slots, a block barrier a stage; the first stages' weights and scales are fetched before the
 // programmatic-launch wait (no earlier kernel writes them). The ring runs on across output tiles: a stage's copies
 // are those of the (tile, k block) the CTA reaches STAGES - 1 iterations ahead, so the copies of the next tile are in
-// flight while one tile finishes. With RING (the wide wgmma tiles, SM90) a third warpgroup's producer warp fills the
-// STAGES slots (weights and scale entries by cp.async.bulk, activations by cp.async) and the two consumer
-// warpgroups wait on each slot's full mbarrier and release it on its empty one, so a slot is refilled as soon as
-// every consumer warp is done with it and no block barrier is left in the main loop (kernels/w4_fragment_ring.cuh);
-// every slot's weights go out before the programmatic-launch wait. Both pipelines give the same bits.
+// flight while one tile finishes.
 //
 // Work split (stream-K). The work is tiles x k blocks iterations, tile-major, token blocks of one row block
 // adjacent (they read the same weights, so the second read is an L2 hit); CTA c of the grid's P takes iterations
@@ -33,7 +29,7 @@
 //
 // Epilogue. The two K halves of a tile (warps wk = 0, 1; WK = 2) are added in shared memory, in the ring slot the
 // tile's last stage has just been read from (free until the next iteration's barrier), then bias, and the write in DT.
-#include "w4_fragment_ring.cuh"
+#include "w4_fragment.cuh"
 #include "wgmma.cuh"
 
 // The stage layout: FragTile's; with WGMMA the activations as BK / 64 blocks of TOKENS rows x 128 bytes (64 k) in
@@ -53,8 +49,8 @@ struct BatchTile<RT, TT, WN, WK, APW, GS, true> : FragTile<RT, TT, WN, WK, APW, 
   }
 };
 
-template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA, bool RING>
-__global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batch_kernel(
+template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, bool WGMMA>
+__global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
@@ -66,10 +62,8 @@ __global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batc
   using L = BatchTile<RT, TT, WN, WK, APW, GS, WGMMA>;
   static_assert(WK == 1 || WK == 2, "the epilogue adds at most two K halves");
   static_assert(WK == 1 || L::TOKENS * L::ROWS * 4 <= L::STAGE_BYTES, "a ring slot holds a tile's K half");
-  static_assert(RING || !WGMMA || L::THREADS == L::BK, "one pass of the CTA's activation copies a stage");
-  static_assert(!RING || (WGMMA && WK == 1), "the ring feeds the wgmma warpgroups of one K range");
+  static_assert(!WGMMA || L::THREADS == L::BK, "one pass of the CTA's activation copies a stage");
   constexpr int OUTS = L::TOKENS * L::ROWS;
-  constexpr int CONSUMER_THREADS = L::THREADS;  // the warps that multiply (all but the ring's producer warpgroup)
   constexpr int HALF_THREADS = 32 * WN;  // the warps of K half 0 (every warp when WK = 1), which write the outputs
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ int last_flag;
@@ -99,7 +93,7 @@ __global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batc
       // next belongs to a finished group); a group's sums are scaled into the accumulators once its groups are
       // done. Three sets, but two on the wide tile at 64 tokens (APW = 4, TT = 8), whose registers hold no more
       // (with three ptxas spilled inside the loop).
-      constexpr int SETS = (APW > 2 || RING) && TT > 6 ? 2 : 3;
+      constexpr int SETS = APW > 2 && TT > 6 ? 2 : 3;
       u32 a[SETS][RT][4];
 #pragma unroll
       for (int s = 0; s < L::STEPS; ++s) {
@@ -236,7 +230,7 @@ __global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batc
       }
       const long long first_it = (long long)tile * num_kb, last_it = first_it + num_kb - 1;
       const int c_lo = (int)(((first_it + 1) * ctas - 1) / total), c_hi = (int)(((last_it + 1) * ctas - 1) / total);
-      write = last_to_arrive<RING ? CONSUMER_THREADS : 0>(counters + tile, (u32)(c_hi - c_lo), last_flag) && write;
+      write = last_to_arrive(counters + tile, (u32)(c_hi - c_lo), last_flag) && write;
       if (write) {
         zero(acc);
 #pragma unroll 1
@@ -274,132 +268,66 @@ __global__ void __launch_bounds__(32 * WN * WK + 128 * RING, 1) w4_fragment_batc
     zero(acc);
   };
 
-  if constexpr (RING) {
-    // Warp-specialized (kernels/w4_fragment_ring.cuh): warps 0 .. WN - 1 (two warpgroups) multiply, warp WN of the
-    // third warpgroup copies; that warpgroup keeps PRODUCER_REGISTERS a thread and the consumers take the rest
-    // (65536 registers an SM: 128 x 40 + 256 x 232).
-    constexpr u32 PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
-    static_assert(WN == 8, "two consumer warpgroups and the producer's");
-    const Ring<STAGES> ring;
-    if (tid == 0) ring.init(WN);
-    __syncthreads();  // the barriers are initialized; the only CTA-wide barrier (the producers leave the others)
-    if (warp >= WN) {
-      release_registers<PRODUCER_REGISTERS>();
-      if (warp > WN) return;
-      auto copies_of = [&](int tile) {
-        return RingCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
-                             k_atoms, M, K, num_groups, groups.count);
-      };
-      int tile = begin / num_kb, kb = begin % num_kb;
-      RingCopies<L> copies = copies_of(tile);
-      {  // the weights and scale entries of every stage the ring holds, before the PDL wait
-        int ahead_tile = tile, ahead_kb = kb;
-        RingCopies<L> ahead = copies;
-        for (int i = 0; i < min(steps, STAGES); ++i) {
-          ahead.weights(smem + i * L::STAGE_BYTES, ring.full + i, ahead_kb, group_shift);
-          if (++ahead_kb == num_kb) {
-            ahead_kb = 0;
-            ahead = copies_of(++ahead_tile);
-          }
-        }
-      }
-      wait_for_prior_grids();
-      RingPosition<STAGES> at;
-      for (int i = 0; i < steps; ++i, at.step()) {
-        unsigned char* slot = smem + at.slot * L::STAGE_BYTES;
-        if (i >= STAGES) {
-          barrier_wait(ring.empty + at.slot, at.phase ^ 1);  // the consumers are done with the slot's last use
-          copies.weights(slot, ring.full + at.slot, kb, group_shift);
-        }
-        copies.activations(slot, ring.full + at.slot, kb);
-        if (++kb == num_kb) {
-          kb = 0;
-          copies = copies_of(++tile);
-        }
-      }
-      return;
+  // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
+  auto copies_of = [&](int tile) {
+    return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
+                         k_atoms, M, K, num_groups, groups.count);
+  };
+  // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
+  struct Position {
+    int tile, kb;
+  };
+  auto advance = [&](Position& at, FragCopies<L>& copies) {
+    if (++at.kb == num_kb) {
+      at.kb = 0;
+      copies = copies_of(++at.tile);
     }
-    claim_registers<CONSUMER_REGISTERS>();
-    wait_for_prior_grids();  // before the first write (outputs, partials, counters)
-    zero(acc);
-    zero(part);
-    RingPosition<STAGES> at;
-    unsigned char* stage = smem;
-    for (int it = begin; it < end;) {
-      // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
-      const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
-      int k_stage = (it - tile * num_kb) * L::BK;
-      for (; it < segment_end; ++it, k_stage += L::BK, at.step()) {
-        stage = smem + at.slot * L::STAGE_BYTES;
-        barrier_wait(ring.full + at.slot, at.phase);
-        multiply_stage(stage, k_stage, it + 1 == segment_end);
-        __syncwarp();  // every lane's reads of the slot are done (multiply_stage waited for its wgmma)
-        if (lane == 0) barrier_arrive(ring.empty + at.slot);
-      }
-      finish_tile(tile, segment_begin, segment_end, stage);
+  };
+  const Position start{begin / num_kb, begin % num_kb};
+  Position at = start;
+  FragCopies<L> fill = copies_of(start.tile);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
+      if (s > 0) advance(at, fill);
+      fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
     }
-  } else {
-    // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
-    auto copies_of = [&](int tile) {
-      return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
-                           k_atoms, M, K, num_groups, groups.count);
-    };
-    // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
-    struct Position {
-      int tile, kb;
-    };
-    auto advance = [&](Position& at, FragCopies<L>& copies) {
-      if (++at.kb == num_kb) {
-        at.kb = 0;
-        copies = copies_of(++at.tile);
-      }
-    };
-    const Position start{begin / num_kb, begin % num_kb};
-    Position at = start;
-    FragCopies<L> fill = copies_of(start.tile);
+  wait_for_prior_grids();
+  at = start;
+  fill = copies_of(start.tile);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
-        if (s > 0) advance(at, fill);
-        fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
-      }
-    wait_for_prior_grids();
-    at = start;
-    fill = copies_of(start.tile);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < steps) {
-        if (s > 0) advance(at, fill);
-        fill.activations(smem + s * L::STAGE_BYTES, at.kb);
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) {
+      if (s > 0) advance(at, fill);
+      fill.activations(smem + s * L::STAGE_BYTES, at.kb);
+    }
+    cp_async_commit();
+  }
+
+  zero(acc);
+  zero(part);
+  int read_slot = 0, fill_slot = STAGES - 1;  // the slot read now and the one refilled
+  unsigned char* stage = smem;                // the slot read last
+  for (int it = begin; it < end;) {
+    // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
+    const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
+    int k_stage = (it - tile * num_kb) * L::BK;
+    for (; it < segment_end; ++it, k_stage += L::BK) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // this stage landed for every thread; nobody still reads the one refilled next
+      if (it + STAGES - 1 < end) {  // the copies STAGES - 1 iterations ahead, whatever tile they are of
+        advance(at, fill);
+        unsigned char* refill = smem + fill_slot * L::STAGE_BYTES;
+        fill.weights(refill, at.kb, group_shift);
+        fill.activations(refill, at.kb);
       }
       cp_async_commit();
+      fill_slot = fill_slot == STAGES - 1 ? 0 : fill_slot + 1;
+      stage = smem + read_slot * L::STAGE_BYTES;
+      read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
+      multiply_stage(stage, k_stage, it + 1 == segment_end);
     }
-
-    zero(acc);
-    zero(part);
-    int read_slot = 0, fill_slot = STAGES - 1;  // the slot read now and the one refilled
-    unsigned char* stage = smem;                // the slot read last
-    for (int it = begin; it < end;) {
-      // One tile's part: iterations [segment_begin, segment_end) of tile `tile`.
-      const int tile = it / num_kb, segment_begin = it, segment_end = min(end, (tile + 1) * num_kb);
-      int k_stage = (it - tile * num_kb) * L::BK;
-      for (; it < segment_end; ++it, k_stage += L::BK) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // this stage landed for every thread; nobody still reads the one refilled next
-        if (it + STAGES - 1 < end) {  // the copies STAGES - 1 iterations ahead, whatever tile they are of
-          advance(at, fill);
-          unsigned char* refill = smem + fill_slot * L::STAGE_BYTES;
-          fill.weights(refill, at.kb, group_shift);
-          fill.activations(refill, at.kb);
-        }
-        cp_async_commit();
-        fill_slot = fill_slot == STAGES - 1 ? 0 : fill_slot + 1;
-        stage = smem + read_slot * L::STAGE_BYTES;
-        read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;
-        multiply_stage(stage, k_stage, it + 1 == segment_end);
-      }
-      finish_tile(tile, segment_begin, segment_end, stage);
-    }
-    cp_async_wait<0>();
+    finish_tile(tile, segment_begin, segment_end, stage);
   }
+  cp_async_wait<0>();
 }

@@ -36,7 +36,6 @@ class BatchConfig:
     apw: int = 2
     stages: int = 4
     wgmma: bool = False  # wgmma (SM90a: m64n(8 TT)k16, A from registers) in place of mma.sync
-    ring: bool = False  # a producer warp's bulk copies into an mbarrier ring (SM90, wgmma, wn = 8, wk = 1) for cp.async
 
     @property
     def rows(self) -> int:
@@ -48,7 +47,7 @@ class BatchConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * (self.wn * self.wk + 4 * self.ring)  # the ring's producer warpgroup
+        return 32 * self.wn * self.wk
 
     @property
     def bk(self) -> int:
@@ -67,12 +66,11 @@ class BatchConfig:
 
     @property
     def label(self) -> str:
-        return (f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}"
-                f"{',wgmma' if self.wgmma else ''}{',ring' if self.ring else ''}>")
+        return f"batch<{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{self.stages}{',wgmma' if self.wgmma else ''}>"
 
     def name(self, dt: int, gs: int) -> str:
         return (f"w4_fragment_batch_kernel<{dt},{self.rt},{self.tt},{self.wn},{self.wk},{self.apw},{gs},"
-                f"{self.stages},{'true' if self.wgmma else 'false'},{'true' if self.ring else 'false'}>")
+                f"{self.stages},{'true' if self.wgmma else 'false'}>")
 
 
 # 8 warps (4 along N, 2 along K) of 2 row tiles and all 64 tokens: 128 x 64 outputs a CTA, 256 k a stage (at
@@ -83,16 +81,7 @@ WGMMA_CONFIG = BatchConfig(wgmma=True)  # the same tile on wgmma (SM90)
 # stage, 3 stages of 66 KiB. A stage's 32 KiB of activations serve 32 KiB of weights (the 128-row tile's serve 16).
 WIDE_WGMMA_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True)
 WIDE_48_WGMMA_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True)  # 48-token blocks (m64n48k16)
-# The wide tiles fed by a producer warpgroup's bulk copies into an mbarrier ring (w4_fragment_ring.cuh), no block
-# barrier in the main loop: the same 3 slots of 66 KiB (58 at 48 tokens), and a deeper ring of 128-k stages (6 slots
-# of 33 KiB, 7 of 29 at 48 tokens), so a slot is refilled after half a 256-k stage's work and up to 5-6 stages
-# (165-174 KiB) are in flight while one is read.
-WIDE_RING_CONFIG = BatchConfig(wn=8, wk=1, apw=4, stages=3, wgmma=True, ring=True)
-WIDE_48_RING_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=4, stages=3, wgmma=True, ring=True)
-DEEP_RING_CONFIG = BatchConfig(wn=8, wk=1, apw=2, stages=6, wgmma=True, ring=True)
-DEEP_48_RING_CONFIG = BatchConfig(tt=6, wn=8, wk=1, apw=2, stages=7, wgmma=True, ring=True)
-RING_CONFIGS = (WIDE_RING_CONFIG, WIDE_48_RING_CONFIG, DEEP_RING_CONFIG, DEEP_48_RING_CONFIG)
-CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG, *RING_CONFIGS)
+CONFIGS = (CONFIG, WGMMA_CONFIG, WIDE_WGMMA_CONFIG, WIDE_48_WGMMA_CONFIG)
 
 
 def iterations(num_tokens: int, out_features: int, in_features: int, config: BatchConfig = CONFIG) -> int:

@@ -7,8 +7,7 @@ kernels/compiler.py gives NVRTC), disassembles the cubin (cuobjdump, which runs 
 loop (the backward branch whose body holds the most tensor-core instructions) and sorts the body's instructions:
 
 - tensor: HMMA (mma.sync), HGMMA and WARPGROUP (wgmma);
-- copies: global and shared loads and stores, cp.async and its waits, barriers, mbarrier operations (block barriers,
-  BAR, also counted apart: a warp-specialized loop has none);
+- copies: global and shared loads and stores, cp.async and its waits, barriers, mbarrier operations;
 - spills: local-memory loads and stores (LDL / STL: registers ptxas spilled), which a gated kernel's loop must not have;
 - other: everything else (unpacking, zero points, scales, addresses, loop control).
 
@@ -151,7 +150,7 @@ def main_loop(code: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
 
 
 def classify(body: list[tuple[int, str, str]]) -> dict[str, int]:
-    counts = {"tensor": 0, "hmma": 0, "hgmma": 0, "copies": 0, "barriers": 0, "spills": 0, "other": 0}
+    counts = {"tensor": 0, "hmma": 0, "hgmma": 0, "copies": 0, "spills": 0, "other": 0}
     other_ops: dict[str, int] = {}
     for _, opcode, _ in body:
         base = opcode.split(".")[0]
@@ -161,7 +160,6 @@ def classify(body: list[tuple[int, str, str]]) -> dict[str, int]:
             counts["hgmma"] += base == "HGMMA"
         elif COPIES.match(opcode):
             counts["copies"] += 1
-            counts["barriers"] += base == "BAR"
         elif SPILLS.match(opcode):
             counts["spills"] += 1
         else:
@@ -220,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory() as workdir:
             records = measure(KERNELS, Path(workdir))
-    print(f"{'kernel':<52} {'arch':<7} {'loop':>5} {'tensor':>6} {'copies':>6} {'bar':>4} {'spills':>6} {'other':>6} "
-          f"{'B/warp':>7} {'other/B':>8}  top other opcodes")
+    print(f"{'kernel':<52} {'arch':<7} {'loop':>5} {'tensor':>6} {'copies':>6} {'spills':>6} {'other':>6} {'B/warp':>7} "
+          f"{'other/B':>8}  top other opcodes")
     failed = []
     for r in records:
         top = ", ".join(f"{op} {n}" for op, n in list(r["other_ops"].items())[:6])
@@ -233,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             if not ok:
                 failed.append(f"{r['kernel']} {r['arch']}")
         print(f"{r['kernel']:<52} {r['arch']:<7} {r['loop_instructions']:>5} {r['tensor']:>6} {r['copies']:>6} "
-              f"{r['barriers']:>4} {r['spills']:>6} {r['other']:>6} {r['weight_bytes_per_warp']:>7.0f} {ratio:>8.3f}{mark}  "
-              f"{top}")
+              f"{r['spills']:>6} {r['other']:>6} {r['weight_bytes_per_warp']:>7.0f} {ratio:>8.3f}{mark}  {top}")
     if args.json:
         args.json.write_text(json.dumps({"budget": BUDGET, "records": records},
                                         indent=2) + "\n")

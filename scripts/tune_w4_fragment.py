@@ -5,9 +5,8 @@ CONFIGS) at K splits 1, 2, 4, 8, 16 (at most half the stages) and at the plan's 
 over enough weight copies to leave the L2 (core/bench/gemv_bench.time_graph); the floor is the packed bytes over the
 copy bandwidth measured in the same run. `plan`'s choices come from this sweep.
 
-With --batch, the 33-128-token kernel instead (kernels/w4_fragment_batch.py): each wide wgmma launch shape, on the
-cp.async pipeline and on the mbarrier ring, at the CTA count its plan gives, and whether each ring shape's output
-has the same bits as the cp.async shape of the same tile (the same sums in the same order).
+With --batch, the 33-128-token kernel instead (kernels/w4_fragment_batch.py): each wide wgmma launch shape (SM90) at
+the CTA count its plan gives.
 
     python3 scripts/tune_w4_fragment.py --tokens 1,8,16,32 --output results/w4_fragment_sweep_nvidia_h200.json
     python3 scripts/tune_w4_fragment.py --batch --tokens 48,64,96,128 --output batch_sweep.json
@@ -61,16 +60,14 @@ def sweep_point(weights, x, outs, device_index) -> dict:
             "plan_us": times.get(f"{planned.label}/splits={planned_splits}")}
 
 
-# The batch kernel's wide SM90 shapes: the cp.async ones and the ring ones, each ring shape with the cp.async shape of
-# the same tile whose bits it must have (None: no cp.async shape of that tile).
-BATCH_CONFIGS = (batch.WIDE_WGMMA_CONFIG, batch.WIDE_48_WGMMA_CONFIG, *batch.RING_CONFIGS)
-SAME_TILE = {batch.WIDE_RING_CONFIG: batch.WIDE_WGMMA_CONFIG, batch.WIDE_48_RING_CONFIG: batch.WIDE_48_WGMMA_CONFIG}
+# The batch kernel's wide SM90 shapes, 64- and 48-token blocks: the ones its plan chooses between.
+BATCH_CONFIGS = (batch.WIDE_WGMMA_CONFIG, batch.WIDE_48_WGMMA_CONFIG)
 
 
 def batch_sweep_point(weights, x, outs, device_index) -> dict:
     num_tokens, in_features = x.shape
     out_features = weights[0].out_features
-    times, same_bits = {}, {}
+    times = {}
     planned = batch.plan(num_tokens, out_features, in_features, device_index)[0]
     for config in BATCH_CONFIGS:
         ctas = batch.plan(num_tokens, out_features, in_features, device_index, config)[1]
@@ -80,13 +77,9 @@ def batch_sweep_point(weights, x, outs, device_index) -> dict:
                 batch.w4_fragment_batch(x, w, config=config, ctas=ctas, out=outs[i % 2])
 
         times[config.label] = time_graph(launch_all, len(weights), 3, x.device)[0]
-        if config in SAME_TILE:
-            ring = batch.w4_fragment_batch(x, weights[0], config=config, ctas=ctas)
-            reference = batch.w4_fragment_batch(x, weights[0], config=SAME_TILE[config], ctas=ctas)
-            same_bits[config.label] = torch.equal(ring.view(torch.int16), reference.view(torch.int16))
     best = min(times, key=times.get)
     return {"us": times, "best": best, "best_us": times[best], "plan": planned.label,
-            "plan_us": times[planned.label], "same_bits": same_bits}
+            "plan_us": times[planned.label]}
 
 
 def main() -> None:
@@ -120,8 +113,7 @@ def main() -> None:
                 if args.batch:
                     times = " ".join(f"{label.removeprefix('batch<2,')[:-1]} {us:.1f} ({100 * floor_us / us:.0f}%)"
                                      for label, us in point["us"].items())
-                    same = "" if all(point["same_bits"].values()) else f" DIFFERENT BITS {point['same_bits']}"
-                    print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f}: {times}{same}", flush=True)
+                    print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f}: {times}", flush=True)
                 else:
                     print(f"{model} {in_features}x{out_features} M={num_tokens}: floor {floor_us:.1f} us, plan "
                           f"{point['plan']} {point['plan_us'] or float('nan'):.1f}, best {point['best']} "

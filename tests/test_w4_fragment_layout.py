@@ -190,31 +190,6 @@ def test_the_wide_batch_tiles_ring_fits_an_sm_at_every_group_size():
             assert config.shared_bytes(config.group_steps(group_size, 4096)) + 1024 <= 227 * 1024
 
 
-def test_the_ring_shapes_hold_a_producer_warpgroup_and_more_stages_in_flight(monkeypatch):
-    """The mbarrier ring's launch shapes, hand-counted: the wide tiles' two consumer warpgroups and a producer
-    warpgroup (384 threads); the deep ring's 128-k stages (16 row tiles x 2 atoms x 512 bytes of weights, 64 / 48
-    tokens x 128 k of activations, one group slot at G >= 128), 6 / 7 of them in an SM, so 5 / 6 stages (at least
-    64 KiB) can be in flight while one is read; the kernel names carry the ring flag; the plan never picks them."""
-    from deepinfer.kernels import w4_fragment_batch as batch
-
-    monkeypatch.setattr(batch, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(batch, "wgmma_available", lambda index: True)
-    deep, deep_48 = batch.DEEP_RING_CONFIG, batch.DEEP_48_RING_CONFIG
-    for config in batch.RING_CONFIGS:
-        assert config.wgmma and config.ring and (config.wn, config.wk, config.threads) == (8, 1, 384)
-        assert config.name(1, 0).endswith(",true,true>")
-        assert config not in {batch.plan(m, 37888, 3584, 0)[0] for m in (33, 48, 64, 96, 128)}
-    assert batch.WIDE_WGMMA_CONFIG.name(1, 8) == "w4_fragment_batch_kernel<1,2,8,8,1,4,8,3,true,false>"
-    assert (deep.bk, deep.group_steps(128, 4096)) == (128, 0)
-    assert deep.shared_bytes(0) == 6 * (16384 + 16384 + 16 * 1 * 64)
-    assert deep_48.shared_bytes(0) == 7 * (16384 + 12288 + 16 * 1 * 64)
-    assert deep.shared_bytes(deep.group_steps(32, 4096)) == 6 * (16384 + 16384 + 16 * 4 * 64)
-    for config in (deep, deep_48):
-        stage = config.shared_bytes(0) // config.stages
-        assert (config.stages - 1) * stage >= 64 * 1024
-    assert len(set(batch.instantiations())) == len(batch.instantiations())
-
-
 def test_the_batch_kernels_plan_shares_whole_k_blocks_among_one_cta_an_sm(monkeypatch):
     """w4_fragment_batch's stream-K work: tiles of 128 rows (256 on the wide wgmma tile) x 64 tokens x k blocks of
     256, hand-counted; one CTA an SM (132), fewer where a CTA would get under 3 k blocks; the wide wgmma launch shape
