@@ -154,9 +154,8 @@ def test_quantization_error_names_the_layer(tmp_path):
 def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
     import time
 
-    from deepinfer.core.models.loader import load_model
+    from deepinfer.core.models.loader import load_model, packed_weights
     from deepinfer.core.ops.quant_matmul import fragment_copy_bytes
-    from deepinfer.core.quant.quant_linear import QuantLinear
 
     def load(**budget) -> tuple[int, int, float, int]:
         torch.cuda.synchronize()
@@ -167,7 +166,7 @@ def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
                             torch.device("cuda"), torch.float16)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        copies = fragment_copy_bytes([m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)])
+        copies = fragment_copy_bytes(*packed_weights(loaded.model))
         peak = torch.cuda.max_memory_allocated() - before
         held = torch.cuda.memory_allocated() - before
         del loaded
@@ -179,7 +178,68 @@ def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
           f"peak {peak / 2**30:.2f} GiB")
     assert held < 2.4 * 2**30 and peak < held + 0.5 * 2**30
     assert seconds < 30
-    # by default (the copies fit 5% of an H200) the fragment kernel's copies come on top, and nothing else
+    # by default (the copies fit 5% of an H200) the fragment kernels' layouts come on top (gate/up: the interleaved
+    # and the plain one), and nothing else
     held_with_copies, _, _, copies = load()
     print(f"with fragment copies: held {held_with_copies / 2**30:.2f} GiB, copies {copies / 2**30:.2f} GiB")
     assert copies > 0 and held_with_copies < held + 1.1 * copies
+
+
+def test_qwen25_3b_layer_holds_each_form_a_dispatched_kernel_reads(tmp_path, monkeypatch):
+    """One Qwen2.5-3B W4A16 layer (dummy codes, G = 128, fp16 activations) laid out as on a GPU: every form the load
+    holds beside the packed codes is read by the kernel the table dispatches at some token count (1-256), and its
+    bytes are the hand count: the fragment layout is the codes plus a scale and a zero (fp16) per row and group,
+    the gate/up weight holds it twice (plain for 17-96 tokens, interleaved for the fused activation at 9-16), and
+    the W4 GEMM's scale pairs are a scale and a zero per row and group where its row serves."""
+    from deepinfer.core.models.loader import SHAPES_DIR, load_model, packed_weights
+    from deepinfer.core.ops import dispatch, quant_matmul
+    from deepinfer.core.ops import quant_matmul_table as table
+
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)  # the CPU's tensors as a GPU's
+    shape = json.loads((SHAPES_DIR / "qwen2.5-3b.json").read_text())
+    shape.update(num_hidden_layers=1, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    (tmp_path / "shape.json").write_text(json.dumps(shape))
+    model = load_model(EngineConfig(dummy_weights=True, shape=str(tmp_path / "shape.json"), quantization="w4a16"),
+                       torch.device("cpu"), torch.float16).model
+    weights, gate_ups = packed_weights(model)
+    assert quant_matmul.prepare_products(weights, torch.float16, gate_ups=gate_ups) == 4
+
+    layer = model.model.layers[0]
+    names = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+             "down": layer.mlp.down_proj}
+    held, kernels_reading = {}, {}
+    for name, linear in names.items():
+        packed = linear.packed
+        plain = table._fragments.get(id(packed.qweight), (None, {}))[1].get(torch.float16)
+        interleaved = table._gate_up_fragments.get(id(packed.qweight), (None, {}))[1].get(torch.float16)
+        pairs = table._scale_pairs.get(id(packed.scales), (None, {}))[1].get(torch.float16)
+        held[name] = {form: tensors for form, tensors in (
+            ("plain", plain and (plain.frag, plain.sz)), ("interleaved", interleaved and interleaved[0][:2]),
+            ("pairs", pairs and (pairs[0],))) if tensors}
+        shapes = [table.ProductShape(t, packed.in_features, packed.out_features, 4, 128) for t in range(1, 257)]
+        fused = {s.tokens for s in shapes if name == "gate_up" and table.epilogue_serves(table.FRAGMENT_GATE_UP_ACT, s)}
+        kernels_reading[name] = {
+            "plain": {s.tokens for s in shapes if table.product_row(s).kernel in table.FRAGMENT_KERNELS} - fused,
+            "interleaved": fused,
+            "pairs": {s.tokens for s in shapes if table.product_row(s).kernel == "w4_gemm"}}
+    assert {name: set(forms) for name, forms in held.items()} == {
+        "qkv": {"plain", "pairs"}, "o": {"plain"}, "gate_up": {"plain", "interleaved", "pairs"},
+        "down": {"plain", "pairs"}}
+    for name, forms in held.items():
+        for form in forms:
+            assert kernels_reading[name][form], f"{name} holds its {form} form, which no dispatched kernel reads"
+        for form in {"plain", "interleaved", "pairs"} - set(forms):
+            assert not kernels_reading[name][form], f"{name} lacks its {form} form"
+    assert kernels_reading["gate_up"]["interleaved"] == set(range(9, 17))
+    assert kernels_reading["gate_up"]["plain"] == set(range(17, 97))
+
+    def words(n, k):  # one layout: the codes (n x k / 8 words), a word per row and group (fp16 scale and zero)
+        return n * k // 8 + n * k // 128
+
+    layouts = {"qkv": words(2560, 2048), "o": words(2048, 2048), "gate_up": 2 * words(22016, 2048),
+               "down": words(2048, 11008)}
+    for name, linear in names.items():
+        assert sum(t.numel() for form in ("plain", "interleaved") for t in held[name].get(form, ())) == layouts[name]
+        if "pairs" in held[name]:
+            assert held[name]["pairs"][0].numel() == linear.out_features * linear.in_features // 128
+    assert quant_matmul.fragment_copy_bytes(weights, gate_ups) == 4 * sum(layouts.values())

@@ -157,8 +157,9 @@ def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_pla
     assert weight.frag.shape == (2 * inner // 16, in_features // 64, 32, 4)
     assert table.fragment_weight(plain, torch.bfloat16, lay_out=False) is not None
     assert table.fragment_plain_needed(gate_up) is False
-    codes = gate_up.qweight.numel() * 4
-    assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == codes
+    layout = weight.frag.numel() * 4 + weight.sz.numel() * 4
+    assert layout == gate_up.qweight.numel() * 4 + (2 * inner) * (in_features // 128) * 4  # codes, a word pair a group
+    assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == layout
     # 7B's gate/up (3584 x 37888), which the batch row takes at 33-128 tokens: only its shape is read
     from deepinfer.core.quant.packed import PackedWeight
 
@@ -168,7 +169,8 @@ def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_pla
     table.product_row.cache_clear()
     try:
         assert table.fragment_plain_needed(large)
-        assert quant_matmul.fragment_copy_bytes([large], frozenset({id(large)})) == 2 * large.qweight.numel() * 4
+        assert quant_matmul.fragment_copy_bytes([large], frozenset({id(large)})) == 2 * (
+            large.qweight.numel() * 4 + 37888 * 28 * 4)
     finally:
         table.product_row.cache_clear()
 

@@ -63,6 +63,7 @@ from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.ops.gate_up_activation import fused_activation
 from deepinfer.core.ops.quant_matmul import fragment_copy_bytes, prepare_products
 from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
+from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.quant_linear import QuantLinear
 from deepinfer.core.quant.quantize_model import BITS_OF_SCHEME, quantize_projections
 from deepinfer.core.tokenizer import ByteTokenizer, Tokenizer
@@ -110,13 +111,20 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     merge_projections(loaded.model)  # q/k/v and gate/up: one product each
     if device.type == "cuda":
         compact_weights(loaded.model, device)
-        weights = [m.packed for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-        gate_ups = frozenset(id(m.gate_up_proj.packed) for m in loaded.model.modules()
-                             if isinstance(m, GatedMLP) and isinstance(m.gate_up_proj, QuantLinear)
-                             and fused_activation(m.hidden_act))
+        weights, gate_ups = packed_weights(loaded.model)
         prepare_products(weights, dtype, fragments=_room_for_fragment_copies(weights, gate_ups, config, device),
                          gate_ups=gate_ups)
     return loaded
+
+
+def packed_weights(model: nn.Module) -> tuple[list[PackedWeight], frozenset[int]]:
+    """(every packed weight of the model, the ids of its merged gate/up weights whose activation the fused epilogues
+    have): what prepare_products lays out, and fragment_copy_bytes counts."""
+    weights = [m.packed for m in model.modules() if isinstance(m, QuantLinear)]
+    gate_ups = frozenset(id(m.gate_up_proj.packed) for m in model.modules()
+                         if isinstance(m, GatedMLP) and isinstance(m.gate_up_proj, QuantLinear)
+                         and fused_activation(m.hidden_act))
+    return weights, gate_ups
 
 
 def _room_for_fragment_copies(weights: list, gate_ups: frozenset[int], config: EngineConfig,

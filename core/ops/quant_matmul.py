@@ -87,10 +87,19 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], packed.out_features)
 
 
+def fragment_layout_bytes(packed: PackedWeight) -> int:
+    """Bytes of one fragment layout of a W4 weight (kernels/w4_fragment_gemm.py FragmentWeight): the codes in
+    16-row x 64-k atoms of 512 bytes (frag int32 [ceil(N / 16), ceil(K / 64), 32, 4], as large as the packed codes
+    where K is a multiple of 64) and a scale and a zero (one word) per row and group (sz int32 [ceil(N / 16), K / G,
+    8, 2])."""
+    tiles, atoms = -(-packed.out_features // 16), -(-packed.in_features // 64)
+    return tiles * atoms * 32 * 4 * 4 + tiles * (packed.in_features // packed.group_size) * 8 * 2 * 4
+
+
 def fragment_copy_bytes(weights: list[PackedWeight], gate_ups: frozenset[int] = frozenset()) -> int:
-    """Bytes the fragment kernels' copies of these weights would take (each as large as the packed codes; a gate/up
-    weight of `gate_ups` (prepare_products) that needs both the interleaved and the plain layout, two)."""
-    return sum(packed.qweight.numel() * packed.qweight.element_size()
+    """Bytes the fragment kernels' copies of these weights would take: one layout each, two for a gate/up weight of
+    `gate_ups` (prepare_products) that needs both the interleaved and the plain layout."""
+    return sum(fragment_layout_bytes(packed)
                * (2 if id(packed) in gate_ups and fragment_gate_up_may_serve(packed) and fragment_plain_needed(packed)
                   else 1)
                for packed in weights if fragment_may_serve(packed))
