@@ -80,6 +80,32 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
   const StageGroups<L> groups(group_shift);
 
   float acc[RT][TT][4], part[RT][TT][4];
+
+  // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
+  auto copies_of = [&](int tile) {
+    return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
+                         k_atoms, M, K, num_groups, groups.count);
+  };
+  // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
+  struct Position {
+    int tile, kb;
+  };
+  auto advance = [&](Position& at, FragCopies<L>& copies) {
+    if (++at.kb == num_kb) {
+      at.kb = 0;
+      copies = copies_of(++at.tile);
+    }
+  };
+  const Position start{begin / num_kb, begin % num_kb};
+  Position at = start;
+  FragCopies<L> fill = copies_of(start.tile);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
+      if (s > 0) advance(at, fill);
+      fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
+    }
+  wait_for_prior_grids();
   // One stage's products: the warp's RT row tiles by its APW atoms of the stage at `stage` (k offset k_stage in K),
   // each group's sums scaled into acc. tile_ends: the stage is the last of the CTA's part of its tile.
   auto multiply_stage = [&](const unsigned char* stage, int k_stage, bool tile_ends) {
@@ -267,32 +293,6 @@ __global__ void __launch_bounds__(32 * WN * WK, 1) w4_fragment_batch_kernel(
     }
     zero(acc);
   };
-
-  // Tile `tile` of the iteration order: row block tile / tok_blocks, token block tile % tok_blocks.
-  auto copies_of = [&](int tile) {
-    return FragCopies<L>(frag, sz, x, (tile / tok_blocks) * L::TILES, (tile % tok_blocks) * L::TOKENS, n_tiles,
-                         k_atoms, M, K, num_groups, groups.count);
-  };
-  // The producer's position: the (tile, k block) of the last stage it issued, stepped without a division.
-  struct Position {
-    int tile, kb;
-  };
-  auto advance = [&](Position& at, FragCopies<L>& copies) {
-    if (++at.kb == num_kb) {
-      at.kb = 0;
-      copies = copies_of(++at.tile);
-    }
-  };
-  const Position start{begin / num_kb, begin % num_kb};
-  Position at = start;
-  FragCopies<L> fill = copies_of(start.tile);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s)
-    if (s < steps) {  // `at` ends on the last stage issued: the loop's first refill advances from there
-      if (s > 0) advance(at, fill);
-      fill.weights(smem + s * L::STAGE_BYTES, at.kb, group_shift);
-    }
-  wait_for_prior_grids();
   at = start;
   fill = copies_of(start.tile);
 #pragma unroll
