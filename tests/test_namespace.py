@@ -44,7 +44,7 @@ def test_folder_names_are_not_importable_at_top_level(tmp_path, name):
     # name (transformers depends on one called `kernels`): what must not resolve to it is this checkout's folder.
     code = (f"import importlib.util, sys; spec = importlib.util.find_spec({name!r})\n"
             f"places = [] if spec is None else [spec.origin or '', *(spec.submodule_search_locations or [])]\n"
-            f"sys.exit(any(place.startswith({str(REPO)!r}) for place in places))")
+            f"sys.exit(any(place.startswith({str(REPO / name)!r}) for place in places))")
     result = _run_python(code, tmp_path)
     assert result.returncode == 0, f"{name!r} imports from the checkout: {result.stdout}{result.stderr}"
 
