@@ -19,8 +19,8 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _CHECKOUT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Conversion and parity tests hold CPU products of packed weights to the exact reference; the default CPU layout
 # (core/ops/quant_matmul_cpu.py) rounds activations to bf16, so the suite runs the dense one unless a test asks.

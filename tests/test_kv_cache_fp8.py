@@ -11,8 +11,8 @@ import torch
 
 from deepinfer.core.attention.torch_backend import TorchPagedAttention
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.engine.worker.fp8_calibration import SCALE_MARGIN
+from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
 from deepinfer.core.kv.cache import FP8_DEFAULT_SCALE, KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
