@@ -33,9 +33,10 @@ scheduling). It returns a SamplerOutput whose `sampled` ids stay on the device (
 inputs read them there; `out` puts them where those inputs are) while a copy to pinned host memory
 runs in the background (a few pinned buffers and events reused in turn, core/engine/worker/transfers.py),
 the logprobs of the rows that asked for them in the same way; `token_ids` / `logprobs` wait for that
-copy when first read. Greedy batches take one argmax: no sort, no draw. The per-row parameters go host->device in small non-blocking copies, made once per
-batch of rows: while a call's rows are the same objects as the last call's (steady decoding), their
-facts and device tensors are reused (core/engine/worker/sampling_batch.py).
+copy when first read. Greedy batches take one argmax: no sort, no draw. The per-row parameters go
+host->device in small non-blocking copies, made once per batch of rows: while a call's rows are the
+same objects as the last call's (steady decoding), their facts and device tensors are reused
+(core/engine/worker/sampling_batch.py).
 
 Penalties count a row's tokens on the device (core/engine/worker/token_counts.py): a row that carries its
 request's TokenCounts is penalized by them, and the token drawn for it is added to them before
