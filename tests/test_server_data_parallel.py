@@ -180,7 +180,8 @@ def test_a_shared_long_prefix_follows_its_replica_though_the_other_is_less_loade
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
         next(line for line in response.iter_lines() if line.startswith("data: "))  # open on replica 0
         client.completions.create(model="tiny", prompt=prefix + [2], max_tokens=2, temperature=0)
-        assert [b - a for a, b in zip(before, server.successes())] == [2, 0]
+    gained = [b - a for a, b in zip(before, server.successes())]
+    assert gained[1] == 0 and gained[0] >= 2, gained  # the stream (finished or aborted) and both prefix requests
     values = metric_values(httpx.get(server.base_url + "/metrics", timeout=10).text)
     hits = values[("deepinfer:prefix_cache_hits_total", (("model_name", "tiny"), ("replica", "0")))]
     assert hits >= 3 * BLOCK
