@@ -7,7 +7,8 @@ processes on the CPU with the tiny model: greedy answers equal a one-engine serv
 requests spread over both replicas (each one's request_success counts some); a request sharing a
 long prefix with an earlier one follows it to its replica though the other is less loaded; /health
 sums the replicas; SIGTERM stops every process with exit status 0; a killed replica ends its open
-stream with a 5xx error and the server exits 1, leaving no process behind.
+stream with a 5xx error and the server exits 1, leaving no process behind; a model that does not load, or
+fewer GPUs than replicas, is one error line.
 """
 
 from __future__ import annotations
@@ -243,3 +244,17 @@ def test_a_killed_replica_ends_its_open_stream_with_a_5xx_and_the_server_exits_1
         assert server.processes_left() == []
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_load_or_too_few_gpus_is_one_error_line_and_status_1(tmp_path):
+    absent = tmp_path / "absent-model"
+    for device, message in [("cpu", f"ModelLoadError: model path {absent} does not exist"),
+                            ("cuda", "--data-parallel-size 64 needs 64 CUDA GPUs; torch sees ")]:
+        result = subprocess.run(
+            [sys.executable, "-m", "deepinfer", "serve", "--model", str(absent), "--port", str(free_port()),
+             "--device", device, "--log-level", "critical", "--data-parallel-size", "64" if device == "cuda" else "2"],
+            check=False, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: cannot serve: {message}"), result.stderr

@@ -53,8 +53,6 @@ def replica_devices(device: str, num_replicas: int) -> list[str]:
 
 
 class DataParallelClient:
-    engine_kind = "engine process"
-
     def __init__(self, config: EngineConfig, num_replicas: int) -> None:
         """Starts the N engine processes at once and waits until every model is loaded (blocking). Raises
         DeepInferError when a replica cannot start (the others are stopped)."""
