@@ -53,6 +53,11 @@ ApiServerCountOpt = Annotated[int, typer.Option(
     "--api-server-count", min=1,
     help="API-server processes (HTTP, tokenization, detokenization) in front of one engine process; more than 1 "
          "implies --engine-process. Use more when one API server's CPU limits throughput at high concurrency.")]
+DataParallelSizeOpt = Annotated[int, typer.Option(
+    "--data-parallel-size", min=1,
+    help="Engine replicas, each in its own engine process on its own GPU (replica i on cuda:i; all on the CPU "
+         "with --device cpu); each request goes to the least-loaded one, or to the one that served its prefix. "
+         "More than 1 implies --engine-process.")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     "--max-connections", help="Open connections held at once; beyond it new ones get 503 and are closed.")]
 
@@ -71,6 +76,7 @@ def serve(
     shutdown_timeout: ShutdownTimeoutOpt = 30.0,
     engine_process: EngineProcessOpt = False,
     api_server_count: ApiServerCountOpt = 1,
+    data_parallel_size: DataParallelSizeOpt = 1,
     request_timeout: RequestTimeoutOpt = 30.0,
     stream_write_timeout: StreamWriteTimeoutOpt = 60.0,
     max_connections: MaxConnectionsOpt = 2048,
@@ -99,7 +105,7 @@ def serve(
                                      request_timeout_s=request_timeout,
                                      stream_write_timeout_s=stream_write_timeout, max_connections=max_connections,
                                      tool_call_parser=tool_call_parser, engine_process=engine_process,
-                                     api_server_count=api_server_count,
+                                     api_server_count=api_server_count, data_parallel_size=data_parallel_size,
                                      reasoning_parser=reasoning_parser)
     except ValueError as err:
         fail(str(err))

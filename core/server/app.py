@@ -14,6 +14,7 @@ The OpenAPI schema is written by openapi.py from the same request models.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -62,6 +63,12 @@ def _build_engine_process(config: EngineConfig):
     from deepinfer.core.engine.frontend.core_client import EngineCoreClient
 
     return EngineCoreClient(config)
+
+
+def _build_data_parallel(config: EngineConfig, num_replicas: int):
+    from deepinfer.core.engine.frontend.data_parallel_client import DataParallelClient
+
+    return DataParallelClient(config, num_replicas)
 
 
 async def _on_daemon_thread(fn: Callable, *args):
@@ -152,7 +159,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
     `metric_tallies`: where /metrics tallies (shared by the API servers of one engine); None = this app's own."""
     server_config = server_config or ServerConfig()
     state = ServerState(server_config, metric_tallies)
-    if server_config.engine_process and engine_factory is _build_engine:
+    if server_config.data_parallel_size > 1 and engine_factory is _build_engine:
+        engine_factory = functools.partial(_build_data_parallel, num_replicas=server_config.data_parallel_size)
+    elif server_config.engine_process and engine_factory is _build_engine:
         engine_factory = _build_engine_process
 
     def load() -> tuple[object, int | None]:
@@ -165,8 +174,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig | None =
             state.engine = engine
             serving = ServingEngine(engine, server_config, chars_per_token)
             health = HealthSnapshots(engine)  # before the engine thread runs: the first snapshot is exact
-            metrics = EngineMetrics(serving.model_name, state.metrics.registry, state.metrics.tallies)
-            engine.add_stats_listener(metrics.record)
+            replicas = getattr(engine, "replicas", None)  # a DataParallelClient's: each one's figures labelled
+            metrics = EngineMetrics(serving.model_name, state.metrics.registry, state.metrics.tallies,
+                                    num_replicas=None if replicas is None else len(replicas))
+            if replicas is None:
+                engine.add_stats_listener(metrics.record)
+            for index, replica in enumerate(replicas or []):
+                replica.add_stats_listener(functools.partial(metrics.record, replica=index))
             engine.add_stats_listener(health.on_step)
             if on_engine_dead is not None and hasattr(engine, "add_dead_callback"):
                 engine.add_dead_callback(on_engine_dead)

@@ -43,9 +43,12 @@ class ServerConfig:
     # does the HTTP, tokenization and detokenization of the connections it accepts. More than one
     # implies engine_process.
     api_server_count: int = 1
+    # Engine replicas, each in its own engine-core process on its own GPU (cuda:i), behind this front end
+    # (core/engine/frontend/data_parallel_client.py). More than one implies engine_process.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.api_server_count > 1:
+        if self.api_server_count > 1 or self.data_parallel_size > 1:
             self.engine_process = True
         checks = [
             (0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}"),
@@ -66,6 +69,9 @@ class ServerConfig:
             (self.preprocess_workers >= 1, f"preprocess_workers must be >= 1, got {self.preprocess_workers}"),
             (self.max_pending_requests >= 1, f"max_pending_requests must be >= 1, got {self.max_pending_requests}"),
             (self.api_server_count >= 1, f"api_server_count must be >= 1, got {self.api_server_count}"),
+            (self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"),
+            (self.api_server_count == 1 or self.data_parallel_size == 1,
+             "api_server_count and data_parallel_size cannot both be more than 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -13,6 +13,9 @@ The server's own figure, `requests_rejected`, counts the answers with an error s
 Every figure is a slot of one MetricTallies array (metric_tallies.py): private to the process, or
 shared by the API servers of `--api-server-count N`, which all add into it, so any one's /metrics
 is the sum over all of them. Counters and histograms add; gauges hold the latest step's value.
+The engine replicas of `--data-parallel-size N` tally apart, one array each, and each engine series
+has one sample per replica under a `replica` label (a Prometheus `sum without (replica)` is the
+server's total).
 
 Each app has its own CollectorRegistry, so several servers (or tests) in one process never share
 or collide on a metric. Histogram buckets are vLLM's. The exposition has no `_created` series
@@ -161,15 +164,23 @@ class EngineMetrics:
     registry reads the tallies through `collect` on each scrape."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 tallies: MetricTallies | None = None):
+                 tallies: MetricTallies | None = None, num_replicas: int | None = None):
+        """`num_replicas`: the engine replicas of `serve --data-parallel-size N`; each tallies apart (private
+        tallies; `tallies` is unused) and every series carries a `replica` label, "0" to "N-1"."""
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.tallies = tallies if tallies is not None else new_tallies()
+        if num_replicas is None:
+            self.tallies_by_replica = [tallies if tallies is not None else new_tallies()]
+        else:
+            self.tallies_by_replica = [new_tallies() for _ in range(num_replicas)]
+        self.tallies = self.tallies_by_replica[0]
+        self._labelled = num_replicas is not None
         self._model_name = model_name
         self.registry.register(self)
 
-    def record(self, stats: IterationStats) -> None:
-        """One engine step's report (thread-safe, and across the processes sharing the tallies)."""
-        gauges, counters, histograms, tallies = LAYOUT.gauges, LAYOUT.counters, LAYOUT.histograms, self.tallies
+    def record(self, stats: IterationStats, replica: int = 0) -> None:
+        """One step's report of engine `replica` (thread-safe, and across the processes sharing the tallies)."""
+        gauges, counters, histograms = LAYOUT.gauges, LAYOUT.counters, LAYOUT.histograms
+        tallies = self.tallies_by_replica[replica]
         with tallies.lock:
             values = tallies.values
             values[gauges["num_requests_running"]] = stats.num_running
@@ -200,34 +211,44 @@ class EngineMetrics:
                     _observe(tallies, histograms["request_queue_time_seconds"], REQUEST_LATENCY_BUCKETS, queue_times)
 
     def collect(self):
-        """The metric families now (prometheus_client's custom-collector protocol)."""
-        model = [self._model_name]
-        with self.tallies.lock:
-            values = self.tallies.array.copy()
+        """The metric families now (prometheus_client's custom-collector protocol): one sample per replica."""
+        snapshots = []
+        for tallies in self.tallies_by_replica:
+            with tallies.lock:
+                snapshots.append(tallies.array.copy())
+        extra = ["replica"] if self._labelled else []
+        replicas = [[self._model_name, str(index)] if self._labelled else [self._model_name]
+                    for index in range(len(snapshots))]
         for name, index in LAYOUT.gauges.items():
-            family = GaugeMetricFamily(f"deepinfer:{name}", GAUGES[name], labels=["model_name"])
-            family.add_metric(model, float(values[index]))
+            family = GaugeMetricFamily(f"deepinfer:{name}", GAUGES[name], labels=["model_name", *extra])
+            for labels, values in zip(replicas, snapshots):
+                family.add_metric(labels, float(values[index]))
             yield family
         for name, index in LAYOUT.counters.items():
-            family = CounterMetricFamily(f"deepinfer:{name}", COUNTERS[name], labels=["model_name"])
-            family.add_metric(model, float(values[index]))
+            family = CounterMetricFamily(f"deepinfer:{name}", COUNTERS[name], labels=["model_name", *extra])
+            for labels, values in zip(replicas, snapshots):
+                family.add_metric(labels, float(values[index]))
             yield family
         by_source = CounterMetricFamily("deepinfer:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                                        labels=["model_name", "source"])
-        for source, index in LAYOUT.prompt_tokens_by_source.items():
-            by_source.add_metric([self._model_name, source], float(values[index]))
+                                        labels=["model_name", *extra, "source"])
+        for labels, values in zip(replicas, snapshots):
+            for source, index in LAYOUT.prompt_tokens_by_source.items():
+                by_source.add_metric([*labels, source], float(values[index]))
         yield by_source
         success = CounterMetricFamily("deepinfer:request_success", "Count of finished requests by finish reason.",
-                                      labels=["model_name", "finished_reason"])
-        for reason, index in LAYOUT.request_success.items():
-            success.add_metric([self._model_name, reason], float(values[index]))
+                                      labels=["model_name", *extra, "finished_reason"])
+        for labels, values in zip(replicas, snapshots):
+            for reason, index in LAYOUT.request_success.items():
+                success.add_metric([*labels, reason], float(values[index]))
         yield success
         for name, (doc, buckets) in HISTOGRAMS.items():
             start = LAYOUT.histograms[name]
-            cumulative = np.cumsum(values[start:start + len(buckets) + 1])
-            family = HistogramMetricFamily(f"deepinfer:{name}", doc, labels=["model_name"])
-            family.add_metric(model, [(floatToGoString(bound), float(count)) for bound, count in
-                                      zip([*buckets, math.inf], cumulative)], float(values[start + len(buckets) + 1]))
+            family = HistogramMetricFamily(f"deepinfer:{name}", doc, labels=["model_name", *extra])
+            for labels, values in zip(replicas, snapshots):
+                cumulative = np.cumsum(values[start:start + len(buckets) + 1])
+                family.add_metric(labels, [(floatToGoString(bound), float(count)) for bound, count in
+                                           zip([*buckets, math.inf], cumulative)],
+                                  float(values[start + len(buckets) + 1]))
             yield family
 
     def render(self) -> bytes:

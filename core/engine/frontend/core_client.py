@@ -98,10 +98,11 @@ class EngineCoreClient(EngineFrontend):
     engine_kind = "engine process"
 
     def __init__(self, config: EngineConfig, sockets: ClientSockets | None = None,
-                 engine_pid: int | None = None) -> None:
+                 engine_pid: int | None = None, cpu_threads: int | None = None) -> None:
         """Starts the engine process (or, given `sockets` and `engine_pid`, attaches to a running one as
         its client `sockets.index`) and waits until its model is loaded (blocking, as AsyncEngine's
-        constructor). Raises DeepInferError with the engine's reason when it cannot start."""
+        constructor). `cpu_threads`: the engine's torch threads (None: this process's count). Raises
+        DeepInferError with the engine's reason when it cannot start."""
         import torch
         import zmq
 
@@ -121,7 +122,7 @@ class EngineCoreClient(EngineFrontend):
         self._send_codec, self._recv_codec = MessageCodec(), MessageCodec()
         if self._owns_engine:
             self.process = multiprocessing.get_context("spawn").Process(
-                target=run_engine_core, args=(config, [sockets], torch.get_num_threads()),
+                target=run_engine_core, args=(config, [sockets], cpu_threads or torch.get_num_threads()),
                 name="deepinfer-engine-core", daemon=True)
             self.process.start()
         else:
@@ -193,6 +194,14 @@ class EngineCoreClient(EngineFrontend):
             sample_ids = [] if group is None else [s.request_id for s in group.samples if not s.is_finished]
         if sample_ids:
             self._send(ABORT, sample_ids)
+
+    @property
+    def num_open_requests(self) -> int:
+        """The requests sent through this client whose streams have not ended."""
+        return len(self._streams)
+
+    def holds_request(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     def add_dead_callback(self, callback: Callable[[], None]) -> None:
         """`callback()` runs (on the receiving thread) once, if the engine process dies."""
