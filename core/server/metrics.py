@@ -229,18 +229,16 @@ class EngineMetrics:
             for labels, values in zip(replicas, snapshots):
                 family.add_metric(labels, float(values[index]))
             yield family
-        by_source = CounterMetricFamily("deepinfer:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                                        labels=["model_name", *extra, "source"])
-        for labels, values in zip(replicas, snapshots):
-            for source, index in LAYOUT.prompt_tokens_by_source.items():
-                by_source.add_metric([*labels, source], float(values[index]))
-        yield by_source
-        success = CounterMetricFamily("deepinfer:request_success", "Count of finished requests by finish reason.",
-                                      labels=["model_name", *extra, "finished_reason"])
-        for labels, values in zip(replicas, snapshots):
-            for reason, index in LAYOUT.request_success.items():
-                success.add_metric([*labels, reason], float(values[index]))
-        yield success
+        for name, doc, label, slots in (
+                ("prompt_tokens_by_source", "Number of prompt tokens by source.", "source",
+                 LAYOUT.prompt_tokens_by_source),
+                ("request_success", "Count of finished requests by finish reason.", "finished_reason",
+                 LAYOUT.request_success)):
+            family = CounterMetricFamily(f"deepinfer:{name}", doc, labels=["model_name", *extra, label])
+            for labels, values in zip(replicas, snapshots):
+                for value, index in slots.items():
+                    family.add_metric([*labels, value], float(values[index]))
+            yield family
         for name, (doc, buckets) in HISTOGRAMS.items():
             start = LAYOUT.histograms[name]
             family = HistogramMetricFamily(f"deepinfer:{name}", doc, labels=["model_name", *extra])

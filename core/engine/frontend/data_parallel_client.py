@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine.frontend.core_client import EngineCoreClient
-from deepinfer.core.engine.frontend.outputs import RequestOutput
+from deepinfer.core.engine.frontend.engine_frontend import EngineFrontend
 from deepinfer.core.engine.frontend.replica_router import ReplicaRouter
 from deepinfer.core.engine.frontend.request_stream import RequestStream
 from deepinfer.core.engine.sampling_params import SamplingParams
@@ -94,15 +94,7 @@ class DataParallelClient:
             index = self.router.choose(group.prompt_token_ids, cache_salt, loads)
             return self.replicas[index].add_request_group(group)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """add_request + iterate; leaving the loop early (break, cancel) aborts the request."""
-        stream = self.add_request(prompt, params, request_id, cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.abort()
+    generate = EngineFrontend.generate  # add_request + iterate, over this class's add_request
 
     def abort(self, request_id: str) -> None:
         for replica in self.replicas:

@@ -47,8 +47,8 @@ class IncrementalDetokenizer:
     ) -> None:
         self._max_tokens = params.max_tokens
         self._stop_token_ids = params.stop_token_ids  # a frozenset, shared by the request's samples
-        self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
-        self._ending_token_ids = self._stop_token_ids | self._eos_token_ids  # one set test per token
+        eos = frozenset() if params.ignore_eos else eos_token_ids
+        self._ending_token_ids = self._stop_token_ids | eos  # as Request.ending_token_ids: one set test per token
         self._stop_matcher = StopStringMatcher(params.stop, params.stop.failure_tables) if params.stop else None
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._decoder = _stream_decoder(tokenizer, context, params.skip_special_tokens) or _WindowDecoder(
