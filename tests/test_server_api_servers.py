@@ -115,23 +115,49 @@ def connections_by_process(port: int, pids: list[int]) -> dict[int, int]:
     return {pid: len(socket_inodes(pid) & established) for pid in pids}
 
 
-class MultiServer:
-    """A `deepinfer serve --api-server-count 2` subprocess, its API-server pids and its engine pid."""
+class ServeProcess:
+    """A `deepinfer serve` subprocess on the CPU with `flags` added, the processes it spawned (`spawned`), and
+    their end."""
 
-    def __init__(self, model: Path, own_session: bool = False):
+    def __init__(self, model: Path, flags: list[str], own_session: bool = False):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepinfer", "serve", "--model", str(model), "--port", str(self.port),
              "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "8MiB",
-             "--log-level", "warning", "--api-server-count", "2", "--shutdown-timeout", "5", "--served-model-name", "tiny"],
+             "--log-level", "warning", "--shutdown-timeout", "5", "--served-model-name", "tiny", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_session)
         wait_until_healthy(self.process, self.base_url)
-        spawned = [pid for pid in children(self.process.pid)
-                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        self.spawned = [pid for pid in children(self.process.pid)
+                        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+    def processes_left(self) -> list[int]:
+        return [pid for pid in self.spawned if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+
+    def wait_until_gone(self, timeout_s: float = 10) -> list[int]:
+        """-> the spawned processes still there after up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.processes_left() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.processes_left()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+        for pid in self.processes_left():
+            os.kill(pid, signal.SIGKILL)
+
+
+class MultiServer(ServeProcess):
+    """A `deepinfer serve --api-server-count 2` subprocess, its API-server pids and its engine pid."""
+
+    def __init__(self, model: Path, own_session: bool = False):
+        super().__init__(model, ["--api-server-count", "2"], own_session)
         listening = tcp_sockets(self.port, TCP_LISTEN)
-        self.api_servers = sorted(pid for pid in spawned if socket_inodes(pid) & listening)
-        (self.engine,) = [pid for pid in spawned if pid not in self.api_servers]
+        self.api_servers = sorted(pid for pid in self.spawned if socket_inodes(pid) & listening)
+        (self.engine,) = [pid for pid in self.spawned if pid not in self.api_servers]
         assert len(self.api_servers) == 2
 
     def pinned_clients(self, per_process: int = 2, attempts: int = 200) -> dict[int, list[httpx.Client]]:
@@ -151,17 +177,6 @@ class MultiServer:
                 client.close()
         assert all(len(clients) == per_process for clients in pinned.values()), {p: len(c) for p, c in pinned.items()}
         return pinned
-
-    def processes_left(self) -> list[int]:
-        return [pid for pid in [*self.api_servers, self.engine] if Path(f"/proc/{pid}").exists()
-                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.communicate()
-        for pid in self.processes_left():
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -277,10 +292,7 @@ def test_sigterm_stops_every_process_and_exits_0(servers):
     _, stderr = servers.process.communicate(timeout=60)
     assert servers.process.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
-    deadline = time.monotonic() + 10
-    while servers.processes_left() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert servers.processes_left() == []
+    assert servers.wait_until_gone() == []
 
 
 @pytest.mark.slow
@@ -319,10 +331,7 @@ def test_a_killed_engine_ends_the_streams_of_both_api_servers_with_a_5xx_and_the
             errors = [json.loads(e) for e in stream_events if e != "[DONE]" and "error" in json.loads(e)]
             assert errors and errors[0]["error"]["code"] == "engine_dead", stream_events[-3:]
         assert "engine process" in stderr
-        deadline = time.monotonic() + 10
-        while server.processes_left() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.processes_left() == []
+        assert server.wait_until_gone() == []
     finally:
         server.stop()
 
@@ -364,9 +373,6 @@ def test_ctrl_c_to_the_process_group_drains_once_and_exits_130(tiny_llama_dir):
         assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] in ("length", "abort")
         if chunks[-1]["choices"][0]["finish_reason"] == "abort":
             assert ended_after_s >= 4  # ended at the 5 s deadline, not at once
-        deadline = time.monotonic() + 10
-        while server.processes_left() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.processes_left() == []
+        assert server.wait_until_gone() == []
     finally:
         server.stop()

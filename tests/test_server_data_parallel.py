@@ -19,15 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_helpers import free_port, wait_until_healthy
-from test_server_api_servers import REQUESTS, ask, children, metric_values, one_server_answers
+from server_helpers import free_port
+from test_server_api_servers import REQUESTS, ServeProcess, ask, metric_values, one_server_answers
 
 from deepinfer.core.engine.frontend.data_parallel_client import replica_devices
 from deepinfer.core.engine.frontend.replica_router import ReplicaRouter
@@ -109,21 +108,12 @@ def test_each_replicas_figures_carry_its_label():
 
 # Real processes -------------------------------------------------------------------------------------
 
-class DataParallelServer:
+class DataParallelServer(ServeProcess):
     """A `deepinfer serve --data-parallel-size 2` subprocess and its two engine pids."""
 
     def __init__(self, model: Path):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "deepinfer", "serve", "--model", str(model), "--port", str(self.port),
-             "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "8MiB",
-             "--block-size", str(BLOCK), "--log-level", "warning", "--data-parallel-size", "2",
-             "--shutdown-timeout", "5", "--served-model-name", "tiny"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_until_healthy(self.process, self.base_url)
-        self.engines = [pid for pid in children(self.process.pid)
-                        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        super().__init__(model, ["--block-size", str(BLOCK), "--data-parallel-size", "2"])
+        self.engines = self.spawned
         assert len(self.engines) == 2
 
     def successes(self) -> list[float]:
@@ -132,17 +122,6 @@ class DataParallelServer:
         return [sum(value for (name, labels), value in values.items()
                     if name == "deepinfer:request_success_total" and ("replica", str(replica)) in labels)
                 for replica in range(2)]
-
-    def processes_left(self) -> list[int]:
-        return [pid for pid in self.engines if Path(f"/proc/{pid}").exists()
-                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.communicate()
-        for pid in self.processes_left():
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -201,10 +180,7 @@ def test_sigterm_stops_every_process_and_exits_0(server):
     _, stderr = server.process.communicate(timeout=60)
     assert server.process.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
-    deadline = time.monotonic() + 10
-    while server.processes_left() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server.processes_left() == []
+    assert server.wait_until_gone() == []
 
 
 @pytest.mark.slow
@@ -238,10 +214,7 @@ def test_a_killed_replica_ends_its_open_stream_with_a_5xx_and_the_server_exits_1
                   for stream_events in events]
         assert sum(1 for found in errors if found and found[0]["error"]["code"] == "engine_dead") >= 1, errors
         assert "engine process" in stderr
-        deadline = time.monotonic() + 10
-        while server.processes_left() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.processes_left() == []
+        assert server.wait_until_gone() == []
     finally:
         server.stop()
 
