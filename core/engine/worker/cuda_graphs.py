@@ -193,7 +193,7 @@ class StaticStepBuffers:
         request_rows = np.array(placed_rows, dtype=np.int64) if num_tiles else np.arange(len(chunks))
         token = int(staged.ends[-1]) if len(chunks) else 0
         seq_lens[:token] = positions[:token] + 1  # each token attends to its context up to itself
-        token_rows[:token] = np.repeat(request_rows, lengths)
+        token_rows[:token] = request_rows if token == len(chunks) else np.repeat(request_rows, lengths)
         logit_rows[request_rows] = staged.ends - 1  # chunk i's last token, wherever it was placed
         ids[token:] = 0  # padding: token 0 at position 0 ...
         positions[token:] = 0
