@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 from operator import add, attrgetter
 
@@ -96,7 +97,7 @@ def context_bounds(max_model_len: int) -> list[int]:
 
 def smallest_fit(sizes: list[int], value: int) -> int:
     """The first of the ascending `sizes` that is >= value (the caller guarantees one exists)."""
-    return next(size for size in sizes if size >= value)
+    return sizes[bisect_left(sizes, value)]
 
 
 def attention_work(chunks: list[ScheduledChunk], tile_tokens: int | None = None) -> int:
