@@ -76,8 +76,12 @@ def test_every_point_runs_its_mode_and_the_spans_are_taken_out():
         assert len(repeats) == 2 and point["core_cpu_us_per_step"] == pytest.approx(min(repeats))
         assert point["front_end_cpu_us_per_step"] > 0 and point["core_cpu_us_per_seq"] == pytest.approx(
             point["core_cpu_us_per_step"] / n)
+        # No device to wait for: the core's own work is the whole core.
+        assert point["gpu_wait_cpu_us_per_step"] == 0 and point["phases_us_per_step"]["gpu_wait"] == 0
+        assert point["core_less_gpu_wait_cpu_us_per_step"] == pytest.approx(point["core_cpu_us_per_step"])
     for mode in ("decode", "mixed"):
         assert payload["fit"][mode]["core"]["num_seqs"] == [1, 3]
+        assert payload["fit"][mode]["core_less_gpu_wait"]["num_seqs"] == [1, 3]
 
 
 def test_a_fit_is_the_least_squares_line():

@@ -27,7 +27,10 @@ microsecond each) add to what they measure; the phase table comes from that pass
 
 `core` is the engine core's work: the whole step less the front end (output processing: detokenizing,
 stop strings, snapshots) and the forward, the median over the timed steps (as are the front end's and
-the forward's figures), from the cheapest of `repeats` timed passes. `fit` is a least-squares line of the core's CPU µs per step over N: its slope
+the forward's figures), from the cheapest of `repeats` timed passes. `core_less_gpu_wait` is the core less
+the host's waits for the device (`gpu_wait`: every CUDA event synchronize, which spins on the CPU; none on
+the stand-in): the figure the core's budget per step and per sequence is set on. `fit` is a least-squares
+line of the core's CPU µs per step over N (and one of `core_less_gpu_wait`'s): its slope
 is the cost per running sequence, its intercept the fixed cost per step.
 
 A last untimed pass of a few steps counts the torch calls the host issues per step outside the forward
@@ -72,7 +75,7 @@ MODES = ("decode", "mixed")
 STAND_IN_VOCAB_SIZE = 49152  # the default model's, so its tokenizer fits
 FORWARDS = ("stand-in", "model")
 # Exclusive phases of a step, in the order a step runs them; they add up to the step.
-PHASES = ("schedule", "kv_slots", "staging", "forward", "sampling", "launch_other", "collect", "update",
+PHASES = ("schedule", "kv_slots", "staging", "forward", "sampling", "launch_other", "collect", "gpu_wait", "update",
           "output", "detokenize", "other")
 FRONT_END_PHASES = ("output", "detokenize")
 COUNTED_STEPS = 8  # steps of the pass that counts torch calls, after the timed ones
@@ -262,6 +265,8 @@ def engine_spans(engine: LLMEngine) -> list[tuple[object, str, str]]:
     if runner.step_runner is not None:
         spans += [(runner.step_runner.buffers, "load", "staging"), (runner.step_runner, "replay", "forward"),
                   (runner.step_runner, "forward", "forward")]
+    if engine.device.type == "cuda":  # every wait of the host for the device is a CUDA event's synchronize
+        spans.append((torch.cuda.Event, "synchronize", "gpu_wait"))
     return spans
 
 
@@ -402,10 +407,10 @@ def _count_pass(engine: LLMEngine, point: _Point, steps: int) -> dict:
     return torch_ops_per_step(counter.take(), steps)
 
 
-def _core_median(samples: list[StepSample], spans: list[dict[str, float]]) -> float:
-    """Median over the steps of the step's CPU time less its front end and forward."""
+def _core_median(samples: list[StepSample], spans: list[dict[str, float]], less: tuple[str, ...] = ()) -> float:
+    """Median over the steps of the step's CPU time less its front end and forward (and the phases `less`)."""
     return statistics.median(s.cpu_s - step.get("output", 0.0) - step.get("forward", 0.0)
-                             for s, step in zip(samples, spans))
+                             - sum(step.get(phase, 0.0) for phase in less) for s, step in zip(samples, spans))
 
 
 def _summary(values: list[float]) -> dict:
@@ -423,7 +428,7 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     point = _Point(engine, workload, mode, num_seqs, pool, rng)
     try:
         point.warm_up()
-        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward", "collect"),
+        timed = [_pass(engine, point, workload.steps, PhaseClock(time.thread_time), ("output", "forward", "collect", "gpu_wait"),
                        gpu_time=True) for _ in range(workload.repeats)]
         phase_pass = _pass(engine, point, workload.steps, PhaseClock(time.thread_time), PHASES)
         torch_ops = _count_pass(engine, point, min(workload.steps, COUNTED_STEPS))
@@ -441,6 +446,8 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
     forward = statistics.median(spans.get("forward", 0.0) for spans in cpu_spans)
     collect = statistics.median(spans.get("collect", 0.0) for spans in cpu_spans)
     core = _core_median(samples, cpu_spans)
+    core_less_wait = _core_median(samples, cpu_spans, ("gpu_wait",))
+    gpu_wait = statistics.median(spans.get("gpu_wait", 0.0) for spans in cpu_spans)
     output_tokens = statistics.fmean(s.output_tokens for s in samples)
     phase_cpu = statistics.fmean(s.cpu_s for s in phase_samples)
     phases = {p: statistics.fmean(spans.get(p, 0.0) for spans in phase_spans) * 1e6 for p in PHASES if p != "other"}
@@ -467,6 +474,11 @@ def measure_point(engine: LLMEngine, workload: HostWorkload, mode: str, num_seqs
         "core_cpu_us_per_step": core * 1e6,
         "core_cpu_us_per_seq": core * 1e6 / num_seqs,
         "core_cpu_us_per_step_repeats": [c * 1e6 for c in repeat_cores],
+        # The engine core's own work, what its budget (5 µs per sequence + 150 µs per step) is set on: the core
+        # less the host's waits for the device (CUDA event synchronizes, spinning; 0 on the stand-in).
+        "core_less_gpu_wait_cpu_us_per_step": core_less_wait * 1e6,
+        "core_less_gpu_wait_cpu_us_per_seq": core_less_wait * 1e6 / num_seqs,
+        "gpu_wait_cpu_us_per_step": gpu_wait * 1e6,
         "front_end_cpu_us_per_step": front * 1e6,
         "front_end_cpu_us_per_token": front * 1e6 / output_tokens if output_tokens else None,
         "forward_cpu_us_per_step": forward * 1e6,
@@ -545,6 +557,8 @@ def _run(config: EngineConfig, workload: HostWorkload, forward: str, on_point, t
     except KeyboardInterrupt:
         interrupted = True
     fits = {mode: {"core": linear_fit([p for p in points if p["mode"] == mode]),
+                   "core_less_gpu_wait": linear_fit([p for p in points if p["mode"] == mode],
+                                                    "core_less_gpu_wait_cpu_us_per_step"),
                    "total": linear_fit([p for p in points if p["mode"] == mode], "cpu_us_per_step_mean")}
             for mode in workload.modes}
     tokens = [p["front_end_cpu_us_per_token"] for p in points if p["front_end_cpu_us_per_token"] is not None]
@@ -570,6 +584,11 @@ def _run(config: EngineConfig, workload: HostWorkload, forward: str, on_point, t
 # Tables. --------------------------------------------------------------------------------------------------
 
 
+def _rounded(value: float | None) -> str:
+    """A µs figure for a table cell; - where the payload lacks it (written before it was measured)."""
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _device_calls(point: dict) -> str:
     """The point's torch calls per step that are not views (a payload written before they were counted: -)."""
     ops = point.get("torch_ops_per_step")
@@ -586,7 +605,8 @@ def host_tables(payload: dict) -> list:
              f"{workload['prompt_len']}, long prompt {workload['long_prompt_len']}, {workload['steps']} steps a point")
     totals = Table(title=title, title_justify="left")
     for name in ("mode", "seqs", "tokens/step", "CPU µs/step p50", "CPU µs/step", "wall µs/step", "GPU µs/step",
-                 "wall/GPU", "core µs/step", "core µs/seq", "front µs/token", "device calls/step"):
+                 "wall/GPU", "core µs/step", "core µs/seq", "core less wait µs/step", "front µs/token",
+                 "device calls/step"):
         totals.add_column(name, justify="right", no_wrap=True)
     phases = Table(title="where a step's time goes, CPU µs per step (phase pass)", title_justify="left")
     for name in ("mode", "seqs", *PHASES):
@@ -598,22 +618,25 @@ def host_tables(payload: dict) -> list:
                        f"{point['cpu_us_per_step_mean']:.0f}", f"{point['wall_us_per_step']['mean']:.0f}",
                        "-" if gpu is None else f"{gpu['mean']:.0f}", "-" if ratio is None else f"{ratio:.2f}",
                        f"{point['core_cpu_us_per_step']:.0f}", f"{point['core_cpu_us_per_seq']:.2f}",
+                       _rounded(point.get("core_less_gpu_wait_cpu_us_per_step")),
                        "-" if front is None else f"{front:.2f}", _device_calls(point))
         phases.add_row(point["mode"], str(point["num_seqs"]),
-                       *(f"{point['phases_us_per_step'][p]:.0f}" for p in PHASES))
+                       *(_rounded(point["phases_us_per_step"].get(p)) for p in PHASES))
     fits = Table(title="engine core CPU µs per step = fixed + per_seq x seqs (least squares over the sizes)",
                  title_justify="left")
-    for name in ("mode", "run", "core µs/seq", "core fixed µs", "total µs/seq", "total fixed µs"):
+    for name in ("mode", "run", "core µs/seq", "core fixed µs", "core less wait µs/seq", "core less wait fixed µs",
+                 "total µs/seq", "total fixed µs"):
         fits.add_column(name, justify="right", no_wrap=True)
     runs = [("this", payload)] + ([("baseline", payload["baseline"])] if payload.get("baseline") else [])
     for mode in payload["workload"]["modes"]:
         for label, run in runs:
             fit = run.get("fit", {}).get(mode) or {}
             core, total = fit.get("core") or {}, fit.get("total") or {}
+            own = fit.get("core_less_gpu_wait") or {}
 
             def cell(part: dict, key: str) -> str:
                 return "-" if part.get(key) is None else f"{part[key]:.1f}"
 
-            fits.add_row(mode, label, cell(core, "per_seq_us"), cell(core, "fixed_us"), cell(total, "per_seq_us"),
-                         cell(total, "fixed_us"))
+            fits.add_row(mode, label, cell(core, "per_seq_us"), cell(core, "fixed_us"), cell(own, "per_seq_us"),
+                         cell(own, "fixed_us"), cell(total, "per_seq_us"), cell(total, "fixed_us"))
     return [totals, phases, fits]

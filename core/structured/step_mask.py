@@ -29,6 +29,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from deepinfer.core.engine.sched.scheduler_output import ScheduledChunk
     from deepinfer.core.structured.matcher import RequestGrammar
 
+_grammar = attrgetter("request.grammar")  # a constrained request's RequestGrammar, else None
 _executor = None
 _executor_lock = threading.Lock()
 
@@ -92,6 +94,8 @@ class StepMasks:
         """Begin the mask of a step whose row i is sampling_chunks[i]; None when no row is constrained.
         `pending_token(request_id)`: the request's token from the step in flight, if it has one (the previous
         InflightStep's token_of; it waits for that step's host copy), which the grammar must accept first."""
+        if list(map(_grammar, sampling_chunks)).count(None) == len(sampling_chunks):  # in C: most steps have none
+            return None
         rows, constrained = [], []
         for index, chunk in enumerate(sampling_chunks):
             request = chunk.request

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 from operator import add, attrgetter
 
@@ -96,7 +97,7 @@ def context_bounds(max_model_len: int) -> list[int]:
 
 def smallest_fit(sizes: list[int], value: int) -> int:
     """The first of the ascending `sizes` that is >= value (the caller guarantees one exists)."""
-    return next(size for size in sizes if size >= value)
+    return sizes[bisect_left(sizes, value)]
 
 
 def attention_work(chunks: list[ScheduledChunk], tile_tokens: int | None = None) -> int:
@@ -193,7 +194,7 @@ class StaticStepBuffers:
         request_rows = np.array(placed_rows, dtype=np.int64) if num_tiles else np.arange(len(chunks))
         token = int(staged.ends[-1]) if len(chunks) else 0
         seq_lens[:token] = positions[:token] + 1  # each token attends to its context up to itself
-        token_rows[:token] = np.repeat(request_rows, lengths)
+        token_rows[:token] = request_rows if token == len(chunks) else np.repeat(request_rows, lengths)
         logit_rows[request_rows] = staged.ends - 1  # chunk i's last token, wherever it was placed
         ids[token:] = 0  # padding: token 0 at position 0 ...
         positions[token:] = 0

@@ -81,7 +81,8 @@ class ModelRunner:
         if padded:
             # [n, vocab] float32, the sampling chunks'
             logits = self.step_runner.run(chunks, previous, scheduler_output.block_tables)
-            sampling_chunks = list(compress(chunks, map(_sample, chunks)))
+            # Steady decoding: every chunk samples, the list is the step's own.
+            sampling_chunks = chunks if all(map(_sample, chunks)) else list(compress(chunks, map(_sample, chunks)))
         else:
             inputs = self.prepare_inputs(scheduler_output, previous)
             # [T, hidden]

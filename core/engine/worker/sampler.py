@@ -181,7 +181,8 @@ class Sampler:
         if grammar_mask is not None:
             logits = _float32(logits)
             apply_grammar_mask(logits, grammar_mask)
-        states = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
+        # The seeded rows' generators, to put back if the batched call raises (from the batch: no loop per row).
+        states = [(generator, generator.get_state()) for generator in self._batch_of(rows, logits).generators]
         try:
             return self._sample_batch(logits, rows, out)
         except Exception:  # whatever one row's parameters made fail, the others go on

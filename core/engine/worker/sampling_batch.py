@@ -55,6 +55,7 @@ class SamplingBatch:
         self.penalized = [i for i, p in enumerate(params) if has_penalties(p)]
         self.greedy = [is_greedy(p) for p in params]
         self.all_greedy, self.any_greedy = all(self.greedy), any(self.greedy)
+        self.generators = [row.generator for row in rows if row.generator is not None]  # every seeded row's
         # Rows drawing from their own generator: seeded and not greedy.
         self.seeded = [(i, row.generator) for i, (row, greedy) in enumerate(zip(rows, self.greedy))
                        if row.generator is not None and not greedy]

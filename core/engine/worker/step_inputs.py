@@ -49,6 +49,7 @@ from deepinfer.core.kv.kv_manager import cdiv
 # Per-chunk fields read in C (map) rather than in a Python loop: these run once per chunk every step.
 _num_tokens, _start_pos, _table_row = attrgetter("num_tokens"), attrgetter("start_pos"), attrgetter("table_row")
 _last_token_pending, _request_id = attrgetter("last_token_pending"), attrgetter("request.request_id")
+_request = attrgetter("request")
 
 
 class StagedChunks(NamedTuple):
@@ -102,6 +103,14 @@ class StepStager:
         # Set after each step's copy: the staging is refilled only once it has been read (a step that
         # samples nothing has no sync that would order it before the next fill).
         self._copied = torch.cuda.Event() if pin else None
+        # A decode-only step's lengths (all 1) and ends (1..R) are views of these, read-only: no array a step.
+        rows = max(max_tokens, max_rows)
+        self.ones, self.counting = np.ones(rows, dtype=np.int64), np.arange(1, rows + 1, dtype=np.int64)
+        self.ones.flags.writeable = self.counting.flags.writeable = False
+        # The last staged chunks' requests and their ids: a step of the same requests in the same order (steady
+        # decoding) reuses the list of ids instead of reading one per chunk (a request's id never changes).
+        self._requests: list[Request] = []
+        self._request_ids: list[str] = []
 
     # The phases of a step: begin, stage_chunks (and the layout's own metadata), send. ----------------
 
@@ -137,22 +146,21 @@ class StepStager:
         length_list = list(map(_num_tokens, chunks))
         count = sum(length_list)
         decode_only = count == len(chunks)
-        starts = np.array(list(map(_start_pos, chunks)), dtype=np.int64)
-        table_rows = list(map(_table_row, chunks))
-        if block_tables is None or None in table_rows:  # chunks built by hand: their tables may run on
+        starts = np.fromiter(map(_start_pos, chunks), np.int64, len(chunks))
+        source_rows = None if block_tables is None else _table_rows(chunks)
+        if source_rows is None:  # chunks built by hand: their tables may run on
             source, source_rows = _table_array([chunk.block_table for chunk in chunks]), np.arange(len(chunks))
             used = (starts + np.array(length_list) + bs - 1) // bs  # [R] blocks each chunk's context spans
             source[np.arange(source.shape[1]) >= used[:, None]] = 0
         else:
-            source, source_rows = block_tables, np.array(table_rows, dtype=np.int64)
+            source = block_tables
         width = min(tables.shape[1], source.shape[1])
         if request_rows is None:  # in order: a slice, no index array
             tables[:len(chunks), :width] = source[source_rows, :width]
         else:
             tables[request_rows, :width] = source[source_rows, :width]
         if decode_only:  # one token each, at its start position
-            lengths = np.ones(count, dtype=np.int64)
-            ends = np.arange(1, count + 1, dtype=np.int64)
+            lengths, ends = self.ones[:count], self.counting[:count]
             span, token_rows = starts, source_rows
         else:
             lengths = np.array(length_list, dtype=np.int64)
@@ -161,11 +169,12 @@ class StepStager:
             span = np.arange(count, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
             token_rows = np.repeat(source_rows, lengths)
         positions[:count] = span
-        slots[:count] = source[token_rows, span // bs].astype(np.int64) * bs + span % bs
+        np.multiply(source[token_rows, span // bs], bs, out=slots[:count], dtype=np.int64)  # block * size + offset
+        slots[:count] += span % bs
         pending_flags = list(map(_last_token_pending, chunks))
         if decode_only and all(pending_flags):  # steady decoding (async scheduling): every input is pending
             ids[:count] = 0
-            return StagedChunks(ends - 1, list(map(_request_id, chunks)), lengths, ends, pending_in_order=True)
+            return StagedChunks(ends - 1, self._ids_of(chunks), lengths, ends, pending_in_order=True)
         ends_list = ends.tolist()
         # A decode's one input is a known token or a pending one (staged as 0).
         decodes = chunks if decode_only else [chunk for chunk in chunks if chunk.num_tokens == 1]
@@ -183,6 +192,13 @@ class StepStager:
                     ids[first + len(known):end] = 0
         pending = list(compress(range(len(chunks)), pending_flags))
         return StagedChunks(ends[pending] - 1, [chunks[i].request.request_id for i in pending], lengths, ends)
+
+    def _ids_of(self, chunks: list[ScheduledChunk]) -> list[str]:
+        """The chunks' request ids: the last call's list while the requests are the same, in the same order."""
+        requests = list(map(_request, chunks))
+        if requests != self._requests:  # identity first: equal lists of the same objects
+            self._requests, self._request_ids = requests, list(map(_request_id, chunks))
+        return self._request_ids
 
     def send(self, tokens: int, rows: int, num_int32: int, staged: StagedChunks,
              previous: InflightStep | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,6 +305,14 @@ def _stage_fill(staging: np.ndarray, staged: StagedChunks, previous: InflightSte
     staging[:k] = staged.pending_rows
     staging[k:2 * k] = previous.sampled_rows(staged.pending_ids)
     return 2 * k
+
+
+def _table_rows(chunks: list[ScheduledChunk]) -> np.ndarray | None:
+    """[R] int64 each chunk's row in its step's block tables; None when a chunk has none (built by hand)."""
+    try:
+        return np.fromiter(map(_table_row, chunks), np.int64, len(chunks))
+    except TypeError:  # a None row
+        return None
 
 
 def _table_array(block_tables: list[list[int]]) -> np.ndarray:
