@@ -173,25 +173,25 @@ def test_products_over_the_interleaved_layout_then_interleaved_act_and_mul_give_
     bias = torch.randn(2 * inner, device=device, dtype=dtype, generator=generator)
     order = kernels.gate_up_order(inner, device)
 
-    def both(product, x):
-        expected = product(x, plain, bias)
+    def both(product, x, **launch):
+        expected = product(x, plain, bias, **launch)
         expected = act_and_mul(expected[:, :inner], expected[:, inner:], activation)
         out = torch.full((x.shape[0], inner), float("nan"), device=device, dtype=dtype)
-        act_and_mul_interleaved(product(x, interleaved, bias[order]), activation, out=out)
+        act_and_mul_interleaved(product(x, interleaved, bias[order], **launch), activation, out=out)
         return out, expected
 
     for config in kernels.CONFIGS:
         for splits in (1, 3):
             x = torch.randn(config.tokens - 3, in_features, device=device, dtype=dtype, generator=generator)
-            out, expected = both(lambda x, w, b: kernels.w4_fragment_gemm(x, w, b, config=config, splits=splits), x)
+            out, expected = both(kernels.w4_fragment_gemm, x, config=config, splits=splits)
             assert torch.equal(out, expected), (config, splits)
     for tokens in (40, 96, 128):
         x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=generator)
         config, _ = w4_fragment_batch.plan(tokens, 2 * inner, in_features, 0)
-        whole_tiles = w4_fragment_batch.iterations(tokens, 2 * inner, in_features, config) // -(-in_features
-                                                                                               // config.bk)
-        out, expected = both(lambda x, w, b: w4_fragment_batch.w4_fragment_batch(x, w, b, ctas=whole_tiles), x)
+        k_blocks = -(-in_features // config.bk)
+        whole_tiles = w4_fragment_batch.iterations(tokens, 2 * inner, in_features, config) // k_blocks  # a CTA a tile
+        out, expected = both(w4_fragment_batch.w4_fragment_batch, x, ctas=whole_tiles)
         assert torch.equal(out, expected), tokens
-        out, expected = both(lambda x, w, b: w4_fragment_batch.w4_fragment_batch(x, w, b), x)
+        out, expected = both(w4_fragment_batch.w4_fragment_batch, x)
         assert torch.isfinite(out).all()
         assert float((out.float() - expected.float()).norm() / expected.float().norm()) < 2e-3, tokens
