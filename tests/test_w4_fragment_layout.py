@@ -221,6 +221,18 @@ def test_a_gate_up_product_over_the_interleaved_layout_returns_the_plain_outputs
                 "tcs", "w4_gemm")
             assert interleaved_gate_up_product(x[:tokens], packed, "silu") is None
         assert interleaved_gate_up_product(x[:20], packed, "gelu") is None  # no interleaved act_and_mul for it
+        # the MLP: at 20 tokens neither fused epilogue serves, the product comes back interleaved and the
+        # interleaved act_and_mul (its torch path: the emulated product is fp64) reads it as act(gate) * up
+        from types import SimpleNamespace
+
+        from deepinfer.core.models.layers import GatedMLP
+        from deepinfer.core.quant.quant_linear import QuantLinear
+
+        mlp = SimpleNamespace(gate_up_proj=QuantLinear(packed), down_proj=lambda inner_out: inner_out,
+                              hidden_act="silu", inner=inner)
+        want = emulated(x[:20], plain, packed.bias.to(torch.bfloat16))
+        got = GatedMLP.forward(mlp, x[:20])
+        assert torch.allclose(got, torch.nn.functional.silu(want[:, :inner]) * want[:, inner:], rtol=1e-12, atol=1e-12)
     finally:
         table.product_row.cache_clear()
 
