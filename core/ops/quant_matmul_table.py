@@ -377,14 +377,15 @@ _gate_up_fragments: dict[int, tuple[weakref.ref, dict]] = {}
 def gate_up_fragment_weight(packed: PackedWeight, dtype: torch.dtype, lay_out: bool = True
                             ) -> tuple[kernels_fragment.FragmentWeight, torch.Tensor | None] | None:
     """(the interleaved layout, the bias in its row order) of a merged [gate; up] weight for `dtype` activations,
-    laid out on first use (None: it cannot be, or lay_out=False said on first use that it keeps one form)."""
+    laid out on first use (None: it cannot be, the fragment rows do not serve it, or lay_out=False said on first use
+    that it keeps one form)."""
     key = id(packed.qweight)
     entry = _gate_up_fragments.get(key)
     if entry is None or entry[0]() is not packed.qweight:
         entry = _gate_up_fragments[key] = (
             weakref.ref(packed.qweight, lambda _, key=key: _gate_up_fragments.pop(key, None)), {})
     per_dtype = entry[1]
-    if dtype not in per_dtype and not lay_out:
+    if dtype not in per_dtype and not (lay_out and gate_up_interleaves(packed)):
         per_dtype[dtype] = None
     elif dtype not in per_dtype:
         try:
@@ -414,8 +415,7 @@ def gate_up_fragment_product(rows: torch.Tensor, packed: PackedWeight) -> torch.
     product = FRAGMENT_PRODUCTS.get(product_row(ProductShape(rows.shape[0], packed.in_features, packed.out_features,
                                                              packed.bits, packed.group_size)).kernel)
     layout = (gate_up_fragment_weight(packed, rows.dtype)
-              if product is not None and gate_up_interleaves(packed) and product.measured_on(rows.device.index)
-              else None)
+              if product is not None and product.measured_on(rows.device.index) else None)
     if layout is None:
         return None
     weight, bias = layout
