@@ -28,11 +28,13 @@ from deepinfer.core.ops.quant_matmul import OP as PRODUCT_OP
 from deepinfer.core.ops.quant_matmul import ProductCase, product_reason, product_shape, stored_order
 from deepinfer.core.ops.quant_matmul_table import (
     FRAGMENT_GATE_UP_ACT,
+    FRAGMENT_KERNELS,
     GATE_UP_ACT,
     epilogue_serves,
     fragment_takes,
     gate_up_fragment_product,
     gate_up_fragment_weight,
+    product_row,
 )
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import quant_matmul as kernels
@@ -110,6 +112,8 @@ def interleaved_gate_up_product(x: torch.Tensor, packed: PackedWeight | None, ac
     order, where a fragment row serves T tokens over that layout (quant_matmul_table.gate_up_fragment_product), or
     None (the product then runs on quant_matmul, in [gate | up] order)."""
     if packed is None or not fused_activation(activation):  # the loader interleaves only these (fused_activation)
+        return None
+    if product_row(product_shape(x.shape[0], packed)).kernel not in FRAGMENT_KERNELS:
         return None
     if not dispatch.decide(PRODUCT_OP, ProductCase.of(x, packed), product_reason, (x,)):
         return None
