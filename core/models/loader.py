@@ -140,8 +140,8 @@ def _room_for_fragment_copies(weights: list, dtype: torch.dtype, gate_ups: froze
     room = config.max_vram is None and copies <= FRAGMENT_COPY_SHARE * torch.cuda.get_device_properties(
         device).total_memory
     if not room:
-        logger.info("W4 weights keep one form (%.2f GiB of fragment copies do not fit the budget): few-token "
-                    "products run without the fragment kernel", copies / 2**30)
+        logger.info("W4 weights keep one form (%.2f GiB of fragment copies and scale pairs do not fit the budget): "
+                    "few-token products run without the fragment kernel", copies / 2**30)
     return room
 
 
