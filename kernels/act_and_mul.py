@@ -1,4 +1,5 @@
-"""Launcher of act_and_mul.cu: SiLU(gate) * up or GeLU-tanh(gate) * up."""
+"""Launcher of act_and_mul.cu: SiLU(gate) * up or GeLU-tanh(gate) * up, of gate and up [T, I] tensors or of one
+[T, 2I] product whose columns interleave them in 8-column blocks."""
 
 from __future__ import annotations
 
@@ -47,14 +48,26 @@ def unsupported_reason(activation: str, gate_dtype: torch.dtype, up_dtype: torch
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.Tensor | None = None,
                 ) -> torch.Tensor:
     """gate, up [T, I] (row strides may differ, e.g. halves of one [T, 2I]) -> act(gate) * up [T, I]."""
-    num_tokens, inner = gate.shape
+    return _launch(gate, up, gate.shape[1], activation, False, out)
+
+
+def act_and_mul_interleaved(gate_up: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] in 8-column blocks (column 16 b + j: gate column 8 b + j, 16 b + 8 + j: its up column; the
+    column order of a product over kernels/w4_fragment_gemm.py's gate_up_layout) -> act(gate) * up [T, I], the same
+    arithmetic as act_and_mul on the [gate | up] halves."""
+    return _launch(gate_up, gate_up[:, 8:], gate_up.shape[1] // 2, activation, True, out)
+
+
+def _launch(gate: torch.Tensor, up: torch.Tensor, inner: int, activation: str, interleaved: bool,
+            out: torch.Tensor | None) -> torch.Tensor:
+    num_tokens = gate.shape[0]
     if out is None:
         out = torch.empty(num_tokens, inner, dtype=gate.dtype, device=gate.device)
     total_vectors = num_tokens * inner // 8
     if total_vectors == 0:
         return out
     index = gate.device.index
-    name = f"act_and_mul_kernel<{_DTYPE_CODES[gate.dtype]},{ACTIVATIONS[activation]}>"
+    name = f"act_and_mul_kernel<{_DTYPE_CODES[gate.dtype]},{ACTIVATIONS[activation]},{int(interleaved)}>"
     blocks = min(-(-total_vectors // 256), 65535)
     launch(get_kernel(SOURCE, name, index), (blocks, 1, 1), (256, 1, 1), (
         ptr(gate), ptr(up), ptr(out), i32(num_tokens), i32(inner), i64(gate.stride(0)), i64(up.stride(0))), index)

@@ -131,16 +131,25 @@ def fragment_codes(qweight: torch.Tensor, out_features: int, in_features: int) -
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+_EXACT_RANGE = {torch.bfloat16: 127, torch.float16: 1023}  # |magic + z| stays an integer of the type up to here
+
+
+def zeros_fit(zeros: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether integer zero points [N, K / G] fit the layout for `dtype` activations: each -(magic + z), and each
+    q - z of a 4-bit code, exact in `dtype`."""
+    z = zeros.to(torch.float64)
+    return torch.equal(z, torch.round(z)) and not bool((z.abs() > _EXACT_RANGE[dtype] - 16).any())
+
+
 def fragment_scales(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp16 scales and integer zeros [N, K / G] -> sz int32 [ceil(N / 16), K / G, 8, 2] for `dtype` activations.
     Raises ValueError where a zero's -(magic + z) or a q - z is not exact in `dtype`."""
     out_features, num_groups = scales.shape
     z = zeros.to(torch.float64)
     term = -(z + MAGIC[dtype])
-    exact_range = 127 if dtype == torch.bfloat16 else 1023  # |magic + z| stays an integer of the type
-    if not torch.equal(z, torch.round(z)) or bool((z.abs() > exact_range - 16).any()):
+    if not zeros_fit(zeros, dtype):
         raise ValueError("the fragment layout needs integer zero points of at most "
-                         f"{exact_range - 16} in magnitude for {dtype} activations")
+                         f"{_EXACT_RANGE[dtype] - 16} in magnitude for {dtype} activations")
     tiles = -(-out_features // 16)
     padded = tiles * 16 - out_features
     s = scales.to(torch.float16)

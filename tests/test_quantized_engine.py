@@ -152,12 +152,14 @@ def test_quantization_error_names_the_layer(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
+    import gc
     import time
 
     from deepinfer.core.models.loader import load_model, packed_weights
-    from deepinfer.core.ops.quant_matmul import fragment_copy_bytes
+    from deepinfer.core.ops.quant_matmul import prepared_bytes
 
     def load(**budget) -> tuple[int, int, float, int]:
+        gc.collect()  # the model of an earlier load is gone before this one is measured
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -166,31 +168,37 @@ def test_qwen25_3b_dummy_w4a16_loads_small_and_fast():
                             torch.device("cuda"), torch.float16)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        copies = fragment_copy_bytes(*packed_weights(loaded.model))
+        weights, gate_ups = packed_weights(loaded.model)
+        made = prepared_bytes(weights, torch.float16, gate_ups, fragments="max_vram" not in budget)
         peak = torch.cuda.max_memory_allocated() - before
         held = torch.cuda.memory_allocated() - before
         del loaded
-        return held, peak, seconds, copies
+        return held, peak, seconds, made
 
-    # under a memory budget each weight keeps one form: the packed codes alone (fp16 would be 6.2 GiB)
-    held, peak, seconds, _ = load(max_vram="100GiB")
+    # under a memory budget each weight keeps one form: the packed codes alone (fp16 would be 6.2 GiB), and the W4
+    # GEMM's scale pairs
+    held, peak, seconds, pairs = load(max_vram="100GiB")
     print(f"Qwen2.5-3B body W4A16 dummy, one form: {seconds:.1f} s, held {held / 2**30:.2f} GiB, "
-          f"peak {peak / 2**30:.2f} GiB")
+          f"peak {peak / 2**30:.2f} GiB, scale pairs {pairs / 2**30:.3f} GiB")
     assert held < 2.4 * 2**30 and peak < held + 0.5 * 2**30
     assert seconds < 30
-    # by default (the copies fit 5% of an H200) the fragment kernels' layouts come on top (gate/up: the interleaved
-    # and the plain one), and nothing else
-    held_with_copies, _, _, copies = load()
-    print(f"with fragment copies: held {held_with_copies / 2**30:.2f} GiB, copies {copies / 2**30:.2f} GiB")
-    assert copies > 0 and held_with_copies < held + 1.1 * copies
+    # by default (the copies fit 5% of an H200) one fragment layout of each weight the fragment rows serve comes on
+    # top (gate/up: the interleaved one alone), and nothing else: held grows by what prepared_bytes counts beyond the
+    # pairs, to the allocator's 512-byte rounding of each tensor
+    held_with_copies, _, _, made = load()
+    layouts = made - pairs
+    print(f"Qwen2.5-3B with fragment layouts: held {held_with_copies / 2**30:.2f} GiB, layouts "
+          f"{layouts / 2**30:.3f} GiB (counted), {(held_with_copies - held) / 2**30:.3f} GiB (allocated)")
+    assert layouts > 0 and abs(held_with_copies - held - layouts) < 2**20
 
 
 def test_qwen25_3b_layer_holds_each_form_a_dispatched_kernel_reads(tmp_path, monkeypatch):
     """One Qwen2.5-3B W4A16 layer (dummy codes, G = 128, fp16 activations) laid out as on a GPU: every form the load
     holds beside the packed codes is read by the kernel the table dispatches at some token count (1-256), and its
-    bytes are the hand count: the fragment layout is the codes plus a scale and a zero (fp16) per row and group,
-    the gate/up weight holds it twice (plain for 17-96 tokens, interleaved for the fused activation at 9-16), and
-    the W4 GEMM's scale pairs are a scale and a zero per row and group where its row serves."""
+    bytes are the hand count and what prepared_bytes counts: the fragment layout is the codes plus a scale and a
+    zero (fp16) per row and group, the gate/up weight holds it once, interleaved (the fused activation at 9-16
+    tokens, the fragment rows' products at 17-96), and the W4 GEMM's scale pairs are a scale and a zero per row
+    and group where its row serves."""
     from deepinfer.core.models.loader import SHAPES_DIR, load_model, packed_weights
     from deepinfer.core.ops import dispatch, quant_matmul
     from deepinfer.core.ops import quant_matmul_table as table
@@ -214,32 +222,36 @@ def test_qwen25_3b_layer_holds_each_form_a_dispatched_kernel_reads(tmp_path, mon
         interleaved = table._gate_up_fragments.get(id(packed.qweight), (None, {}))[1].get(torch.float16)
         pairs = table._scale_pairs.get(id(packed.scales), (None, {}))[1].get(torch.float16)
         held[name] = {form: tensors for form, tensors in (
-            ("plain", plain and (plain.frag, plain.sz)), ("interleaved", interleaved and interleaved[0][:2]),
+            ("plain", plain and (plain.frag, plain.sz)),
+            ("interleaved", interleaved and (interleaved[0].frag, interleaved[0].sz)),
             ("pairs", pairs and (pairs[0],))) if tensors}
         shapes = [table.ProductShape(t, packed.in_features, packed.out_features, 4, 128) for t in range(1, 257)]
+        fragment_rows = {s.tokens for s in shapes if table.product_row(s).kernel in table.FRAGMENT_KERNELS}
         fused = {s.tokens for s in shapes if name == "gate_up" and table.epilogue_serves(table.FRAGMENT_GATE_UP_ACT, s)}
         kernels_reading[name] = {
-            "plain": {s.tokens for s in shapes if table.product_row(s).kernel in table.FRAGMENT_KERNELS} - fused,
-            "interleaved": fused,
+            "plain": set() if name == "gate_up" else fragment_rows,
+            "interleaved": fragment_rows | fused if name == "gate_up" else set(),
             "pairs": {s.tokens for s in shapes if table.product_row(s).kernel == "w4_gemm"}}
     assert {name: set(forms) for name, forms in held.items()} == {
-        "qkv": {"plain", "pairs"}, "o": {"plain"}, "gate_up": {"plain", "interleaved", "pairs"},
-        "down": {"plain", "pairs"}}
+        "qkv": {"plain", "pairs"}, "o": {"plain"}, "gate_up": {"interleaved", "pairs"}, "down": {"plain", "pairs"}}
     for name, forms in held.items():
         for form in forms:
             assert kernels_reading[name][form], f"{name} holds its {form} form, which no dispatched kernel reads"
         for form in {"plain", "interleaved", "pairs"} - set(forms):
             assert not kernels_reading[name][form], f"{name} lacks its {form} form"
-    assert kernels_reading["gate_up"]["interleaved"] == set(range(9, 17))
-    assert kernels_reading["gate_up"]["plain"] == set(range(17, 97))
+    assert kernels_reading["gate_up"]["interleaved"] == set(range(9, 97))
+    assert table.gate_up_fragment_weight(names["gate_up"].packed, torch.float16)[1] is None  # no bias to reorder
 
     def words(n, k):  # one layout: the codes (n x k / 8 words), a word per row and group (fp16 scale and zero)
         return n * k // 8 + n * k // 128
 
-    layouts = {"qkv": words(2560, 2048), "o": words(2048, 2048), "gate_up": 2 * words(22016, 2048),
+    layouts = {"qkv": words(2560, 2048), "o": words(2048, 2048), "gate_up": words(22016, 2048),
                "down": words(2048, 11008)}
+    pair_words = {name: linear.out_features * linear.in_features // 128 if "pairs" in held[name] else 0
+                  for name, linear in names.items()}
     for name, linear in names.items():
         assert sum(t.numel() for form in ("plain", "interleaved") for t in held[name].get(form, ())) == layouts[name]
-        if "pairs" in held[name]:
-            assert held[name]["pairs"][0].numel() == linear.out_features * linear.in_features // 128
-    assert quant_matmul.fragment_copy_bytes(weights, gate_ups) == 4 * sum(layouts.values())
+        assert sum(t.numel() for t in held[name].get("pairs", ())) == pair_words[name]
+    every_tensor = sum(t.numel() * t.element_size() for forms in held.values() for ts in forms.values() for t in ts)
+    assert quant_matmul.prepared_bytes(weights, torch.float16, gate_ups) == every_tensor == 4 * (
+        sum(layouts.values()) + sum(pair_words.values()))

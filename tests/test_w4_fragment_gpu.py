@@ -148,3 +148,50 @@ def test_fused_gate_up_activation_equals_the_product_then_act_and_mul(dtype, act
             kernels.w4_fragment_gemm_act_and_mul(x, fused, activation, bias[order], config=config, splits=splits,
                                                  out=out)
             assert torch.equal(out, expected), (config, splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_products_over_the_interleaved_layout_then_interleaved_act_and_mul_give_the_plain_bits(dtype, activation):
+    """A merged gate/up weight's one fragment form: the plain products (the 1-32-token kernel at every launch shape,
+    with and without K splits; the batch kernel on CTAs that take whole tiles) over the interleaved layout and its
+    bias, followed by the interleaved act_and_mul, give the bits of the same products over the plain layout
+    followed by act_and_mul on the halves. The batch kernel's planned stream-K runs cut a tile at k blocks that
+    depend on the tile's place, which moves with the rows: there its sums may round otherwise, and are held to the
+    plain ones within the fp32 summation's error."""
+    kernels = _kernels()
+    from deepinfer.kernels import w4_fragment_batch
+    from deepinfer.kernels.act_and_mul import act_and_mul, act_and_mul_interleaved
+
+    inner, in_features = 1024, 2048
+    packed = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=9)
+    device = torch.device("cuda")
+    qweight, scales, zeros = packed.qweight.to(device), packed.scales.to(device), packed.zeros.to(device)
+    plain = kernels.fragment_layout(qweight, scales, zeros, 128, 2 * inner, in_features, dtype)
+    interleaved = kernels.gate_up_layout(qweight, scales, zeros, 128, in_features, dtype)
+    generator = torch.Generator(device=device).manual_seed(9)
+    bias = torch.randn(2 * inner, device=device, dtype=dtype, generator=generator)
+    order = kernels.gate_up_order(inner, device)
+
+    def both(product, x, **launch):
+        expected = product(x, plain, bias, **launch)
+        expected = act_and_mul(expected[:, :inner], expected[:, inner:], activation)
+        out = torch.full((x.shape[0], inner), float("nan"), device=device, dtype=dtype)
+        act_and_mul_interleaved(product(x, interleaved, bias[order], **launch), activation, out=out)
+        return out, expected
+
+    for config in kernels.CONFIGS:
+        for splits in (1, 3):
+            x = torch.randn(config.tokens - 3, in_features, device=device, dtype=dtype, generator=generator)
+            out, expected = both(kernels.w4_fragment_gemm, x, config=config, splits=splits)
+            assert torch.equal(out, expected), (config, splits)
+    for tokens in (40, 96, 128):
+        x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=generator)
+        config, _ = w4_fragment_batch.plan(tokens, 2 * inner, in_features, 0)
+        k_blocks = -(-in_features // config.bk)
+        whole_tiles = w4_fragment_batch.iterations(tokens, 2 * inner, in_features, config) // k_blocks  # a CTA a tile
+        out, expected = both(w4_fragment_batch.w4_fragment_batch, x, ctas=whole_tiles)
+        assert torch.equal(out, expected), tokens
+        out, expected = both(w4_fragment_batch.w4_fragment_batch, x)
+        assert torch.isfinite(out).all()
+        assert float((out.float() - expected.float()).norm() / expected.float().norm()) < 2e-3, tokens

@@ -134,43 +134,105 @@ def test_interleaved_gate_up_layout_puts_each_gate_row_beside_its_up_row(dtype):
         fragment.gate_up_order(12)
 
 
-def test_a_merged_gate_up_weight_gets_the_interleaved_layout_in_place_of_the_plain_one(monkeypatch):
-    """prepare_products with the fused fragment epilogue on: a gate/up weight (2048 x 2048, the smallest the fragment
-    row takes) whose
-    activation the epilogue has keeps one fragment form, the interleaved one, with its bias in that row order; the
-    same weight not named a gate/up gets the plain one; with the batch kernel's row on as well (it reads the plain
-    layout), a gate/up weight gets both, and fragment_copy_bytes counts both."""
+def test_a_merged_gate_up_weight_holds_the_interleaved_layout_as_its_one_fragment_form(monkeypatch):
+    """prepare_products: a gate/up weight (2048 x 2048, the smallest the fragment row takes) whose activation the
+    MLP reads in the interleaved order keeps one fragment form, the interleaved one, with its bias in that row order,
+    and no plain layout (so quant_matmul on it runs the rows after the fragment kernels'); the same weight not named
+    a gate/up gets the plain one; 7B's gate/up, which the batch row serves at 33-128 tokens as well, gets one layout
+    too. prepared_bytes counts one layout, the bias and the W4 GEMM's scale pairs where its row serves."""
     from deepinfer.core.ops import dispatch, quant_matmul
     from deepinfer.core.ops import quant_matmul_table as table
 
     monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
-    monkeypatch.setattr(table, "FRAGMENT_GATE_UP_ACT_ROW", True)
     inner, in_features = 1024, 2048
     gate_up = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=11)
     gate_up.bias = torch.randn(2 * inner, dtype=torch.float16)
     plain = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=12)
-    assert quant_matmul.prepare_products([gate_up, plain], torch.bfloat16, gate_ups=frozenset({id(gate_up)})) == 2
-    assert table.fragment_weight(gate_up, torch.bfloat16, lay_out=False) is None  # one form: no plain copy
+    gate_ups = frozenset({id(gate_up)})
+    expected = quant_matmul.prepared_bytes([gate_up, plain], torch.bfloat16, gate_ups)
+    assert quant_matmul.prepare_products([gate_up, plain], torch.bfloat16, gate_ups=gate_ups) == 2
+    assert table.fragment_weight(gate_up, torch.bfloat16) is None  # one form: no plain layout, now or later
     weight, bias = table.gate_up_fragment_weight(gate_up, torch.bfloat16)
     order = fragment.gate_up_order(inner)
     assert torch.equal(bias, gate_up.bias[order].to(torch.bfloat16))
     assert weight.frag.shape == (2 * inner // 16, in_features // 64, 32, 4)
-    assert table.fragment_weight(plain, torch.bfloat16, lay_out=False) is not None
-    assert table.fragment_plain_needed(gate_up) is False
+    plain_weight = table.fragment_weight(plain, torch.bfloat16, lay_out=False)
+    assert plain_weight is not None and table.gate_up_fragment_weight(plain, torch.bfloat16, lay_out=False) is None
     layout = weight.frag.numel() * 4 + weight.sz.numel() * 4
     assert layout == gate_up.qweight.numel() * 4 + (2 * inner) * (in_features // 128) * 4  # codes, a word pair a group
-    assert quant_matmul.fragment_copy_bytes([gate_up], frozenset({id(gate_up)})) == layout
-    # 7B's gate/up (3584 x 37888), which the batch row takes at 33-128 tokens: only its shape is read
+    assert plain_weight.frag.numel() * 4 + plain_weight.sz.numel() * 4 == layout
+    assert not table.gemm_may_serve(gate_up)  # 2048 x 2048 is not larger than GEMM_LARGE_WEIGHT: no scale pairs
+    assert expected == 2 * layout + 2 * inner * 2  # and the bias in bf16
+    # 7B's gate/up (3584 x 37888): the fragment rows at 1-32 tokens and the batch row at 33-128 read one layout
     from deepinfer.core.quant.packed import PackedWeight
 
     large = PackedWeight(torch.empty(37888, 3584 // 8, dtype=torch.int32), torch.ones(37888, 28, dtype=torch.float16),
                          torch.zeros(37888, 28, dtype=torch.float16), 4, 128, 3584, 37888)
-    monkeypatch.setattr(table, "FRAGMENT_BATCH_ROW", True)
+    assert table.gate_up_interleaves(large) and not table.gemm_may_serve(large)  # the fragment rows serve 1-128
+    forms = quant_matmul.prepared_forms(large, torch.bfloat16, gate_up=True)
+    assert forms == quant_matmul.PreparedForms(scale_pairs=False, fragment=False, gate_up_fragment=True)
+    words = 37888 * 3584 // 8 + 37888 * 28  # the codes and a word per row and group
+    assert quant_matmul.prepared_bytes([large], torch.bfloat16, frozenset({id(large)})) == 4 * words
+    assert quant_matmul.prepared_bytes([large], torch.bfloat16, frozenset({id(large)}), fragments=False) == 0
+
+
+def test_a_gate_up_product_over_the_interleaved_layout_returns_the_plain_outputs_in_interleaved_columns(monkeypatch):
+    """gate_up_fragment_product on a small gate/up weight (2I = 512, K = 128; the rows' size floors lowered so the
+    fragment row serves it at 17-32 tokens and the batch row at 33-96): the fragment kernels emulated in fp64 over
+    the layout they are given (dequantize_fragments, the kernel's reading of it) return, over the interleaved layout
+    and its bias, the plain layout's outputs with gate output 8 b + j at column 16 b + j and its up output at
+    16 b + 8 + j; interleaved_halves gives back [gate | up]. The fused epilogue's token counts (to 16), and the
+    rows that read the stored codes, are not this product's."""
+    from deepinfer.core.ops import activation, dispatch
+    from deepinfer.core.ops import quant_matmul_table as table
+    from deepinfer.core.ops.gate_up_activation import interleaved_gate_up_product
+
+    monkeypatch.setattr(dispatch, "kernel_blocker", lambda devices: None)
+    monkeypatch.setattr(table, "FRAGMENT_WEIGHT", 1)
+    monkeypatch.setattr(table, "FRAGMENT_BATCH_WIDE_WEIGHT", 1)
+    monkeypatch.setattr(table.kernels_gemm, "wgmma_available", lambda index: True)
+
+    def emulated(rows, weight, bias):
+        out = rows.double() @ fragment.dequantize_fragments(weight, rows.dtype).double().T
+        return out if bias is None else out + bias.double()
+
+    for kernel in table.FRAGMENT_KERNELS:
+        monkeypatch.setitem(table.FRAGMENT_PRODUCTS, kernel, table.FRAGMENT_PRODUCTS[kernel]._replace(
+            product=emulated))
     table.product_row.cache_clear()
     try:
-        assert table.fragment_plain_needed(large)
-        assert quant_matmul.fragment_copy_bytes([large], frozenset({id(large)})) == 2 * (
-            large.qweight.numel() * 4 + 37888 * 28 * 4)
+        inner, in_features = 256, 128
+        packed = random_w4_weight(2 * inner, in_features, 128, "zero", True, seed=21)
+        packed.bias = torch.randn(2 * inner, dtype=torch.float16)
+        plain = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, 128, 2 * inner, in_features,
+                                         torch.bfloat16)
+        x = torch.randn(100, in_features, dtype=torch.bfloat16)
+        for tokens, kernel in ((20, "fragment"), (40, "fragment_batch")):
+            shape = table.ProductShape(tokens, in_features, 2 * inner, 4, 128)
+            assert table.product_row(shape).kernel == kernel
+            assert not table.epilogue_serves(table.FRAGMENT_GATE_UP_ACT, shape)
+            out = interleaved_gate_up_product(x[:tokens], packed, "silu")
+            want = emulated(x[:tokens], plain, packed.bias.to(torch.bfloat16))  # the kernels take the bias in bf16
+            gate, up = activation.interleaved_halves(out)
+            assert torch.allclose(torch.cat([gate, up], dim=1), want, rtol=1e-12, atol=1e-12)
+            assert torch.allclose(out, want[:, fragment.gate_up_order(inner)], rtol=1e-12, atol=1e-12)
+        for tokens in (8, 100):  # tc (the fused epilogue's counts aside) and w4_gemm read the stored codes
+            assert table.product_row(table.ProductShape(tokens, in_features, 2 * inner, 4, 128)).kernel in (
+                "tcs", "w4_gemm")
+            assert interleaved_gate_up_product(x[:tokens], packed, "silu") is None
+        assert interleaved_gate_up_product(x[:20], packed, "gelu") is None  # no interleaved act_and_mul for it
+        # the MLP: at 20 tokens neither fused epilogue serves, the product comes back interleaved and the
+        # interleaved act_and_mul (its torch path: the emulated product is fp64) reads it as act(gate) * up
+        from types import SimpleNamespace
+
+        from deepinfer.core.models.layers import GatedMLP
+        from deepinfer.core.quant.quant_linear import QuantLinear
+
+        mlp = SimpleNamespace(gate_up_proj=QuantLinear(packed), down_proj=lambda inner_out: inner_out,
+                              hidden_act="silu", inner=inner)
+        want = emulated(x[:20], plain, packed.bias.to(torch.bfloat16))
+        got = GatedMLP.forward(mlp, x[:20])
+        assert torch.allclose(got, torch.nn.functional.silu(want[:, :inner]) * want[:, inner:], rtol=1e-12, atol=1e-12)
     finally:
         table.product_row.cache_clear()
 

@@ -42,6 +42,23 @@ def fused_gate_up_checks(op: str, case: str, out: torch.Tensor, product: torch.T
                     2 * REL_TOL[dtype])]
 
 
+def interleaved_gate_up_check(op: str, case: str, interleaved: torch.Tensor, plain: torch.Tensor, inner: int,
+                              activation: str, exact: bool = True) -> CheckResult:
+    """A gate/up product over the interleaved layout, `interleaved` [M, 2 inner] (gate and up in 8-column blocks),
+    then the interleaved act_and_mul, against the same kernel's product over the plain layout, `plain` [M, 2 inner]
+    ([gate | up]), then act_and_mul on its halves: the same bits (exact), or within the fp32 summation's error
+    where the kernel's k split of a row depends on the row's tile (the batch kernel's stream-K runs)."""
+    from deepinfer.kernels.act_and_mul import act_and_mul, act_and_mul_interleaved
+
+    want = act_and_mul(plain[:, :inner], plain[:, inner:], activation)
+    out = act_and_mul_interleaved(interleaved, activation, out=poisoned(want.shape, want.dtype, want.device))
+    if not exact:
+        return compare(op, f"{case} interleaved ~ plain", out, want, REL_TOL[want.dtype])
+    same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+    return CheckResult(op, f"{case} interleaved == plain", same,
+                       detail="" if same else "the interleaved layout's product and act_and_mul differ from the plain")
+
+
 # (tokens, out_features, in_features, group size, kernel, tile, splits, fp32 scales, bias)
 QUANT_CASES = (
     (1, 4096, 4096, 128, "gemv", 1, None, False, False),
@@ -217,6 +234,12 @@ FRAGMENT_BATCH_CASES = (
 
 # The fused gate/up activation over the interleaved layout: (tokens, inner features, in_features, group size,
 # activation); each launch shape's token range, K splits from the plan.
+# (tokens, inner features, in_features, group size, activation) of the batch kernel over a gate/up weight's layouts
+FRAGMENT_BATCH_GATE_UP_CASES = (
+    (40, 1024, 2048, 128, "silu"),
+    (96, 11008, 2048, 128, "gelu_tanh"),  # Qwen2.5-3B's gate/up
+    (128, 1000, 3584, 64, "silu"),
+)
 FRAGMENT_GATE_UP_CASES = (
     (1, 11008, 2048, 128, "silu"),
     (16, 1000, 2048, 64, "gelu_tanh"),
@@ -226,7 +249,9 @@ FRAGMENT_GATE_UP_CASES = (
 
 
 def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    """The fragment kernel on its cases against the fp32 product of the reference dequantizer's weight."""
+    """The fragment kernel on its cases against the fp32 product of the reference dequantizer's weight; on a gate/up
+    weight the fused epilogue and the product over the interleaved layout then the interleaved act_and_mul, each
+    against the plain layout's product then act_and_mul (the same bits)."""
     from deepinfer.kernels import w4_fragment_gemm as fragment
 
     results = []
@@ -259,7 +284,10 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
                 order = fragment.gate_up_order(inner, device)
                 fragment.w4_fragment_gemm_act_and_mul(x, fused, activation, packed.bias[order], out=out)
                 product = fragment.w4_fragment_gemm(x, plain, packed.bias)
-                return fused_gate_up_checks("w4_fragment_gemm", case, out, product, x, packed, inner, activation, dtype)
+                interleaved = fragment.w4_fragment_gemm(x, fused, packed.bias[order])
+                return [*fused_gate_up_checks("w4_fragment_gemm", case, out, product, x, packed, inner, activation,
+                                              dtype),
+                        interleaved_gate_up_check("w4_fragment_gemm", case, interleaved, product, inner, activation)]
 
             results += guarded("w4_fragment_gemm", case, run_fused)
     return results
@@ -267,9 +295,12 @@ def check_w4_fragment_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> li
 
 def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
     """The 33-128-token kernel over the fragment layout on its cases, on both tensor-core paths the GPU has (mma.sync;
-    wgmma on SM90), against the fp32 product of the reference dequantizer's weight."""
+    wgmma on SM90), against the fp32 product of the reference dequantizer's weight; over a gate/up weight's
+    interleaved layout then the interleaved act_and_mul, against the plain layout then act_and_mul (the same bits on
+    CTAs that take whole tiles) and the fp32 reference."""
     from deepinfer.kernels import w4_fragment_batch as batch
     from deepinfer.kernels import w4_fragment_gemm as fragment
+    from deepinfer.kernels.act_and_mul import act_and_mul_interleaved
     from deepinfer.kernels.w4_gemm import wgmma_available
 
     configs = batch.CONFIGS if wgmma_available(device.index or 0) else (batch.CONFIG,)
@@ -290,6 +321,29 @@ def check_w4_fragment_batch(device, dtypes=(torch.float16, torch.bfloat16)) -> l
                 return compare("w4_fragment_batch", case, out, ref, REL_TOL[dtype])
 
             results += guarded("w4_fragment_batch", case, run)
+    for (m, inner, k, g, activation), dtype in itertools.product(FRAGMENT_BATCH_GATE_UP_CASES, dtypes):
+        case = f"{DTYPE_NAMES[dtype]} W4 int-zeros gate/up + {activation} M={m} I={inner} K={k} G={g}"
+
+        def run_gate_up(m=m, inner=inner, k=k, g=g, activation=activation, dtype=dtype, case=case):
+            packed = random_packed(2 * inner, k, g, 4, "zero", torch.float16, device, bias_dtype=dtype)
+            plain = fragment.fragment_layout(packed.qweight, packed.scales, packed.zeros, g, 2 * inner, k, dtype)
+            interleaved = fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, g, k, dtype)
+            bias = packed.bias[fragment.gate_up_order(inner, device)]
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            config, _ = batch.plan(m, 2 * inner, k, device.index or 0)
+            whole_tiles = batch.iterations(m, 2 * inner, k, config) // -(-k // config.bk)  # a CTA a tile
+            checks = []
+            for ctas, exact in ((whole_tiles, True), (None, False)):
+                product = batch.w4_fragment_batch(x, plain, packed.bias, ctas=ctas)
+                checks.append(interleaved_gate_up_check(
+                    "w4_fragment_batch", case + (" whole tiles" if exact else " planned"),
+                    batch.w4_fragment_batch(x, interleaved, bias, ctas=ctas), product, inner, activation, exact))
+            out = act_and_mul_interleaved(batch.w4_fragment_batch(x, interleaved, bias), activation)
+            checks.append(compare("w4_fragment_batch", f"{case} interleaved vs fp32", out,
+                                  reference_act_and_mul(x, packed, inner, activation), 2 * REL_TOL[dtype]))
+            return checks
+
+        results += guarded("w4_fragment_batch", case, run_gate_up)
     return results
 
 

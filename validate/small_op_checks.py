@@ -41,7 +41,11 @@ def check_rms_norm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Check
 
 
 def check_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    from deepinfer.kernels.act_and_mul import act_and_mul
+    """Both variants: gate and up as tensors or halves of one product, and interleaved in 8-column blocks (the
+    column order of a gate/up product over the interleaved fragment layout), which must also give the plain
+    variant's bits."""
+    from deepinfer.kernels.act_and_mul import act_and_mul, act_and_mul_interleaved
+    from deepinfer.kernels.w4_fragment_gemm import gate_up_order
 
     results = []
     for dtype in dtypes:
@@ -61,6 +65,22 @@ def check_act_and_mul(device, dtypes=(torch.float16, torch.bfloat16)) -> list[Ch
                                    REL_TOL[dtype])
 
                 results += guarded("act_and_mul", case, run)
+            for rows, inner in ((7, 1024), (64, 11008)):
+                case = f"{DTYPE_NAMES[dtype]} {activation} T={rows} I={inner} interleaved"
+
+                def run_interleaved(dtype=dtype, activation=activation, rows=rows, inner=inner, case=case):
+                    gate_up = torch.randn(rows, 2 * inner, dtype=dtype, device=device) * 3  # [gate | up]
+                    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+                    out = act_and_mul_interleaved(gate_up[:, gate_up_order(inner, device)].contiguous(), activation,
+                                                  out=poisoned((rows, inner), dtype, device))
+                    result = compare("act_and_mul", case, out, act_and_mul_reference(gate, up, activation),
+                                     REL_TOL[dtype])
+                    if result.ok and not torch.equal(out.view(torch.int16),
+                                                     act_and_mul(gate, up, activation).view(torch.int16)):
+                        result.ok, result.detail = False, "differs from the plain variant's bits on the halves"
+                    return result
+
+                results += guarded("act_and_mul", case, run_interleaved)
     return results
 
 

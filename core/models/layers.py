@@ -24,8 +24,8 @@ from torch import nn
 
 from deepinfer.core.errors import ModelLoadError
 from deepinfer.core.models.spec import ModelSpec, RopeScaling
-from deepinfer.core.ops.activation import act_and_mul
-from deepinfer.core.ops.gate_up_activation import gate_up_act_and_mul
+from deepinfer.core.ops.activation import act_and_mul, act_and_mul_interleaved
+from deepinfer.core.ops.gate_up_activation import gate_up_act_and_mul, interleaved_gate_up_product
 from deepinfer.core.ops.norm import rms_norm
 from deepinfer.core.ops.qkv_rotary import qkv_rotary_and_cache_write
 from deepinfer.core.ops.rotary import rotary_and_cache_write
@@ -100,10 +100,15 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_proj is not None:
             # decode steps: the product's epilogue applies the activation (None where it cannot)
-            fused = gate_up_act_and_mul(x, getattr(self.gate_up_proj, "packed", None), self.hidden_act)  # [T, I]
+            packed = getattr(self.gate_up_proj, "packed", None)
+            fused = gate_up_act_and_mul(x, packed, self.hidden_act)  # [T, I]
             if fused is not None:
                 return self.down_proj(fused)
-            gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
+            # a product over the weight's interleaved fragment layout returns gate and up in 8-column blocks
+            interleaved = interleaved_gate_up_product(x, packed, self.hidden_act)  # [T, 2 * inner] or None
+            if interleaved is not None:
+                return self.down_proj(act_and_mul_interleaved(interleaved, self.hidden_act))
+            gate_up = self.gate_up_proj(x)  # [T, 2 * inner]: [gate | up]
             gate, up = gate_up[..., :self.inner], gate_up[..., self.inner:]
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -61,7 +61,7 @@ from deepinfer.core.models.layers import GatedMLP
 from deepinfer.core.models.merged_projections import merge_projections
 from deepinfer.core.models.spec import ModelSpec
 from deepinfer.core.ops.gate_up_activation import fused_activation
-from deepinfer.core.ops.quant_matmul import fragment_copy_bytes, prepare_products
+from deepinfer.core.ops.quant_matmul import prepare_products, prepared_bytes
 from deepinfer.core.ops.quant_matmul_cpu import cpu_weights_mode
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.quant_linear import QuantLinear
@@ -112,14 +112,14 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     if device.type == "cuda":
         compact_weights(loaded.model, device)
         weights, gate_ups = packed_weights(loaded.model)
-        prepare_products(weights, dtype, fragments=_room_for_fragment_copies(weights, gate_ups, config, device),
+        prepare_products(weights, dtype, fragments=_room_for_fragment_copies(weights, dtype, gate_ups, config, device),
                          gate_ups=gate_ups)
     return loaded
 
 
 def packed_weights(model: nn.Module) -> tuple[list[PackedWeight], frozenset[int]]:
     """(every packed weight of the model, the ids of its merged gate/up weights whose activation the fused epilogues
-    have): what prepare_products lays out, and fragment_copy_bytes counts."""
+    have): what prepare_products lays out, and prepared_bytes counts."""
     weights = [m.packed for m in model.modules() if isinstance(m, QuantLinear)]
     gate_ups = frozenset(id(m.gate_up_proj.packed) for m in model.modules()
                          if isinstance(m, GatedMLP) and isinstance(m.gate_up_proj, QuantLinear)
@@ -127,20 +127,21 @@ def packed_weights(model: nn.Module) -> tuple[list[PackedWeight], frozenset[int]
     return weights, gate_ups
 
 
-def _room_for_fragment_copies(weights: list, gate_ups: frozenset[int], config: EngineConfig,
+def _room_for_fragment_copies(weights: list, dtype: torch.dtype, gate_ups: frozenset[int], config: EngineConfig,
                               device: torch.device) -> bool:
     """The fragment kernel reads its own copy of each W4 weight it serves, beside the packed codes the other
     kernels read: under a memory budget (--max-vram), or where the copies would take more than
     FRAGMENT_COPY_SHARE of the device (a small card, whose memory is better spent on KV blocks), each weight
-    keeps one form and its products run on the next kernel of the table."""
-    copies = fragment_copy_bytes(weights, gate_ups)
+    keeps one form and its products run on the next kernel of the table. The count is all that prepare_products
+    would make (one fragment layout a weight, the W4 GEMM's scale pairs)."""
+    copies = prepared_bytes(weights, dtype, gate_ups)
     if not copies:
         return False
     room = config.max_vram is None and copies <= FRAGMENT_COPY_SHARE * torch.cuda.get_device_properties(
         device).total_memory
     if not room:
-        logger.info("W4 weights keep one form (%.2f GiB of fragment copies do not fit the budget): few-token "
-                    "products run without the fragment kernel", copies / 2**30)
+        logger.info("W4 weights keep one form (%.2f GiB of fragment copies and scale pairs do not fit the budget): "
+                    "few-token products run without the fragment kernel", copies / 2**30)
     return room
 
 

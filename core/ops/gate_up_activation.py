@@ -1,4 +1,5 @@
-"""The merged gate/up projection of a gated MLP with the activation fused into the product's epilogue.
+"""The merged gate/up projection of a gated MLP with the activation fused into the product's epilogue, and the
+column order of the product where it is not fused.
 
 A decode step runs the W4 gate/up product on the tcs kernel and then act_and_mul_kernel, which reads the [T, 2I]
 product back and writes act(gate) * up [T, I]: a kernel launch and its round trips per layer. Where the fused
@@ -7,7 +8,13 @@ gate_up_act_unsupported_reason), the product's epilogue does that work instead, 
 result is the unfused one bit for bit. Where the product's row is the few-token fragment kernel
 (FRAGMENT_GATE_UP_ACT: the same bits as its product then act_and_mul), its act-and-mul epilogue over the weight's
 interleaved gate/up layout does that work.
-Everywhere else (other weights, more tokens, the CPU) the caller runs the two ops.
+A W4 gate/up weight the fragment rows serve holds that interleaved layout as its one fragment form
+(core/ops/quant_matmul.py: prepare_products), so at the token counts whose row is a fragment kernel without the
+fused epilogue, its product (interleaved_gate_up_product) returns the [T, 2I] outputs in the layout's column order
+(column 16 b + j: gate output 8 b + j, 16 b + 8 + j: its up output) and the MLP's interleaved act_and_mul reads
+them. Which order a product returns follows from its token count and what the load prepared, never from data, so
+a captured graph replays it.
+Everywhere else the product returns [gate | up] and act_and_mul reads its halves.
 """
 
 from __future__ import annotations
@@ -17,13 +24,17 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.core.ops import dispatch
+from deepinfer.core.ops.quant_matmul import OP as PRODUCT_OP
 from deepinfer.core.ops.quant_matmul import ProductCase, product_reason, product_shape, stored_order
 from deepinfer.core.ops.quant_matmul_table import (
     FRAGMENT_GATE_UP_ACT,
+    FRAGMENT_KERNELS,
     GATE_UP_ACT,
     epilogue_serves,
     fragment_takes,
+    gate_up_fragment_product,
     gate_up_fragment_weight,
+    product_row,
 )
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.kernels import quant_matmul as kernels
@@ -94,3 +105,17 @@ def gate_up_act_and_mul(x: torch.Tensor, packed: PackedWeight | None, activation
     rows = stored_order(x, packed)
     return kernels.quant_matmul_act_and_mul(rows, packed.qweight, packed.scales, packed.zeros, packed.bias,
                                             packed.group_size, packed.zero_mode, packed.integer_zeros, activation)
+
+
+def interleaved_gate_up_product(x: torch.Tensor, packed: PackedWeight | None, activation: str) -> torch.Tensor | None:
+    """x [T, hidden] through the merged [gate | up] weight `packed` -> [T, 2I] in the interleaved layout's column
+    order, where a fragment row serves T tokens over that layout (quant_matmul_table.gate_up_fragment_product), or
+    None (the product then runs on quant_matmul, in [gate | up] order)."""
+    if packed is None or not fused_activation(activation):  # the loader interleaves only these (fused_activation)
+        return None
+    if product_row(product_shape(x.shape[0], packed)).kernel not in FRAGMENT_KERNELS:
+        return None
+    if not dispatch.decide(PRODUCT_OP, ProductCase.of(x, packed), product_reason, (x,)):
+        return None
+    return gate_up_fragment_product(stored_order(x, packed), packed)
+

@@ -20,11 +20,10 @@ from deepinfer.core.ops import dispatch
 from deepinfer.core.ops.quant_matmul_cpu import quant_matmul_cpu
 from deepinfer.core.ops.quant_matmul_table import (
     ProductShape,
-    fragment_gate_up_may_serve,
     fragment_may_serve,
-    fragment_plain_needed,
     fragment_weight,
     gate_up_fragment_weight,
+    gate_up_interleaves,
     gemm_may_serve,
     gemm_scale_pairs,
     product_row,
@@ -32,6 +31,7 @@ from deepinfer.core.ops.quant_matmul_table import (
 from deepinfer.core.quant.packed import PackedWeight
 from deepinfer.core.quant.packing import dequantize
 from deepinfer.kernels import quant_matmul as kernels
+from deepinfer.kernels import w4_fragment_gemm as kernels_fragment
 from deepinfer.kernels import w8_gemm as kernels_w8
 
 OP = "quant_matmul"
@@ -87,47 +87,84 @@ def quant_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], packed.out_features)
 
 
+class PreparedForms(NamedTuple):
+    """What prepare_products makes of one weight, beside its packed tensors, for one activation dtype."""
+
+    scale_pairs: bool  # the W4 GEMM's scale pairs (kernels/w4_gemm.py: gemm_scales), where its row serves
+    fragment: bool  # the fragment layout in the weight's row order, where a fragment row serves
+    gate_up_fragment: bool  # ... or in gate_up_order with the bias in that order: a merged gate/up weight's one form
+
+
+def prepared_forms(packed: PackedWeight, dtype: torch.dtype, fragments: bool = True,
+                   gate_up: bool = False) -> PreparedForms | None:
+    """The forms prepare_products makes of `packed` for `dtype` activations (None: the kernels cannot serve it on its
+    device). A merged gate/up weight (`gate_up`: its MLP reads the fused epilogues' interleaved order, core/ops/
+    gate_up_activation.py) gets the interleaved fragment layout and no plain one; fragments=False: no fragment
+    layout (a memory budget)."""
+    case = ProductCase((packed.qweight.device, packed.qweight.device), dtype,
+                       kernels.packed_operands(packed.qweight, packed.scales, packed.zeros, packed.bits,
+                                               packed.group_size))
+    if dispatch.kernel_blocker(case.devices) is not None or product_reason(case) is not None:
+        return None
+    layout = fragments and fragment_may_serve(packed) and kernels_fragment.zeros_fit(packed.zeros, dtype)
+    interleaved = gate_up and gate_up_interleaves(packed)
+    return PreparedForms(gemm_may_serve(packed), layout and not interleaved, layout and interleaved)
+
+
 def fragment_layout_bytes(packed: PackedWeight) -> int:
-    """Bytes of one fragment layout of a W4 weight (kernels/w4_fragment_gemm.py FragmentWeight): the codes in
-    16-row x 64-k atoms of 512 bytes (frag int32 [ceil(N / 16), ceil(K / 64), 32, 4], as large as the packed codes
-    where K is a multiple of 64) and a scale and a zero (one word) per row and group (sz int32 [ceil(N / 16), K / G,
-    8, 2])."""
+    """Bytes of the fragment layout of a W4 weight (kernels/w4_fragment_gemm.py FragmentWeight), in either row order:
+    the codes in 16-row x 64-k atoms of 512 bytes (frag int32 [ceil(N / 16), ceil(K / 64), 32, 4], as large as the
+    packed codes where K is a multiple of 64) and a scale and a zero (one word) per row and group (sz int32
+    [ceil(N / 16), K / G, 8, 2])."""
     tiles, atoms = -(-packed.out_features // 16), -(-packed.in_features // 64)
-    return tiles * atoms * 32 * 4 * 4 + tiles * (packed.in_features // packed.group_size) * 8 * 2 * 4
+    return tiles * atoms * 32 * 4 * 4 + scale_pair_bytes(packed)
 
 
-def fragment_copy_bytes(weights: list[PackedWeight], gate_ups: frozenset[int] = frozenset()) -> int:
-    """Bytes the fragment kernels' copies of these weights would take: one layout each, two for a gate/up weight of
-    `gate_ups` (prepare_products) that needs both the interleaved and the plain layout."""
-    return sum(fragment_layout_bytes(packed)
-               * (2 if id(packed) in gate_ups and fragment_gate_up_may_serve(packed) and fragment_plain_needed(packed)
-                  else 1)
-               for packed in weights if fragment_may_serve(packed))
+def scale_pair_bytes(packed: PackedWeight) -> int:
+    """Bytes of a scale and a zero per row (padded to whole 16-row tiles) and group in one 32-bit word: the fragment
+    layout's sz and the W4 GEMM's scale pairs, int32 [ceil(N / 16), K / G, 8, 2] each."""
+    return -(-packed.out_features // 16) * packed.scales.shape[1] * 8 * 2 * 4
+
+
+def prepared_bytes(weights: list[PackedWeight], dtype: torch.dtype, gate_ups: frozenset[int] = frozenset(),
+                   fragments: bool = True) -> int:
+    """Bytes of everything prepare_products(weights, dtype, fragments, gate_ups) makes: for each weight its
+    prepared_forms (one fragment layout at most, a gate/up weight's with its bias in its row order, in `dtype`; the
+    W4 GEMM's scale pairs)."""
+    total = 0
+    for packed in weights:
+        forms = prepared_forms(packed, dtype, fragments, id(packed) in gate_ups)
+        if forms is None:
+            continue
+        if forms.scale_pairs:
+            total += scale_pair_bytes(packed)
+        if forms.fragment or forms.gate_up_fragment:
+            total += fragment_layout_bytes(packed)
+        if forms.gate_up_fragment and packed.bias is not None:
+            total += packed.out_features * dtype.itemsize
+    return total
 
 
 def prepare_products(weights: list[PackedWeight], dtype: torch.dtype, fragments: bool = True,
                      gate_ups: frozenset[int] = frozenset()) -> int:
-    """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (the W4 GEMM's
-    scale pairs, the fragment kernels' copy of the weight in their layout), so nothing is allocated for it during a
-    step; returns how many weights got something. Weights the kernels cannot serve on their device are left alone.
-    fragments=False keeps one form of each weight (a memory budget: the fragment copy is as large as the packed
-    codes); their products then run on the rows after the fragment kernels'. `gate_ups`: the ids of merged gate/up
-    weights whose MLP activation the fused fragment epilogue has: where it serves, their copy is the interleaved
-    gate/up layout, in place of the plain one unless a row that reads the plain one serves them too."""
+    """Lay out, for `dtype` activations, what the kernels derive from the weights they may serve (prepared_forms:
+    the W4 GEMM's scale pairs, the fragment kernels' copy of the weight in their layout), so nothing is allocated
+    for it during a step; returns how many weights got something. Weights the kernels cannot serve on their device
+    are left alone. fragments=False keeps one form of each weight (a memory budget: the fragment copy is as large as
+    the packed codes); their products then run on the rows after the fragment kernels'. `gate_ups`: the ids of
+    merged gate/up weights whose MLP reads the interleaved order: their one fragment form is the interleaved
+    gate/up layout, which the fused epilogue and the plain fragment rows read (core/ops/gate_up_activation.py);
+    their products that quant_matmul runs take the rows after the fragment kernels'."""
     prepared = 0
     for packed in weights:
-        case = ProductCase((packed.qweight.device, packed.qweight.device), dtype,
-                           kernels.packed_operands(packed.qweight, packed.scales, packed.zeros, packed.bits,
-                                                   packed.group_size))
-        if dispatch.kernel_blocker(case.devices) is not None or product_reason(case) is not None:
+        forms = prepared_forms(packed, dtype, fragments, id(packed) in gate_ups)
+        if forms is None:
             continue
-        needs_pairs, needs_fragments = gemm_may_serve(packed), fragment_may_serve(packed)
-        if needs_pairs:
+        if forms.scale_pairs:
             gemm_scale_pairs(packed, dtype)
-        if needs_fragments and id(packed) in gate_ups and fragments and fragment_gate_up_may_serve(packed):
-            gate_up_fragment_weight(packed, dtype)
-            fragment_weight(packed, dtype, lay_out=fragment_plain_needed(packed))
-        elif needs_fragments:
-            fragment_weight(packed, dtype, lay_out=fragments)
-        prepared += needs_pairs or needs_fragments
+        if fragment_may_serve(packed):  # the first call decides: the forms not made now are never made
+            fragment_weight(packed, dtype, lay_out=forms.fragment)
+            if id(packed) in gate_ups and gate_up_interleaves(packed):
+                gate_up_fragment_weight(packed, dtype, lay_out=forms.gate_up_fragment)
+        prepared += any(forms)
     return prepared

@@ -199,7 +199,23 @@ def fragment_batch_serves(shape: ProductShape) -> bool:
     return tall and large and any(low <= shape.tokens <= high for low, high in FRAGMENT_BATCH_TALL_TOKENS)
 
 
-FRAGMENT_KERNELS = ("fragment", "fragment_batch")  # the rows that read the fragment layout
+class FragmentProduct(NamedTuple):
+    """A kernel over the fragment layout, as a row of the table runs it."""
+
+    op: str  # the kernel op dispatch logs
+    product: Callable[[torch.Tensor, kernels_fragment.FragmentWeight, torch.Tensor | None], torch.Tensor]
+    measured_on: Callable[[int], bool]  # the devices (by index) the row's numbers hold for
+
+
+# kernels/w4_fragment_gemm.cu (1-32 tokens) and kernels/w4_fragment_batch.cu (33-128), looked up at each call; the
+# batch kernel's row was measured on its wgmma path (SM90): elsewhere the product runs on the next row
+FRAGMENT_PRODUCTS = {
+    "fragment": FragmentProduct("w4_fragment_gemm", lambda rows, weight, bias: kernels_fragment.w4_fragment_gemm(
+        rows, weight, bias), lambda index: True),
+    "fragment_batch": FragmentProduct("w4_fragment_batch", lambda rows, weight, bias: kernels_batch.w4_fragment_batch(
+        rows, weight, bias), lambda index: kernels_gemm.wgmma_available(index)),
+}
+FRAGMENT_KERNELS = tuple(FRAGMENT_PRODUCTS)  # the rows that read the fragment layout
 
 
 def fragment_may_serve(packed: PackedWeight) -> bool:
@@ -215,31 +231,24 @@ def _row_after_fragment(shape: ProductShape) -> ProductRow:
     return next(row for row in PRODUCT_TABLE if row.kernel not in FRAGMENT_KERNELS and row.serves(shape))
 
 
-def fragment_launcher(op: str, product: Callable[[torch.Tensor, kernels_fragment.FragmentWeight, torch.Tensor | None],
-                                                torch.Tensor],
-                      measured_on: Callable[[int], bool] = lambda index: True,
-                      ) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
-    """The launcher of a row whose kernel reads the fragment layout: `product`(rows, layout, bias) over the weight's
-    layout; a weight the layout cannot hold (float zero points, fp32 scales, zero points beyond the exact range) or
-    that keeps one form (a memory budget: prepare_products), or a device `measured_on` rejects (the row's numbers
-    are of another kernel path), runs on the row that would serve it otherwise."""
+def fragment_launcher(kernel: str) -> Callable[[torch.Tensor, PackedWeight], torch.Tensor]:
+    """The launcher of the row of FRAGMENT_PRODUCTS[`kernel`]: its product over the weight's layout; a weight the
+    layout cannot hold (float zero points, fp32 scales, zero points beyond the exact range) or that has no layout in
+    its own row order (a memory budget, or a merged gate/up weight whose one layout is the interleaved one:
+    prepare_products), or a device the row was not measured on, runs on the row that would serve it otherwise."""
     def launch(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+        product = FRAGMENT_PRODUCTS[kernel]
         weight = (fragment_weight(packed, rows.dtype)
-                  if fragment_takes(packed) and measured_on(rows.device.index) else None)
+                  if fragment_takes(packed) and product.measured_on(rows.device.index) else None)
         if weight is None:
             return _row_after_fragment(ProductShape(rows.shape[0], packed.in_features, packed.out_features,
                                                     packed.bits, packed.group_size)).launch(rows, packed)
-        dispatch.use_kernel(op, None)
-        return product(rows, weight, packed.bias)
+        dispatch.use_kernel(product.op, None)
+        return product.product(rows, weight, packed.bias)
     return launch
 
 
-# kernels/w4_fragment_gemm.cu (1-32 tokens) and kernels/w4_fragment_batch.cu (33-128), looked up at each call
-fragment = fragment_launcher("w4_fragment_gemm", lambda rows, weight, bias: kernels_fragment.w4_fragment_gemm(
-    rows, weight, bias))
-# the batch kernel's row was measured on its wgmma path (SM90): elsewhere the product runs on the next row
-fragment_batch = fragment_launcher("w4_fragment_batch", lambda rows, weight, bias: kernels_batch.w4_fragment_batch(
-    rows, weight, bias), lambda index: kernels_gemm.wgmma_available(index))
+fragment, fragment_batch = fragment_launcher("fragment"), fragment_launcher("fragment_batch")
 
 
 def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -359,22 +368,26 @@ def epilogue_serves(epilogue: Epilogue, shape: ProductShape) -> bool:
 
 # The interleaved gate/up layout (kernels/w4_fragment_gemm.py: gate_up_layout) of each merged gate/up weight and
 # activation dtype, with its bias in that row order, by the id of the weight's codes and dropped when that tensor
-# is; the loader makes them before the engine measures its memory (core/ops/quant_matmul.py: prepare_products), in
-# place of the plain fragment layout. None where the weight's zero points do not fit the layout.
+# is; the loader makes them before the engine measures its memory (core/ops/quant_matmul.py: prepare_products), as
+# the weight's one fragment form: the fused epilogue and the plain fragment rows read it. None where the weight's
+# zero points do not fit the layout, or it keeps one form.
 _gate_up_fragments: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def gate_up_fragment_weight(packed: PackedWeight, dtype: torch.dtype
+def gate_up_fragment_weight(packed: PackedWeight, dtype: torch.dtype, lay_out: bool = True
                             ) -> tuple[kernels_fragment.FragmentWeight, torch.Tensor | None] | None:
     """(the interleaved layout, the bias in its row order) of a merged [gate; up] weight for `dtype` activations,
-    laid out on first use (None: it cannot be)."""
+    laid out on first use (None: it cannot be, the fragment rows do not serve it, or lay_out=False said on first use
+    that it keeps one form)."""
     key = id(packed.qweight)
     entry = _gate_up_fragments.get(key)
     if entry is None or entry[0]() is not packed.qweight:
         entry = _gate_up_fragments[key] = (
             weakref.ref(packed.qweight, lambda _, key=key: _gate_up_fragments.pop(key, None)), {})
     per_dtype = entry[1]
-    if dtype not in per_dtype:
+    if dtype not in per_dtype and not (lay_out and gate_up_interleaves(packed)):
+        per_dtype[dtype] = None
+    elif dtype not in per_dtype:
         try:
             weight = kernels_fragment.gate_up_layout(packed.qweight, packed.scales, packed.zeros, packed.group_size,
                                                      packed.in_features, dtype)
@@ -387,19 +400,24 @@ def gate_up_fragment_weight(packed: PackedWeight, dtype: torch.dtype
     return per_dtype[dtype]
 
 
-def fragment_plain_needed(packed: PackedWeight) -> bool:
-    """Whether a row over the plain fragment layout serves this gate/up weight at a token count no fused fragment
-    epilogue does."""
-    def plain_only(shape: ProductShape) -> bool:
-        return product_row(shape).kernel in FRAGMENT_KERNELS and not epilogue_serves(FRAGMENT_GATE_UP_ACT, shape)
-    return any(plain_only(ProductShape(tokens, packed.in_features, packed.out_features, packed.bits,
-                                       packed.group_size))
-               for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS, *BATCH_TOKEN_BOUNDS))
+def gate_up_interleaves(packed: PackedWeight) -> bool:
+    """Whether a merged gate/up weight's fragment form is the interleaved layout: the fragment rows serve it and its
+    halves are whole 8-row blocks."""
+    return packed.out_features % 16 == 0 and fragment_may_serve(packed)
 
 
-def fragment_gate_up_may_serve(packed: PackedWeight) -> bool:
-    """Whether the fused fragment epilogue serves some token count of this merged gate/up weight."""
-    return fragment_takes(packed) and packed.out_features % 16 == 0 and any(
-        epilogue_serves(FRAGMENT_GATE_UP_ACT,
-                        ProductShape(tokens, packed.in_features, packed.out_features, packed.bits, packed.group_size))
-        for tokens in (1, *FRAGMENT_TOKENS, *FRAGMENT_WIDE_TOKENS))
+def gate_up_fragment_product(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
+    """rows [M, K] (stored column order) through a merged [gate; up] weight -> [M, 2I] in gate_up_order's column
+    order (column 16 t + j: gate output 8 t + j, 16 t + 8 + j: its up output), from the fragment row that serves M
+    tokens over the weight's interleaved layout: the outputs the row's product over the plain layout computes, at
+    other columns. None where no fragment row serves M tokens, the weight has no interleaved layout, or the device
+    is not the row's (its product then runs on the other rows, in [gate | up] order)."""
+    product = FRAGMENT_PRODUCTS.get(product_row(ProductShape(rows.shape[0], packed.in_features, packed.out_features,
+                                                             packed.bits, packed.group_size)).kernel)
+    layout = (gate_up_fragment_weight(packed, rows.dtype)
+              if product is not None and product.measured_on(rows.device.index) else None)
+    if layout is None:
+        return None
+    weight, bias = layout
+    dispatch.use_kernel(product.op, None)
+    return product.product(rows, weight, bias)
