@@ -93,11 +93,29 @@ struct FragTile {
   static __device__ __forceinline__ uint2 entry(const unsigned char* stage, int tile, int slot, int g) {
     return *reinterpret_cast<const uint2*>(stage + S_OFFSET + ((tile * MAX_GROUPS + slot) * 8 + g) * 8);
   }
+  // Row g's scale entries of the CTA's row tile `tile0` from group slot `slot0`: entry_at's lane offset.
+  static __device__ __forceinline__ int entry_lane(int tile0, int slot0, int g) {
+    return S_OFFSET + ((tile0 * MAX_GROUPS + slot0) * 8 + g) * 8;
+  }
+  // The entry `tiles` row tiles and `slots` group slots on (both compile-time after unrolling: an immediate offset).
+  static __device__ __forceinline__ uint2 entry_at(const unsigned char* stage, int lane_offset, int tiles, int slots) {
+    return *reinterpret_cast<const uint2*>(stage + lane_offset + (tiles * MAX_GROUPS + slots) * 64);
+  }
   // B fragments of two k16 steps (k offset dk inside the stage) of token tile tt: ldmatrix.x4, lane i giving the
   // address of token 8 tt + i % 8 at k chunk dk / 8 + i / 8.
   static __device__ __forceinline__ void b_fragments(u32 (&b)[4], const unsigned char* stage, int tt, int dk,
                                                      int lane) {
     ldmatrix_x4(b, stage + x_offset(tt * 8 + (lane & 7), (dk >> 3) + (lane >> 3)));
+  }
+  // b_fragments' lane offset for steps j and j + 1 (j = 0 or 2) of the atoms from k0 (a multiple of 64): lane i
+  // reads chunk c = k0 / 8 + 8 atom + 2 j + i / 8 of token i % 8, stored at c ^ (i % 8) = k0 / 8 + 8 atom +
+  // ((2 j + i / 8) ^ (i % 8)) since 2 j + i / 8 < 8, so the atom and the token tile are immediate offsets.
+  static __device__ __forceinline__ int b_lane(int k0, int j, int lane) {
+    return X_OFFSET + (lane & 7) * X_ROW + 2 * k0 + ((((2 * j) + (lane >> 3)) ^ (lane & 7)) << 4);
+  }
+  static __device__ __forceinline__ void b_fragments_at(u32 (&b)[4], const unsigned char* stage, int lane_offset,
+                                                        int tt, int atom) {
+    ldmatrix_x4(b, stage + lane_offset + tt * 8 * X_ROW + atom * 128);
   }
 };
 
@@ -126,8 +144,27 @@ __device__ __forceinline__ void zero(float (&a)[RT][TT][4]) {
       for (int e = 0; e < 4; ++e) a[r][tt][e] = 0.0f;
 }
 
-// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0.
-template <int RT, int TT>
+// part = A B: the first k16 step of a group, whose sums start from zero (HMMA's zero register, no cleared part).
+template <int DT>
+__device__ __forceinline__ void mma_first(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (DT == 1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  }
+}
+
+// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0 (CLEAR: where the
+// next group's first step does not overwrite it through mma_first).
+template <int RT, int TT, bool CLEAR = true>
 __device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part)[RT][TT][4], const uint2 (&entry)[RT]) {
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
@@ -138,8 +175,10 @@ __device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part
       acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
       acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
       acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
+      if constexpr (CLEAR) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
+      }
     }
   }
 }
@@ -187,11 +226,11 @@ struct FragCopies {
   static_assert(CHUNKS % X_CHUNKS_PASS == 0, "activation copy passes");
 
   const uint4* w_src;  // pass 0's atom at stage 0
-  size_t w_pass;       // uint4 between passes
+  int w_pass;          // uint4 between passes (32-bit: one IMAD.WIDE an address)
   u32 w_valid;         // bit i: pass i's tile is inside N
   int w_atom;
   const u16* x_src;   // row tid % 8, chunk tid / 8 at stage 0
-  size_t x_block;      // elements between 8-row blocks
+  int x_block;         // elements between 8-row blocks
   u32 x_valid;         // bit i: block i's row is inside M
   int x_dst;           // shared-memory offset of block 0, chunk pass 0
   int x_k;             // the thread's k offset in a stage (chunk pass 0)
@@ -208,14 +247,14 @@ struct FragCopies {
     w_atom = (tid >> 5) % L::ATOMS;
     const int w_tile = tid / (32 * L::ATOMS);
     w_src = frag + ((size_t)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
-    w_pass = (size_t)W_TILES_PASS * k_atoms * 32;
+    w_pass = W_TILES_PASS * k_atoms * 32;
     w_valid = 0;
 #pragma unroll
     for (int i = 0; i < W_PASSES; ++i) w_valid |= (u32)(tile0 + w_tile + i * W_TILES_PASS < n_tiles) << i;
     const int x_row = tid & 7, chunk = tid >> 3;
     x_k = chunk * 8;
     x_src = x + (size_t)min(tok0 + x_row, M - 1) * K + x_k;
-    x_block = (size_t)8 * K;
+    x_block = 8 * K;
     x_valid = 0;
 #pragma unroll
     for (int i = 0; i < X_ROW_PASSES; ++i) x_valid |= (u32)(tok0 + x_row + 8 * i < M) << i;
