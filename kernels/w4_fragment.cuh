@@ -228,33 +228,39 @@ struct FragCopies {
   const uint4* w_src;  // pass 0's atom at stage 0
   int w_pass;          // uint4 between passes (32-bit: one IMAD.WIDE an address)
   u32 w_valid;         // bit i: pass i's tile is inside N
-  int w_atom;
+  int w_kb_end;        // the stages whose atom of the thread lies inside K: kb < w_kb_end
   const u16* x_src;   // row tid % 8, chunk tid / 8 at stage 0
   int x_block;         // elements between 8-row blocks
   u32 x_valid;         // bit i: block i's row is inside M
   int x_dst;           // shared-memory offset of block 0, chunk pass 0
-  int x_k;             // the thread's k offset in a stage (chunk pass 0)
+  int x_kb_end[X_CHUNK_PASSES];  // the stages whose chunk pass j lies inside K: kb < x_kb_end[j]
   const uint2* s_src[S_PASSES];
   u32 s_used;          // bit i: pass i copies an entry of the stage's groups
-  int s_slot[S_PASSES];
-  int k_atoms, K, num_groups;
+  int s_groups[S_PASSES];  // pass i's entry exists where the stage's first group is below s_groups[i]
+
+  // Each bound test is one comparison with kb: kb * STEP + offset < limit, offset >= 0, as kb < ceil((limit -
+  // offset) / STEP).
+  static __device__ __forceinline__ int first_stage_past(int limit, int offset, int step) {
+    return limit > offset ? (limit - offset + step - 1) / step : 0;
+  }
 
   __device__ __forceinline__ FragCopies(const uint4* __restrict__ frag, const uint2* __restrict__ sz,
-                                        const u16* __restrict__ x, int tile0, int tok0, int n_tiles, int k_atoms_,
-                                        int M, int K_, int num_groups_, int stage_groups)
-      : k_atoms(k_atoms_), K(K_), num_groups(num_groups_) {
+                                        const u16* __restrict__ x, int tile0, int tok0, int n_tiles, int k_atoms,
+                                        int M, int K, int num_groups, int stage_groups) {
     const int tid = threadIdx.x;
-    w_atom = (tid >> 5) % L::ATOMS;
+    const int w_atom = (tid >> 5) % L::ATOMS;
     const int w_tile = tid / (32 * L::ATOMS);
     w_src = frag + ((size_t)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
     w_pass = W_TILES_PASS * k_atoms * 32;
+    w_kb_end = first_stage_past(k_atoms, w_atom, L::ATOMS);
     w_valid = 0;
 #pragma unroll
     for (int i = 0; i < W_PASSES; ++i) w_valid |= (u32)(tile0 + w_tile + i * W_TILES_PASS < n_tiles) << i;
     const int x_row = tid & 7, chunk = tid >> 3;
-    x_k = chunk * 8;
-    x_src = x + (size_t)min(tok0 + x_row, M - 1) * K + x_k;
+    x_src = x + (size_t)min(tok0 + x_row, M - 1) * K + chunk * 8;
     x_block = 8 * K;
+#pragma unroll
+    for (int j = 0; j < X_CHUNK_PASSES; ++j) x_kb_end[j] = first_stage_past(K, chunk * 8 + j * X_CHUNKS_PASS * 8, L::BK);
     x_valid = 0;
 #pragma unroll
     for (int i = 0; i < X_ROW_PASSES; ++i) x_valid |= (u32)(tok0 + x_row + 8 * i < M) << i;
@@ -264,7 +270,7 @@ struct FragCopies {
     for (int i = 0; i < S_PASSES; ++i) {
       const int c = tid + i * L::THREADS;
       const int tile = c / (L::MAX_GROUPS * 4), slot = (c >> 2) % L::MAX_GROUPS;
-      s_slot[i] = slot;
+      s_groups[i] = num_groups - slot;
       s_used |= (u32)(c < S_COPIES && tile0 + tile < n_tiles && slot < stage_groups) << i;
       s_src[i] = sz + ((size_t)min(tile0 + tile, n_tiles - 1) * num_groups + slot) * 8 + 2 * (c & 3);
     }
@@ -272,7 +278,7 @@ struct FragCopies {
 
   // Weights and scale entries of stage kb (no earlier kernel writes them).
   __device__ __forceinline__ void weights(unsigned char* stage, int kb, int group_shift) const {
-    const bool atom_valid = kb * L::ATOMS + w_atom < k_atoms;
+    const bool atom_valid = kb < w_kb_end;
     const uint4* src = w_src + (size_t)kb * (L::ATOMS * 32);
 #pragma unroll
     for (int i = 0; i < W_PASSES; ++i)
@@ -283,7 +289,7 @@ struct FragCopies {
     for (int i = 0; i < S_PASSES; ++i)
       if ((s_used >> i) & 1)
         cp_async16(stage + L::S_OFFSET + (threadIdx.x + i * L::THREADS) * 16, s_src[i] + (size_t)group0 * 8,
-                   group0 + s_slot[i] < num_groups);
+                   group0 < s_groups[i]);
   }
 
   // Activations of stage kb (an earlier kernel's output: only after the PDL wait).
@@ -291,7 +297,7 @@ struct FragCopies {
     const u16* src = x_src + (size_t)kb * L::BK;
 #pragma unroll
     for (int j = 0; j < X_CHUNK_PASSES; ++j) {
-      const bool k_valid = kb * L::BK + x_k + j * X_CHUNKS_PASS * 8 < K;
+      const bool k_valid = kb < x_kb_end[j];
       const u16* row_src = src + j * X_CHUNKS_PASS * 8;
 #pragma unroll
       for (int i = 0; i < X_ROW_PASSES; ++i) {
