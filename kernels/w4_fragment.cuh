@@ -64,6 +64,12 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
+// Two 8x8 b16 matrices: lanes 0-15 supply the addresses of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* row) {
+  const u32 address = (u32)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
+}
+
 template <int RT, int TT, int WN, int WK, int APW, int GS>
 struct FragTile {
   static constexpr int THREADS = 32 * WN * WK;
@@ -107,15 +113,16 @@ struct FragTile {
                                                      int lane) {
     ldmatrix_x4(b, stage + x_offset(tt * 8 + (lane & 7), (dk >> 3) + (lane >> 3)));
   }
-  // b_fragments' lane offset for steps j and j + 1 (j = 0 or 2) of the atoms from k0 (a multiple of 64): lane i
-  // reads chunk c = k0 / 8 + 8 atom + 2 j + i / 8 of token i % 8, stored at c ^ (i % 8) = k0 / 8 + 8 atom +
-  // ((2 j + i / 8) ^ (i % 8)) since 2 j + i / 8 < 8, so the atom and the token tile are immediate offsets.
+  // The B fragment of k16 step j of the atoms from k0 (a multiple of 64) of token tile tt: ldmatrix.x2, lane i
+  // (< 16) giving the address of token 8 tt + i % 8 at chunk c = k0 / 8 + 8 atom + 2 j + (i / 8) % 2, stored at
+  // c ^ (i % 8) = k0 / 8 + 8 atom + ((2 j + (i / 8) % 2) ^ (i % 8)) (2 j + 1 < 8): b_lane is the lane's offset of
+  // step j, and the atom and the token tile are immediate offsets.
   static __device__ __forceinline__ int b_lane(int k0, int j, int lane) {
-    return X_OFFSET + (lane & 7) * X_ROW + 2 * k0 + ((((2 * j) + (lane >> 3)) ^ (lane & 7)) << 4);
+    return X_OFFSET + (lane & 7) * X_ROW + 2 * k0 + ((((2 * j) + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
   }
-  static __device__ __forceinline__ void b_fragments_at(u32 (&b)[4], const unsigned char* stage, int lane_offset,
-                                                        int tt, int atom) {
-    ldmatrix_x4(b, stage + lane_offset + tt * 8 * X_ROW + atom * 128);
+  static __device__ __forceinline__ void b_fragment_at(u32 (&b)[2], const unsigned char* stage, int lane_offset,
+                                                       int tt, int atom) {
+    ldmatrix_x2(b, stage + lane_offset + tt * 8 * X_ROW + atom * 128);
   }
 };
 
@@ -225,7 +232,8 @@ struct FragCopies {
   static_assert(L::THREADS % (32 * L::ATOMS) == 0 && L::TILES % W_TILES_PASS == 0, "weight copy passes");
   static_assert(CHUNKS % X_CHUNKS_PASS == 0, "activation copy passes");
 
-  const uint4* w_src;  // pass 0's atom at stage 0
+  const uint4* frag;   // the weights (a kernel parameter: no registers)
+  u32 w_first;         // pass 0's atom at stage 0, in uint4 from frag
   int w_pass;          // uint4 between passes (32-bit: one IMAD.WIDE an address)
   u32 w_valid;         // bit i: pass i's tile is inside N
   int w_kb_end;        // the stages whose atom of the thread lies inside K: kb < w_kb_end
@@ -234,7 +242,8 @@ struct FragCopies {
   u32 x_valid;         // bit i: block i's row is inside M
   int x_dst;           // shared-memory offset of block 0, chunk pass 0
   int x_kb_end[X_CHUNK_PASSES];  // the stages whose chunk pass j lies inside K: kb < x_kb_end[j]
-  const uint2* s_src[S_PASSES];
+  const uint2* sz;     // the scale entries (a kernel parameter: no registers)
+  u32 s_first[S_PASSES];  // pass i's entry of the stage's first group at stage 0, in uint2 from sz
   u32 s_used;          // bit i: pass i copies an entry of the stage's groups
   int s_groups[S_PASSES];  // pass i's entry exists where the stage's first group is below s_groups[i]
 
@@ -246,11 +255,11 @@ struct FragCopies {
 
   __device__ __forceinline__ FragCopies(const uint4* __restrict__ frag, const uint2* __restrict__ sz,
                                         const u16* __restrict__ x, int tile0, int tok0, int n_tiles, int k_atoms,
-                                        int M, int K, int num_groups, int stage_groups) {
+                                        int M, int K, int num_groups, int stage_groups) : frag(frag), sz(sz) {
     const int tid = threadIdx.x;
     const int w_atom = (tid >> 5) % L::ATOMS;
     const int w_tile = tid / (32 * L::ATOMS);
-    w_src = frag + ((size_t)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
+    w_first = ((u32)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
     w_pass = W_TILES_PASS * k_atoms * 32;
     w_kb_end = first_stage_past(k_atoms, w_atom, L::ATOMS);
     w_valid = 0;
@@ -272,23 +281,23 @@ struct FragCopies {
       const int tile = c / (L::MAX_GROUPS * 4), slot = (c >> 2) % L::MAX_GROUPS;
       s_groups[i] = num_groups - slot;
       s_used |= (u32)(c < S_COPIES && tile0 + tile < n_tiles && slot < stage_groups) << i;
-      s_src[i] = sz + ((size_t)min(tile0 + tile, n_tiles - 1) * num_groups + slot) * 8 + 2 * (c & 3);
+      s_first[i] = ((u32)min(tile0 + tile, n_tiles - 1) * num_groups + slot) * 8 + 2 * (c & 3);
     }
   }
 
   // Weights and scale entries of stage kb (no earlier kernel writes them).
   __device__ __forceinline__ void weights(unsigned char* stage, int kb, int group_shift) const {
     const bool atom_valid = kb < w_kb_end;
-    const uint4* src = w_src + (size_t)kb * (L::ATOMS * 32);
+    const u32 first = w_first + kb * (L::ATOMS * 32);
 #pragma unroll
     for (int i = 0; i < W_PASSES; ++i)
-      cp_async16(stage + L::W_OFFSET + (threadIdx.x + i * L::THREADS) * 16, src + i * w_pass,
+      cp_async16(stage + L::W_OFFSET + (threadIdx.x + i * L::THREADS) * 16, frag + (first + i * w_pass),
                  atom_valid && ((w_valid >> i) & 1));
     const int group0 = (kb * L::BK) >> group_shift;
 #pragma unroll
     for (int i = 0; i < S_PASSES; ++i)
       if ((s_used >> i) & 1)
-        cp_async16(stage + L::S_OFFSET + (threadIdx.x + i * L::THREADS) * 16, s_src[i] + (size_t)group0 * 8,
+        cp_async16(stage + L::S_OFFSET + (threadIdx.x + i * L::THREADS) * 16, sz + (s_first[i] + group0 * 8),
                    group0 < s_groups[i]);
   }
 

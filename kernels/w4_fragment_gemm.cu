@@ -71,10 +71,11 @@ __global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragmen
   zero(acc);
   zero(part);
   // The warp's lane offsets into a stage: its scale entries (row tiles wn RT.., the group slot of its first atom)
-  // and its B fragments (steps 0-1 and 2-3 of its atoms).
+  // and its B fragments (steps 0-3 of its atoms).
   const int warp_k = wk * APW * 64;
   const int entry_offset = L::entry_lane(wn * RT, GS == 0 ? warp_k >> groups.slot_shift : warp_k / (16 * GS), g);
-  const int b_offset[2] = {L::b_lane(warp_k, 0, lane), L::b_lane(warp_k, 2, lane)};
+  const int b_offset[4] = {L::b_lane(warp_k, 0, lane), L::b_lane(warp_k, 1, lane), L::b_lane(warp_k, 2, lane),
+                           L::b_lane(warp_k, 3, lane)};
 
   int read_slot = 0, fill_slot = STAGES - 1;  // the stage read now and the one refilled (step % STAGES, ...)
   for (int step = 0; step < steps; ++step) {
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragmen
       for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
 
     uint2 entry[RT];  // the scale entries of the current group
-    u32 b[TT][4];     // B fragments of steps s and s + 1 (s even): b0, b1 of s, then of s + 1
+    u32 b[TT][2];     // B fragments of step s (ldmatrix.x2: the registers of one step live at a time)
 #pragma unroll
     for (int s = 0; s < L::STEPS; ++s) {
       const int ai = s >> 2, j = s & 3;
@@ -108,17 +109,15 @@ __global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragmen
 #pragma unroll
         for (int r = 0; r < RT; ++r) entry[r] = L::entry_at(stage, entry_offset, r, GS == 0 ? 0 : s / GS);
       }
-      if ((s & 1) == 0) {
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt) L::b_fragments_at(b[tt], stage, b_offset[j >> 1], tt, ai);
-      }
+      for (int tt = 0; tt < TT; ++tt) L::b_fragment_at(b[tt], stage, b_offset[j], tt, ai);
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
         u32 a[4];
         FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a);
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt) {
-          const u32 b0 = b[tt][2 * (s & 1)], b1 = b[tt][2 * (s & 1) + 1];
+          const u32 b0 = b[tt][0], b1 = b[tt][1];
           if (GS > 0 && group_start) {
             mma_first<DT>(part[r][tt], a, b0, b1);
           } else {
