@@ -267,9 +267,10 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 
 def instantiations() -> tuple[str, ...]:
     """Every launch shape for both dtypes: the product at every group-step variant, the fused activations at those
-    of G >= 128 (the table's; compiled ahead by validate-kernels, the others on first use)."""
+    of G >= 128 (the table's; compiled ahead by validate-kernels, the others on first use). Each with one group a
+    row (GS 0)."""
     def steps(config: FragmentConfig, group_sizes: tuple[int, ...]) -> list[int]:
-        return sorted({config.group_steps(g, 1 << 20) for g in group_sizes})
+        return sorted({0, *(config.group_steps(g, 1 << 20) for g in group_sizes)})
     return tuple(name for config in CONFIGS for dt in (0, 1)
                  for name in (*(config.name(dt, gs) for gs in steps(config, (32, 64, 128, 256))),
                               *(config.name(dt, gs, act) for gs in steps(config, (128, 256))
