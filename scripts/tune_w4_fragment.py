@@ -122,12 +122,12 @@ def main() -> None:
                                      for label, us in point["us"].items())
                     print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f}: {times}", flush=True)
                 else:
-                    shapes_us = " ".join(f"{label.removeprefix('frag<')[:-1]} {best['us']:.1f} "
-                                         f"({100 * floor_us / best['us']:.0f}%, {best['at'].split('=')[1]})"
-                                         for label, best in point["config_best"].items())
-                    print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f}: plan "
-                          f"{point['plan'].removeprefix('frag<')} {point['plan_us'] or float('nan'):.1f}; "
-                          f"{shapes_us}", flush=True)
+                    shapes_us = " | ".join(f"{label.removeprefix('frag<')[:-1]} {best['us']:.1f} "
+                                           f"{100 * floor_us / best['us']:.0f}% s{best['at'].split('=')[1]}"
+                                           for label, best in point["config_best"].items())
+                    print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f} | {shapes_us} | plan "
+                          f"{point['plan'].removeprefix('frag<').replace('>/splits=', ' s')} "
+                          f"{point['plan_us'] or float('nan'):.1f}", flush=True)
             del weights
             torch.cuda.empty_cache()
     payload = {"env": env_info(sys.argv), "copy_gbps": bandwidth, "rows": rows}
