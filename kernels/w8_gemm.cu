@@ -30,7 +30,7 @@
 // A 16-code span lies in one group (group sizes are multiples of 32), so each thread loads one scale and zero a row;
 // its group is kc / group_size = umulhi(kc, group_magic) with group_magic = ceil(2^32 / group_size), exact while
 // kc * group_size < 2^32 (the launcher checks K <= 2^16), one instruction in place of an integer division.
-#include "common.cuh"
+#include "wgmma.cuh"
 
 constexpr int W8_WARPS = 8;
 constexpr int W8_SEGMENT = 64;  // codes of K per warp step: 16 per thread of a quad
@@ -203,4 +203,181 @@ __global__ void __launch_bounds__(256) w8_gemm_kernel(
   }
   sum_and_store<DT, TT, RW>(partial, bias, out, row0, tok0, t, M, N);
   if (clustered) cluster_barrier<false>();  // every split's shared memory stays until the cluster has read it
+}
+
+// w8_wgmma_kernel<DT, TOK, ZMODE, SCALE_F32> (SM90a, 17-64 tokens): wgmma m64nTOKk16 with the dequantized codes as
+// the A operand from registers and the activations as B from shared memory. A CTA is two warpgroups over 128 rows
+// (warp w owns rows 16 w .. 16 w + 15, the layout of one mma.sync A tile, so each thread keeps the W8Segment loads
+// and the dequantization of w8_gemm_kernel: rows g and g + 8, 16 codes of each a 64-k stage, the weights bit for
+// bit the reference's) and TOK tokens (grid.y further blocks of TOK). K runs in stages of 64 k; the CTAs of one
+// output tile split the stages over a thread-block cluster (grid.z) as w8_gemm_kernel does, the sums meeting
+// through distributed shared memory in split order.
+//
+// Activations. A thread's step j pairs are the codes of physical k 16 t + 4 j + (0, 1) (logical kk 2t, 2t + 1) and
+// + (2, 3) (kk 2t + 8, 2t + 9), so B must hold, at logical k 16 j + kk of the stage, the physical k
+// 16 ((kk & 7) >> 1) + 4 j + (kk & 1) + 2 (kk >> 3). In 32-bit pairs: logical word t of logical 16-byte chunk L
+// (L = 2 j + (kk >> 3)) is physical word 8 t + L, i.e. word L % 4 of physical chunk 2 t + L / 4. A thread that loads
+// the four physical chunks 2 t + q (t = 0..3, one token, q = 0 or 1) holds logical chunks 4 q .. 4 q + 3 as a 4 x 4
+// transpose of its registers: no instruction beyond the 16-byte loads and stores. The stage is TOK token rows of 128
+// bytes in the 128-byte swizzle (chunk L of row n at L ^ (n % 8)) that the wgmma descriptor reads, in a ring of
+// W8W_STAGES slots: the activations of stage i + 2 go from registers into the slot of stage i - 1 after stage i's
+// products, their loads issued a stage earlier; the weights are loaded into registers two stages ahead.
+constexpr int W8W_THREADS = 256;
+constexpr int W8W_ROWS = 128;  // two warpgroups of 64 rows
+constexpr int W8W_STAGES = 3;
+
+__device__ __forceinline__ void fence_async_shared() {
+#ifdef HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // st.shared before wgmma reads it
+#endif
+}
+
+// One thread's share of a stage's activations: physical chunks 2 t + q (t = 0..3) of token n (thread i < 2 TOK:
+// n = i / 2, q = i % 2); zeros past M or K.
+struct W8WActivations {
+  uint4 chunk[4];
+};
+
+__device__ __forceinline__ void load_activations(W8WActivations& a, const u16* __restrict__ x, int kb, int kb_end,
+                                                 int tok, int q, int M, int K, bool loads) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int k = kb * W8_SEGMENT + 8 * (2 * t + q);
+    const bool valid = loads && kb < kb_end && tok < M && k < K;
+    a.chunk[t] = valid ? __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K + k)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Logical chunk 4 q + i of row n is word i of each physical chunk, in t order.
+__device__ __forceinline__ void store_activations(const W8WActivations& a, unsigned char* slot, int n, int q,
+                                                  bool stores) {
+  if (!stores) return;
+  const u32 w[4][4] = {{a.chunk[0].x, a.chunk[0].y, a.chunk[0].z, a.chunk[0].w},
+                       {a.chunk[1].x, a.chunk[1].y, a.chunk[1].z, a.chunk[1].w},
+                       {a.chunk[2].x, a.chunk[2].y, a.chunk[2].z, a.chunk[2].w},
+                       {a.chunk[3].x, a.chunk[3].y, a.chunk[3].z, a.chunk[3].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int chunk = 4 * q + i;
+    *reinterpret_cast<uint4*>(slot + n * 128 + ((chunk ^ (n & 7)) << 4)) = make_uint4(w[0][i], w[1][i], w[2][i], w[3][i]);
+  }
+}
+
+template <int DT, int TOK, int ZMODE, int SCALE_F32>
+__global__ void __launch_bounds__(W8W_THREADS, 2) w8_wgmma_kernel(
+    const u16* __restrict__ x,         // [M, K]
+    const u32* __restrict__ qweight,   // [N, K / 4]
+    const void* __restrict__ scales,   // [N, K / G]
+    const void* __restrict__ zeros,    // [N, K / G]
+    const u16* __restrict__ bias,      // [N] or null
+    u16* __restrict__ out,             // [M, N]
+    int M, int N, int K, int group_size, int group_magic, int stages_per_split) {
+  static_assert(TOK % 16 == 0 && TOK <= 64, "m64nTOKk16 with TOK a multiple of 16");
+  constexpr int SLOT = TOK * 128;
+  constexpr int VALUES = TOK / 2;  // accumulators a thread: 4 a token tile of 8
+  constexpr int RING = W8W_STAGES * SLOT, PARTIAL = VALUES * W8W_THREADS * 4;
+  // the ring, then (after the last stage) each thread's fp32 sums [VALUES][W8W_THREADS] for the cluster's sum
+  __shared__ __align__(1024) unsigned char smem[RING > PARTIAL ? RING : PARTIAL];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * W8W_ROWS + warp * 16 + g;
+  const int tok0 = blockIdx.y * TOK;
+  const int num_kb = (K + W8_SEGMENT - 1) / W8_SEGMENT;
+  const int kb_begin = blockIdx.z * stages_per_split;
+  const int kb_end = min(num_kb, kb_begin + stages_per_split);
+  const int num_groups = K / group_size;
+  const bool copies = tid < 2 * TOK;  // the threads that stage activations: token tid / 2, chunks of parity tid % 2
+  const int x_tok = tok0 + (tid >> 1), x_q = tid & 1;
+  launch_dependents();
+
+  // weights two stages ahead (no earlier kernel writes them: before the programmatic-launch wait)
+  W8Segment w_cur, w_next, w_far;
+  load_w8_segment<ZMODE, SCALE_F32>(w_cur, kb_begin, kb_end, qweight, scales, zeros, row0, t, N, K, num_groups,
+                                    group_magic);
+  load_w8_segment<ZMODE, SCALE_F32>(w_next, kb_begin + 1, kb_end, qweight, scales, zeros, row0, t, N, K, num_groups,
+                                    group_magic);
+  wait_for_prior_grids();
+  W8WActivations xa;
+#pragma unroll
+  for (int s = 0; s < W8W_STAGES - 1; ++s) {
+    load_activations(xa, x, kb_begin + s, kb_end, x_tok, x_q, M, K, copies);
+    store_activations(xa, smem + s * SLOT, tid >> 1, x_q, copies);
+  }
+  load_activations(xa, x, kb_begin + W8W_STAGES - 1, kb_end, x_tok, x_q, M, K, copies);
+  fence_async_shared();
+  __syncthreads();
+
+  float acc[VALUES];
+#pragma unroll
+  for (int v = 0; v < VALUES; ++v) acc[v] = 0.0f;
+  int read_slot = 0;
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    load_w8_segment<ZMODE, SCALE_F32>(w_far, kb + 2, kb_end, qweight, scales, zeros, row0, t, N, K, num_groups,
+                                      group_magic);
+    const unsigned char* stage = smem + read_slot * SLOT;
+    // A step at a time into register set j % 2 while step j - 1's wgmma runs (the wait after each commit leaves one
+    // group in flight, so the set rewritten next belongs to a finished group)
+    u32 a[2][4];
+    const u32 words[2][4] = {{w_cur.codes[0].x, w_cur.codes[0].y, w_cur.codes[0].z, w_cur.codes[0].w},
+                             {w_cur.codes[1].x, w_cur.codes[1].y, w_cur.codes[1].z, w_cur.codes[1].w}};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u32(&aj)[4] = a[j & 1];
+      word_pairs<DT, ZMODE>(words[0][j], w_cur.s[0], w_cur.z[0], aj[0], aj[2]);  // row g
+      word_pairs<DT, ZMODE>(words[1][j], w_cur.s[1], w_cur.z[1], aj[1], aj[3]);  // row g + 8
+#pragma unroll
+      for (int v = 0; v < VALUES; ++v) hold(acc[v]);  // no register moves of the sums in flight
+      wgmma_fence();
+      wgmma_rs<DT, TOK>(acc, aj, swizzled_desc(stage + 32 * j));
+      wgmma_commit();
+      if (j < 3) {
+        wgmma_wait<1>();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hold(a[(j + 1) & 1][e]);
+      }
+    }
+    wgmma_wait<0>();
+    // stage kb + 2 into the slot stage kb - 1 was read from (every warp passed the barrier after reading it)
+    const int fill_slot = read_slot == 0 ? W8W_STAGES - 1 : read_slot - 1;
+    store_activations(xa, smem + fill_slot * SLOT, tid >> 1, x_q, copies);
+    load_activations(xa, x, kb + W8W_STAGES, kb_end, x_tok, x_q, M, K, copies);
+    fence_async_shared();
+    __syncthreads();
+    read_slot = read_slot == W8W_STAGES - 1 ? 0 : read_slot + 1;
+    w_cur = w_next;
+    w_next = w_far;
+  }
+
+  // d[4 i + e] is (row g + 8 (e / 2), token 8 i + 2 t + e % 2) of the warp's 16 rows
+  const bool clustered = gridDim.z > 1;
+  if (clustered) {
+    float* partial = reinterpret_cast<float*>(smem);  // the ring is done (the loop's last barrier)
+#pragma unroll
+    for (int v = 0; v < VALUES; ++v) partial[v * W8W_THREADS + tid] = acc[v];
+    cluster_barrier<true>();  // every split's sums are visible to the cluster
+    for (int v = blockIdx.z; v < VALUES; v += gridDim.z) {
+      float sum = 0.0f;
+      for (int s = 0; s < (int)gridDim.z; ++s) sum += cluster_load(cluster_address(&partial[v * W8W_THREADS + tid], s));
+      const int row = row0 + 8 * ((v & 3) >> 1), tok = tok0 + (v >> 2) * 8 + 2 * t + (v & 1);
+      if (row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
+      }
+    }
+    cluster_barrier<false>();  // every split's shared memory stays until the cluster has read it
+  } else {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      const int row = row0 + 8 * e2;
+      if (row >= N) continue;
+      const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < TOK / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok0 + 8 * i + 2 * t + e;
+          if (tok < M) out[(i64)tok * N + row] = Num<DT>::from_float(acc[4 * i + 2 * e2 + e] + b);
+        }
+    }
+  }
 }
