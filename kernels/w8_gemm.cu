@@ -232,19 +232,49 @@ __device__ __forceinline__ void fence_async_shared() {
 #endif
 }
 
+// A thread's weight stream: rows g and g + 8 of its warp, 16 codes at k = 64 kb + 16 t of stage kb, with the
+// addresses that do not change from stage to stage worked out once: kb_limit is the first stage the codes do not
+// reach (past the split or past K).
+struct W8WWeights {
+  const u32* codes[2];  // the row's word of k = 16 t
+  const void* group_base[2] = {nullptr, nullptr};  // scales / zeros index of the row's group 0, as an offset
+  i64 group_row[2];
+  bool valid[2];
+  int kb_limit, group_magic;
+};
+
+template <int ZMODE, int SCALE_F32>
+__device__ __forceinline__ void load_w8w_stage(W8Segment& d, const W8WWeights& w, int kb, int t,
+                                               const void* __restrict__ scales, const void* __restrict__ zeros) {
+  const u32 kc = (u32)(kb * W8_SEGMENT + 16 * t);
+  const int group = (int)__umulhi(kc, (u32)w.group_magic);  // kc / group_size
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool valid = w.valid[r] && kb < w.kb_limit;
+    d.codes[r] = valid ? __ldg(reinterpret_cast<const uint4*>(w.codes[r] + kb * (W8_SEGMENT / 4)))
+                       : make_uint4(0, 0, 0, 0);
+    float s = 0.0f, z = 0.0f;
+    if (valid) {
+      s = load_group_value<SCALE_F32>(scales, w.group_row[r] + group);
+      z = load_group_value<SCALE_F32>(zeros, w.group_row[r] + group);
+    }
+    d.s[r] = s;
+    d.z[r] = ZMODE == 0 ? z + TWO_23 : z;  // exact: a whole zero point of at most 2^23
+  }
+}
+
 // One thread's share of a stage's activations: physical chunks 2 t + q (t = 0..3) of token n (thread i < 2 TOK:
-// n = i / 2, q = i % 2); zeros past M or K.
+// n = i / 2, q = i % 2); zeros past M or K. chunk_limit[t]: the first stage chunk t does not reach.
 struct W8WActivations {
   uint4 chunk[4];
 };
 
-__device__ __forceinline__ void load_activations(W8WActivations& a, const u16* __restrict__ x, int kb, int kb_end,
-                                                 int tok, int q, int M, int K, bool loads) {
+__device__ __forceinline__ void load_activations(W8WActivations& a, const u16* __restrict__ src, int kb,
+                                                 const int (&chunk_limit)[4]) {
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    const int k = kb * W8_SEGMENT + 8 * (2 * t + q);
-    const bool valid = loads && kb < kb_end && tok < M && k < K;
-    a.chunk[t] = valid ? __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K + k)) : make_uint4(0, 0, 0, 0);
+    a.chunk[t] = kb < chunk_limit[t] ? __ldg(reinterpret_cast<const uint4*>(src + kb * W8_SEGMENT + 16 * t))
+                                     : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -286,49 +316,64 @@ __global__ void __launch_bounds__(W8W_THREADS, 2) w8_wgmma_kernel(
   const int kb_begin = blockIdx.z * stages_per_split;
   const int kb_end = min(num_kb, kb_begin + stages_per_split);
   const int num_groups = K / group_size;
-  const bool copies = tid < 2 * TOK;  // the threads that stage activations: token tid / 2, chunks of parity tid % 2
-  const int x_tok = tok0 + (tid >> 1), x_q = tid & 1;
   launch_dependents();
 
+  W8WWeights w;
+  w.kb_limit = min(kb_end, (K - 16 * t + W8_SEGMENT - 1) / W8_SEGMENT);
+  w.group_magic = group_magic;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    w.valid[r] = row < N;
+    w.codes[r] = qweight + (i64)min(row, N - 1) * (K / 4) + 4 * t;
+    w.group_row[r] = (i64)min(row, N - 1) * num_groups;
+  }
+  // the threads that stage activations: token tid / 2, the physical chunks of parity tid % 2
+  const bool copies = tid < 2 * TOK;
+  const int x_n = tid >> 1, x_q = tid & 1, x_tok = tok0 + x_n;
+  const u16* x_src = x + (i64)min(x_tok, M - 1) * K + 8 * x_q;
+  int chunk_limit[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    chunk_limit[c] = copies && x_tok < M ? min(kb_end, (K - 8 * (2 * c + x_q) + W8_SEGMENT - 1) / W8_SEGMENT) : 0;
+
   // weights two stages ahead (no earlier kernel writes them: before the programmatic-launch wait)
-  W8Segment w_cur, w_next, w_far;
-  load_w8_segment<ZMODE, SCALE_F32>(w_cur, kb_begin, kb_end, qweight, scales, zeros, row0, t, N, K, num_groups,
-                                    group_magic);
-  load_w8_segment<ZMODE, SCALE_F32>(w_next, kb_begin + 1, kb_end, qweight, scales, zeros, row0, t, N, K, num_groups,
-                                    group_magic);
+  W8Segment wb[3];
+  load_w8w_stage<ZMODE, SCALE_F32>(wb[0], w, kb_begin, t, scales, zeros);
+  load_w8w_stage<ZMODE, SCALE_F32>(wb[1], w, kb_begin + 1, t, scales, zeros);
   wait_for_prior_grids();
   W8WActivations xa;
 #pragma unroll
   for (int s = 0; s < W8W_STAGES - 1; ++s) {
-    load_activations(xa, x, kb_begin + s, kb_end, x_tok, x_q, M, K, copies);
-    store_activations(xa, smem + s * SLOT, tid >> 1, x_q, copies);
+    load_activations(xa, x_src, kb_begin + s, chunk_limit);
+    store_activations(xa, smem + s * SLOT, x_n, x_q, copies);
   }
-  load_activations(xa, x, kb_begin + W8W_STAGES - 1, kb_end, x_tok, x_q, M, K, copies);
+  load_activations(xa, x_src, kb_begin + W8W_STAGES - 1, chunk_limit);
   fence_async_shared();
   __syncthreads();
 
   float acc[VALUES];
 #pragma unroll
   for (int v = 0; v < VALUES; ++v) acc[v] = 0.0f;
-  int read_slot = 0;
-  for (int kb = kb_begin; kb < kb_end; ++kb) {
-    load_w8_segment<ZMODE, SCALE_F32>(w_far, kb + 2, kb_end, qweight, scales, zeros, row0, t, N, K, num_groups,
-                                      group_magic);
-    const unsigned char* stage = smem + read_slot * SLOT;
-    // A step at a time into register set j % 2 while step j - 1's wgmma runs (the wait after each commit leaves one
-    // group in flight, so the set rewritten next belongs to a finished group)
+  // Stage kb from ring slot `slot` with weights `cur`; loads the weights of kb + 2 into `far`, stores the activations
+  // of kb + 2 into the slot of kb - 1 (every warp passed the barrier after reading it) and loads those of kb + 3.
+  auto stage = [&](int kb, int slot, W8Segment& cur, W8Segment& far) {
+    load_w8w_stage<ZMODE, SCALE_F32>(far, w, kb + 2, t, scales, zeros);
+    const unsigned char* ring_slot = smem + slot * SLOT;
+    // A step at a time into register set j % 2 while step j - 1's wgmma runs (the wait after each commit leaves
+    // one group in flight, so the set rewritten next belongs to a finished group)
     u32 a[2][4];
-    const u32 words[2][4] = {{w_cur.codes[0].x, w_cur.codes[0].y, w_cur.codes[0].z, w_cur.codes[0].w},
-                             {w_cur.codes[1].x, w_cur.codes[1].y, w_cur.codes[1].z, w_cur.codes[1].w}};
+    const u32 words[2][4] = {{cur.codes[0].x, cur.codes[0].y, cur.codes[0].z, cur.codes[0].w},
+                             {cur.codes[1].x, cur.codes[1].y, cur.codes[1].z, cur.codes[1].w}};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       u32(&aj)[4] = a[j & 1];
-      word_pairs<DT, ZMODE>(words[0][j], w_cur.s[0], w_cur.z[0], aj[0], aj[2]);  // row g
-      word_pairs<DT, ZMODE>(words[1][j], w_cur.s[1], w_cur.z[1], aj[1], aj[3]);  // row g + 8
+      word_pairs<DT, ZMODE>(words[0][j], cur.s[0], cur.z[0], aj[0], aj[2]);  // row g
+      word_pairs<DT, ZMODE>(words[1][j], cur.s[1], cur.z[1], aj[1], aj[3]);  // row g + 8
 #pragma unroll
       for (int v = 0; v < VALUES; ++v) hold(acc[v]);  // no register moves of the sums in flight
       wgmma_fence();
-      wgmma_rs<DT, TOK>(acc, aj, swizzled_desc(stage + 32 * j));
+      wgmma_rs<DT, TOK>(acc, aj, swizzled_desc(ring_slot + 32 * j));
       wgmma_commit();
       if (j < 3) {
         wgmma_wait<1>();
@@ -337,15 +382,19 @@ __global__ void __launch_bounds__(W8W_THREADS, 2) w8_wgmma_kernel(
       }
     }
     wgmma_wait<0>();
-    // stage kb + 2 into the slot stage kb - 1 was read from (every warp passed the barrier after reading it)
-    const int fill_slot = read_slot == 0 ? W8W_STAGES - 1 : read_slot - 1;
-    store_activations(xa, smem + fill_slot * SLOT, tid >> 1, x_q, copies);
-    load_activations(xa, x, kb + W8W_STAGES, kb_end, x_tok, x_q, M, K, copies);
+    store_activations(xa, smem + (slot == 0 ? W8W_STAGES - 1 : slot - 1) * SLOT, x_n, x_q, copies);
+    load_activations(xa, x_src, kb + W8W_STAGES, chunk_limit);
     fence_async_shared();
     __syncthreads();
-    read_slot = read_slot == W8W_STAGES - 1 ? 0 : read_slot + 1;
-    w_cur = w_next;
-    w_next = w_far;
+  };
+  // three stages a trip, so the weight buffers and ring slots rotate by name, not by register moves
+  static_assert(W8W_STAGES == 3, "a trip's stages match the ring's slots");
+  for (int kb = kb_begin; kb < kb_end; kb += 3) {
+    stage(kb, 0, wb[0], wb[2]);
+    if (kb + 1 >= kb_end) break;
+    stage(kb + 1, 1, wb[1], wb[0]);
+    if (kb + 2 >= kb_end) break;
+    stage(kb + 2, 2, wb[2], wb[1]);
   }
 
   // d[4 i + e] is (row g + 8 (e / 2), token 8 i + 2 t + e % 2) of the warp's 16 rows
