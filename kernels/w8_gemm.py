@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer.kernels.compiler import device_arch, get_kernel
+from deepinfer.kernels import w4_gemm
+from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import clusters_available, i32, launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import PackedOperands, packed_layout_reason
 
@@ -113,10 +114,6 @@ def plan(num_tokens: int, in_features: int, out_features: int, device_index: int
     return Plan(tiles, row_warps, -(-segments // segs_per_split), segs_per_split)
 
 
-def wgmma_available(device_index: int) -> bool:
-    return device_arch(device_index) == "90"
-
-
 def wgmma_token_block(num_tokens: int) -> int:
     """Tokens of a wgmma CTA: the fewest of WGMMA_TOKEN_BLOCKS that cover the tokens, at most the last."""
     return next((block for block in WGMMA_TOKEN_BLOCKS if num_tokens <= block), WGMMA_TOKEN_BLOCKS[-1])
@@ -163,8 +160,8 @@ def instantiations() -> tuple[str, ...]:
 def uses_wgmma(num_tokens: int, device_index: int, wgmma: bool | None = None) -> bool:
     """Whether a product takes the wgmma path: `wgmma` if given, else SM90 from WGMMA_MIN_TOKENS tokens."""
     if wgmma is None:
-        return num_tokens >= WGMMA_MIN_TOKENS and wgmma_available(device_index)
-    if wgmma and not wgmma_available(device_index):
+        return num_tokens >= WGMMA_MIN_TOKENS and w4_gemm.wgmma_available(device_index)
+    if wgmma and not w4_gemm.wgmma_available(device_index):
         raise ValueError("the W8 wgmma path needs an SM90 GPU")
     return wgmma
 

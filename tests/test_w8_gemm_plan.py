@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.kernels import w4_gemm
 from deepinfer.kernels import w8_gemm as w8
 
 
@@ -88,10 +89,10 @@ def test_wgmma_splits_fill_the_sms_only_where_rows_do_not(sm90):
 
 
 def test_wgmma_path_from_17_tokens_on_sm90_only(monkeypatch):
-    monkeypatch.setattr(w8, "wgmma_available", lambda index: True)
+    monkeypatch.setattr(w4_gemm, "wgmma_available", lambda index: True)
     assert not w8.uses_wgmma(16, 0) and w8.uses_wgmma(17, 0) and w8.uses_wgmma(64, 0)
     assert w8.uses_wgmma(1, 0, wgmma=True) and not w8.uses_wgmma(64, 0, wgmma=False)
-    monkeypatch.setattr(w8, "wgmma_available", lambda index: False)
+    monkeypatch.setattr(w4_gemm, "wgmma_available", lambda index: False)
     assert not w8.uses_wgmma(64, 0)
     with pytest.raises(ValueError, match="SM90"):
         w8.uses_wgmma(64, 0, wgmma=True)

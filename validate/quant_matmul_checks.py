@@ -551,9 +551,11 @@ W8_WGMMA_CASES = (
 
 
 def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    """The W8 kernel (w8_gemm_kernel, and on SM90 w8_wgmma_kernel) on its cases against the fp32 product of the reference dequantizer's weight, and through
-    core.ops' dispatch (an act-order permutation on the activation side)."""
+    """The W8 kernel (w8_gemm_kernel, and on SM90 w8_wgmma_kernel) on its cases against the fp32 product of the
+    reference dequantizer's weight, and through core.ops' dispatch (an act-order permutation on the activation
+    side)."""
     from deepinfer.kernels import w8_gemm as w8
+    from deepinfer.kernels.w4_gemm import wgmma_available
 
     results = []
     for m, n, k, g, zeros_kind, f32_scales, with_bias, overrides in W8_CASES:
@@ -582,7 +584,7 @@ def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckR
                 return checks
 
             results += guarded("w8_gemm", case, run)
-    if w8.wgmma_available(device.index):
+    if wgmma_available(device.index or 0):
         results += _check_w8_wgmma(device, dtypes)
     for dtype in dtypes:
         for m in (7, 40):  # w8_gemm_kernel; w8_wgmma_kernel on SM90 (the dense row elsewhere)
