@@ -51,7 +51,7 @@ def source_hash(filename: str) -> str:
 
 # Sources that use an architecture's own instructions (wgmma on SM90) build for its "a" target there; elsewhere
 # they build for the plain architecture and compile those paths out.
-ARCH_SPECIFIC_SOURCES = frozenset({"w4_gemm.cu", "w4_fragment_batch.cu"})
+ARCH_SPECIFIC_SOURCES = frozenset({"w4_gemm.cu", "w4_fragment_batch.cu", "w8_gemm.cu"})
 _ARCH_SPECIFIC = frozenset({"90"})
 
 

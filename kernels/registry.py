@@ -78,7 +78,7 @@ _OPS = (
     KernelOp("w8_gemm", w8_gemm.SOURCE,
              "W8A16 product on tensor cores (mma.sync, SM80+) reading the 8-bit packed weight (GGUF Q8_0, RTN 8-bit), "
              "dequantized in registers with the reference's fp32 arithmetic; 16 rows a CTA of 8 warps splitting K; "
-             "1-64 tokens",
+             "1-64 tokens; on SM90 from 17 tokens wgmma with those weights as A from registers (128 rows a CTA)",
              w8_gemm.instantiations()),
     KernelOp("w4_fragment_batch", w4_fragment_batch.SOURCE,
              "W4A16 product of 33-128 tokens over the same fragment layout: 8 warps of 128 x 64-token tiles, a "

@@ -30,7 +30,7 @@
 // A 16-code span lies in one group (group sizes are multiples of 32), so each thread loads one scale and zero a row;
 // its group is kc / group_size = umulhi(kc, group_magic) with group_magic = ceil(2^32 / group_size), exact while
 // kc * group_size < 2^32 (the launcher checks K <= 2^16), one instruction in place of an integer division.
-#include "common.cuh"
+#include "wgmma.cuh"
 
 constexpr int W8_WARPS = 8;
 constexpr int W8_SEGMENT = 64;  // codes of K per warp step: 16 per thread of a quad
@@ -203,4 +203,230 @@ __global__ void __launch_bounds__(256) w8_gemm_kernel(
   }
   sum_and_store<DT, TT, RW>(partial, bias, out, row0, tok0, t, M, N);
   if (clustered) cluster_barrier<false>();  // every split's shared memory stays until the cluster has read it
+}
+
+// w8_wgmma_kernel<DT, TOK, ZMODE, SCALE_F32> (SM90a, 17-64 tokens): wgmma m64nTOKk16 with the dequantized codes as
+// the A operand from registers and the activations as B from shared memory. A CTA is two warpgroups over 128 rows
+// (warp w owns rows 16 w .. 16 w + 15, the layout of one mma.sync A tile, so each thread keeps the W8Segment loads
+// and the dequantization of w8_gemm_kernel: rows g and g + 8, 16 codes of each a 64-k stage, the weights bit for
+// bit the reference's) and TOK tokens (grid.y further blocks of TOK). K runs in stages of 64 k; the CTAs of one
+// output tile split the stages over a thread-block cluster (grid.z) as w8_gemm_kernel does, the sums meeting
+// through distributed shared memory in split order.
+//
+// Activations. A thread's step j pairs are the codes of physical k 16 t + 4 j + (0, 1) (logical kk 2t, 2t + 1) and
+// + (2, 3) (kk 2t + 8, 2t + 9), so B must hold, at logical k 16 j + kk of the stage, the physical k
+// 16 ((kk & 7) >> 1) + 4 j + (kk & 1) + 2 (kk >> 3). In 32-bit pairs: logical word t of logical 16-byte chunk L
+// (L = 2 j + (kk >> 3)) is physical word 8 t + L, i.e. word L % 4 of physical chunk 2 t + L / 4. A thread that loads
+// the four physical chunks 2 t + q (t = 0..3, one token, q = 0 or 1) holds logical chunks 4 q .. 4 q + 3 as a 4 x 4
+// transpose of its registers: no instruction beyond the 16-byte loads and stores. The stage is TOK token rows of 128
+// bytes in the 128-byte swizzle (chunk L of row n at L ^ (n % 8)) that the wgmma descriptor reads, in a ring of
+// W8W_STAGES slots: the activations of stage i + 2 go from registers into the slot of stage i - 1 after stage i's
+// products, their loads issued a stage earlier; the weights are loaded into registers two stages ahead.
+constexpr int W8W_THREADS = 256;
+constexpr int W8W_ROWS = 128;  // two warpgroups of 64 rows
+constexpr int W8W_STAGES = 3;
+
+__device__ __forceinline__ void fence_async_shared() {
+#ifdef HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // st.shared before wgmma reads it
+#endif
+}
+
+// A thread's weight stream: rows g and g + 8 of its warp, 16 codes at k = 64 kb + 16 t of stage kb, with the
+// addresses that do not change from stage to stage worked out once: kb_limit is the first stage the codes do not
+// reach (past the split or past K).
+struct W8WWeights {
+  const u32* codes[2];  // the row's word of k = 16 t
+  const void* group_base[2] = {nullptr, nullptr};  // scales / zeros index of the row's group 0, as an offset
+  i64 group_row[2];
+  bool valid[2];
+  int kb_limit, group_magic;
+};
+
+template <int ZMODE, int SCALE_F32>
+__device__ __forceinline__ void load_w8w_stage(W8Segment& d, const W8WWeights& w, int kb, int t,
+                                               const void* __restrict__ scales, const void* __restrict__ zeros) {
+  const u32 kc = (u32)(kb * W8_SEGMENT + 16 * t);
+  const int group = (int)__umulhi(kc, (u32)w.group_magic);  // kc / group_size
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool valid = w.valid[r] && kb < w.kb_limit;
+    d.codes[r] = valid ? __ldg(reinterpret_cast<const uint4*>(w.codes[r] + kb * (W8_SEGMENT / 4)))
+                       : make_uint4(0, 0, 0, 0);
+    float s = 0.0f, z = 0.0f;
+    if (valid) {
+      s = load_group_value<SCALE_F32>(scales, w.group_row[r] + group);
+      z = load_group_value<SCALE_F32>(zeros, w.group_row[r] + group);
+    }
+    d.s[r] = s;
+    d.z[r] = ZMODE == 0 ? z + TWO_23 : z;  // exact: a whole zero point of at most 2^23
+  }
+}
+
+// One thread's share of a stage's activations: physical chunks 2 t + q (t = 0..3) of token n (thread i < 2 TOK:
+// n = i / 2, q = i % 2); zeros past M or K. chunk_limit[t]: the first stage chunk t does not reach.
+struct W8WActivations {
+  uint4 chunk[4];
+};
+
+__device__ __forceinline__ void load_activations(W8WActivations& a, const u16* __restrict__ src, int kb,
+                                                 const int (&chunk_limit)[4]) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    a.chunk[t] = kb < chunk_limit[t] ? __ldg(reinterpret_cast<const uint4*>(src + kb * W8_SEGMENT + 16 * t))
+                                     : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Logical chunk 4 q + i of row n is word i of each physical chunk, in t order.
+__device__ __forceinline__ void store_activations(const W8WActivations& a, unsigned char* slot, int n, int q,
+                                                  bool stores) {
+  if (!stores) return;
+  const u32 w[4][4] = {{a.chunk[0].x, a.chunk[0].y, a.chunk[0].z, a.chunk[0].w},
+                       {a.chunk[1].x, a.chunk[1].y, a.chunk[1].z, a.chunk[1].w},
+                       {a.chunk[2].x, a.chunk[2].y, a.chunk[2].z, a.chunk[2].w},
+                       {a.chunk[3].x, a.chunk[3].y, a.chunk[3].z, a.chunk[3].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int chunk = 4 * q + i;
+    *reinterpret_cast<uint4*>(slot + n * 128 + ((chunk ^ (n & 7)) << 4)) = make_uint4(w[0][i], w[1][i], w[2][i], w[3][i]);
+  }
+}
+
+template <int DT, int TOK, int ZMODE, int SCALE_F32>
+__global__ void __launch_bounds__(W8W_THREADS, 2) w8_wgmma_kernel(
+    const u16* __restrict__ x,         // [M, K]
+    const u32* __restrict__ qweight,   // [N, K / 4]
+    const void* __restrict__ scales,   // [N, K / G]
+    const void* __restrict__ zeros,    // [N, K / G]
+    const u16* __restrict__ bias,      // [N] or null
+    u16* __restrict__ out,             // [M, N]
+    int M, int N, int K, int group_size, int group_magic, int stages_per_split) {
+  static_assert(TOK % 16 == 0 && TOK <= 64, "m64nTOKk16 with TOK a multiple of 16");
+  constexpr int SLOT = TOK * 128;
+  constexpr int VALUES = TOK / 2;  // accumulators a thread: 4 a token tile of 8
+  constexpr int RING = W8W_STAGES * SLOT, PARTIAL = VALUES * W8W_THREADS * 4;
+  // the ring, then (after the last stage) each thread's fp32 sums [VALUES][W8W_THREADS] for the cluster's sum
+  __shared__ __align__(1024) unsigned char smem[RING > PARTIAL ? RING : PARTIAL];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * W8W_ROWS + warp * 16 + g;
+  const int tok0 = blockIdx.y * TOK;
+  const int num_kb = (K + W8_SEGMENT - 1) / W8_SEGMENT;
+  const int kb_begin = blockIdx.z * stages_per_split;
+  const int kb_end = min(num_kb, kb_begin + stages_per_split);
+  const int num_groups = K / group_size;
+  launch_dependents();
+
+  W8WWeights w;
+  w.kb_limit = min(kb_end, (K - 16 * t + W8_SEGMENT - 1) / W8_SEGMENT);
+  w.group_magic = group_magic;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    w.valid[r] = row < N;
+    w.codes[r] = qweight + (i64)min(row, N - 1) * (K / 4) + 4 * t;
+    w.group_row[r] = (i64)min(row, N - 1) * num_groups;
+  }
+  // the threads that stage activations: token tid / 2, the physical chunks of parity tid % 2
+  const bool copies = tid < 2 * TOK;
+  const int x_n = tid >> 1, x_q = tid & 1, x_tok = tok0 + x_n;
+  const u16* x_src = x + (i64)min(x_tok, M - 1) * K + 8 * x_q;
+  int chunk_limit[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    chunk_limit[c] = copies && x_tok < M ? min(kb_end, (K - 8 * (2 * c + x_q) + W8_SEGMENT - 1) / W8_SEGMENT) : 0;
+
+  // weights two stages ahead (no earlier kernel writes them: before the programmatic-launch wait)
+  W8Segment wb[3];
+  load_w8w_stage<ZMODE, SCALE_F32>(wb[0], w, kb_begin, t, scales, zeros);
+  load_w8w_stage<ZMODE, SCALE_F32>(wb[1], w, kb_begin + 1, t, scales, zeros);
+  wait_for_prior_grids();
+  W8WActivations xa;
+#pragma unroll
+  for (int s = 0; s < W8W_STAGES - 1; ++s) {
+    load_activations(xa, x_src, kb_begin + s, chunk_limit);
+    store_activations(xa, smem + s * SLOT, x_n, x_q, copies);
+  }
+  load_activations(xa, x_src, kb_begin + W8W_STAGES - 1, chunk_limit);
+  fence_async_shared();
+  __syncthreads();
+
+  float acc[VALUES];
+#pragma unroll
+  for (int v = 0; v < VALUES; ++v) acc[v] = 0.0f;
+  // Stage kb from ring slot `slot` with weights `cur`; loads the weights of kb + 2 into `far`, stores the activations
+  // of kb + 2 into the slot of kb - 1 (every warp passed the barrier after reading it) and loads those of kb + 3.
+  auto stage = [&](int kb, int slot, W8Segment& cur, W8Segment& far) {
+    load_w8w_stage<ZMODE, SCALE_F32>(far, w, kb + 2, t, scales, zeros);
+    const unsigned char* ring_slot = smem + slot * SLOT;
+    // A step at a time into register set j % 2 while step j - 1's wgmma runs (the wait after each commit leaves
+    // one group in flight, so the set rewritten next belongs to a finished group)
+    u32 a[2][4];
+    const u32 words[2][4] = {{cur.codes[0].x, cur.codes[0].y, cur.codes[0].z, cur.codes[0].w},
+                             {cur.codes[1].x, cur.codes[1].y, cur.codes[1].z, cur.codes[1].w}};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u32(&aj)[4] = a[j & 1];
+      word_pairs<DT, ZMODE>(words[0][j], cur.s[0], cur.z[0], aj[0], aj[2]);  // row g
+      word_pairs<DT, ZMODE>(words[1][j], cur.s[1], cur.z[1], aj[1], aj[3]);  // row g + 8
+#pragma unroll
+      for (int v = 0; v < VALUES; ++v) hold(acc[v]);  // no register moves of the sums in flight
+      wgmma_fence();
+      wgmma_rs<DT, TOK>(acc, aj, swizzled_desc(ring_slot + 32 * j));
+      wgmma_commit();
+      if (j < 3) {
+        wgmma_wait<1>();
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hold(a[(j + 1) & 1][e]);
+      }
+    }
+    wgmma_wait<0>();
+    store_activations(xa, smem + (slot == 0 ? W8W_STAGES - 1 : slot - 1) * SLOT, x_n, x_q, copies);
+    load_activations(xa, x_src, kb + W8W_STAGES, chunk_limit);
+    fence_async_shared();
+    __syncthreads();
+  };
+  // three stages a trip, so the weight buffers and ring slots rotate by name, not by register moves
+  static_assert(W8W_STAGES == 3, "a trip's stages match the ring's slots");
+  for (int kb = kb_begin; kb < kb_end; kb += 3) {
+    stage(kb, 0, wb[0], wb[2]);
+    if (kb + 1 >= kb_end) break;
+    stage(kb + 1, 1, wb[1], wb[0]);
+    if (kb + 2 >= kb_end) break;
+    stage(kb + 2, 2, wb[2], wb[1]);
+  }
+
+  // d[4 i + e] is (row g + 8 (e / 2), token 8 i + 2 t + e % 2) of the warp's 16 rows
+  const bool clustered = gridDim.z > 1;
+  if (clustered) {
+    float* partial = reinterpret_cast<float*>(smem);  // the ring is done (the loop's last barrier)
+#pragma unroll
+    for (int v = 0; v < VALUES; ++v) partial[v * W8W_THREADS + tid] = acc[v];
+    cluster_barrier<true>();  // every split's sums are visible to the cluster
+    for (int v = blockIdx.z; v < VALUES; v += gridDim.z) {
+      float sum = 0.0f;
+      for (int s = 0; s < (int)gridDim.z; ++s) sum += cluster_load(cluster_address(&partial[v * W8W_THREADS + tid], s));
+      const int row = row0 + 8 * ((v & 3) >> 1), tok = tok0 + (v >> 2) * 8 + 2 * t + (v & 1);
+      if (row < N && tok < M) {
+        const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+        out[(i64)tok * N + row] = Num<DT>::from_float(sum + b);
+      }
+    }
+    cluster_barrier<false>();  // every split's shared memory stays until the cluster has read it
+  } else {
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      const int row = row0 + 8 * e2;
+      if (row >= N) continue;
+      const float b = bias != nullptr ? Num<DT>::to_float(bias[row]) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < TOK / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok0 + 8 * i + 2 * t + e;
+          if (tok < M) out[(i64)tok * N + row] = Num<DT>::from_float(acc[4 * i + 2 * e2 + e] + b);
+        }
+    }
+  }
 }

@@ -1,10 +1,15 @@
-"""Launcher of the W8A16 tensor-core product in w8_gemm.cu (1 to 64 tokens, SM80+).
+"""Launcher of the W8A16 tensor-core product in w8_gemm.cu (1 to 64 tokens, SM80+; wgmma on SM90 from
+WGMMA_MIN_TOKENS).
 
 The kernel reads the 8-bit PackedWeight as stored (qweight int32 [N, K / 4], fp16 or fp32 scales and zeros
 [N, K / G]): nothing is laid out at load. A launch is a CTA of 8 warps per 1-8 16-row tiles and per tile of 8, 16,
 32 or 64 tokens (TT 8-token tiles); the warps that share a row tile split the CTA's K range. On SM90+ K is split
 further across a thread-block cluster of up to MAX_SPLITS CTAs where the rows alone leave the GPU short of CTAs
 (LAUNCHES says how, by token tiles).
+
+On SM90 from WGMMA_MIN_TOKENS tokens, w8_wgmma_kernel: two warpgroups over 128 rows and a block of 16, 32, 48 or 64
+tokens (the fewest that cover them, further blocks of 64 along grid.y), the 64-k stages split over a cluster of up
+to MAX_SPLITS CTAs until the CTAs of a launch fill the SMs (WgmmaPlan).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.kernels import w4_gemm
 from deepinfer.kernels.compiler import get_kernel
 from deepinfer.kernels.launch import clusters_available, i32, launch, product_operands, ptr
 from deepinfer.kernels.quant_matmul import PackedOperands, packed_layout_reason
@@ -33,6 +39,10 @@ MAX_SPLITS = 8  # the portable thread-block cluster size
 LAUNCHES = {1: (1, 2), 2: (4, 8), 4: (1, 2), 8: (1, 2)}
 SPLIT_BELOW_CTAS_PER_SM = 2
 MAX_IN_FEATURES = 1 << 16  # the group index's multiply-high is exact below this K (group_magic)
+WGMMA_TOKEN_BLOCKS = (16, 32, 48, 64)  # tokens of a w8_wgmma_kernel CTA (its wgmma N)
+WGMMA_ROWS = 128  # rows of a w8_wgmma_kernel CTA: two warpgroups of 64
+WGMMA_MIN_TOKENS = 17  # the planned launch takes the wgmma path on SM90 from here (1-16: w8_gemm_kernel)
+WGMMA_MIN_STAGES = 2  # 64-k stages a split at least, so the register pipeline's two stages ahead are filled
 
 
 class Plan(NamedTuple):
@@ -42,6 +52,15 @@ class Plan(NamedTuple):
     row_warps: int
     splits: int
     segs_per_split: int
+
+
+class WgmmaPlan(NamedTuple):
+    """A w8_wgmma_kernel launch: tokens a CTA (the wgmma N), K splits (a cluster when more than one), 64-k stages a
+    split."""
+
+    tokens: int
+    splits: int
+    stages_per_split: int
 
 
 def unsupported_reason(dtype: torch.dtype, weight: PackedOperands) -> str | None:
@@ -95,6 +114,28 @@ def plan(num_tokens: int, in_features: int, out_features: int, device_index: int
     return Plan(tiles, row_warps, -(-segments // segs_per_split), segs_per_split)
 
 
+def wgmma_token_block(num_tokens: int) -> int:
+    """Tokens of a wgmma CTA: the fewest of WGMMA_TOKEN_BLOCKS that cover the tokens, at most the last."""
+    return next((block for block in WGMMA_TOKEN_BLOCKS if num_tokens <= block), WGMMA_TOKEN_BLOCKS[-1])
+
+
+def wgmma_plan(num_tokens: int, in_features: int, out_features: int, device_index: int,
+               tokens: int | None = None, splits: int | None = None) -> WgmmaPlan:
+    """The wgmma launch of a product; `tokens` / `splits` override the planned ones (validation, benchmarks). The
+    planned splits: the fewest that give every SM a CTA, at most MAX_SPLITS and at least WGMMA_MIN_STAGES stages a
+    split; an override is cut to one stage a split at least."""
+    tokens = tokens or wgmma_token_block(num_tokens)
+    if tokens not in WGMMA_TOKEN_BLOCKS:
+        raise ValueError(f"tokens {tokens} is not one of {WGMMA_TOKEN_BLOCKS}")
+    stages = -(-in_features // SEGMENT)
+    if splits is None:
+        ctas = -(-out_features // WGMMA_ROWS) * -(-num_tokens // tokens)
+        splits = min(-(-_num_sms(device_index) // ctas), max(1, stages // WGMMA_MIN_STAGES))
+    splits = max(1, min(splits, MAX_SPLITS, stages))
+    stages_per_split = -(-stages // splits)
+    return WgmmaPlan(tokens, -(-stages // stages_per_split), stages_per_split)
+
+
 def group_magic(group_size: int) -> int:
     """ceil(2^32 / group_size): w8_gemm.cu's group of code k is umulhi(k, this), exact for k * group_size < 2^32."""
     return -(-(1 << 32) // group_size)
@@ -104,17 +145,34 @@ def kernel_name(dtype: torch.dtype, tiles: int, row_warps: int, zmode: int, scal
     return f"w8_gemm_kernel<{_DTYPE_CODES[dtype]},{tiles},{row_warps},{zmode},{int(scale_f32)}>"
 
 
+def wgmma_kernel_name(dtype: torch.dtype, tokens: int, zmode: int, scale_f32: bool) -> str:
+    return f"w8_wgmma_kernel<{_DTYPE_CODES[dtype]},{tokens},{zmode},{int(scale_f32)}>"
+
+
 def instantiations() -> tuple[str, ...]:
     """Every instantiation the launcher asks for (compiled ahead by validate-kernels)."""
-    return tuple(f"w8_gemm_kernel<{dt},{tiles},{rows},{zmode},{f32}>" for dt in (0, 1) for tiles in TOKEN_TILES
-                 for rows in ROW_WARP_CHOICES for zmode in (0, 1, 2) for f32 in (0, 1))
+    return (tuple(f"w8_gemm_kernel<{dt},{tiles},{rows},{zmode},{f32}>" for dt in (0, 1) for tiles in TOKEN_TILES
+                  for rows in ROW_WARP_CHOICES for zmode in (0, 1, 2) for f32 in (0, 1))
+            + tuple(f"w8_wgmma_kernel<{dt},{tokens},{zmode},{f32}>" for dt in (0, 1) for tokens in WGMMA_TOKEN_BLOCKS
+                    for zmode in (0, 1, 2) for f32 in (0, 1)))
+
+
+def uses_wgmma(num_tokens: int, device_index: int, wgmma: bool | None = None) -> bool:
+    """Whether a product takes the wgmma path: `wgmma` if given, else SM90 from WGMMA_MIN_TOKENS tokens."""
+    if wgmma is None:
+        return num_tokens >= WGMMA_MIN_TOKENS and w4_gemm.wgmma_available(device_index)
+    if wgmma and not w4_gemm.wgmma_available(device_index):
+        raise ValueError("the W8 wgmma path needs an SM90 GPU")
+    return wgmma
 
 
 def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             zero_mode: str, integer_zeros: bool, bias: torch.Tensor | None = None, tiles: int | None = None,
-            row_warps: int | None = None, splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype. `tiles`, `row_warps`, `splits` override
-    the planned launch (validation, benchmarks)."""
+            row_warps: int | None = None, splits: int | None = None, out: torch.Tensor | None = None,
+            wgmma: bool | None = None, tokens: int | None = None) -> torch.Tensor:
+    """x [M, K] fp16/bf16 (in input_perm order) -> [M, N] in x's dtype. `wgmma` picks the kernel (None: planned,
+    uses_wgmma); `tiles`, `row_warps` (w8_gemm_kernel), `tokens` (w8_wgmma_kernel) and `splits` override the
+    planned launch (validation, benchmarks)."""
     num_tokens, in_features = x.shape
     out_features = qweight.shape[0]
     if in_features > MAX_IN_FEATURES:
@@ -123,9 +181,19 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if num_tokens == 0:
         return out
     index = x.device.index
+    zmode = zero_mode_code(zero_mode, integer_zeros)
+    scale_f32 = scales.dtype == torch.float32
+    if uses_wgmma(num_tokens, index, wgmma):
+        wplan = wgmma_plan(num_tokens, in_features, out_features, index, tokens, splits)
+        grid = (-(-out_features // WGMMA_ROWS), -(-num_tokens // wplan.tokens), wplan.splits)
+        args = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), i32(num_tokens),
+                i32(out_features), i32(in_features), i32(group_size), i32(group_magic(group_size)),
+                i32(wplan.stages_per_split))
+        launch(get_kernel(SOURCE, wgmma_kernel_name(x.dtype, wplan.tokens, zmode, scale_f32), index), grid,
+               (256, 1, 1), args, index, cluster=(1, 1, wplan.splits) if wplan.splits > 1 else None)
+        return out
     launch_plan = plan(num_tokens, in_features, out_features, index, tiles, row_warps, splits)
-    name = kernel_name(x.dtype, launch_plan.tiles, launch_plan.row_warps, zero_mode_code(zero_mode, integer_zeros),
-                       scales.dtype == torch.float32)
+    name = kernel_name(x.dtype, launch_plan.tiles, launch_plan.row_warps, zmode, scale_f32)
     grid = (-(-out_features // (ROWS_PER_WARP * launch_plan.row_warps)), -(-num_tokens // (8 * launch_plan.tiles)),
             launch_plan.splits)
     args = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), i32(num_tokens), i32(out_features),

@@ -86,6 +86,9 @@ KERNELS = (
     *(Kernel(f"w8_gemm TT={tt} RW={w8.LAUNCHES[tt][0]} bf16", "w8_gemm.cu",
              f"w8_gemm_kernel<1,{tt},{w8.LAUNCHES[tt][0]},0,0>", tt, False, tile_bytes=256)
       for tt in (1, 2, 4)),
+    # its wgmma path (SM90, 17-64 tokens): each HGMMA multiplies a warp's 16 x 16 codes by all the tokens
+    *(Kernel(f"w8_wgmma TOK={tok} bf16", "w8_gemm.cu", f"w8_wgmma_kernel<1,{tok},0,0>", 1, False, ("90",),
+             tile_bytes=256) for tok in (32, 48, 64)),
 )
 
 

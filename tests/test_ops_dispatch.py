@@ -441,6 +441,9 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     eight = quantize_rtn(torch.randn(256, 512), bits=8, group_size=32)
     kw8.w8_gemm(torch.randn(5, 512, dtype=half), eight.qweight, eight.scales, eight.zeros, 32, eight.zero_mode,
                 eight.integer_zeros, bias=torch.randn(256, dtype=half))
+    monkeypatch.setattr(kw, "wgmma_available", lambda index: True)
+    kw8.w8_gemm(torch.randn(40, 512, dtype=half), eight.qweight, eight.scales, eight.zeros, 32, eight.zero_mode,
+                eight.integer_zeros, bias=torch.randn(256, dtype=half))
     from deepinfer.kernels import w4_fragment_batch as kfb
 
     monkeypatch.setattr(kfb, "get_kernel", lambda source, name, index: _Kernel((source, name)))
@@ -465,7 +468,8 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                      "paged_decode_kernel", "paged_decode_heads_n_kernel", "paged_reduce_kernel", "paged_prefill_kernel",
                      "paged_prefill_reduce_kernel",
                      "rms_norm_kernel", "act_and_mul_kernel", "rope_cache_kernel", "dequantize_kernel",
-                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w4_fragment_batch_kernel",
+                     "w4_gemm_kernel", "w4_fragment_gemm_kernel", "w8_gemm_kernel", "w8_wgmma_kernel",
+                     "w4_fragment_batch_kernel",
                      "token_bitmask_kernel"}
     from deepinfer.kernels.compiler import SOURCE_DIR, source_text
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.kernels import w4_gemm
 from deepinfer.kernels import w8_gemm as w8
 
 
@@ -61,3 +62,37 @@ def test_k_beyond_the_group_index_is_refused():
     with pytest.raises(ValueError, match="in_features"):
         w8.w8_gemm(x, torch.zeros(4, x.shape[1] // 4, dtype=torch.int32), torch.ones(4, 1), torch.zeros(4, 1),
                    x.shape[1], "zero", True)
+
+
+@pytest.mark.parametrize("tokens", [16, 17, 32, 33, 48, 49, 64, 100])
+@pytest.mark.parametrize("in_features,out_features", [(2048, 2560), (11008, 2048), (2048, 22016), (18944, 3584),
+                                                      (3584, 37888), (576, 1536), (160, 40)])
+def test_wgmma_splits_cover_k_once_and_blocks_cover_tokens(sm90, tokens, in_features, out_features):
+    plan = w8.wgmma_plan(tokens, in_features, out_features, 0)
+    stages = -(-in_features // w8.SEGMENT)
+    assert 1 <= plan.splits <= w8.MAX_SPLITS
+    assert (plan.splits - 1) * plan.stages_per_split < stages <= plan.splits * plan.stages_per_split
+    assert plan.tokens in w8.WGMMA_TOKEN_BLOCKS
+    assert plan.tokens >= min(tokens, w8.WGMMA_TOKEN_BLOCKS[-1])
+    assert plan.tokens - tokens < 16  # the fewest padded tokens a block
+    if plan.splits > 1:
+        assert plan.stages_per_split >= w8.WGMMA_MIN_STAGES
+
+
+def test_wgmma_splits_fill_the_sms_only_where_rows_do_not(sm90):
+    # 2048 rows are 16 CTAs: split in 8; 22016 rows (172 CTAs) and 37888 fill the 132 SMs alone
+    assert w8.wgmma_plan(64, 11008, 2048, 0).splits == 8
+    assert w8.wgmma_plan(32, 2048, 22016, 0).splits == w8.wgmma_plan(64, 3584, 37888, 0).splits == 1
+    assert w8.wgmma_plan(64, 2048, 2048, 0, tokens=32, splits=3) == w8.WgmmaPlan(32, 3, 11)
+    with pytest.raises(ValueError, match="tokens"):
+        w8.wgmma_plan(64, 2048, 2048, 0, tokens=24)
+
+
+def test_wgmma_path_from_17_tokens_on_sm90_only(monkeypatch):
+    monkeypatch.setattr(w4_gemm, "wgmma_available", lambda index: True)
+    assert not w8.uses_wgmma(16, 0) and w8.uses_wgmma(17, 0) and w8.uses_wgmma(64, 0)
+    assert w8.uses_wgmma(1, 0, wgmma=True) and not w8.uses_wgmma(64, 0, wgmma=False)
+    monkeypatch.setattr(w4_gemm, "wgmma_available", lambda index: False)
+    assert not w8.uses_wgmma(64, 0)
+    with pytest.raises(ValueError, match="SM90"):
+        w8.uses_wgmma(64, 0, wgmma=True)

@@ -583,11 +583,34 @@ W8_CASES = (
     (5, 40, 160, 32, "min", False, False, (8, 8, 2)),
 )
 
+# Its wgmma path (SM90): (tokens, out_features, in_features, group size, zeros, fp32 scales, bias, (tokens a CTA,
+# splits) or None for the planned launch). Every token block (16, 32, 48, 64) full and partly filled, two and three
+# blocks of 64 along grid.y, N off the 128-row CTAs, K off the 64-k stages (576; 160 = 2.5 stages), splits of 1 to 8
+# with a last split of fewer stages, one group a row, every zero kind and fp32 scales.
+W8_WGMMA_CASES = (
+    (16, 2048, 2048, 32, "q8_0", False, False, (16, None)),
+    (17, 2560, 2048, 32, "q8_0", False, True, None),
+    (32, 22016, 2048, 32, "q8_0", False, False, None),
+    (40, 2048, 11008, 128, "int", False, True, None),
+    (48, 1000, 4096, 32, "q8_0", True, False, None),
+    (64, 2048, 2048, 32, "q8_0", False, True, None),
+    (64, 3584, 18944, 128, "int", False, False, None),
+    (55, 1536, 576, 64, "frac", False, True, None),
+    (33, 2048, 2048, 128, "min", True, True, (64, 3)),  # 32 stages in splits of 11, 11 and 10
+    (24, 1000, 2048, 2048, "int", False, False, (32, 8)),  # one group a row
+    (100, 2048, 2048, 32, "q8_0", False, False, None),
+    (150, 640, 1024, 32, "min", False, True, (64, 2)),
+    (21, 40, 160, 32, "min", False, False, None),  # a partial warpgroup, K = 2.5 stages
+    (9, 40, 160, 32, "frac", False, True, (16, 2)),
+)
+
 
 def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckResult]:
-    """The W8 kernel on its cases against the fp32 product of the reference dequantizer's weight, and through
-    core.ops' dispatch (an act-order permutation on the activation side)."""
+    """The W8 kernel (w8_gemm_kernel, and on SM90 w8_wgmma_kernel) on its cases against the fp32 product of the
+    reference dequantizer's weight, and through core.ops' dispatch (an act-order permutation on the activation
+    side)."""
     from deepinfer.kernels import w8_gemm as w8
+    from deepinfer.kernels.w4_gemm import wgmma_available
 
     results = []
     for m, n, k, g, zeros_kind, f32_scales, with_bias, overrides in W8_CASES:
@@ -604,28 +627,67 @@ def check_w8_gemm(device, dtypes=(torch.float16, torch.bfloat16)) -> list[CheckR
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 out = poisoned((m, n), dtype, device)
                 w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode, packed.integer_zeros,
-                           packed.bias, tiles=tiles, row_warps=row_warps, splits=splits, out=out)
+                           packed.bias, tiles=tiles, row_warps=row_warps, splits=splits, out=out, wgmma=False)
                 checks = [compare("w8_gemm", case, out, reference_product(x, packed), REL_TOL[dtype])]
                 # the split sums meet in a fixed order: a second launch gives the same bits
                 again = w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode,
-                                   packed.integer_zeros, packed.bias, tiles=tiles, row_warps=row_warps, splits=splits)
+                                   packed.integer_zeros, packed.bias, tiles=tiles, row_warps=row_warps, splits=splits,
+                                   wgmma=False)
                 same = torch.equal(again.view(torch.int16), out.view(torch.int16))
                 checks.append(CheckResult("w8_gemm", f"{case} deterministic", same,
                                           detail="" if same else "a second launch gave other bits"))
                 return checks
 
             results += guarded("w8_gemm", case, run)
+    if wgmma_available(device.index or 0):
+        results += _check_w8_wgmma(device, dtypes)
     for dtype in dtypes:
-        case = f"{DTYPE_NAMES[dtype]} W8 act-order via core.ops M=7 N=640 K=1024 G=32"
+        for m in (7, 40):  # w8_gemm_kernel; w8_wgmma_kernel on SM90 (the dense row elsewhere)
+            case = f"{DTYPE_NAMES[dtype]} W8 act-order via core.ops M={m} N=640 K=1024 G=32"
 
-        def run_dispatch(dtype=dtype, case=case):
-            from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
-            from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
+            def run_dispatch(dtype=dtype, case=case, m=m):
+                from deepinfer.core.ops.quant_matmul import quant_matmul as op_quant_matmul
+                from deepinfer.core.ops.quant_matmul_table import ProductShape, product_row
 
-            packed = random_packed(640, 1024, 32, 8, "zero", torch.float16, device, act_order=True, bias_dtype=dtype)
-            assert product_row(ProductShape(7, 1024, 640, 8, 32)).kernel == "w8_gemm"
-            x = torch.randn(7, 1024, device=device, dtype=dtype)
-            return compare("w8_gemm", case, op_quant_matmul(x, packed), reference_product(x, packed), REL_TOL[dtype])
+                packed = random_packed(640, 1024, 32, 8, "zero", torch.float16, device, act_order=True,
+                                       bias_dtype=dtype)
+                assert product_row(ProductShape(m, 1024, 640, 8, 32)).kernel == "w8_gemm"
+                x = torch.randn(m, 1024, device=device, dtype=dtype)
+                return compare("w8_gemm", case, op_quant_matmul(x, packed), reference_product(x, packed),
+                               REL_TOL[dtype])
 
-        results += guarded("w8_gemm", case, run_dispatch)
+            results += guarded("w8_gemm", case, run_dispatch)
+    return results
+
+
+def _check_w8_wgmma(device, dtypes) -> list[CheckResult]:
+    """The wgmma path on its cases: the same reference and tolerance as w8_gemm_kernel (the A operand is the
+    reference's dequantized weight bit for bit, the sums fp32), and the same bits on a second launch."""
+    from deepinfer.kernels import w8_gemm as w8
+
+    results = []
+    for m, n, k, g, zeros_kind, f32_scales, with_bias, overrides in W8_WGMMA_CASES:
+        tokens, splits = overrides or (None, None)
+        for dtype in dtypes:
+            launch = w8.wgmma_plan(m, k, n, device.index, tokens, splits)
+            case = (f"{DTYPE_NAMES[dtype]} W8 wgmma {zeros_kind}-zeros M={m} N={n} K={k} G={g} "
+                    f"tokens={launch.tokens} splits={launch.splits}"
+                    + (" fp32-scales" if f32_scales else "") + (" bias" if with_bias else ""))
+
+            def run(m=m, n=n, k=k, g=g, zeros_kind=zeros_kind, f32_scales=f32_scales, with_bias=with_bias,
+                    tokens=tokens, splits=splits, dtype=dtype, case=case):
+                packed = w8_case_weight(n, k, g, zeros_kind, f32_scales, dtype if with_bias else None, device)
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                out = poisoned((m, n), dtype, device)
+                w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode, packed.integer_zeros,
+                           packed.bias, splits=splits, out=out, wgmma=True, tokens=tokens)
+                checks = [compare("w8_gemm", case, out, reference_product(x, packed), REL_TOL[dtype])]
+                again = w8.w8_gemm(x, packed.qweight, packed.scales, packed.zeros, g, packed.zero_mode,
+                                   packed.integer_zeros, packed.bias, splits=splits, wgmma=True, tokens=tokens)
+                same = torch.equal(again.view(torch.int16), out.view(torch.int16))
+                checks.append(CheckResult("w8_gemm", f"{case} deterministic", same,
+                                          detail="" if same else "a second launch gave other bits"))
+                return checks
+
+            results += guarded("w8_gemm", case, run)
     return results

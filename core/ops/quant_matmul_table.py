@@ -48,7 +48,8 @@ FRAGMENT_BATCH_LARGE_TOKENS = (33, 128)  # ... wide ones of FRAGMENT_LARGE_WEIGH
 FRAGMENT_BATCH_TALL_TOKENS = ((33, 48), (65, 128))  # ... and tall ones of it (7B's down: K >= 3N) at these
 BATCH_TOKEN_BOUNDS = (*FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_LARGE_TOKENS, 48, 65, 128)  # the ranges' ends
 FRAGMENT_BATCH_ROW = True  # (KERNELS.md: w4_gemm was faster on 7B's down at 49-64, 3B's gate/up at 128, 3B's down)
-W8_MAX_TOKENS = 32  # the W8 kernel's row: at 33-64 tokens it beat the dense row on some products only (KERNELS.md)
+W8_MAX_TOKENS = 64  # the W8 kernel's row: 1-64 tokens, ...
+W8_MMA_MAX_TOKENS = 32  # ... beyond this on its wgmma path only (mma.sync beat the dense row on some products only)
 W8_MAX_IN_FEATURES = kernels_w8.MAX_IN_FEATURES  # ... at any K its group index takes
 
 
@@ -259,7 +260,10 @@ def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 
 def w8(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """kernels/w8_gemm.cu: tensor cores reading the 8-bit codes, dequantized in registers."""
+    """kernels/w8_gemm.cu: tensor cores reading the 8-bit codes, dequantized in registers; beyond
+    W8_MMA_MAX_TOKENS without wgmma (SM80-89) the dense row."""
+    if rows.shape[0] > W8_MMA_MAX_TOKENS and not kernels_w8.uses_wgmma(rows.shape[0], rows.device.index):
+        return dense(rows, packed)
     dispatch.use_kernel("w8_gemm", None)
     return kernels_w8.w8_gemm(rows, packed.qweight, packed.scales, packed.zeros, packed.group_size, packed.zero_mode,
                               packed.integer_zeros, packed.bias)
@@ -275,14 +279,15 @@ class ProductRow(NamedTuple):
 PRODUCT_TABLE = (
     ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS and s.in_features <= W8_MAX_IN_FEATURES,
                w8,
-               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-32 tokens, at any K: on an H200 faster than the dense row "
-               "(dequantize, then cuBLAS) on every Qwen2.5-3B and 7B product measured, and than cuBLAS bf16 on the "
-               "dense weight at one token on all six (2048 x 2048 4.6 us against 6.1, 3584 x 37888 49.4 against "
-               "71.8); at 16-32 tokens it loses to cuBLAS bf16 on the long-K and large products (11008 x 2048 at 32: "
-               "23.4 against 15.7); at 64 tokens the dense row beat it on 2048 x 2560 and 18944 x 3584 "
-               "(results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json, docs/KERNELS.md)"),
+               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-64 tokens, at any K. mma.sync (1-16 tokens, and 17-32 "
+               "off SM90): on an H200 faster than the dense row (dequantize, then cuBLAS) on every Qwen2.5-3B and 7B "
+               "product measured, and than cuBLAS bf16 on the dense weight at one token on all six (2048 x 2048 4.6 "
+               "us against 6.1, 3584 x 37888 49.4 against 71.8), but at 32 tokens slower than cuBLAS bf16 on the "
+               "long-K and large products (11008 x 2048: 23.4 against 15.7) and at 64 than the dense row on 2048 x "
+               "2560 and 18944 x 3584 (results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json); the wgmma path "
+               "(SM90, 17-64 tokens) replaces it there, on the H200 run of docs/KERNELS.md's W8A16 section"),
     ProductRow("dense", lambda s: s.bits == 8, dense,
-               "the 8-bit products the w8_gemm row leaves: more than 32 tokens (the packed rows below read 4- and "
+               "the 8-bit products the w8_gemm row leaves: more than 64 tokens (the packed rows below read 4- and "
                "3-bit codes)"),
     ProductRow("fragment", fragment_serves, fragment,
                "on an H200 with bf16 activations (W4, G = 128), faster than every other kernel: at 9-16 tokens on "
