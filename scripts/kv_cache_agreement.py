@@ -21,6 +21,10 @@ The FP8 cache's per-head scales are the engine's, calibrated at start (core/engi
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PROMPTS = (
     "Write a long story about a lighthouse keeper who finds a message in a bottle.",

@@ -11,6 +11,7 @@ so each side has the GPU to itself.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import statistics
 import time
@@ -141,7 +142,7 @@ def decode_step_times(steps: list[engine_client.StepRecord]) -> dict:
     takes the time from the report of the step before it to its own (the engine reports a step when its results
     are applied, so consecutive reports of a busy engine are one step apart). -> their count and median in ms
     (None without any)."""
-    times = [1e3 * (step.time_s - before.time_s) for before, step in zip(steps, steps[1:])
+    times = [1e3 * (step.time_s - before.time_s) for before, step in itertools.pairwise(steps)
              if step.num_prompt_tokens == 0 and step.num_generation_tokens > 0]
     return {"decode_steps": len(times), "decode_step_ms": {"p50": statistics.median(times) if times else None}}
 
