@@ -695,6 +695,34 @@ __device__ __forceinline__ void write_partial(float* part_out, float* part_stats
   }
 }
 
+// A decode CTA's keys: [begin, ctx.end) of its sequence's context (split `split` of tokens_per_split tokens, from
+// the sliding window's start on), and ctx, where its KV head's rows live. An e4m3 cache's head scales (times
+// FP8_PAIR_SCALE; 1 for other caches) are written once, before any step, so they are read at once (before the PDL
+// wait), as are the lengths and block tables (the step's inputs, no kernel's output).
+struct DecodeKeys {
+  int seq_len, begin;
+  float value_head_scale;
+  TileContext ctx;
+};
+
+template <int KVQ>
+__device__ __forceinline__ DecodeKeys decode_keys(const void* key_cache, const void* value_cache,
+                                                  const u16* key_scales, const u16* value_scales,
+                                                  const int* block_tables, const int* seq_lens, int seq, int kv_head,
+                                                  int split, int num_kv_heads, int log2_block_size, int max_blocks,
+                                                  int tokens_per_split, int window, int g, int t) {
+  const int seq_len = __ldcg(seq_lens + seq);
+  const int window_start = window > 0 ? max(0, seq_len - window) : 0;
+  const int begin = max(split * tokens_per_split, window_start);
+  const int end = min(seq_len, (split + 1) * tokens_per_split);
+  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  const float value_head_scale =
+      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
+  return {seq_len, begin, value_head_scale,
+          TileContext{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
+                      log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale}};
+}
+
 // WARPS: 1 on the split path (the default, so the registry's names without it stay valid), COMBINED_WARPS on
 // the combined and clustered paths. A combined CTA is meant to fill an SM's registers alone (at least one CTA an
 // SM, or ptxas may cap registers at 128 for two and spill); the split path leaves it unspecified (0), so ptxas
@@ -735,17 +763,12 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_ke
   // clustered: grid.z is the cluster (dims (1, 1, CLUSTER)), so a CTA's rank in it is blockIdx.z
   const int rank = CLUSTER > 1 ? blockIdx.z : 0, split = CLUSTER > 1 ? 0 : blockIdx.z;
   const int splits = CLUSTER > 1 ? 1 : gridDim.z;
-  const int seq_len = __ldcg(seq_lens + seq);
-
-  const int window_start = window > 0 ? max(0, seq_len - window) : 0;
-  const int begin = max(split * tokens_per_split, window_start);
-  const int end = min(seq_len, (split + 1) * tokens_per_split);
-  // e4m3 scales are written once, before any step, so they are read at once (before the PDL wait)
-  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
-  const float value_head_scale =
-      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
-  const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
-                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
+  const DecodeKeys keys = decode_keys<KVQ>(key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+                                           seq, kv_head, split, num_kv_heads, log2_block_size, max_blocks,
+                                           tokens_per_split, window, g, t);
+  const int seq_len = keys.seq_len, begin = keys.begin, end = keys.ctx.end;
+  const float value_head_scale = keys.value_head_scale;
+  const TileContext& ctx = keys.ctx;
 
   const u16* qrows[2];
   bool qvalid[2];
@@ -1152,15 +1175,26 @@ __device__ __forceinline__ void write_heads_n_pair(const HeadsNOutput& w, int he
   }
 }
 
-// The CTA's WARPS softmax states combined and written: every warp stores its o (fragment order) and its heads'
-// (max, sum) in shared memory; after one barrier each thread takes one fragment entry (m-tile j, lane l: rows d =
-// VB g_l + 2j and + 1 of heads 2t_l, 2t_l + 1), sums it over the warps in warp order (deterministic) weighted by
-// 2^(m_w - M), M the CTA's max of the head (a warp that saw nothing weighs 0), and writes it. row_sum enters summed
-// over the warp's threads of its head. Shared memory: D * WARPS * 32 bytes of o (32 KiB at D = 128) + stats.
-template <int DT, int D, int WARPS>
-__device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[D / 16][4], const float (&row_max)[2],
-                                                          const float (&row_sum)[2], const HeadsNOutput& w) {
-  constexpr int MTILES = D / 16, VB = D / 8;
+// Output entry `entry` of the fragment order (m-tile j = entry / 32, lane l = entry % 32: rows d = VB g_l + 2j and
+// + 1 of heads 2t_l, 2t_l + 1) from its sums over the CTA's (or cluster's) warps and its heads' (max, total).
+template <int DT, int D>
+__device__ __forceinline__ void write_heads_n_entry(const HeadsNOutput& w, int entry, const float4& sum,
+                                                    const float (&row_max)[2], const float (&row_sum)[2]) {
+  const int j = entry >> 5, l = entry & 31, g = l >> 2, t = l & 3, d = (D / 8) * g + 2 * j;
+  write_heads_n_pair<DT, D>(w, 2 * t, d, sum.x, sum.z, row_max[0], row_sum[0], entry < 4);
+  write_heads_n_pair<DT, D>(w, 2 * t + 1, d, sum.y, sum.w, row_max[1], row_sum[1], entry < 4);
+}
+
+// The CTA's WARPS softmax states combined: every warp stores its o (fragment order) and its heads' (max, sum) in
+// shared memory; after one barrier each thread takes one fragment entry (write_heads_n_entry's order), sums it over
+// the warps in warp order (deterministic) weighted by 2^(m_w - M), M the CTA's max of the head (a warp that saw
+// nothing weighs 0), and hands it to take(entry, sum, M [2], total [2]) with its two heads' max and total. row_sum
+// enters summed over the warp's threads of its head. Shared memory: D * WARPS * 32 bytes of o (32 KiB at D = 128) +
+// stats.
+template <int D, int WARPS, typename Take>
+__device__ __forceinline__ void combine_warps_heads_n(const float (&o)[D / 16][4], const float (&row_max)[2],
+                                                      const float (&row_sum)[2], Take&& take) {
+  constexpr int MTILES = D / 16;
   __shared__ float warp_row_max[WARPS][8], warp_row_sum[WARPS][8];
   __shared__ float4 warp_o[WARPS][MTILES][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1175,7 +1209,7 @@ __device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[D / 1
   for (int j = 0; j < MTILES; ++j) warp_o[warp][j][lane] = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
   __syncthreads();
   for (int entry = threadIdx.x; entry < MTILES * 32; entry += 32 * WARPS) {
-    const int j = entry >> 5, l = entry & 31, g = l >> 2, t = l & 3;
+    const int j = entry >> 5, l = entry & 31, t = l & 3;
     float weight[2][WARPS], cta_max[2], total[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -1197,15 +1231,74 @@ __device__ __forceinline__ void combine_and_write_heads_n(const float (&o)[D / 1
       sum = make_float4(sum.x + weight[0][q] * v.x, sum.y + weight[1][q] * v.y, sum.z + weight[0][q] * v.z,
                         sum.w + weight[1][q] * v.w);
     }
-    const int d = VB * g + 2 * j;
-    write_heads_n_pair<DT, D>(w, 2 * t, d, sum.x, sum.z, cta_max[0], total[0], entry < 4);
-    write_heads_n_pair<DT, D>(w, 2 * t + 1, d, sum.y, sum.w, cta_max[1], total[1], entry < 4);
+    take(entry, sum, cta_max, total);
   }
 }
 
-// WARPS: 1 on the split path, COMBINED_WARPS on the combined and combined_split paths (kernels/paged_attention.py);
-// the arguments are paged_decode_kernel's. Grid (num_kv_heads, num_seqs, splits).
-template <int DT, int D, int KVQ, int WARPS>
+// The clustered path's combine (SM90+): each CTA combines its warps (combine_warps_heads_n) into its shared memory;
+// after a release / acquire cluster barrier rank r's first ENTRIES / CLUSTER threads each take one of the entries
+// [r, r + 1) x ENTRIES / CLUSTER, read every rank's sum and (max, total) through distributed shared memory in rank
+// order (deterministic), weigh them by 2^(m_q - M) as the warps were (a rank that saw nothing weighs 0) and write
+// it. A second barrier keeps every CTA's shared memory alive until all have read it, so every thread of every CTA
+// reaches both. Shared memory: 16 bytes an entry (4 KiB at D = 128) + stats, beside the warps'.
+template <int DT, int D, int WARPS, int CLUSTER>
+__device__ __forceinline__ void combine_cluster_and_write_heads_n(const float (&o)[D / 16][4],
+                                                                  const float (&row_max)[2],
+                                                                  const float (&row_sum)[2], const HeadsNOutput& w,
+                                                                  int rank) {
+  constexpr int ENTRIES = D / 16 * 32, RANK_ENTRIES = ENTRIES / CLUSTER;
+  static_assert(ENTRIES % CLUSTER == 0 && RANK_ENTRIES <= 32 * WARPS, "a rank's entries: one a thread");
+  __shared__ float4 cta_o[ENTRIES];
+  __shared__ float cta_stats[2][8];  // per head of the group: the CTA's max (log2 units), its total
+  combine_warps_heads_n<D, WARPS>(o, row_max, row_sum, [&](int entry, const float4& sum, const float (&cta_max)[2],
+                                                           const float (&total)[2]) {
+    cta_o[entry] = sum;
+    if (entry < 4) {  // lane l = entry of m-tile 0: heads 2l, 2l + 1
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        cta_stats[0][2 * entry + e] = cta_max[e];
+        cta_stats[1][2 * entry + e] = total[e];
+      }
+    }
+  });
+  cluster_barrier<true>();
+  if (threadIdx.x < RANK_ENTRIES) {
+    const int entry = rank * RANK_ENTRIES + threadIdx.x, t = entry & 3;
+    float weight[2][CLUSTER], cluster_max[2], total[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float rank_max[CLUSTER], rank_total[CLUSTER];
+      cluster_max[e] = -INFINITY;
+#pragma unroll
+      for (int q = 0; q < CLUSTER; ++q) {
+        rank_max[q] = cluster_load(cluster_address(&cta_stats[0][2 * t + e], q));
+        rank_total[q] = cluster_load(cluster_address(&cta_stats[1][2 * t + e], q));
+        cluster_max[e] = fmaxf(cluster_max[e], rank_max[q]);
+      }
+      total[e] = 0.0f;
+#pragma unroll
+      for (int q = 0; q < CLUSTER; ++q) {
+        weight[e][q] = rank_max[q] == -INFINITY ? 0.0f : exp2_approx(rank_max[q] - cluster_max[e]);
+        total[e] += weight[e][q] * rank_total[q];
+      }
+    }
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int q = 0; q < CLUSTER; ++q) {
+      const float4 v = cluster_load4(cluster_address(&cta_o[entry], q));
+      sum = make_float4(sum.x + weight[0][q] * v.x, sum.y + weight[1][q] * v.y, sum.z + weight[0][q] * v.z,
+                        sum.w + weight[1][q] * v.w);
+    }
+    write_heads_n_entry<DT, D>(w, entry, sum, cluster_max, total);
+  }
+  cluster_barrier<false>();
+}
+
+// WARPS: 1 on the split path, COMBINED_WARPS on the combined, clustered and combined_split paths
+// (kernels/paged_attention.py); the arguments are paged_decode_kernel's. Grid (num_kv_heads, num_seqs, splits), or
+// (CLUSTER > 1, the clustered path, SM90+) (num_kv_heads, num_seqs, CLUSTER) with one thread-block cluster a
+// (KV head, sequence): its CLUSTER x WARPS warps take the tiles round robin, no split, no partials.
+template <int DT, int D, int KVQ, int WARPS, int CLUSTER = 1>
 __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_heads_n_kernel(
     const u16* __restrict__ query, const void* __restrict__ key_cache, const void* __restrict__ value_cache,
     const u16* __restrict__ key_scales, const u16* __restrict__ value_scales, const int* __restrict__ block_tables,
@@ -1217,19 +1310,17 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   constexpr int MT = KVQ ? 0 : DT;  // the mma's operand type
   const int warp = WARPS == 1 ? 0 : threadIdx.x >> 5, lane = threadIdx.x - 32 * warp, g = lane >> 2, t = lane & 3;
   const int group = num_heads / num_kv_heads;  // <= 8
-  const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  const int seq_len = __ldcg(seq_lens + seq);
-  const int window_start = window > 0 ? max(0, seq_len - window) : 0;
-  const int begin = max(split * tokens_per_split, window_start);
-  const int end = min(seq_len, (split + 1) * tokens_per_split);
-  // e4m3 scales are written once, before any step, so they are read at once (before the PDL wait)
-  const float key_head_scale = KVQ == 2 ? reinterpret_cast<const float*>(key_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
-  const float value_head_scale =
-      KVQ == 2 ? reinterpret_cast<const float*>(value_scales)[kv_head] * FP8_PAIR_SCALE : 1.0f;
-  const float score_scale = scale * key_head_scale * (softcap > 0.0f ? 1.0f : LOG2_E);
+  const int kv_head = blockIdx.x, seq = blockIdx.y;
+  // clustered: grid.z is the cluster (dims (1, 1, CLUSTER)), so a CTA's rank in it is blockIdx.z
+  const int rank = CLUSTER > 1 ? blockIdx.z : 0, split = CLUSTER > 1 ? 0 : blockIdx.z;
+  const int splits = CLUSTER > 1 ? 1 : gridDim.z;
+  const DecodeKeys keys = decode_keys<KVQ>(key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+                                           seq, kv_head, split, num_kv_heads, log2_block_size, max_blocks,
+                                           tokens_per_split, window, g, t);
+  const int seq_len = keys.seq_len, begin = keys.begin, end = keys.ctx.end;
+  const TileContext& ctx = keys.ctx;
+  const float score_scale = scale * ctx.key_head_scale * (softcap > 0.0f ? 1.0f : LOG2_E);
   const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
-  const TileContext ctx{key_cache, value_cache, key_scales, value_scales, block_tables + (i64)seq * max_blocks,
-                        log2_block_size, num_kv_heads, kv_head, end, g, t, key_head_scale};
 
   float o[S::MTILES][4];
 #pragma unroll
@@ -1237,9 +1328,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   // Tiles start at multiples of 16 tokens (keys before `begin` masked); warp w walks tiles w, w + WARPS, ...
-  // As in paged_decode_kernel, a first tile older than the sequence's `fresh_tokens` newest positions is fetched
-  // before waiting for the kernel just before this one; the query and everything else wait.
-  const int first = (begin & ~15) + S::TILE * warp, stride = S::TILE * WARPS;
+  // (clustered: the cluster's warps, rank after rank). As in paged_decode_kernel, a first tile older than the
+  // sequence's `fresh_tokens` newest positions is fetched before waiting for the kernel just before this one; the
+  // query and everything else wait.
+  const int first = (begin & ~15) + S::TILE * (rank * WARPS + warp), stride = S::TILE * WARPS * CLUSTER;
   const bool settled_first_tile = first + S::TILE - 1 < seq_len - fresh_tokens;
   HeadsNTile<D, KVQ> a = {}, b = {};
   fetch_heads_n_blocks<D, KVQ>(a, first, begin, ctx);  // block tables: the step's inputs, no kernel's output
@@ -1291,9 +1383,14 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS > 1 ? 1 : 0) paged_decode_he
     row_sum[e] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[e], 16);
   }
   const HeadsNOutput written{out, part_out, part_stats, (i64)seq * num_heads + kv_head * group, group, split,
-                             splits, value_head_scale};
-  if constexpr (WARPS > 1) {
-    combine_and_write_heads_n<DT, D, WARPS>(o, row_max, row_sum, written);
+                             splits, keys.value_head_scale};
+  if constexpr (CLUSTER > 1) {
+    combine_cluster_and_write_heads_n<DT, D, WARPS, CLUSTER>(o, row_max, row_sum, written, rank);
+  } else if constexpr (WARPS > 1) {
+    combine_warps_heads_n<D, WARPS>(o, row_max, row_sum, [&](int entry, const float4& sum, const float (&cta_max)[2],
+                                                             const float (&total)[2]) {
+      write_heads_n_entry<DT, D>(written, entry, sum, cta_max, total);
+    });
   } else {
 #pragma unroll
     for (int j = 0; j < S::MTILES; ++j)  // o[j]: rows d = VB g + 2j, + 1 of heads 2t, 2t + 1

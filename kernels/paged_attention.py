@@ -21,10 +21,10 @@ Decode: one CTA per (kv head, 16-query-head tile, sequence, context split):
   write one.
 
 With at most HEADS_N_MAX_GROUP query heads a KV head, head_dim in HEADS_N_HEAD_DIMS and blocks of 8 tokens or more
-(any cache dtype), the split, combined and combined_split paths run paged_decode_heads_n_kernel (`heads_n_serves`):
-the KV head's query heads as the mma's N dimension (S^T = K Q^T, O^T += V^T P^T; kernels/paged_attention.cu), one
-CTA per (KV head, sequence, split), half the mma and half the instructions a cache byte of paged_decode_kernel's
-heads-as-rows tiles, which serve everything else (and the clustered path).
+(any cache dtype), every path runs paged_decode_heads_n_kernel (`heads_n_serves`): the KV head's query heads as the
+mma's N dimension (S^T = K Q^T, O^T += V^T P^T; kernels/paged_attention.cu), one CTA per (KV head, sequence, split
+or cluster rank), half the mma and half the instructions a cache byte of paged_decode_kernel's heads-as-rows tiles,
+which serve everything else.
 
 For CUDA-graph capture pass a fixed `max_seq_len` (the longest context the graph must serve): the grid depends
 only on it, the path and the batch's shape.
@@ -187,10 +187,11 @@ def combined_split_plan(num_seqs: int, num_heads: int, num_kv_heads: int, max_se
 def _kernel_name(query: torch.Tensor, key_cache: torch.Tensor, pipelined: bool, warps: int = 1,
                  cluster: int = 1, heads_as_n: bool = False) -> str:
     """The split path's kernel (warps == 1) leaves WARPS at its default, the combined path's CLUSTER: the names
-    the registry compiles ahead. heads_as_n: paged_decode_heads_n_kernel (always loading a tile ahead)."""
+    the registry compiles ahead. heads_as_n: paged_decode_heads_n_kernel (always loading a tile ahead; CLUSTER left
+    out off the clustered path)."""
     dt, head_dim, kvq = _DTYPE_CODES[query.dtype], query.shape[-1], _KV_CODES.get(key_cache.dtype, 0)
     if heads_as_n:
-        return f"paged_decode_heads_n_kernel<{dt},{head_dim},{kvq},{warps}>"
+        return f"paged_decode_heads_n_kernel<{dt},{head_dim},{kvq},{warps}" + (f",{cluster}>" if cluster > 1 else ">")
     name = f"paged_decode_kernel<{dt},{head_dim},{kvq},{int(pipelined)}"
     return name + (f",{warps},{cluster}>" if cluster > 1 else f",{warps}>" if warps > 1 else ">")
 
@@ -219,11 +220,10 @@ def plan_for(query: torch.Tensor, key_cache: torch.Tensor, max_seq_len: int, pat
 
 def _takes_heads_as_n(query: torch.Tensor, key_cache: torch.Tensor, path: str, heads_as_n: bool | None) -> bool:
     """paged_decode_attention's kernel choice: None takes paged_decode_heads_n_kernel wherever it serves the
-    operands and the path (not clustered); True insists on it; False takes paged_decode_kernel."""
-    serves = path != "clustered" and heads_n_serves(attention_operands(query, key_cache))
+    operands (on every path); True insists on it; False takes paged_decode_kernel."""
+    serves = heads_n_serves(attention_operands(query, key_cache))
     if heads_as_n and not serves:
-        raise ValueError(f"paged_decode_heads_n_kernel does not serve {attention_operands(query, key_cache)} on "
-                         f"the {path} path")
+        raise ValueError(f"paged_decode_heads_n_kernel does not serve {attention_operands(query, key_cache)}")
     return serves if heads_as_n is None else heads_as_n
 
 

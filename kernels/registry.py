@@ -96,6 +96,9 @@ _OPS = (
                     pipe=(0, 1), path=_ATTENTION_PATHS)
              + _names("paged_decode_heads_n_kernel<{dt},{d},{kvq},{warps}>", dt=_DT, d=paged_attention.HEADS_N_HEAD_DIMS,
                       kvq=(0, 1, 2), warps=(1, paged_attention.COMBINED_WARPS))
+             + _names("paged_decode_heads_n_kernel<{dt},{d},{kvq},{warps},{cluster}>", dt=_DT,
+                      d=paged_attention.HEADS_N_HEAD_DIMS, kvq=(0, 1, 2), warps=(paged_attention.COMBINED_WARPS,),
+                      cluster=(paged_attention.CLUSTER_CTAS,))
              + _names("paged_reduce_kernel<{dt}>", dt=_DT)),
     KernelOp("paged_prefill_attention", paged_attention.SOURCE,
              "paged GQA attention of prefill tiles (consecutive tokens of one sequence, each with its causal "

@@ -155,10 +155,14 @@ def test_concurrency_command_end_to_end_with_hf_peer(tmp_path, tiny_llama_dir, m
         assert {"peak_allocated_bytes", "peak_reserved_bytes"} <= run.keys()  # None on the CPU
         # Closed loop: exactly `concurrency` requests run at once, so the engine's batch peaks there.
         assert run["max_running"] == level["concurrency"]
+        assert 0 < run["decode_steps"] < run["num_steps"] and run["decode_step_ms"]["p50"] > 0
         peer_run = level["peer"]["repeats"][0]
         assert peer_run["output_tokens"] == 30 and peer_run["num_failed"] == 0
         assert level["vs_peer"]["output_tokens_per_s_ratio"] == pytest.approx(
             run["output_tokens_per_s"] / peer_run["output_tokens_per_s"])
+    # one stream: each request's prefill step samples its first token, then 4 decode-only steps its other 4 (the
+    # last request's last step may be reported after the level's recording stopped)
+    assert 6 * 4 - 1 <= data["levels"][0]["repeats"][0]["decode_steps"] <= 6 * 4
     assert data["levels"][0]["speedup_vs_serial"] == pytest.approx(1.0)
     serial, concurrent = (level["mean_std"]["output_tokens_per_s"]["mean"] for level in data["levels"])
     assert data["levels"][1]["speedup_vs_serial"] == pytest.approx(concurrent / serial)
@@ -212,6 +216,23 @@ def test_jitter_command_end_to_end_with_slo(tmp_path, tiny_llama_dir, monkeypatc
     assert data["slo"]["chosen_chunk_size"] == 32  # every chunk size meets a 100 s SLO: the largest wins
     # each chunk size's engine warms up on a whole long prompt, so every chunk shape is seen before "alone" is timed
     assert warm_up_lengths == [48, 48]
+
+
+def test_decode_step_times_take_the_steps_without_prompt_tokens():
+    from deepinfer.core.bench.concurrency import decode_step_times
+    from deepinfer.core.bench.engine_client import StepRecord
+
+    def step(time_s, prompt_tokens, generated):
+        return StepRecord(time_s, prompt_tokens, generated, 2, 0, 0, 0, 0)
+
+    # a prefill step, three decode steps (4, 2, 3 ms after the step before), a step with a prefill chunk and
+    # decodes (excluded), a decode step 7 ms after it, an empty step (nothing sampled, excluded)
+    steps = [step(1.000, 20, 1), step(1.004, 0, 2), step(1.006, 0, 2), step(1.009, 0, 2), step(1.019, 16, 2),
+             step(1.026, 0, 2), step(1.050, 0, 0)]
+    times = decode_step_times(steps)
+    assert times["decode_steps"] == 4
+    assert times["decode_step_ms"]["p50"] == pytest.approx(3.5)  # median of 4, 2, 3, 7
+    assert decode_step_times(steps[:1]) == {"decode_steps": 0, "decode_step_ms": {"p50": None}}
 
 
 def test_insertion_window_steps_include_the_step_that_finished_the_prefill():

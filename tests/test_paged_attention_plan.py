@@ -303,9 +303,10 @@ def test_the_heads_as_n_kernel_serves_at_most_8_heads_a_kv_head_at_head_dims_64_
         assert kp.heads_n_serves(operands) == served, block_size
 
 
-def test_8_heads_a_kv_head_launch_the_heads_as_n_kernel_on_every_path_but_clustered(launches, monkeypatch):
-    """One CTA per (KV head, sequence, split): grid (KV heads, sequences, splits); one warp on the split path, 8 on
-    the combined paths; the split paths' partials go to the same reduce. The default (heads_as_n=None) takes it."""
+def test_8_heads_a_kv_head_launch_the_heads_as_n_kernel_on_every_path(launches, monkeypatch):
+    """One CTA per (KV head, sequence, split or cluster rank): grid (KV heads, sequences, splits); one warp on the
+    split path, 8 on the combined paths; the split paths' partials go to the same reduce; the clustered path is one
+    kernel over clusters of 4 (no partials). The default (heads_as_n=None) takes it."""
     _attend(5000, "split", int8=True, heads_as_n=None)
     splits, _ = kp.split_plan(3, 16, 2, 5000, kp.resident_ctas(255, None))
     _attend(300, "combined", int8=True, heads_as_n=None)
@@ -317,19 +318,33 @@ def test_8_heads_a_kv_head_launch_the_heads_as_n_kernel_on_every_path_but_cluste
         ("paged_decode_heads_n_kernel<1,64,0,8>", (2, 3, 20), (256, 1, 1)),
         ("paged_reduce_kernel<1>", (16, 3, 1), (128, 1, 1)),
     ]
-    launches.clear()
+    assert launches.clusters == [None] * 5
     monkeypatch.setattr(kp, "clusters_available", lambda index: True)
-    _attend(300, "clustered", int8=True, heads_as_n=None)  # the clustered path keeps the heads-as-rows kernel
-    _attend(300, "combined", int8=True, pipelined=False)  # heads_as_n=False: the heads-as-rows kernel
+    for int8, dtype, name in ((True, torch.float16, "paged_decode_heads_n_kernel<0,64,1,8,4>"),
+                              (False, torch.bfloat16, "paged_decode_heads_n_kernel<1,64,0,8,4>")):
+        for bound in (17, 300, 1024):
+            launches.clear()
+            launches.clusters.clear()
+            _attend(bound, "clustered", int8=int8, dtype=dtype, heads_as_n=None)
+            [(launched, grid, block, args, shared_mem)] = launches  # no reduce
+            assert launched == name and grid == (2, 3, 4) and block == (256, 1, 1) and shared_mem == 0
+            assert launches.clusters == [(1, 1, 4)]
+            assert int(args[8]) == int(args[9]) == 0  # no partials
+            assert bound <= int(args[14]) < bound + kp.TILE_TOKENS  # one split of the whole bound
+    launches.clear()
+    _attend(300, "clustered", int8=True)  # heads_as_n=False: the heads-as-rows kernel
+    _attend(300, "combined", int8=True, pipelined=False)
     assert [name for name, *_ in launches] == ["paged_decode_kernel<0,64,1,1,8,4>", "paged_decode_kernel<0,64,1,0,8>"]
     query, cache, scales, tables, seq_lens = _inputs(int8=True, heads=32)  # 16 query heads a KV head
-    with pytest.raises(ValueError, match="heads_n"):
-        kp.paged_decode_attention(query, cache, cache, tables, seq_lens, 300, 0.125, key_scales=scales,
-                                  value_scales=scales, path="combined", pipelined=True, heads_as_n=True)
+    for path in ("combined", "clustered"):
+        with pytest.raises(ValueError, match="heads_n"):
+            kp.paged_decode_attention(query, cache, cache, tables, seq_lens, 300, 0.125, key_scales=scales,
+                                      value_scales=scales, path=path, pipelined=True, heads_as_n=True)
 
 
 def test_the_heads_as_n_kernels_are_compiled_ahead():
     from deepinfer.kernels import registry
+    from deepinfer.kernels.compiler import source_text
 
     compiled_ahead = set(registry.get("paged_decode_attention").instantiations)
     for dtype in (torch.float16, torch.bfloat16):
@@ -337,8 +352,11 @@ def test_the_heads_as_n_kernels_are_compiled_ahead():
             for kv_dtype in (dtype, torch.int8, torch.float8_e4m3fn):
                 query = torch.zeros(1, 16, head_dim, dtype=dtype)
                 cache = torch.zeros(1, 2, 16, head_dim, dtype=kv_dtype)
-                for warps in (1, kp.COMBINED_WARPS):
-                    assert kp._kernel_name(query, cache, True, warps, heads_as_n=True) in compiled_ahead
+                for warps, cluster in ((1, 1), (kp.COMBINED_WARPS, 1), (kp.COMBINED_WARPS, kp.CLUSTER_CTAS)):
+                    assert kp._kernel_name(query, cache, True, warps, cluster, heads_as_n=True) in compiled_ahead
+    # the names off the clustered path leave CLUSTER out: the template must default it to one
+    assert re.search(r"int WARPS, int CLUSTER = 1>\s*__global__ void __launch_bounds__\([^)]*\) "
+                     r"paged_decode_heads_n_kernel\(", source_text(kp.SOURCE))
 
 
 def test_8_heads_a_kv_head_take_the_combined_split_path_at_long_bounds_at_any_batch():
@@ -360,6 +378,20 @@ def test_the_combined_split_plan_fills_whole_waves_past_half_the_sms():
     assert kp.combined_split_plan(16, 16, 2, 16384, 132) == (4, 4096)  # 132 // 32
     assert kp.combined_split_plan(48, 16, 2, 1024, 132) == (4, 256)
     assert kp.combined_split_plan(48, 16, 2, 512, 132) == (1, 512)  # 2 splits of 256 tokens fill no better
+
+
+def test_one_stream_under_a_short_bound_takes_the_clustered_heads_as_n_kernel_in_every_cache_dtype(monkeypatch):
+    from deepinfer.core.ops import paged_attention
+
+    monkeypatch.setattr(kp, "multiprocessors", lambda index: 132)
+    monkeypatch.setattr(paged_attention, "clusters_available", lambda index: True)
+    monkeypatch.setattr(kp, "clusters_available", lambda index: True)
+    for kv_dtype in (torch.float16, torch.int8, torch.float8_e4m3fn):
+        operands = kp.AttentionOperands(torch.float16, 16, 2, 128, kv_dtype, 16)
+        for num_seqs in (1, 8):
+            assert paged_attention.decode_path(num_seqs, operands, 1024, 0) == "clustered", (kv_dtype, num_seqs)
+            assert kp._takes_heads_as_n(torch.zeros(num_seqs, 16, 128, dtype=torch.float16),
+                                        torch.zeros(1, 2, 16, 128, dtype=kv_dtype), "clustered", None)
 
 
 def test_the_ops_decode_path_takes_the_heads_as_n_row_where_the_kernel_serves(monkeypatch):

@@ -15,9 +15,9 @@ from deepinfer.validate.compare import DTYPE_NAMES, REL_TOL, CheckResult, compar
 # the combined path (one CTA of 8 warps a sequence) and the clustered path (a cluster of such CTAs), forced whatever
 # the batch's CTA count (dispatch gives the combined path 64 CTAs or more, the clustered one fewer), and on the split
 # path (one-warp CTAs, then the reduce); the rest on the split path. Every case also runs on the combined_split path
-# (CTAs of 8 warps over splits, then the reduce), which dispatch gives few sequences at long bounds. int8 / e4m3
-# cases of at most 8 query heads a KV head and head_dim 64 or 128 run both decode kernels on the split, combined and
-# combined_split paths: the heads-as-n kernel (dispatch's) and, forced, the heads-as-rows one.
+# (CTAs of 8 warps over splits, then the reduce), which dispatch gives few sequences at long bounds. Cases of at most
+# 8 query heads a KV head, head_dim 64 or 128 and blocks of 8 tokens or more run both decode kernels on every path:
+# the heads-as-n kernel (dispatch's) and, forced, the heads-as-rows one.
 ATTENTION_CASES = (
     # split path: bounds past 1024, or an explicit tokens/split
     (torch.float16, False, 32, 8, 128, 16, (1, 17, 300, 5000), None, None, None, None),
@@ -59,6 +59,14 @@ ATTENTION_CASES = (
     (torch.bfloat16, True, 16, 2, 64, 128, (129, 257, 1025), 200, None, None, 4096),
     (torch.float16, True, 16, 2, 128, 16, tuple(range(1, 4097, 85)), None, None, None, 4096),  # 49 sequences
     (torch.bfloat16, "fp8", 16, 2, 128, 16, tuple(range(3000, 3048)), None, 50.0, None, None),  # 48 sequences
+    # short bounds (the clustered path's): contexts ending mid-tile and shorter than one round of a cluster's 32
+    # warps, windows from mid-tile, softcaps, block sizes 8-128, G = 7 and 8, one and 8 streams, every cache dtype
+    (torch.float16, True, 28, 4, 128, 128, (1, 31, 33, 511, 1023), 100, 50.0, None, 1024),
+    (torch.bfloat16, "fp8", 16, 2, 64, 8, (2, 17, 129, 700), 300, None, None, 1024),
+    (torch.float16, False, 16, 2, 128, 32, (5, 63, 65, 1000), 64, 30.0, None, 1024),
+    (torch.bfloat16, True, 16, 2, 128, 16, (1, 100, 257, 511, 512, 513, 900, 1024), None, None, None, 1024),
+    (torch.bfloat16, "fp8", 16, 2, 128, 64, (1000,), None, None, None, 1024),
+    (torch.bfloat16, False, 16, 2, 128, 16, (129,), 50, None, None, 1024),
 )
 
 
@@ -78,12 +86,11 @@ def check_paged_attention(device, cases=ATTENTION_CASES) -> list[CheckResult]:
         kv_dtype = torch.float8_e4m3fn if int8 == "fp8" else torch.int8 if int8 else dtype
         heads_n = heads_n_serves(AttentionOperands(dtype, heads, kv_heads, head_dim, kv_dtype, block_size))
         # (path, pipelined, heads_as_n): the heads-as-n kernel has one load variant
-        variants = [(p, pipe, False if heads_n and p != "clustered" else None) for p in paths
+        variants = [(p, pipe, False if heads_n else None) for p in paths
                     for pipe in ((True, False) if head_dim <= 128 else (True,))]
-        variants += [(p, True, None) for p in paths if heads_n and p != "clustered"]
+        variants += [(p, True, None) for p in paths if heads_n]
         for path, pipelined, heads_as_n in variants:
-            kernel = (" heads-as-n" if heads_as_n is None and heads_n and path != "clustered"
-                      else " heads-as-rows" if heads_as_n is False else "")
+            kernel = " heads-as-n" if heads_as_n is None and heads_n else " heads-as-rows" if heads_as_n is False else ""
             loads = "" if pipelined or kernel == " heads-as-n" else " in-step loads"
             context = (f"ctx={list(lengths)}" if len(lengths) <= 8
                        else f"{len(lengths)} ctx {min(lengths)}..{max(lengths)}")

@@ -11,7 +11,9 @@ so each side has the GPU to itself.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -121,6 +123,7 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
                 steps = recorder.stop()
                 run = summarize_requests(timings, wall_s)
                 run.update(engine_client.summarize_steps(steps))
+                run.update(decode_step_times(steps))
                 run.update(engine_client.peak_memory(device))
                 run["requests"] = requests_frame(timings).to_dict(orient="records")
                 _raise_on_failures(timings, concurrency)
@@ -132,6 +135,16 @@ async def _engine_sweep(config, workload: ConcurrencyWorkload, info: dict, level
             progress.level_finished(concurrency_level_line(levels[-1]))
     finally:
         await engine.shutdown()
+
+
+def decode_step_times(steps: list[engine_client.StepRecord]) -> dict:
+    """The run's decode-only steps, prefill excluded: a step that sampled tokens and computed no prompt tokens
+    takes the time from the report of the step before it to its own (the engine reports a step when its results
+    are applied, so consecutive reports of a busy engine are one step apart). -> their count and median in ms
+    (None without any)."""
+    times = [1e3 * (step.time_s - before.time_s) for before, step in itertools.pairwise(steps)
+             if step.num_prompt_tokens == 0 and step.num_generation_tokens > 0]
+    return {"decode_steps": len(times), "decode_step_ms": {"p50": statistics.median(times) if times else None}}
 
 
 def _raise_on_failures(timings: list[RequestTiming], concurrency: int) -> None:

@@ -81,7 +81,7 @@ def concurrency_tables(payload: dict) -> list[Table]:
         columns += ["HF tok/s", "vs HF"]
     for name in columns:
         throughput.add_column(name, justify="right", no_wrap=True)
-    for name in ["c", "TTFT", "TPOT", "ITL"] + (["HF TTFT", "HF TPOT"] if has_peer else []):
+    for name in ["c", "TTFT", "TPOT", "ITL", "decode step p50"] + (["HF TTFT", "HF TPOT"] if has_peer else []):
         latency.add_column(name, justify="right", no_wrap=True)
     for level in payload["levels"]:
         stats = level["mean_std"]
@@ -96,7 +96,7 @@ def concurrency_tables(payload: dict) -> list[Table]:
             format_mean_std(stats.get("num_preemptions"), 0),
         ]
         latency_row = [str(level["concurrency"]), _triplet(stats, "ttft_ms"), _triplet(stats, "tpot_ms", digits=2),
-                       _triplet(stats, "itl_ms", digits=2)]
+                       _triplet(stats, "itl_ms", digits=2), _triplet(stats, "decode_step_ms", ("p50",), digits=2)]
         if has_peer:
             peer = level.get("peer", {}).get("mean_std", {})
             row += [format_mean_std(peer.get("output_tokens_per_s")),
@@ -165,7 +165,8 @@ def concurrency_level_line(level: dict, who: str = "engine") -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     return (f"{who} c={level['concurrency']}: {format_mean_std(stats.get('output_tokens_per_s'))} out tok/s, "
-            f"TTFT p50 {p50('ttft_ms', 1)} ms, TPOT p50 {p50('tpot_ms', 2)} ms, ITL p50 {p50('itl_ms', 2)} ms")
+            f"TTFT p50 {p50('ttft_ms', 1)} ms, TPOT p50 {p50('tpot_ms', 2)} ms, ITL p50 {p50('itl_ms', 2)} ms"
+            + ("" if who != "engine" else f", decode step p50 {p50('decode_step_ms', 2)} ms"))
 
 
 def jitter_chunk_line(result: dict) -> str:
