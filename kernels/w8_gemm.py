@@ -1,5 +1,5 @@
 """Launcher of the W8A16 tensor-core product in w8_gemm.cu (1 to 64 tokens, SM80+; wgmma on SM90 from
-WGMMA_MIN_TOKENS).
+WGMMA_MIN_TOKENS where it measured faster).
 
 The kernel reads the 8-bit PackedWeight as stored (qweight int32 [N, K / 4], fp16 or fp32 scales and zeros
 [N, K / G]): nothing is laid out at load. A launch is a CTA of 8 warps per 1-8 16-row tiles and per tile of 8, 16,
@@ -7,9 +7,9 @@ The kernel reads the 8-bit PackedWeight as stored (qweight int32 [N, K / 4], fp1
 further across a thread-block cluster of up to MAX_SPLITS CTAs where the rows alone leave the GPU short of CTAs
 (LAUNCHES says how, by token tiles).
 
-On SM90 from WGMMA_MIN_TOKENS tokens, w8_wgmma_kernel: two warpgroups over 128 rows and a block of 16, 32, 48 or 64
-tokens (the fewest that cover them, further blocks of 64 along grid.y), the 64-k stages split over a cluster of up
-to MAX_SPLITS CTAs until the CTAs of a launch fill the SMs (WgmmaPlan).
+On SM90, where uses_wgmma says (wide products beyond 32 tokens, long-K ones from WGMMA_MIN_TOKENS), w8_wgmma_kernel:
+two warpgroups over 128 rows and a block of 16, 32, 48 or 64 tokens (the fewest that cover them, further blocks of
+64 along grid.y), the 64-k stages split over a cluster of 4 or MAX_SPLITS CTAs (WgmmaPlan).
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ SPLIT_BELOW_CTAS_PER_SM = 2
 MAX_IN_FEATURES = 1 << 16  # the group index's multiply-high is exact below this K (group_magic)
 WGMMA_TOKEN_BLOCKS = (16, 32, 48, 64)  # tokens of a w8_wgmma_kernel CTA (its wgmma N)
 WGMMA_ROWS = 128  # rows of a w8_wgmma_kernel CTA: two warpgroups of 64
-WGMMA_MIN_TOKENS = 17  # the planned launch takes the wgmma path on SM90 from here (1-16: w8_gemm_kernel)
+WGMMA_MIN_TOKENS = 17  # the planned launch takes the wgmma path on SM90 from here at most (uses_wgmma)
+WGMMA_MIN_OUT_FEATURES = 2048  # ... and only on products of more rows
+WGMMA_WIDE_ROW_BLOCKS = 64  # up to this many 128-row blocks a product is split MAX_SPLITS ways, beyond 4 ways
 WGMMA_MIN_STAGES = 2  # 64-k stages a split at least, so the register pipeline's two stages ahead are filled
 
 
@@ -122,15 +124,15 @@ def wgmma_token_block(num_tokens: int) -> int:
 def wgmma_plan(num_tokens: int, in_features: int, out_features: int, device_index: int,
                tokens: int | None = None, splits: int | None = None) -> WgmmaPlan:
     """The wgmma launch of a product; `tokens` / `splits` override the planned ones (validation, benchmarks). The
-    planned splits: the fewest that give every SM a CTA, at most MAX_SPLITS and at least WGMMA_MIN_STAGES stages a
-    split; an override is cut to one stage a split at least."""
+    planned splits: MAX_SPLITS on products of at most WGMMA_WIDE_ROW_BLOCKS row blocks, 4 on wider ones, at least
+    WGMMA_MIN_STAGES stages a split; an override is cut to one stage a split at least."""
     tokens = tokens or wgmma_token_block(num_tokens)
     if tokens not in WGMMA_TOKEN_BLOCKS:
         raise ValueError(f"tokens {tokens} is not one of {WGMMA_TOKEN_BLOCKS}")
     stages = -(-in_features // SEGMENT)
-    if splits is None:
-        ctas = -(-out_features // WGMMA_ROWS) * -(-num_tokens // tokens)
-        splits = min(-(-_num_sms(device_index) // ctas), max(1, stages // WGMMA_MIN_STAGES))
+    if splits is None:  # the H200's fastest of 1, 2, 4, 8 splits on Qwen2.5-3B's and 7B's products at 16-64 tokens
+        wide = -(-out_features // WGMMA_ROWS) > WGMMA_WIDE_ROW_BLOCKS
+        splits = min(4 if wide else MAX_SPLITS, max(1, stages // WGMMA_MIN_STAGES))
     splits = max(1, min(splits, MAX_SPLITS, stages))
     stages_per_split = -(-stages // splits)
     return WgmmaPlan(tokens, -(-stages // stages_per_split), stages_per_split)
@@ -157,10 +159,16 @@ def instantiations() -> tuple[str, ...]:
                     for zmode in (0, 1, 2) for f32 in (0, 1)))
 
 
-def uses_wgmma(num_tokens: int, device_index: int, wgmma: bool | None = None) -> bool:
-    """Whether a product takes the wgmma path: `wgmma` if given, else SM90 from WGMMA_MIN_TOKENS tokens."""
+def uses_wgmma(num_tokens: int, in_features: int, out_features: int, device_index: int,
+               wgmma: bool | None = None) -> bool:
+    """Whether a product takes the wgmma path: `wgmma` if given, else (SM90) more than WGMMA_MIN_OUT_FEATURES rows
+    and either more than 32 tokens, or WGMMA_MIN_TOKENS or more on a long K (K >= 4 N). Where the H200 measured
+    w8_gemm_kernel faster: up to 16 tokens everywhere, up to 32 on short K, and 2048-row products at any token count
+    (docs/KERNELS.md, the W8A16 section)."""
     if wgmma is None:
-        return num_tokens >= WGMMA_MIN_TOKENS and w4_gemm.wgmma_available(device_index)
+        wide = out_features > WGMMA_MIN_OUT_FEATURES
+        many = num_tokens > 32 or (num_tokens >= WGMMA_MIN_TOKENS and in_features >= 4 * out_features)
+        return wide and many and w4_gemm.wgmma_available(device_index)
     if wgmma and not w4_gemm.wgmma_available(device_index):
         raise ValueError("the W8 wgmma path needs an SM90 GPU")
     return wgmma
@@ -183,7 +191,7 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     index = x.device.index
     zmode = zero_mode_code(zero_mode, integer_zeros)
     scale_f32 = scales.dtype == torch.float32
-    if uses_wgmma(num_tokens, index, wgmma):
+    if uses_wgmma(num_tokens, in_features, out_features, index, wgmma):
         wplan = wgmma_plan(num_tokens, in_features, out_features, index, tokens, splits)
         grid = (-(-out_features // WGMMA_ROWS), -(-num_tokens // wplan.tokens), wplan.splits)
         args = (ptr(x), ptr(qweight), ptr(scales), ptr(zeros), ptr(bias), ptr(out), i32(num_tokens),

@@ -373,9 +373,10 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
     monkeypatch.setattr(kp, "clusters_available", lambda index: True)
     cache = torch.zeros(40, 2, 16, 64, dtype=half)
     for path in kp.DECODE_PATHS:  # split (decode + reduce), combined, clustered
-        kp.paged_decode_attention(torch.randn(2, 8, 64, dtype=half), cache, cache,
-                                  torch.zeros(2, 20, dtype=torch.int32), torch.tensor([300, 5], dtype=torch.int32), 300,
-                                  0.125, path=path, pipelined=True)
+        for heads in (8, 18):  # 4 query heads a KV head: the heads-as-n kernel; 9: the other one
+            kp.paged_decode_attention(torch.randn(2, heads, 64, dtype=half), cache, cache,
+                                      torch.zeros(2, 20, dtype=torch.int32), torch.tensor([300, 5], dtype=torch.int32),
+                                      300, 0.125, path=path, pipelined=True)
     for bound in (20, 4096):  # one key split; several, and their reduce
         kp.paged_prefill_attention(torch.randn(20, 8, 64, dtype=half), cache, cache,
                                    torch.zeros(20, 20, dtype=torch.int32), torch.arange(1, 21, dtype=torch.int32),
@@ -443,7 +444,7 @@ def test_launchers_pass_exactly_the_kernel_parameter_types(monkeypatch):
                 eight.integer_zeros, bias=torch.randn(256, dtype=half))
     monkeypatch.setattr(kw, "wgmma_available", lambda index: True)
     kw8.w8_gemm(torch.randn(40, 512, dtype=half), eight.qweight, eight.scales, eight.zeros, 32, eight.zero_mode,
-                eight.integer_zeros, bias=torch.randn(256, dtype=half))
+                eight.integer_zeros, bias=torch.randn(256, dtype=half), wgmma=True)
     from deepinfer.kernels import w4_fragment_batch as kfb
 
     monkeypatch.setattr(kfb, "get_kernel", lambda source, name, index: _Kernel((source, name)))

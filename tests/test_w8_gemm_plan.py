@@ -79,20 +79,23 @@ def test_wgmma_splits_cover_k_once_and_blocks_cover_tokens(sm90, tokens, in_feat
         assert plan.stages_per_split >= w8.WGMMA_MIN_STAGES
 
 
-def test_wgmma_splits_fill_the_sms_only_where_rows_do_not(sm90):
-    # 2048 rows are 16 CTAs: split in 8; 22016 rows (172 CTAs) and 37888 fill the 132 SMs alone
-    assert w8.wgmma_plan(64, 11008, 2048, 0).splits == 8
-    assert w8.wgmma_plan(32, 2048, 22016, 0).splits == w8.wgmma_plan(64, 3584, 37888, 0).splits == 1
+def test_wgmma_splits_eight_ways_up_to_64_row_blocks_four_beyond(sm90):
+    # 2048-3584 rows (16-28 blocks of 128) split in 8; 22016 and 37888 rows (172, 296 blocks) in 4
+    assert w8.wgmma_plan(64, 11008, 2048, 0).splits == w8.wgmma_plan(32, 18944, 3584, 0).splits == 8
+    assert w8.wgmma_plan(32, 2048, 22016, 0).splits == w8.wgmma_plan(64, 3584, 37888, 0).splits == 4
+    assert w8.wgmma_plan(64, 256, 8192, 0).splits == 2  # 4 stages: at least WGMMA_MIN_STAGES a split
     assert w8.wgmma_plan(64, 2048, 2048, 0, tokens=32, splits=3) == w8.WgmmaPlan(32, 3, 11)
     with pytest.raises(ValueError, match="tokens"):
         w8.wgmma_plan(64, 2048, 2048, 0, tokens=24)
 
 
-def test_wgmma_path_from_17_tokens_on_sm90_only(monkeypatch):
+def test_wgmma_path_beyond_32_tokens_or_on_long_k_above_2048_rows_on_sm90_only(monkeypatch):
     monkeypatch.setattr(w4_gemm, "wgmma_available", lambda index: True)
-    assert not w8.uses_wgmma(16, 0) and w8.uses_wgmma(17, 0) and w8.uses_wgmma(64, 0)
-    assert w8.uses_wgmma(1, 0, wgmma=True) and not w8.uses_wgmma(64, 0, wgmma=False)
+    assert not w8.uses_wgmma(32, 2048, 22016, 0) and w8.uses_wgmma(33, 2048, 22016, 0)
+    assert not w8.uses_wgmma(16, 18944, 3584, 0) and w8.uses_wgmma(17, 18944, 3584, 0)  # K >= 4 N
+    assert not w8.uses_wgmma(64, 11008, 2048, 0)  # 2048 rows: the mma.sync kernel at any token count
+    assert w8.uses_wgmma(1, 2048, 2048, 0, wgmma=True) and not w8.uses_wgmma(64, 2048, 22016, 0, wgmma=False)
     monkeypatch.setattr(w4_gemm, "wgmma_available", lambda index: False)
-    assert not w8.uses_wgmma(64, 0)
+    assert not w8.uses_wgmma(64, 2048, 22016, 0)
     with pytest.raises(ValueError, match="SM90"):
-        w8.uses_wgmma(64, 0, wgmma=True)
+        w8.uses_wgmma(64, 2048, 22016, 0, wgmma=True)

@@ -49,7 +49,7 @@ FRAGMENT_BATCH_TALL_TOKENS = ((33, 48), (65, 128))  # ... and tall ones of it (7
 BATCH_TOKEN_BOUNDS = (*FRAGMENT_BATCH_TOKENS, *FRAGMENT_BATCH_LARGE_TOKENS, 48, 65, 128)  # the ranges' ends
 FRAGMENT_BATCH_ROW = True  # (KERNELS.md: w4_gemm was faster on 7B's down at 49-64, 3B's gate/up at 128, 3B's down)
 W8_MAX_TOKENS = 64  # the W8 kernel's row: 1-64 tokens, ...
-W8_MMA_MAX_TOKENS = 32  # ... beyond this on its wgmma path only (mma.sync beat the dense row on some products only)
+W8_MMA_MAX_TOKENS = 32  # ... beyond this on SM90 only (off SM90 mma.sync beat the dense row on some products only)
 W8_MAX_IN_FEATURES = kernels_w8.MAX_IN_FEATURES  # ... at any K its group index takes
 
 
@@ -260,9 +260,9 @@ def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 
 def w8(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """kernels/w8_gemm.cu: tensor cores reading the 8-bit codes, dequantized in registers; beyond
-    W8_MMA_MAX_TOKENS without wgmma (SM80-89) the dense row."""
-    if rows.shape[0] > W8_MMA_MAX_TOKENS and not kernels_w8.uses_wgmma(rows.shape[0], rows.device.index):
+    """kernels/w8_gemm.cu: tensor cores reading the 8-bit codes, dequantized in registers (the kernel picks mma.sync
+    or wgmma, w8_gemm.uses_wgmma); beyond W8_MMA_MAX_TOKENS without wgmma (SM80-89) the dense row."""
+    if rows.shape[0] > W8_MMA_MAX_TOKENS and not kernels_w8.w4_gemm.wgmma_available(rows.device.index):
         return dense(rows, packed)
     dispatch.use_kernel("w8_gemm", None)
     return kernels_w8.w8_gemm(rows, packed.qweight, packed.scales, packed.zeros, packed.group_size, packed.zero_mode,
@@ -279,13 +279,11 @@ class ProductRow(NamedTuple):
 PRODUCT_TABLE = (
     ProductRow("w8_gemm", lambda s: s.bits == 8 and s.tokens <= W8_MAX_TOKENS and s.in_features <= W8_MAX_IN_FEATURES,
                w8,
-               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-64 tokens, at any K. mma.sync (1-16 tokens, and 17-32 "
-               "off SM90): on an H200 faster than the dense row (dequantize, then cuBLAS) on every Qwen2.5-3B and 7B "
-               "product measured, and than cuBLAS bf16 on the dense weight at one token on all six (2048 x 2048 4.6 "
-               "us against 6.1, 3584 x 37888 49.4 against 71.8), but at 32 tokens slower than cuBLAS bf16 on the "
-               "long-K and large products (11008 x 2048: 23.4 against 15.7) and at 64 than the dense row on 2048 x "
-               "2560 and 18944 x 3584 (results/bench_gemv_qwen2.5-3b-w8a16-bf16_nvidia_h200.json); the wgmma path "
-               "(SM90, 17-64 tokens) replaces it there, on the H200 run of docs/KERNELS.md's W8A16 section"),
+               "8-bit weights (GGUF Q8_0, RTN 8-bit) at 1-64 tokens, at any K: on an H200 faster than the dense "
+               "row (dequantize, then cuBLAS) on every Qwen2.5-3B and 7B product at 16-64 tokens (at 64: 3584 x 37888 "
+               "108.4 us on the wgmma path against 191.4, 11008 x 2048 27.2 on mma.sync against 34.3), and than "
+               "cuBLAS bf16 on the dense weight at one token on all six (2048 x 2048 4.6 us against 6.1), below it "
+               "from 16 tokens (docs/KERNELS.md, the W8A16 section); off SM90 the mma.sync kernel to 32 tokens"),
     ProductRow("dense", lambda s: s.bits == 8, dense,
                "the 8-bit products the w8_gemm row leaves: more than 64 tokens (the packed rows below read 4- and "
                "3-bit codes)"),
