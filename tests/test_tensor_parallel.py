@@ -1,0 +1,120 @@
+"""Tensor parallelism on the CPU (gloo): a model's shards across 2 ranks compute the logits of the whole model.
+
+Each case spawns the ranks (torch.multiprocessing), every rank loads the same checkpoint through load_model
+with its ParallelContext, runs one prefill window (core/eval/window_logits.py, paged KV cache of the rank's
+KV heads), and rank 0 writes the gathered logits; the reference is the same model loaded whole in this process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.distributed.process_group import free_port, join_group, leave_group
+from deepinfer.core.distributed.shard_plan import head_shard
+from deepinfer.core.distributed.shard_weights import select_columns, select_rows
+from deepinfer.core.eval.window_logits import WindowLogits
+from deepinfer.core.models.loader import load_model
+from deepinfer.core.quant.packing import dequantize
+from deepinfer.core.quant.quant_linear import QuantLinear
+from deepinfer.core.quant.rtn import quantize_rtn
+
+TOKENS = [5, 17, 200, 3, 99, 42, 7, 311, 64, 150, 8, 1, 250, 77, 19, 300, 2, 45, 123]
+
+
+def smollm2_shape(tmp_path, num_layers: int = 2, vocab_size: int = 1000) -> str:
+    """SmolLM2-135M's shape (9 query / 3 KV heads: uneven at TP=2 and 4), fewer layers and a smaller vocabulary
+    (odd-sized slices at TP=2 when `vocab_size` is odd)."""
+    from deepinfer.core.models.loader import shape_file_path
+
+    config = json.loads(shape_file_path("smollm2-135m").read_text())
+    path = tmp_path / "smollm2-small.json"
+    path.write_text(json.dumps({**config, "num_hidden_layers": num_layers, "vocab_size": vocab_size}))
+    return str(path)
+
+
+def _rank_logits(rank: int, world_size: int, port: int, config: EngineConfig, tokens: list[int], out: str) -> None:
+    torch.set_num_threads(1)
+    parallel = join_group(rank, world_size, port, torch.device("cpu"))
+    try:
+        model = load_model(config, "cpu", torch.float32, parallel).model
+        logits = WindowLogits(model, len(tokens))(tokens)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        leave_group()
+
+
+def parallel_logits(config: EngineConfig, world_size: int, tmp_path, tokens=TOKENS) -> torch.Tensor:
+    out = str(tmp_path / "logits.pt")
+    mp.spawn(_rank_logits, args=(world_size, free_port(), config, tokens, out), nprocs=world_size)
+    return torch.load(out)
+
+
+def whole_logits(config: EngineConfig, tokens=TOKENS) -> torch.Tensor:
+    return WindowLogits(load_model(config, "cpu", torch.float32).model, len(tokens))(tokens)
+
+
+def assert_same_logits(parallel: torch.Tensor, whole: torch.Tensor) -> None:
+    """Within fp32 tolerance of the logits' scale, and the same greedy token wherever the top-2 margin is wider."""
+    assert parallel.shape == whole.shape
+    tolerance = 1e-4 * whole.abs().max().item()
+    assert (parallel - whole).abs().max().item() <= tolerance
+    top2 = whole.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance
+    assert clear.any()
+    assert torch.equal(parallel.argmax(-1)[clear], whole.argmax(-1)[clear])
+
+
+# The plan -----------------------------------------------------------------------------------------------------
+
+def test_uneven_head_split_owns_every_head_once_and_pads_kv_groups():
+    for world_size in (2, 3, 4):
+        shards = [head_shard(9, 3, world_size, rank) for rank in range(world_size)]
+        owned = [shard.slots[slot] for shard in shards for slot in shard.kept_slots]
+        assert owned == list(range(9))
+        for shard in shards:
+            assert shard.num_slots == 3 * shard.num_kv_heads  # every KV head serves 3 slots
+            for index, head in enumerate(shard.slots):  # each slot's head reads the slot's KV head
+                assert head // 3 == shard.kv_heads[0] + index // 3
+    assert head_shard(9, 3, 2, 0).slots == (0, 1, 2, 3, 4, 3)
+    assert head_shard(9, 3, 2, 1).slots == (5, 5, 5, 6, 7, 8)
+
+
+# Packed shards against the dequantized whole ------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_packed_row_and_column_shards_dequantize_to_the_whole_weights_slices(bits):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 576)
+    packed = QuantLinear(quantize_rtn(weight, bits, 64, sym=False))
+    whole = dequantize(packed.packed)
+    rows = torch.tensor([5, 3, 3, 90, 0])
+    assert torch.equal(dequantize(select_rows(packed, rows).packed), whole[rows])
+    for start, end in [(0, 320), (320, 576), (64, 96)]:  # 320: inside a group of 128, and of 64 with 32
+        shard = select_columns(packed, start, end, keep_bias=True)
+        assert torch.equal(dequantize(shard.packed), whole[:, start:end])
+
+
+def test_packed_column_shards_refine_groups_that_a_cut_splits():
+    torch.manual_seed(1)
+    packed = QuantLinear(quantize_rtn(torch.randn(8, 512), 4, 128, sym=False))
+    shard = select_columns(packed, 0, 320, keep_bias=True)
+    assert shard.packed.group_size == 64
+    assert torch.equal(dequantize(shard.packed), dequantize(packed.packed)[:, :320])
+
+
+# Whole models at TP=2 -----------------------------------------------------------------------------------------
+
+def test_smollm2_shape_tp2_logits_match_tp1(tmp_path):
+    config = EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path, vocab_size=1001), device="cpu")
+    assert_same_logits(parallel_logits(config, 2, tmp_path), whole_logits(config))
+
+
+def test_smollm2_shape_w4a16_tp2_logits_match_tp1(tmp_path):
+    config = EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path), device="cpu", quantization="w4a16")
+    assert_same_logits(parallel_logits(config, 2, tmp_path), whole_logits(config))
