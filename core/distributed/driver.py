@@ -1,0 +1,137 @@
+"""Rank 0 of a tensor-parallel engine: starts the other ranks and stands in for the model in the engine.
+
+`start_tensor_parallel(config, device, dtype)` starts ranks 1..N-1 (core/distributed/rank_worker.py), joins
+the process group as rank 0, loads rank 0's shard together with theirs, and returns a LoadedModel whose model
+is a TensorParallelDriver around that shard. The engine (scheduler, KV manager, sampler) runs once, here, and
+sees an ordinary model: each `forward` first broadcasts the step's inputs, each `compute_logits` the hidden
+rows it scores (core/distributed/step_message.py), so every rank runs the same computation on its shard and
+the collectives inside it meet; rank 0 gets the gathered logits. The LoadedModel's spec is rank 0's shard's. A KV pool rank 0 has not used before is
+announced first, so every rank holds a pool of the same blocks.
+
+A rank that has exited ends the next call with a DeepInferError naming it; one that hangs ends it when the
+group's collective timeout passes (core/distributed/process_group.py). `close()` stops the ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.distributed.process_group import free_port, join_group, leave_group
+from deepinfer.core.distributed.rank_worker import load_together, rank_device
+from deepinfer.core.distributed.step_message import StepChannel
+from deepinfer.core.errors import DeepInferError
+from deepinfer.core.models.loader import LoadedModel
+
+STOP_TIMEOUT_S = 30.0
+
+
+def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    world_size = config.tensor_parallel_size
+    if device.type == "cuda" and (device.index or 0) + world_size > torch.cuda.device_count():
+        raise DeepInferError(f"tensor_parallel_size {world_size} needs {world_size} GPUs from {device}; "
+                             f"torch sees {torch.cuda.device_count()}")
+    port = free_port()
+    settings = json.dumps(dataclasses.asdict(config))
+    ranks = [subprocess.Popen([sys.executable, "-m", "deepinfer.core.distributed.rank_worker", str(rank),
+                               str(world_size), str(port), str(torch.get_num_threads()), settings])
+             for rank in range(1, world_size)]
+    try:
+        parallel = join_group(0, world_size, port, rank_device(config, 0) if device.type == "cuda" else device)
+    except BaseException:
+        _end(ranks, timeout_s=0.0)
+        raise
+    try:
+        loaded = load_together(config, device, dtype, parallel)
+    except BaseException:
+        _end(ranks)
+        leave_group()
+        raise
+    # The shard's spec: rank 0's head and channel counts (what its KV pool holds), the vocabulary whole.
+    return dataclasses.replace(loaded, spec=loaded.model.spec, model=TensorParallelDriver(loaded.model, ranks, device))
+
+
+class TensorParallelDriver(nn.Module):
+    """The engine's model at TP=N: rank 0's shard (`shard`), whose every call the other ranks join."""
+
+    def __init__(self, shard: nn.Module, ranks: list[subprocess.Popen], device: torch.device) -> None:
+        super().__init__()
+        self.shard = shard
+        self._ranks = ranks
+        self._channel = StepChannel(device)
+        self._kv_cache = None  # the pool the other ranks hold a copy of
+        self._open = True
+        atexit.register(self.close)  # an engine left open still stops its ranks cleanly
+
+    @property
+    def spec(self):
+        return self.shard.spec
+
+    @property
+    def attention_backend(self):
+        return self.shard.attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, backend) -> None:
+        self.shard.attention_backend = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata, kv_cache) -> torch.Tensor:
+        self._check_ranks()
+        if kv_cache is not self._kv_cache:
+            self._channel.send_cache(kv_cache.num_blocks)
+            self._kv_cache = kv_cache
+        self._channel.send_forward(input_ids, positions, attn_metadata)
+        return self.shard(input_ids, positions, attn_metadata, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32, every rank's vocabulary slice gathered here."""
+        self._check_ranks()
+        self._channel.send_logits(hidden)
+        return self.shard.compute_logits(hidden)
+
+    def _check_ranks(self) -> None:
+        if not self._open:
+            raise DeepInferError("the tensor-parallel engine is closed")
+        for rank, process in enumerate(self._ranks, start=1):
+            if process.poll() is not None:
+                self.close()
+                raise DeepInferError(f"tensor-parallel rank {rank} exited (status {process.returncode}); "
+                                     f"the engine cannot go on")
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group (idempotent)."""
+        if not self._open:
+            return
+        self._open = False
+        atexit.unregister(self.close)
+        if all(process.poll() is None for process in self._ranks):
+            try:
+                self._channel.send_stop()
+            except RuntimeError:
+                pass  # the group is already broken: the ranks end on their own
+        _end(self._ranks)
+        leave_group()
+
+
+def _end(ranks: list[subprocess.Popen], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Wait up to `timeout_s` for each rank to exit, then kill it."""
+    for process in ranks:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def eager(decode_mode: str | None) -> str:
+    """A tensor-parallel engine's decode mode: its steps run eagerly (CUDA graphs of the collectives are not built)."""
+    if decode_mode not in (None, "eager"):
+        raise DeepInferError(f"decode_mode {decode_mode!r} is not built for tensor_parallel_size > 1; it runs eagerly")
+    return "eager"

@@ -1,0 +1,91 @@
+"""What rank 0 sends the other ranks before each thing they compute together, over torch.distributed broadcasts.
+
+Every message starts with a header, int64 [HEADER_LEN] (preallocated on every rank), then the tensors it
+announces:
+- FORWARD: one step's token rows and attention metadata, in one int64 payload: input ids [T], positions [T],
+  slot mapping [T], query_start_loc [B + 1], seq_lens [B], block tables [B, M] (the same on every rank: one
+  scheduler allocates the blocks; each rank's cache holds its own KV heads of them).
+- LOGITS: the hidden rows [N, hidden] to score (the engine's sampling rows, or a prompt's positions).
+- CACHE: a KV pool of `num_blocks` blocks replaces the rank's pool (the engine's start-up makes scratch pools
+  for its measurements, then the real one).
+- STOP: the engine is closing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.core.attention.metadata import AttentionMetadata
+
+STOP, FORWARD, LOGITS, CACHE = 0, 1, 2, 3
+HEADER_LEN = 10
+# header fields: kind, then
+_T, _B, _M, _DECODES, _MAX_QUERY, _MAX_SEQ, _FRESH = range(1, 8)  # FORWARD
+_ROWS = 1  # LOGITS: N
+_BLOCKS = 1  # CACHE: num_blocks
+
+
+class StepChannel:
+    """Rank 0's sending side and the other ranks' receiving side of the messages, on `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+
+    def _send_header(self, kind: int, *fields: int) -> None:
+        values = [kind, *fields] + [0] * (HEADER_LEN - 1 - len(fields))
+        self.header.copy_(torch.tensor(values, dtype=torch.int64))
+        dist.broadcast(self.header, 0)
+
+    def receive_header(self) -> list[int]:
+        dist.broadcast(self.header, 0)
+        return self.header.tolist()
+
+    # rank 0 ----------------------------------------------------------------------------------------------------
+
+    def send_stop(self) -> None:
+        self._send_header(STOP)
+
+    def send_cache(self, num_blocks: int) -> None:
+        self._send_header(CACHE, num_blocks)
+
+    def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        if meta.prefill_tiles is not None or meta.decode_seq_lens is not None:
+            raise ValueError("tensor-parallel steps run eagerly: a graphed step's tiles are not sent")
+        tokens, requests = input_ids.shape[0], meta.seq_lens.shape[0]
+        self._send_header(FORWARD, tokens, requests, meta.block_tables.shape[1], meta.num_decodes,
+                          meta.max_query_len, meta.max_seq_len, meta.fresh_tokens)
+        parts = [input_ids[:tokens], positions[:tokens], meta.slot_mapping[:tokens], meta.query_start_loc,
+                 meta.seq_lens, meta.block_tables.reshape(-1)]
+        dist.broadcast(torch.cat([part.to(torch.int64) for part in parts]), 0)
+
+    def send_logits(self, hidden: torch.Tensor) -> None:
+        self._send_header(LOGITS, hidden.shape[0])
+        dist.broadcast(hidden.contiguous(), 0)
+
+    # other ranks -----------------------------------------------------------------------------------------------
+
+    def receive_forward(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        tokens, requests, max_blocks = header[_T], header[_B], header[_M]
+        sizes = [tokens, tokens, tokens, requests + 1, requests, requests * max_blocks]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        dist.broadcast(payload, 0)
+        input_ids, positions, slots, starts, seq_lens, tables = payload.split(sizes)
+        starts_host, seq_lens_host = starts.tolist(), seq_lens.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=starts.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables.to(torch.int32).view(requests, max_blocks),
+            query_lens=[b - a for a, b in zip(starts_host, starts_host[1:])], seq_lens_host=seq_lens_host,
+            num_decodes=header[_DECODES], max_query_len=header[_MAX_QUERY], max_seq_len=header[_MAX_SEQ],
+            fresh_tokens=header[_FRESH])
+        return input_ids, positions, meta
+
+    def receive_logits(self, header: list[int], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+        hidden = torch.empty(header[_ROWS], hidden_size, dtype=dtype, device=self.device)
+        dist.broadcast(hidden, 0)
+        return hidden
+
+
+def cache_blocks(header: list[int]) -> int:
+    return header[_BLOCKS]
