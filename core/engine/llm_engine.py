@@ -89,7 +89,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded_model is None and config.tensor_parallel_size > 1:  # rank 0's shard, in the rank-0 driver
-            loaded_model, decode_mode = start_tensor_parallel(config, self.device, self.dtype), eager(decode_mode)
+            decode_mode = eager(decode_mode)
+            loaded_model = start_tensor_parallel(config, self.device, self.dtype)
         elif loaded_model is None:
             loaded_model = load_model(config, self.device, self.dtype)
         elif config.quantization and not any(isinstance(m, QuantLinear) for m in loaded_model.model.modules()):
