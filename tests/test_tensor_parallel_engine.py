@@ -90,14 +90,16 @@ def test_a_rank_that_dies_ends_the_engine_with_an_error(uneven_llama):
         engine.close()
 
 
-def test_what_tensor_parallelism_does_not_build_is_refused(uneven_llama, tiny_llama_dir):
+def test_what_tensor_parallelism_does_not_build_is_refused(uneven_llama, tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match="fp8"):
         EngineConfig(uneven_llama, tensor_parallel_size=2, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(uneven_llama, tensor_parallel_size=0)
     with pytest.raises(DeepInferError, match="eager"):
         LLMEngine(EngineConfig(uneven_llama, device="cpu", tensor_parallel_size=2), decode_mode="padded")
-    with pytest.raises(DeepInferError, match="32-column boundary"):  # head_dim 16: a cut inside a packed word run
-        LLM(tiny_llama_dir, device="cpu", tensor_parallel_size=2, quantization="w4a16")
+    save_tiny_model("llama", tmp_path, tiny_tokenizer, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                    hidden_size=96, num_hidden_layers=1)
+    with pytest.raises(DeepInferError, match="32-column boundary"):  # 3 heads of 16: o_proj cut inside a word run
+        LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, quantization="w4a16")
     with pytest.raises(DeepInferError, match="data_parallel_size"):
         DataParallelClient(EngineConfig(uneven_llama, device="cpu", tensor_parallel_size=2), 2)

@@ -39,7 +39,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
         raise DeepInferError(f"tensor_parallel_size {world_size} needs {world_size} GPUs from {device}; "
                              f"torch sees {torch.cuda.device_count()}")
     port = free_port()
-    settings = json.dumps(dataclasses.asdict(config))
+    settings = json.dumps(dataclasses.asdict(config), default=str)  # a model path may be a Path
     ranks = [subprocess.Popen([sys.executable, "-m", "deepinfer.core.distributed.rank_worker", str(rank),
                                str(world_size), str(port), str(torch.get_num_threads()), settings])
              for rank in range(1, world_size)]

@@ -63,17 +63,23 @@ def kv_pool(config: EngineConfig, spec, num_blocks: int, dtype: torch.dtype, dev
                    DTYPES.get(config.kv_cache_dtype, dtype), device, quantized=quantized)
 
 
-@torch.inference_mode()
 def serve_rank(config: EngineConfig, parallel: ParallelContext, device: torch.device) -> None:
     dtype = resolve_dtype(config.dtype, device)
-    loaded = load_together(config, device, dtype, parallel)
+    loaded = load_together(config, device, dtype, parallel)  # as rank 0 loads: outside inference mode
     if loaded is None:
         return
-    model, spec = loaded.model, loaded.model.spec
+    model = loaded.model
     quantized = config.kv_cache_dtype if config.kv_cache_dtype in QUANTIZATIONS else None
     storage = STORAGE_DTYPES.get(quantized, DTYPES.get(config.kv_cache_dtype, dtype))
-    model.attention_backend = choose_attention_backend(config.attention_backend, device, dtype, spec, storage,
-                                                       config.block_size)
+    model.attention_backend = choose_attention_backend(config.attention_backend, device, dtype, model.spec,
+                                                       storage, config.block_size)
+    with torch.inference_mode():
+        _follow(config, model, device, dtype)
+
+
+def _follow(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> None:
+    """Compute what rank 0 announces until it sends STOP."""
+    spec = model.spec
     channel = StepChannel(device)
     kv_cache = None
     while True:
