@@ -37,21 +37,23 @@ def smollm2_shape(tmp_path, num_layers: int = 2, vocab_size: int = 1000) -> str:
     return str(path)
 
 
-def _rank_logits(rank: int, world_size: int, port: int, config: EngineConfig, tokens: list[int], out: str) -> None:
+def _rank_logits(rank: int, world_size: int, port: int, configs: list[EngineConfig], tokens: list[int],
+                 out: str) -> None:
     torch.set_num_threads(1)
     parallel = join_group(rank, world_size, port, torch.device("cpu"))
     try:
-        model = load_model(config, "cpu", torch.float32, parallel).model
-        logits = WindowLogits(model, len(tokens))(tokens)
+        logits = [WindowLogits(load_model(config, "cpu", torch.float32, parallel).model, len(tokens))(tokens)
+                  for config in configs]
         if rank == 0:
             torch.save(logits, out)
     finally:
         leave_group()
 
 
-def parallel_logits(config: EngineConfig, world_size: int, tmp_path, tokens=TOKENS) -> torch.Tensor:
+def parallel_logits(configs: list[EngineConfig], world_size: int, tmp_path, tokens=TOKENS) -> list[torch.Tensor]:
+    """Each config's logits [T, vocab] over `tokens`, from `world_size` ranks (one spawn for all the configs)."""
     out = str(tmp_path / "logits.pt")
-    mp.spawn(_rank_logits, args=(world_size, free_port(), config, tokens, out), nprocs=world_size)
+    mp.spawn(_rank_logits, args=(world_size, free_port(), configs, tokens, out), nprocs=world_size)
     return torch.load(out)
 
 
@@ -110,11 +112,36 @@ def test_packed_column_shards_refine_groups_that_a_cut_splits():
 
 # Whole models at TP=2 -----------------------------------------------------------------------------------------
 
-def test_smollm2_shape_tp2_logits_match_tp1(tmp_path):
-    config = EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path, vocab_size=1001), device="cpu")
-    assert_same_logits(parallel_logits(config, 2, tmp_path), whole_logits(config))
+def test_smollm2_shape_dense_and_w4a16_tp2_logits_match_tp1(tmp_path):
+    configs = [EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path, vocab_size=1001), device="cpu"),
+               EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path), device="cpu", quantization="w4a16")]
+    for parallel, config in zip(parallel_logits(configs, 2, tmp_path), configs):
+        assert_same_logits(parallel, whole_logits(config))
 
 
-def test_smollm2_shape_w4a16_tp2_logits_match_tp1(tmp_path):
-    config = EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path), device="cpu", quantization="w4a16")
-    assert_same_logits(parallel_logits(config, 2, tmp_path), whole_logits(config))
+def test_tiny_llama_tp2_logits_match_tp1(tiny_llama_dir, tmp_path):
+    config = EngineConfig(str(tiny_llama_dir), device="cpu")
+    assert_same_logits(parallel_logits([config], 2, tmp_path)[0], whole_logits(config))
+
+
+def family_configs(tiny_models) -> list[EngineConfig]:
+    return [EngineConfig(str(directory), device="cpu") for directory, _ in tiny_models.values()]
+
+
+@pytest.mark.slow
+def test_every_family_tp2_logits_match_tp1(tiny_models, tmp_path):
+    """Qwen2's q/k/v bias, Qwen3's q/k norms, Mistral's and Gemma 2's sliding windows, Gemma's tied, scaled
+    embedding, Gemma 2's attention and final softcaps (4 / 2 heads: 2 / 1 per rank)."""
+    configs = family_configs(tiny_models)
+    for parallel, config in zip(parallel_logits(configs, 2, tmp_path), configs):
+        assert_same_logits(parallel, whole_logits(config))
+
+
+@pytest.mark.slow
+def test_every_family_and_smollm2_shape_tp4_logits_match_tp1(tiny_models, tmp_path):
+    """At TP=4 the tiny models' 2 KV heads are each held by 2 ranks; SmolLM2's 9 heads split 3/2/2/2."""
+    configs = [*family_configs(tiny_models),
+               EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path, vocab_size=1003), device="cpu"),
+               EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path), device="cpu", quantization="w4a16")]
+    for parallel, config in zip(parallel_logits(configs, 4, tmp_path), configs):
+        assert_same_logits(parallel, whole_logits(config))
