@@ -15,6 +15,7 @@ group's collective timeout passes (core/distributed/process_group.py). `close()`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -41,7 +42,8 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
     port = free_port()
     settings = json.dumps(dataclasses.asdict(config), default=str)  # a model path may be a Path
     ranks = [subprocess.Popen([sys.executable, "-m", "deepinfer.core.distributed.rank_worker", str(rank),
-                               str(world_size), str(port), str(torch.get_num_threads()), settings])
+                               str(world_size), str(port), str(torch.get_num_threads()), settings],
+                              start_new_session=True)
              for rank in range(1, world_size)]
     try:
         parallel = join_group(0, world_size, port, rank_device(config, 0) if device.type == "cuda" else device)
@@ -55,17 +57,19 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
         leave_group()
         raise
     # The shard's spec: rank 0's head and channel counts (what its KV pool holds), the vocabulary whole.
-    return dataclasses.replace(loaded, spec=loaded.model.spec, model=TensorParallelDriver(loaded.model, ranks, device))
+    driver = TensorParallelDriver(loaded.model, ranks, device, parallel.control_group)
+    return dataclasses.replace(loaded, spec=loaded.model.spec, model=driver)
 
 
 class TensorParallelDriver(nn.Module):
     """The engine's model at TP=N: rank 0's shard (`shard`), whose every call the other ranks join."""
 
-    def __init__(self, shard: nn.Module, ranks: list[subprocess.Popen], device: torch.device) -> None:
+    def __init__(self, shard: nn.Module, ranks: list[subprocess.Popen], device: torch.device,
+                 control_group) -> None:
         super().__init__()
         self.shard = shard
         self._ranks = ranks
-        self._channel = StepChannel(device)
+        self._channel = StepChannel(device, control_group)
         self._kv_cache = None  # the pool the other ranks hold a copy of
         self._open = True
         atexit.register(self.close)  # an engine left open still stops its ranks cleanly
@@ -83,39 +87,51 @@ class TensorParallelDriver(nn.Module):
         self.shard.attention_backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata, kv_cache) -> torch.Tensor:
-        self._check_ranks()
-        if kv_cache is not self._kv_cache:
-            self._channel.send_cache(kv_cache.num_blocks)
-            self._kv_cache = kv_cache
-        self._channel.send_forward(input_ids, positions, attn_metadata)
-        return self.shard(input_ids, positions, attn_metadata, kv_cache)
+        with self._together():
+            if kv_cache is not self._kv_cache:
+                self._channel.send_cache(kv_cache.num_blocks)
+                self._kv_cache = kv_cache
+            self._channel.send_forward(input_ids, positions, attn_metadata)
+            return self.shard(input_ids, positions, attn_metadata, kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32, every rank's vocabulary slice gathered here."""
+        with self._together():
+            self._channel.send_logits(hidden)
+            return self.shard.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def _together(self):
+        """Around a computation every rank joins: a rank gone, or a collective that failed (a rank that exited,
+        one that hung past the timeout), closes the engine, since the ranks are out of step from then on."""
         self._check_ranks()
-        self._channel.send_logits(hidden)
-        return self.shard.compute_logits(hidden)
+        try:
+            yield
+        except RuntimeError as err:
+            self.close(out_of_step=True)
+            raise DeepInferError(f"a tensor-parallel collective failed, the engine is closed: {err}") from err
 
     def _check_ranks(self) -> None:
         if not self._open:
             raise DeepInferError("the tensor-parallel engine is closed")
         for rank, process in enumerate(self._ranks, start=1):
             if process.poll() is not None:
-                self.close()
+                self.close(out_of_step=True)
                 raise DeepInferError(f"tensor-parallel rank {rank} exited (status {process.returncode}); "
                                      f"the engine cannot go on")
 
-    def close(self) -> None:
-        """Stop the other ranks and leave the group (idempotent)."""
+    def close(self, out_of_step: bool = False) -> None:
+        """Stop the other ranks and leave the group (idempotent). `out_of_step`: a computation failed part-way,
+        so the ranks may wait in different collectives: they are killed instead of told to stop."""
         if not self._open:
             return
         self._open = False
         atexit.unregister(self.close)
-        if all(process.poll() is None for process in self._ranks):
-            try:
-                self._channel.send_stop()
-            except RuntimeError:
-                pass  # the group is already broken: the ranks end on their own
+        if out_of_step:
+            for process in self._ranks:
+                process.kill()
+        else:
+            self._channel.send_stop()
         _end(self._ranks)
         leave_group()
 

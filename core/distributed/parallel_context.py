@@ -2,12 +2,14 @@
 
 The model holds one (`DecoderModel.parallel`; None on one device, where every layer runs as it always has).
 Collectives go through torch.distributed on the default process group (gloo on the CPU, NCCL on GPUs),
-started by core/distributed/process_group.py.
+started by core/distributed/process_group.py; rank 0's step messages go over `control_group`, a gloo group
+(the default one on the CPU), whose waits for the next step need no device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ import torch.distributed as dist
 class ParallelContext:
     rank: int
     world_size: int
+    control_group: Any = None  # gloo ProcessGroup of the step messages; None: the default group
 
     @property
     def is_driver(self) -> bool:

@@ -1,8 +1,10 @@
 """The ranks' process group: torch.distributed's default group, gloo on the CPU and NCCL on GPUs.
 
 Rank 0 picks a free local port; every rank joins through it (a TCP store on 127.0.0.1: the ranks of one
-engine run on one host). The group's timeout bounds every collective, so a rank that dies mid-step ends the
-others' wait with an error instead of a hang.
+engine run on one host). The group's timeout bounds every collective of a step, so a rank that hangs mid-step
+ends the others' wait with an error instead of a hang (one that exits closes its connections: at once). On
+GPUs a second, gloo group carries rank 0's step messages on the host (the other ranks wait there between
+steps, as long as the engine is idle: core/distributed/step_message.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    return ParallelContext(rank, world_size)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return ParallelContext(rank, world_size, control)
 
 
 def leave_group() -> None:

@@ -5,7 +5,8 @@ WORLD_SIZE PORT THREADS CONFIG_JSON`: a process of its own (not a multiprocessin
 is itself a daemon process can start its ranks). It runs no scheduler, KV manager or sampler: each step it
 receives the step's inputs (core/distributed/step_message.py), runs its shard's forward on its own KV pool, and
 joins rank 0's collectives (all-reduces, the vocabulary gather). Its load succeeds or fails together with the
-other ranks' (`load_together`). A broken group (rank 0 gone, a collective timed out) ends it with status 1.
+other ranks' (`load_together`). It runs in a session of its own, so a terminal's Ctrl-C reaches rank 0 alone,
+which stops it (STOP, or its exit: a broken group, or a collective timed out, ends this rank with status 1).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def serve_rank(config: EngineConfig, parallel: ParallelContext, device: torch.de
 def _follow(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> None:
     """Compute what rank 0 announces until it sends STOP."""
     spec = model.spec
-    channel = StepChannel(device)
+    channel = StepChannel(device, model.parallel.control_group)
     kv_cache = None
     while True:
         header = channel.receive_header()
@@ -111,8 +112,6 @@ def main(argv: list[str]) -> int:
             serve_rank(config, parallel, device)
         finally:
             leave_group()
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group
-        return 130
     except (RuntimeError, DeepInferError) as err:  # the group broke: rank 0 reports why
         print(f"deepinfer tensor-parallel rank {rank}: {err}", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
 """What rank 0 sends the other ranks before each thing they compute together, over torch.distributed broadcasts.
 
-Every message starts with a header, int64 [HEADER_LEN] (preallocated on every rank), then the tensors it
-announces:
+Every message starts with a header, int64 [HEADER_LEN] on the host (preallocated on every rank), over the
+control group (gloo), then the tensors it announces, on the ranks' devices over the default group:
 - FORWARD: one step's token rows and attention metadata, in one int64 payload: input ids [T], positions [T],
   slot mapping [T], query_start_loc [B + 1], seq_lens [B], block tables [B, M] (the same on every rank: one
   scheduler allocates the blocks; each rank's cache holds its own KV heads of them).
@@ -9,9 +9,13 @@ announces:
 - CACHE: a KV pool of `num_blocks` blocks replaces the rank's pool (the engine's start-up makes scratch pools
   for its measurements, then the real one).
 - STOP: the engine is closing.
+The other ranks wait for a header without a time limit (an engine may idle for hours); everything after a
+header has the group's collective timeout.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ from deepinfer.core.attention.metadata import AttentionMetadata
 
 STOP, FORWARD, LOGITS, CACHE = 0, 1, 2, 3
 HEADER_LEN = 10
+IDLE_WAIT = timedelta(days=365)  # how long a rank waits for rank 0's next message
 # header fields: kind, then
 _T, _B, _M, _DECODES, _MAX_QUERY, _MAX_SEQ, _FRESH = range(1, 8)  # FORWARD
 _ROWS = 1  # LOGITS: N
@@ -27,19 +32,22 @@ _BLOCKS = 1  # CACHE: num_blocks
 
 
 class StepChannel:
-    """Rank 0's sending side and the other ranks' receiving side of the messages, on `device`."""
+    """Rank 0's sending side and the other ranks' receiving side of the messages; tensors on `device`."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, control_group) -> None:
         self.device = device
-        self.header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        self.control_group = control_group if control_group is not None else dist.group.WORLD
+        self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
 
     def _send_header(self, kind: int, *fields: int) -> None:
-        values = [kind, *fields] + [0] * (HEADER_LEN - 1 - len(fields))
-        self.header.copy_(torch.tensor(values, dtype=torch.int64))
-        dist.broadcast(self.header, 0)
+        self.header.copy_(torch.tensor([kind, *fields] + [0] * (HEADER_LEN - 1 - len(fields)), dtype=torch.int64))
+        dist.broadcast(self.header, 0, group=self.control_group)
 
     def receive_header(self) -> list[int]:
-        dist.broadcast(self.header, 0)
+        """The next message's header, however long rank 0 takes to send it."""
+        options = dist.BroadcastOptions()
+        options.rootRank, options.timeout = 0, IDLE_WAIT
+        self.control_group.broadcast([self.header], options).wait()
         return self.header.tolist()
 
     # rank 0 ----------------------------------------------------------------------------------------------------
