@@ -145,3 +145,54 @@ def test_every_family_and_smollm2_shape_tp4_logits_match_tp1(tiny_models, tmp_pa
                EngineConfig(dummy_weights=True, shape=smollm2_shape(tmp_path), device="cpu", quantization="w4a16")]
     for parallel, config in zip(parallel_logits(configs, 4, tmp_path), configs):
         assert_same_logits(parallel, whole_logits(config))
+
+
+# Step messages ------------------------------------------------------------------------------------------------
+
+_METADATA_FIELDS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "query_lens", "seq_lens_host",
+                    "num_decodes", "max_query_len", "max_seq_len", "fresh_tokens")
+
+
+def _fields(meta) -> dict:
+    return {name: getattr(meta, name).clone() if isinstance(getattr(meta, name), torch.Tensor)
+            else getattr(meta, name) for name in _METADATA_FIELDS}
+
+
+def _rank_messages(rank: int, world_size: int, port: int, out: str) -> None:
+    import time
+
+    from deepinfer.core.distributed.step_message import FORWARD, STOP, StepChannel
+    from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
+
+    parallel = join_group(rank, world_size, port, torch.device("cpu"), timeout_s=1.0)
+    try:
+        channel = StepChannel(torch.device("cpu"), parallel.control_group)
+        if rank == 0:
+            chunks = [SequenceChunk([3, 1], 5, 1), SequenceChunk([0, 2], 0, 7)]  # a decode, then a prefill
+            meta, positions = build_attention_metadata(chunks, 4, "cpu")
+            time.sleep(2.0)  # idle past the group timeout: the other rank still waits
+            channel.send_forward(torch.arange(8) + 100, positions, meta)
+            channel.send_stop()
+            torch.save((positions.clone(), _fields(meta)), out)
+            return
+        header = channel.receive_header()
+        assert header[0] == FORWARD
+        received = channel.receive_forward(header)
+        assert channel.receive_header()[0] == STOP
+        input_ids, positions, meta = received
+        torch.save((input_ids.clone(), positions.clone(), _fields(meta)), out + f".{rank}")
+    finally:
+        leave_group()
+
+
+def test_a_step_message_carries_the_inputs_and_metadata_after_any_idle_time(tmp_path):
+    out = str(tmp_path / "message.pt")
+    mp.spawn(_rank_messages, args=(2, free_port(), out), nprocs=2)
+    positions, sent = torch.load(out)
+    input_ids, got_positions, got = torch.load(out + ".1")
+    assert torch.equal(input_ids, torch.arange(8) + 100) and torch.equal(got_positions, positions)
+    for name, value in sent.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[name], value) and got[name].dtype == value.dtype, name
+        else:
+            assert got[name] == value, name
