@@ -196,3 +196,44 @@ def test_a_step_message_carries_the_inputs_and_metadata_after_any_idle_time(tmp_
             assert torch.equal(got[name], value) and got[name].dtype == value.dtype, name
         else:
             assert got[name] == value, name
+
+
+def _packed_mlp(act_order: bool):
+    """A GatedMLP (hidden 64, 512 channels) whose projections are W4 packed in groups of 128; with `act_order`
+    down_proj's columns are a random permutation of the channels (GPTQ desc_act, re-sorted into groups)."""
+    from deepinfer.core.models.layers import GatedMLP
+    from deepinfer.core.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+                                     "hidden_size": 64, "intermediate_size": 512, "num_hidden_layers": 1,
+                                     "num_attention_heads": 2, "max_position_embeddings": 64})
+    torch.manual_seed(2)
+    mlp = GatedMLP(spec, torch.float32, "cpu")
+    mlp.gate_proj = QuantLinear(quantize_rtn(torch.randn(512, 64) * 0.1, 4, 64, sym=False))
+    mlp.up_proj = QuantLinear(quantize_rtn(torch.randn(512, 64) * 0.1, 4, 64, sym=False))
+    down = quantize_rtn(torch.randn(64, 512) * 0.1, 4, 128, sym=False)
+    if act_order:
+        down.input_perm = torch.randperm(512).to(torch.int32)
+    mlp.down_proj = QuantLinear(down)
+    return mlp
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_packed_mlp_shards_sum_to_the_whole_mlp(act_order):
+    """Each rank's partial down_proj product (before the all-reduce) over its channels: the sum is the whole MLP."""
+    import copy
+
+    from deepinfer.core.distributed.parallel_context import ParallelContext
+    from deepinfer.core.distributed.shard_weights import shard_mlp
+
+    mlp = _packed_mlp(act_order)
+    x = torch.randn(5, 64)
+    whole = mlp(x)
+    partials = []
+    for rank in range(2):
+        shard = copy.deepcopy(mlp)
+        assert shard_mlp(shard, ParallelContext(rank, 2)) == 256  # two groups of 128 each
+        shard.down_proj = shard.down_proj.linear  # the partial product, not reduced
+        assert shard.down_proj.input_perm is None
+        partials.append(shard(x))
+    torch.testing.assert_close(partials[0] + partials[1], whole, rtol=1e-5, atol=1e-5)

@@ -44,8 +44,8 @@ def shard_model(model: nn.Module, parallel: ParallelContext) -> None:
     heads = head_shard(spec.num_heads, spec.num_kv_heads, parallel.world_size, parallel.rank)
     inner = None
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, heads, parallel)
-        inner = _shard_mlp(layer.mlp, parallel)
+        shard_attention(layer.self_attn, heads, parallel)
+        inner = shard_mlp(layer.mlp, parallel)
     start, end = vocab_range(spec.vocab_size, parallel.world_size, parallel.rank)
     embed = model.model.embed_tokens
     model.model.embed_tokens = VocabParallelEmbedding(embed.weight[start:end].clone(), start, parallel)
@@ -58,7 +58,7 @@ def shard_model(model: nn.Module, parallel: ParallelContext) -> None:
     model.parallel = parallel
 
 
-def _shard_attention(attn: nn.Module, heads, parallel: ParallelContext) -> None:
+def shard_attention(attn: nn.Module, heads, parallel: ParallelContext) -> None:
     dim = attn.head_dim
     q_rows = torch.cat([torch.arange(h * dim, (h + 1) * dim) for h in heads.slots])
     kv_rows = torch.arange(heads.kv_heads[0] * dim, heads.kv_heads[1] * dim)
@@ -77,7 +77,7 @@ def _shard_attention(attn: nn.Module, heads, parallel: ParallelContext) -> None:
     attn.kept_heads = torch.tensor(heads.kept_slots, device=device) if heads.padded else None
 
 
-def _shard_mlp(mlp: nn.Module, parallel: ParallelContext) -> int:
+def shard_mlp(mlp: nn.Module, parallel: ParallelContext) -> int:
     """-> the rank's channel count."""
     down = mlp.down_proj
     packed = isinstance(down, QuantLinear)
