@@ -49,7 +49,7 @@ def load_together(config: EngineConfig, device: torch.device, dtype: torch.dtype
         if not parallel.is_driver:
             traceback.print_exc()
     errors: list[str | None] = [None] * parallel.world_size
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=parallel.control_group)
     failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
     if failed and parallel.is_driver:
         rank, message = failed[0]
