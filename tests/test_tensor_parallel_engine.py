@@ -7,6 +7,8 @@ Rank 0 runs the scheduler, the paged KV manager and the sampler; rank 1 is a pro
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import save_tiny_model
@@ -76,16 +78,18 @@ def test_tp2_w4a16_engine_generates_what_one_rank_does(uneven_llama):
     assert_same_greedy(generate(uneven_llama, 2, quantization="w4a16"), whole)
 
 
-def test_a_rank_that_dies_ends_the_engine_with_an_error(uneven_llama):
+def test_a_rank_that_dies_ends_the_engine_with_an_error(uneven_llama, caplog):
     engine = LLMEngine(EngineConfig(uneven_llama, device="cpu", tensor_parallel_size=2, max_model_len=64))
     try:
-        rank = engine.model._ranks[0]
+        rank = engine.model.ranks[0].process
         rank.kill()
         rank.wait()
         engine.add_request([5, 17, 200], SamplingParams(temperature=0.0, max_tokens=2))
-        while engine.has_unfinished_requests():
-            outputs, _ = engine.step()
+        with caplog.at_level(logging.ERROR):
+            while engine.has_unfinished_requests():
+                outputs, _ = engine.step()
         assert outputs[0].outputs[0].finish_reason == "error"
+        assert "tensor-parallel rank 1 exited (status -9)" in caplog.text
         with pytest.raises(DeepInferError, match="closed"):
             engine.model.compute_logits(torch.zeros(1, engine.spec.hidden_size))
     finally:

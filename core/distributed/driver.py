@@ -20,6 +20,8 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 from torch import nn
@@ -32,6 +34,37 @@ from deepinfer.core.errors import DeepInferError
 from deepinfer.core.models.loader import LoadedModel
 
 STOP_TIMEOUT_S = 30.0
+EXIT_GRACE_S = 0.5  # after a failed collective: time for a rank whose crash broke it to be seen exited
+LOG_TAIL_LINES = 5
+
+
+class RankProcess:
+    """Rank r >= 1's process; its stderr goes to a file of its own, whose end is quoted when it exits."""
+
+    def __init__(self, rank: int, world_size: int, port: int, settings: str) -> None:
+        self.rank = rank
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deepinfer.core.distributed.rank_worker", str(rank), str(world_size), str(port),
+             str(torch.get_num_threads()), settings], stderr=self.log, start_new_session=True)
+
+    def exit_report(self) -> str | None:
+        """'tensor-parallel rank R exited (status S): the end of its stderr', or None while it runs."""
+        if self.process.poll() is None:
+            return None
+        self.log.seek(0)
+        tail = " | ".join(self.log.read().decode(errors="replace").strip().splitlines()[-LOG_TAIL_LINES:])
+        return f"tensor-parallel rank {self.rank} exited (status {self.process.returncode})" + (
+            f": {tail}" if tail else "")
+
+    def end(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Wait up to `timeout_s` for it to exit, then kill it."""
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
 
 
 def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -41,19 +74,18 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
                              f"torch sees {torch.cuda.device_count()}")
     port = free_port()
     settings = json.dumps(dataclasses.asdict(config), default=str)  # a model path may be a Path
-    ranks = [subprocess.Popen([sys.executable, "-m", "deepinfer.core.distributed.rank_worker", str(rank),
-                               str(world_size), str(port), str(torch.get_num_threads()), settings],
-                              start_new_session=True)
-             for rank in range(1, world_size)]
+    ranks = [RankProcess(rank, world_size, port, settings) for rank in range(1, world_size)]
     try:
         parallel = join_group(0, world_size, port, rank_device(config, 0) if device.type == "cuda" else device)
     except BaseException:
-        _end(ranks, timeout_s=0.0)
+        for rank in ranks:
+            rank.end(timeout_s=0.0)
         raise
     try:
         loaded = load_together(config, device, dtype, parallel)
     except BaseException:
-        _end(ranks)
+        for rank in ranks:
+            rank.end()
         leave_group()
         raise
     # The shard's spec: rank 0's head and channel counts (what its KV pool holds), the vocabulary whole.
@@ -64,11 +96,10 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
 class TensorParallelDriver(nn.Module):
     """The engine's model at TP=N: rank 0's shard (`shard`), whose every call the other ranks join."""
 
-    def __init__(self, shard: nn.Module, ranks: list[subprocess.Popen], device: torch.device,
-                 control_group) -> None:
+    def __init__(self, shard: nn.Module, ranks: list[RankProcess], device: torch.device, control_group) -> None:
         super().__init__()
         self.shard = shard
-        self._ranks = ranks
+        self.ranks = ranks
         self._channel = StepChannel(device, control_group)
         self._kv_cache = None  # the pool the other ranks hold a copy of
         self._open = True
@@ -104,21 +135,22 @@ class TensorParallelDriver(nn.Module):
     def _together(self):
         """Around a computation every rank joins: a rank gone, or a collective that failed (a rank that exited,
         one that hung past the timeout), closes the engine, since the ranks are out of step from then on."""
-        self._check_ranks()
+        if not self._open:
+            raise DeepInferError("the tensor-parallel engine is closed")
+        exited = self._exit_reports()
+        if exited:
+            self.close(out_of_step=True)
+            raise DeepInferError(f"{exited}; the engine cannot go on")
         try:
             yield
         except RuntimeError as err:
+            time.sleep(EXIT_GRACE_S)
+            exited = self._exit_reports()
             self.close(out_of_step=True)
-            raise DeepInferError(f"a tensor-parallel collective failed, the engine is closed: {err}") from err
+            raise DeepInferError(f"a tensor-parallel collective failed, the engine is closed: {exited or err}") from err
 
-    def _check_ranks(self) -> None:
-        if not self._open:
-            raise DeepInferError("the tensor-parallel engine is closed")
-        for rank, process in enumerate(self._ranks, start=1):
-            if process.poll() is not None:
-                self.close(out_of_step=True)
-                raise DeepInferError(f"tensor-parallel rank {rank} exited (status {process.returncode}); "
-                                     f"the engine cannot go on")
+    def _exit_reports(self) -> str:
+        return "; ".join(report for report in map(RankProcess.exit_report, self.ranks) if report is not None)
 
     def close(self, out_of_step: bool = False) -> None:
         """Stop the other ranks and leave the group (idempotent). `out_of_step`: a computation failed part-way,
@@ -128,22 +160,13 @@ class TensorParallelDriver(nn.Module):
         self._open = False
         atexit.unregister(self.close)
         if out_of_step:
-            for process in self._ranks:
-                process.kill()
+            for rank in self.ranks:
+                rank.process.kill()
         else:
             self._channel.send_stop()
-        _end(self._ranks)
+        for rank in self.ranks:
+            rank.end()
         leave_group()
-
-
-def _end(ranks: list[subprocess.Popen], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """Wait up to `timeout_s` for each rank to exit, then kill it."""
-    for process in ranks:
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def eager(decode_mode: str | None) -> str:
