@@ -43,7 +43,7 @@ class RankProcess:
 
     def __init__(self, rank: int, world_size: int, port: int, settings: str) -> None:
         self.rank = rank
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 -- lives as long as the rank; closed by end()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deepinfer.core.distributed.rank_worker", str(rank), str(world_size), str(port),
              str(torch.get_num_threads()), settings], stderr=self.log, start_new_session=True)

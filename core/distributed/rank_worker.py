@@ -44,7 +44,7 @@ def load_together(config: EngineConfig, device: torch.device, dtype: torch.dtype
     loaded, error = None, None
     try:
         loaded = load_model(config, device, dtype, parallel)
-    except Exception as err:  # reported to rank 0, which raises it
+    except Exception as err:  # noqa: BLE001 -- reported to rank 0, which raises it
         error = f"{type(err).__name__}: {err}"
         if not parallel.is_driver:
             traceback.print_exc()

@@ -15,6 +15,7 @@ header has the group's collective timeout.
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 
 import torch
@@ -84,7 +85,7 @@ class StepChannel:
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=starts.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
             block_tables=tables.to(torch.int32).view(requests, max_blocks),
-            query_lens=[b - a for a, b in zip(starts_host, starts_host[1:])], seq_lens_host=seq_lens_host,
+            query_lens=[b - a for a, b in itertools.pairwise(starts_host)], seq_lens_host=seq_lens_host,
             num_decodes=header[_DECODES], max_query_len=header[_MAX_QUERY], max_seq_len=header[_MAX_SEQ],
             fresh_tokens=header[_FRESH])
         return input_ids, positions, meta
