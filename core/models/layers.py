@@ -124,7 +124,7 @@ class Attention(nn.Module):
         self.qkv_sizes = (q_size, kv_size, kv_size)
         # A tensor-parallel rank whose KV heads' query groups it owns only in part computes copies of its own
         # heads in the other slots (core/distributed/shard_plan.py): [kept] slot indices, None = every slot.
-        self.kept_heads: torch.Tensor | None = None
+        self.register_buffer("kept_heads", None, persistent=False)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_weight_offset, dtype, device)
