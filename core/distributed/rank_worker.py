@@ -6,13 +6,17 @@ is itself a daemon process can start its ranks). It runs no scheduler, KV manage
 receives the step's inputs (core/distributed/step_message.py), runs its shard's forward on its own KV pool, and
 joins rank 0's collectives (all-reduces, the vocabulary gather). Its load succeeds or fails together with the
 other ranks' (`load_together`). It runs in a session of its own, so a terminal's Ctrl-C reaches rank 0 alone,
-which stops it (STOP, or its exit: a broken group, or a collective timed out, ends this rank with status 1).
+which stops it (STOP; a broken group or a collective timed out ends this rank with status 1, and so does rank
+0's process being gone, whatever this rank is doing: `exit_with_parent`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -27,6 +31,8 @@ from deepinfer.core.engine.worker.startup import DTYPES, resolve_dtype
 from deepinfer.core.errors import DeepInferError
 from deepinfer.core.kv.cache import QUANTIZATIONS, STORAGE_DTYPES, KVCache
 from deepinfer.core.models.loader import LoadedModel, load_model
+
+PARENT_CHECK_S = 1.0
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -100,7 +106,19 @@ def _follow(config: EngineConfig, model, device: torch.device, dtype: torch.dtyp
             raise DeepInferError(f"unknown tensor-parallel message {kind}")
 
 
+def exit_with_parent(parent: int) -> None:
+    """End this process once rank 0's (its parent) is gone, whatever it is doing: loading, or waiting for a peer
+    that will never come (a rank 0 killed before the group formed)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="deepinfer-rank-parent", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
+    exit_with_parent(os.getppid())
     rank, world_size, port, threads = map(int, argv[:4])
     config = EngineConfig(**json.loads(argv[4]))
     device = rank_device(config, rank)
