@@ -73,9 +73,12 @@ def test_tp_engine_generates_what_one_rank_does(uneven_llama, tensor_parallel_si
     assert_same_greedy(generate(uneven_llama, tensor_parallel_size), whole)
 
 
-def test_tp2_w4a16_engine_generates_what_one_rank_does(uneven_llama):
-    whole = generate(uneven_llama, 1, quantization="w4a16")
-    assert_same_greedy(generate(uneven_llama, 2, quantization="w4a16"), whole)
+@pytest.mark.parametrize("engine_args", [{"quantization": "w4a16"}, {"kv_cache_dtype": "int8"}],
+                         ids=["w4a16", "int8-kv"])
+def test_tp2_quantized_engine_generates_what_one_rank_does(uneven_llama, engine_args):
+    """Packed weights cut per rank; an int8 KV pool's per-head scales held by the rank that holds the head."""
+    whole = generate(uneven_llama, 1, **engine_args)
+    assert_same_greedy(generate(uneven_llama, 2, **engine_args), whole)
 
 
 def test_a_rank_that_dies_ends_the_engine_with_an_error(uneven_llama, caplog):
