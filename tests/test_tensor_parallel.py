@@ -237,3 +237,14 @@ def test_packed_mlp_shards_sum_to_the_whole_mlp(act_order):
         assert shard.down_proj.input_perm is None
         partials.append(shard(x))
     torch.testing.assert_close(partials[0] + partials[1], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_more_ranks_than_heads_is_refused_with_the_counts(tiny_llama_dir):
+    from deepinfer.core.distributed.parallel_context import ParallelContext
+    from deepinfer.core.distributed.shard_weights import shard_model
+    from deepinfer.core.errors import ModelLoadError
+    from deepinfer.core.models.loader import read_model
+
+    model = read_model(EngineConfig(str(tiny_llama_dir), device="cpu"), "cpu", torch.float32).model  # as read
+    with pytest.raises(ModelLoadError, match=r"cannot be split over 8 ranks \(4 query heads"):
+        shard_model(model, ParallelContext(0, 8))

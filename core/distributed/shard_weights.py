@@ -41,12 +41,16 @@ def shard_model(model: nn.Module, parallel: ParallelContext) -> None:
     spec = model.spec
     if model.model.layers and model.model.layers[0].self_attn.qkv_proj is not None:
         raise ModelLoadError("a tensor-parallel shard is cut before q/k/v and gate/up are merged")
-    heads = head_shard(spec.num_heads, spec.num_kv_heads, parallel.world_size, parallel.rank)
-    inner = None
-    for layer in model.model.layers:
-        shard_attention(layer.self_attn, heads, parallel)
-        inner = shard_mlp(layer.mlp, parallel)
-    start, end = vocab_range(spec.vocab_size, parallel.world_size, parallel.rank)
+    try:
+        heads = head_shard(spec.num_heads, spec.num_kv_heads, parallel.world_size, parallel.rank)
+        inner = None
+        for layer in model.model.layers:
+            shard_attention(layer.self_attn, heads, parallel)
+            inner = shard_mlp(layer.mlp, parallel)
+        start, end = vocab_range(spec.vocab_size, parallel.world_size, parallel.rank)
+    except ValueError as err:  # a count the ranks cannot share
+        raise ModelLoadError(f"the model cannot be split over {parallel.world_size} ranks "
+                             f"({spec.num_heads} query heads, {spec.intermediate_size} MLP channels): {err}") from None
     embed = model.model.embed_tokens
     model.model.embed_tokens = VocabParallelEmbedding(embed.weight[start:end].clone(), start, parallel)
     if model.lm_head is not None:
