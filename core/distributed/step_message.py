@@ -39,6 +39,14 @@ class StepChannel:
         self.device = device
         self.control_group = control_group if control_group is not None else dist.group.WORLD
         self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        # Grown to the largest step sent so far and reused, so a steady stream of steps allocates nothing.
+        self._payload = torch.empty(0, dtype=torch.int64, device=device)
+        self._hidden: torch.Tensor | None = None
+
+    def _payload_view(self, size: int) -> torch.Tensor:
+        if self._payload.numel() < size:
+            self._payload = torch.empty(max(size, 2 * self._payload.numel()), dtype=torch.int64, device=self.device)
+        return self._payload[:size]
 
     def _send_header(self, kind: int, *fields: int) -> None:
         self.header.copy_(torch.tensor([kind, *fields] + [0] * (HEADER_LEN - 1 - len(fields)), dtype=torch.int64))
@@ -67,7 +75,9 @@ class StepChannel:
                           meta.max_query_len, meta.max_seq_len, meta.fresh_tokens)
         parts = [input_ids[:tokens], positions[:tokens], meta.slot_mapping[:tokens], meta.query_start_loc,
                  meta.seq_lens, meta.block_tables.reshape(-1)]
-        dist.broadcast(torch.cat([part.to(torch.int64) for part in parts]), 0)
+        payload = self._payload_view(sum(part.numel() for part in parts))
+        torch.cat([part.to(torch.int64) for part in parts], out=payload)
+        dist.broadcast(payload, 0)
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         self._send_header(LOGITS, hidden.shape[0])
@@ -78,7 +88,7 @@ class StepChannel:
     def receive_forward(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens, requests, max_blocks = header[_T], header[_B], header[_M]
         sizes = [tokens, tokens, tokens, requests + 1, requests, requests * max_blocks]
-        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        payload = self._payload_view(sum(sizes))
         dist.broadcast(payload, 0)
         input_ids, positions, slots, starts, seq_lens, tables = payload.split(sizes)
         starts_host, seq_lens_host = starts.tolist(), seq_lens.tolist()
@@ -91,7 +101,11 @@ class StepChannel:
         return input_ids, positions, meta
 
     def receive_logits(self, header: list[int], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-        hidden = torch.empty(header[_ROWS], hidden_size, dtype=dtype, device=self.device)
+        rows = header[_ROWS]
+        if self._hidden is None or self._hidden.shape[0] < rows:
+            self._hidden = torch.empty(max(rows, 2 * (0 if self._hidden is None else self._hidden.shape[0])),
+                                       hidden_size, dtype=dtype, device=self.device)
+        hidden = self._hidden[:rows]
         dist.broadcast(hidden, 0)
         return hidden
 
