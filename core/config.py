@@ -51,6 +51,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # bounded waiting queue; beyond it add_request raises QueueFullError
 
     # Execution
+    # Ranks the model is split over (one process each, core/distributed): heads, MLP channels and vocabulary.
+    tensor_parallel_size: int = 1
     attention_backend: str = "auto"  # auto | torch | native
     enforce_eager: bool = False
     # Overlap the host's per-step work with the device: schedule and launch step N+1 while step N
@@ -90,6 +92,9 @@ class EngineConfig:
             (self.attention_backend in ("auto", "torch", "native"),
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.quantization in (None, "w4a16", "w3a16"), f"unknown quantization {self.quantization!r}"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.tensor_parallel_size == 1 or self.kv_cache_dtype != "fp8",
+             "kv_cache_dtype fp8 is not built for tensor_parallel_size > 1 (its scales are calibrated on one rank)"),
             (not self.dummy_weights or self.shape is not None or self.model is not None,
              "dummy_weights needs --shape NAME or a model config"),
         ]

@@ -66,10 +66,12 @@ class LLM:
             self.engine = LLMEngine(self.config)
 
     def shutdown(self) -> None:
-        """Stop the engine process (with `engine_process`; nothing to do otherwise)."""
+        """Stop the engine process (with `engine_process`), or a tensor-parallel engine's other ranks."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.run_until_complete(self.engine.shutdown())
             self._loop.close()
+        elif self._loop is None:
+            self.engine.close()
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:

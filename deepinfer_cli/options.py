@@ -68,6 +68,8 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
                                          commands=("chat", "serve", "concurrency")),  # jitter sweeps it
     "max_waiting_requests": EngineFlag("Bounded waiting queue; past it new requests are refused (the server "
                                        "answers HTTP 429)."),
+    "tensor_parallel_size": EngineFlag("Split the model over N ranks, one process each (GPUs cuda:0..N-1 from "
+                                       "--device, or the CPU): heads, MLP channels and vocabulary."),
     "attention_backend": EngineFlag("auto, torch or native (the CUDA kernels)."),
     "enforce_eager": EngineFlag("Never use CUDA graphs.", default_text="off"),
     "async_scheduling": EngineFlag("Schedule and launch each step while the previous one runs on the device "

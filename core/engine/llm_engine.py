@@ -52,6 +52,7 @@ import logging
 import time
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.distributed.driver import TensorParallelDriver, eager, start_tensor_parallel
 from deepinfer.core.engine.frontend.output_processor import OutputProcessor, RequestGroup
 from deepinfer.core.engine.frontend.outputs import RequestOutput
 from deepinfer.core.engine.frontend.request_checks import check_request
@@ -87,7 +88,10 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if loaded_model is None:
+        if loaded_model is None and config.tensor_parallel_size > 1:  # rank 0's shard, in the rank-0 driver
+            decode_mode = eager(decode_mode)
+            loaded_model = start_tensor_parallel(config, self.device, self.dtype)
+        elif loaded_model is None:
             loaded_model = load_model(config, self.device, self.dtype)
         elif config.quantization and not any(isinstance(m, QuantLinear) for m in loaded_model.model.modules()):
             raise DeepInferError(f"quantization {config.quantization!r} was asked for, but the given model is not "
@@ -122,6 +126,11 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # launched, not applied yet (async scheduling)
         self._ids = itertools.count()
         self.sampled: list[Request] = []  # the samples the last core_step gave a token
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (core/distributed/driver.py); nothing to do on one device."""
+        if isinstance(self.model, TensorParallelDriver):
+            self.model.close()
 
     # Requests ------------------------------------------------------------------------------------
 

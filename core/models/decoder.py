@@ -55,6 +55,8 @@ class DecoderModel(nn.Module):
             embed_scale = torch.tensor(spec.embedding_scale, dtype=torch.float32, device=device)
         self.register_buffer("embed_scale", embed_scale, persistent=False)
         self.attention_backend: Any = TorchPagedAttention()
+        # A tensor-parallel rank's place in its group (core/distributed); None on one device.
+        self.parallel: Any = None
 
     @classmethod
     def on_meta(cls, spec: ModelSpec, dtype: torch.dtype, device: Any, max_positions: int | None = None) -> DecoderModel:
@@ -87,6 +89,8 @@ class DecoderModel(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32 (Gemma 2's final softcap applied)."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = logits_head(hidden, head)
+        if self.parallel is not None:  # the rank's vocabulary slice: rank 0 gathers them whole
+            logits = self.parallel.gather_vocab(logits, self.spec.vocab_size)
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -127,6 +127,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype, device=device)
         self.qkv_proj: nn.Module | None = None  # [q | k | v], set by merge_projections
         self.qkv_sizes = (q_size, kv_size, kv_size)
+        # A tensor-parallel rank whose KV heads' query groups it owns only in part computes copies of its own
+        # heads in the other slots (core/distributed/shard_plan.py): [kept] slot indices, None = every slot.
+        self.register_buffer("kept_heads", None, persistent=False)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_weight_offset, dtype, device)
@@ -165,7 +168,9 @@ class Attention(nn.Module):
                                                 attn_metadata.slot_mapping, key_scales, value_scales)
         out = backend.forward(layer, query, key, value, attn_metadata, kv_cache, self.scale, self.sliding_window,
                               self.softcap, kv_written=True)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        if self.kept_heads is not None:
+            out = out.index_select(1, self.kept_heads)  # [T, kept, D]
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class DecoderLayer(nn.Module):

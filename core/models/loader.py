@@ -46,6 +46,8 @@ import torch
 from torch import nn
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.distributed.parallel_context import ParallelContext
+from deepinfer.core.distributed.shard_weights import shard_model
 from deepinfer.core.errors import ModelLoadError, UnsupportedModelError
 from deepinfer.core.models.assembly import check_complete, put_dense, put_layer
 from deepinfer.core.models.compaction import compact_weights
@@ -96,8 +98,10 @@ class LoadedModel:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
-def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
-    """The model `config` names, ready to run on `device` (see the module docstring)."""
+def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dtype,
+               parallel: ParallelContext | None = None) -> LoadedModel:
+    """The model `config` names, ready to run on `device` (see the module docstring); with `parallel`, a
+    tensor-parallel rank's shard of it, cut from what was read (core/distributed/shard_weights.py)."""
     device = torch.device(device)
     if config.quantization is None:
         loaded = read_model(config, device, dtype)
@@ -108,6 +112,8 @@ def load_model(config: EngineConfig, device: torch.device | str, dtype: torch.dt
     if config.tokenizer is not None:
         loaded = dataclasses.replace(loaded, tokenizer=load_given_tokenizer(Path(config.tokenizer).expanduser(),
                                                                             loaded.spec))
+    if parallel is not None:
+        shard_model(loaded.model, parallel)
     merge_projections(loaded.model)  # q/k/v and gate/up: one product each
     if device.type == "cuda":
         compact_weights(loaded.model, device)

@@ -58,6 +58,9 @@ class DataParallelClient:
         DeepInferError when a replica cannot start (the others are stopped)."""
         import torch
 
+        if config.tensor_parallel_size > 1:
+            raise DeepInferError("data_parallel_size > 1 with tensor_parallel_size > 1 is not built: each replica "
+                                 "would take the same GPUs")
         devices = replica_devices(config.device, num_replicas)
         cpu_threads = max(1, torch.get_num_threads() // num_replicas) if devices[0] == "cpu" else None
         configs = [dataclasses.replace(config, device=device) for device in devices]

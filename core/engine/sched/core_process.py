@@ -94,7 +94,10 @@ def run_engine_core(config: EngineConfig, clients: list[ClientSockets], cpu_thre
         for output in outputs:
             output.send(ready)
         tune_for_serving()
-        _serve(engine, inputs, outputs, codec, parent)
+        try:
+            _serve(engine, inputs, outputs, codec, parent)
+        finally:
+            engine.close()  # a tensor-parallel engine's other ranks
     finally:
         inputs.close(linger=0)
         for output in outputs:
