@@ -1,9 +1,11 @@
 """Top-1 and top-k logprob agreement of the INT8 and FP8 KV caches with the unquantized cache over long greedy
-generations of the default model (SmolLM2-135M-Instruct GGUF) on the CPU reference path.
+generations of the default model (SmolLM2-135M-Instruct GGUF), on the CPU reference path or a GPU's kernels.
 
-    python scripts/kv_cache_agreement.py [--tokens 1000] [--prompts 5] [--top-k 5] [--fp8-scale 1.0]
+    python scripts/kv_cache_agreement.py [--tokens 1000] [--prompts 5] [--top-k 5] [--fp8-scale 1.0] [--device cuda]
 
-The unquantized run (fp32 model, fp32 cache) decodes each prompt greedily, one token a step. Every cache, the
+On the CPU the model and the unquantized cache are fp32 and attention is the torch reference; on a GPU (--device
+cuda) they are bf16 and attention, the RoPE + cache write and the products run on the engine's kernels. The
+unquantized run decodes each prompt greedily, one token a step. Every cache, the
 unquantized one included, is then teacher-forced on the same tokens: one prefill of prompt + continuation over a
 fresh cache, so every position attends over that cache's K/V of the reference context. Two measures:
 
@@ -43,22 +45,29 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=5, help="reference tokens a position whose logprobs are compared")
     parser.add_argument("--fp8-scale", type=float, default=None,
                         help="every per-head K and V scale of the FP8 cache (default: calibrated as the engine does)")
+    parser.add_argument("--device", default="cpu", help="cpu (fp32, torch reference) or cuda (bf16, the kernels)")
     args = parser.parse_args()
 
     import torch
 
     from deepinfer.core.config import EngineConfig
+    from deepinfer.core.engine.worker.backends import choose_attention_backend
     from deepinfer.core.engine.worker.fp8_calibration import calibrate_fp8_scales
     from deepinfer.core.engine.worker.step_inputs import SequenceChunk, build_attention_metadata
     from deepinfer.core.kv.cache import KVCache
     from deepinfer.core.models.loader import load_model
     from deepinfer.core.weights.default_model import default_model_path
 
-    loaded = load_model(EngineConfig(model=str(default_model_path())), torch.device("cpu"), torch.float32)
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    loaded = load_model(EngineConfig(model=str(default_model_path())), device, dtype)
     model, spec, tokenizer = loaded.model, loaded.spec, loaded.tokenizer
+    # the kernels read every cache dtype the engine offers (DeepInferError where they cannot serve the model)
+    model.attention_backend = choose_attention_backend("auto" if device.type == "cpu" else "native", device, dtype,
+                                                       spec, dtype, BLOCK_SIZE)
 
     # the scales every FP8 cache below gets: [KVH] per layer, K then V
-    calibrated = KVCache(spec.num_layers, 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu",
+    calibrated = KVCache(spec.num_layers, 1, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, device,
                          quantized="fp8")
     if args.fp8_scale is None:
         calibrate_fp8_scales(model, tokenizer, calibrated, spec.max_position_embeddings)
@@ -69,7 +78,7 @@ def main() -> None:
 
     def fresh_cache(tokens: int, quantized: str | None) -> tuple[KVCache, int]:
         blocks = tokens // BLOCK_SIZE + 1
-        cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu",
+        cache = KVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, device,
                         quantized=quantized)
         if quantized == "fp8":
             for scales, chosen in zip((*cache.key_scales, *cache.value_scales), fp8_scales):
@@ -82,8 +91,8 @@ def main() -> None:
         tokens, ids, start = [], list(prompt), 0
         for _ in range(args.tokens):
             meta, positions = build_attention_metadata([SequenceChunk(list(range(blocks)), start, len(ids))],
-                                                       BLOCK_SIZE, "cpu")
-            row = model.compute_logits(model(torch.tensor(ids), positions, meta, cache)[-1:])[0]
+                                                       BLOCK_SIZE, device)
+            row = model.compute_logits(model(torch.tensor(ids, device=device), positions, meta, cache)[-1:])[0]
             start += len(ids)
             tokens.append(int(row.argmax()))
             ids = tokens[-1:]
@@ -94,8 +103,9 @@ def main() -> None:
         """[len(ids), vocab] log-softmax of one prefill of `ids` over a fresh cache."""
         cache, blocks = fresh_cache(len(ids), quantized)
         meta, positions = build_attention_metadata([SequenceChunk(list(range(blocks)), 0, len(ids))], BLOCK_SIZE,
-                                                   "cpu")
-        return torch.log_softmax(model.compute_logits(model(torch.tensor(ids), positions, meta, cache)).float(), -1)
+                                                   device)
+        logits = model.compute_logits(model(torch.tensor(ids, device=device), positions, meta, cache))
+        return torch.log_softmax(logits.float(), -1).cpu()
 
     quantized_labels = ("int8", "fp8")
     greedy_agree = dict.fromkeys(("unquantized prefill", *quantized_labels), 0)
@@ -106,7 +116,7 @@ def main() -> None:
     for question in PROMPTS[:args.prompts]:
         prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
         reference = greedy(prompt)
-        expected = torch.tensor(reference)
+        expected = torch.tensor(reference)  # on the CPU, with the log-softmaxes
         predicting = slice(len(prompt) - 1, -1)  # the rows that predict the continuation's tokens
         forced = forced_logprobs(prompt + reference, None)[predicting]  # [tokens, vocab]
         forced_top = forced.topk(args.top_k, -1)  # the unquantized prefill's top k a position
