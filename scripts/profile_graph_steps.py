@@ -5,7 +5,7 @@ replays run on padding rows (one-token contexts); the decoding streams' steps re
 The model is a dummy-weight W4A16 body of `--shape`, with CUDA graphs and async scheduling as `serve` runs it.
 
     python3 scripts/profile_graph_steps.py [--shape qwen2.5-3b] [--buckets 1,32,64] [--streams 1,64] [--dtype auto]
-                                           [--out DIR]
+                                           [--kv-cache-dtype auto] [--out DIR]
 
 Writes DIR/profile_graph_steps_<shape>-w4a16_<gpu>.json (with the environment block every results JSON
 carries) and a .txt of the same tables. Needs the package installed with its GPU extra.
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--buckets", default="1,32,64")
     parser.add_argument("--streams", default="1,64")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
 
@@ -40,7 +41,7 @@ def main() -> None:
     from deepinfer.core.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(dummy_weights=True, shape=args.shape, quantization="w4a16", max_model_len=4096, dtype=args.dtype,
-                                    kv_cache_memory="8GiB", max_num_seqs=64))
+                                    kv_cache_memory="8GiB", max_num_seqs=64, kv_cache_dtype=args.kv_cache_dtype))
     runner = engine.step_runner
     bound = runner.context_bounds[0]
     report: dict = {"shape": args.shape, "bound": bound, "buckets": {}}
