@@ -64,12 +64,6 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
-// Two 8x8 b16 matrices: lanes 0-15 supply the addresses of row i % 8 of matrix i / 8.
-__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* row) {
-  const u32 address = (u32)__cvta_generic_to_shared(row);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
-}
-
 template <int RT, int TT, int WN, int WK, int APW, int GS>
 struct FragTile {
   static constexpr int THREADS = 32 * WN * WK;
@@ -99,30 +93,11 @@ struct FragTile {
   static __device__ __forceinline__ uint2 entry(const unsigned char* stage, int tile, int slot, int g) {
     return *reinterpret_cast<const uint2*>(stage + S_OFFSET + ((tile * MAX_GROUPS + slot) * 8 + g) * 8);
   }
-  // Row g's scale entries of the CTA's row tile `tile0` from group slot `slot0`: entry_at's lane offset.
-  static __device__ __forceinline__ int entry_lane(int tile0, int slot0, int g) {
-    return S_OFFSET + ((tile0 * MAX_GROUPS + slot0) * 8 + g) * 8;
-  }
-  // The entry `tiles` row tiles and `slots` group slots on (both compile-time after unrolling: an immediate offset).
-  static __device__ __forceinline__ uint2 entry_at(const unsigned char* stage, int lane_offset, int tiles, int slots) {
-    return *reinterpret_cast<const uint2*>(stage + lane_offset + (tiles * MAX_GROUPS + slots) * 64);
-  }
   // B fragments of two k16 steps (k offset dk inside the stage) of token tile tt: ldmatrix.x4, lane i giving the
   // address of token 8 tt + i % 8 at k chunk dk / 8 + i / 8.
   static __device__ __forceinline__ void b_fragments(u32 (&b)[4], const unsigned char* stage, int tt, int dk,
                                                      int lane) {
     ldmatrix_x4(b, stage + x_offset(tt * 8 + (lane & 7), (dk >> 3) + (lane >> 3)));
-  }
-  // The B fragment of k16 step j of the atoms from k0 (a multiple of 64) of token tile tt: ldmatrix.x2, lane i
-  // (< 16) giving the address of token 8 tt + i % 8 at chunk c = k0 / 8 + 8 atom + 2 j + (i / 8) % 2, stored at
-  // c ^ (i % 8) = k0 / 8 + 8 atom + ((2 j + (i / 8) % 2) ^ (i % 8)) (2 j + 1 < 8): b_lane is the lane's offset of
-  // step j, and the atom and the token tile are immediate offsets.
-  static __device__ __forceinline__ int b_lane(int k0, int j, int lane) {
-    return X_OFFSET + (lane & 7) * X_ROW + 2 * k0 + ((((2 * j) + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
-  }
-  static __device__ __forceinline__ void b_fragment_at(u32 (&b)[2], const unsigned char* stage, int lane_offset,
-                                                       int tt, int atom) {
-    ldmatrix_x2(b, stage + lane_offset + tt * 8 * X_ROW + atom * 128);
   }
 };
 
@@ -151,27 +126,8 @@ __device__ __forceinline__ void zero(float (&a)[RT][TT][4]) {
       for (int e = 0; e < 4; ++e) a[r][tt][e] = 0.0f;
 }
 
-// part = A B: the first k16 step of a group, whose sums start from zero (HMMA's zero register, no cleared part).
-template <int DT>
-__device__ __forceinline__ void mma_first(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (DT == 1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  }
-}
-
-// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0 (CLEAR: where the
-// next group's first step does not overwrite it through mma_first).
-template <int RT, int TT, bool CLEAR = true>
+// acc += s * part for the rows' group scales (c0, c1: row g; c2, c3: row g + 8), then part = 0.
+template <int RT, int TT>
 __device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part)[RT][TT][4], const uint2 (&entry)[RT]) {
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
@@ -182,10 +138,8 @@ __device__ __forceinline__ void scale_into(float (&acc)[RT][TT][4], float (&part
       acc[r][tt][1] = fmaf(s_lo, part[r][tt][1], acc[r][tt][1]);
       acc[r][tt][2] = fmaf(s_hi, part[r][tt][2], acc[r][tt][2]);
       acc[r][tt][3] = fmaf(s_hi, part[r][tt][3], acc[r][tt][3]);
-      if constexpr (CLEAR) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
-      }
+      for (int e = 0; e < 4; ++e) part[r][tt][e] = 0.0f;
     }
   }
 }
@@ -232,44 +186,36 @@ struct FragCopies {
   static_assert(L::THREADS % (32 * L::ATOMS) == 0 && L::TILES % W_TILES_PASS == 0, "weight copy passes");
   static_assert(CHUNKS % X_CHUNKS_PASS == 0, "activation copy passes");
 
-  const uint4* frag;   // the weights (a kernel parameter: no registers)
-  u32 w_first;         // pass 0's atom at stage 0, in uint4 from frag
-  int w_pass;          // uint4 between passes (32-bit: one IMAD.WIDE an address)
+  const uint4* w_src;  // pass 0's atom at stage 0
+  size_t w_pass;       // uint4 between passes
   u32 w_valid;         // bit i: pass i's tile is inside N
-  int w_kb_end;        // the stages whose atom of the thread lies inside K: kb < w_kb_end
+  int w_atom;
   const u16* x_src;   // row tid % 8, chunk tid / 8 at stage 0
-  int x_block;         // elements between 8-row blocks
+  size_t x_block;      // elements between 8-row blocks
   u32 x_valid;         // bit i: block i's row is inside M
   int x_dst;           // shared-memory offset of block 0, chunk pass 0
-  int x_kb_end[X_CHUNK_PASSES];  // the stages whose chunk pass j lies inside K: kb < x_kb_end[j]
-  const uint2* sz;     // the scale entries (a kernel parameter: no registers)
-  u32 s_first[S_PASSES];  // pass i's entry of the stage's first group at stage 0, in uint2 from sz
+  int x_k;             // the thread's k offset in a stage (chunk pass 0)
+  const uint2* s_src[S_PASSES];
   u32 s_used;          // bit i: pass i copies an entry of the stage's groups
-  int s_groups[S_PASSES];  // pass i's entry exists where the stage's first group is below s_groups[i]
-
-  // Each bound test is one comparison with kb: kb * STEP + offset < limit, offset >= 0, as kb < ceil((limit -
-  // offset) / STEP).
-  static __device__ __forceinline__ int first_stage_past(int limit, int offset, int step) {
-    return limit > offset ? (limit - offset + step - 1) / step : 0;
-  }
+  int s_slot[S_PASSES];
+  int k_atoms, K, num_groups;
 
   __device__ __forceinline__ FragCopies(const uint4* __restrict__ frag, const uint2* __restrict__ sz,
-                                        const u16* __restrict__ x, int tile0, int tok0, int n_tiles, int k_atoms,
-                                        int M, int K, int num_groups, int stage_groups) : frag(frag), sz(sz) {
+                                        const u16* __restrict__ x, int tile0, int tok0, int n_tiles, int k_atoms_,
+                                        int M, int K_, int num_groups_, int stage_groups)
+      : k_atoms(k_atoms_), K(K_), num_groups(num_groups_) {
     const int tid = threadIdx.x;
-    const int w_atom = (tid >> 5) % L::ATOMS;
+    w_atom = (tid >> 5) % L::ATOMS;
     const int w_tile = tid / (32 * L::ATOMS);
-    w_first = ((u32)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
-    w_pass = W_TILES_PASS * k_atoms * 32;
-    w_kb_end = first_stage_past(k_atoms, w_atom, L::ATOMS);
+    w_src = frag + ((size_t)min(tile0 + w_tile, n_tiles - 1) * k_atoms + w_atom) * 32 + (tid & 31);
+    w_pass = (size_t)W_TILES_PASS * k_atoms * 32;
     w_valid = 0;
 #pragma unroll
     for (int i = 0; i < W_PASSES; ++i) w_valid |= (u32)(tile0 + w_tile + i * W_TILES_PASS < n_tiles) << i;
     const int x_row = tid & 7, chunk = tid >> 3;
-    x_src = x + (size_t)min(tok0 + x_row, M - 1) * K + chunk * 8;
-    x_block = 8 * K;
-#pragma unroll
-    for (int j = 0; j < X_CHUNK_PASSES; ++j) x_kb_end[j] = first_stage_past(K, chunk * 8 + j * X_CHUNKS_PASS * 8, L::BK);
+    x_k = chunk * 8;
+    x_src = x + (size_t)min(tok0 + x_row, M - 1) * K + x_k;
+    x_block = (size_t)8 * K;
     x_valid = 0;
 #pragma unroll
     for (int i = 0; i < X_ROW_PASSES; ++i) x_valid |= (u32)(tok0 + x_row + 8 * i < M) << i;
@@ -279,26 +225,26 @@ struct FragCopies {
     for (int i = 0; i < S_PASSES; ++i) {
       const int c = tid + i * L::THREADS;
       const int tile = c / (L::MAX_GROUPS * 4), slot = (c >> 2) % L::MAX_GROUPS;
-      s_groups[i] = num_groups - slot;
+      s_slot[i] = slot;
       s_used |= (u32)(c < S_COPIES && tile0 + tile < n_tiles && slot < stage_groups) << i;
-      s_first[i] = ((u32)min(tile0 + tile, n_tiles - 1) * num_groups + slot) * 8 + 2 * (c & 3);
+      s_src[i] = sz + ((size_t)min(tile0 + tile, n_tiles - 1) * num_groups + slot) * 8 + 2 * (c & 3);
     }
   }
 
   // Weights and scale entries of stage kb (no earlier kernel writes them).
   __device__ __forceinline__ void weights(unsigned char* stage, int kb, int group_shift) const {
-    const bool atom_valid = kb < w_kb_end;
-    const u32 first = w_first + kb * (L::ATOMS * 32);
+    const bool atom_valid = kb * L::ATOMS + w_atom < k_atoms;
+    const uint4* src = w_src + (size_t)kb * (L::ATOMS * 32);
 #pragma unroll
     for (int i = 0; i < W_PASSES; ++i)
-      cp_async16(stage + L::W_OFFSET + (threadIdx.x + i * L::THREADS) * 16, frag + (first + i * w_pass),
+      cp_async16(stage + L::W_OFFSET + (threadIdx.x + i * L::THREADS) * 16, src + i * w_pass,
                  atom_valid && ((w_valid >> i) & 1));
     const int group0 = (kb * L::BK) >> group_shift;
 #pragma unroll
     for (int i = 0; i < S_PASSES; ++i)
       if ((s_used >> i) & 1)
-        cp_async16(stage + L::S_OFFSET + (threadIdx.x + i * L::THREADS) * 16, sz + (s_first[i] + group0 * 8),
-                   group0 < s_groups[i]);
+        cp_async16(stage + L::S_OFFSET + (threadIdx.x + i * L::THREADS) * 16, s_src[i] + (size_t)group0 * 8,
+                   group0 + s_slot[i] < num_groups);
   }
 
   // Activations of stage kb (an earlier kernel's output: only after the PDL wait).
@@ -306,7 +252,7 @@ struct FragCopies {
     const u16* src = x_src + (size_t)kb * L::BK;
 #pragma unroll
     for (int j = 0; j < X_CHUNK_PASSES; ++j) {
-      const bool k_valid = kb < x_kb_end[j];
+      const bool k_valid = kb * L::BK + x_k + j * X_CHUNKS_PASS * 8 < K;
       const u16* row_src = src + j * X_CHUNKS_PASS * 8;
 #pragma unroll
       for (int i = 0; i < X_ROW_PASSES; ++i) {

@@ -25,15 +25,12 @@
 // (kernels/w4_fragment_gemm.py: interleave_gate_up), written as act(gate) * up [M, N / 2].
 //
 // GS: the group size in k16 steps where a group lies inside one warp's APW atoms of a stage (2: G = 32, 4: 64, 8:
-// 128, 16: 256 with APW = 4), so the group sums are scaled at fixed steps and each group's first step writes its
-// sums afresh (mma_first); 0: groups span more than a warp's atoms (G > 64 APW, or one group a row), scaled when the
-// next stage's atoms start another group and at the end.
+// 128 with APW = 4), so the group sums are scaled at fixed steps; 0: groups span a warp's atoms (G >= 64 APW, or one
+// group a row), scaled when the next stage's atoms start another group and at the end.
 #include "w4_fragment.cuh"
 
-// CTAs of 8 warps or more are built for two an SM (at most 128 registers a thread): 16 warps an SM to hide the
-// latency of the stage's loads and unpacking, where two CTAs of 4 warps leave 8.
 template <int DT, int RT, int TT, int WN, int WK, int APW, int GS, int STAGES, int ACT>
-__global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragment_gemm_kernel(
+__global__ void __launch_bounds__(32 * WN * WK) w4_fragment_gemm_kernel(
     const u16* __restrict__ x,       // [M, K] activations, DT
     const uint4* __restrict__ frag,  // [N_tiles, K_atoms, 32] fragment words
     const uint2* __restrict__ sz,    // [N_tiles, num_groups, 8] (fp16 scale pair, DT zero pair)
@@ -70,12 +67,6 @@ __global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragmen
   float acc[RT][TT][4], part[RT][TT][4];
   zero(acc);
   zero(part);
-  // The warp's lane offsets into a stage: its scale entries (row tiles wn RT.., the group slot of its first atom)
-  // and its B fragments (steps 0-3 of its atoms).
-  const int warp_k = wk * APW * 64;
-  const int entry_offset = L::entry_lane(wn * RT, GS == 0 ? warp_k >> groups.slot_shift : warp_k / (16 * GS), g);
-  const int b_offset[4] = {L::b_lane(warp_k, 0, lane), L::b_lane(warp_k, 1, lane), L::b_lane(warp_k, 2, lane),
-                           L::b_lane(warp_k, 3, lane)};
 
   int read_slot = 0, fill_slot = STAGES - 1;  // the stage read now and the one refilled (step % STAGES, ...)
   for (int step = 0; step < steps; ++step) {
@@ -100,30 +91,26 @@ __global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragmen
       for (int r = 0; r < RT; ++r) w[ai][r] = L::words(stage, wn * RT + r, wk * APW + ai, lane);
 
     uint2 entry[RT];  // the scale entries of the current group
-    u32 b[TT][2];     // B fragments of step s (ldmatrix.x2: the registers of one step live at a time)
+    u32 b[TT][4];     // B fragments of steps s and s + 1 (s even): b0, b1 of s, then of s + 1
 #pragma unroll
     for (int s = 0; s < L::STEPS; ++s) {
       const int ai = s >> 2, j = s & 3;
-      const bool group_start = GS == 0 ? s == 0 : s % GS == 0;
-      if (group_start) {  // a new group: its scale entries (GS 0: the warp's atoms lie in one group)
+      const int dk = (wk * APW + ai) * 64 + 16 * j;  // k offset of the step inside the stage
+      if (GS == 0 ? s == 0 : s % GS == 0) {  // a new group: its scale entries
 #pragma unroll
-        for (int r = 0; r < RT; ++r) entry[r] = L::entry_at(stage, entry_offset, r, GS == 0 ? 0 : s / GS);
+        for (int r = 0; r < RT; ++r) entry[r] = L::entry(stage, wn * RT + r, dk >> groups.slot_shift, g);
       }
+      if ((s & 1) == 0) {
 #pragma unroll
-      for (int tt = 0; tt < TT; ++tt) L::b_fragment_at(b[tt], stage, b_offset[j], tt, ai);
+        for (int tt = 0; tt < TT; ++tt) L::b_fragments(b[tt], stage, tt, dk, lane);
+      }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
         u32 a[4];
         FragDequant<DT>(entry[r].y).unpack(step_word(w[ai][r], j), a);
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-          const u32 b0 = b[tt][0], b1 = b[tt][1];
-          if (GS > 0 && group_start) {
-            mma_first<DT>(part[r][tt], a, b0, b1);
-          } else {
-            Num<DT>::mma(part[r][tt], a[0], a[1], a[2], a[3], b0, b1);
-          }
-        }
+        for (int tt = 0; tt < TT; ++tt)
+          Num<DT>::mma(part[r][tt], a[0], a[1], a[2], a[3], b[tt][2 * (s & 1)], b[tt][2 * (s & 1) + 1]);
       }
       bool flush;
       if constexpr (GS > 0) {
@@ -132,7 +119,7 @@ __global__ void __launch_bounds__(32 * WN * WK, WN * WK >= 8 ? 2 : 1) w4_fragmen
         flush = s == L::STEPS - 1 &&
                 (step + 1 == steps || ((k_stage + L::BK) >> group_shift) != (k_stage >> group_shift));
       }
-      if (flush) scale_into<RT, TT, GS == 0>(acc, part, entry);
+      if (flush) scale_into(acc, part, entry);
     }
   }
   cp_async_wait<0>();

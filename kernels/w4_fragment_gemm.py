@@ -68,9 +68,8 @@ class FragmentConfig:
         return 64 * self.apw * self.wk
 
     def group_steps(self, group_size: int, in_features: int) -> int:
-        """The kernel's GS: k16 steps a group where it lies inside a warp's atoms of a stage (up to all of them), else
-        0."""
-        if group_size >= in_features or group_size > 64 * self.apw:
+        """The kernel's GS: k16 steps a group where it lies inside a warp's atoms of a stage, else 0."""
+        if group_size >= in_features or group_size >= 64 * self.apw:
             return 0
         return group_size // 16
 
@@ -248,14 +247,11 @@ def dequantize_fragments(weight: FragmentWeight, dtype: torch.dtype) -> torch.Te
     return out[:n_idx, :k_idx].to(torch.float32)
 
 
-# The launch shapes, 256 k a stage. Up to 16 tokens 4 warps side by side along N, one row tile and 4 atoms a warp
-# (64-row CTAs, 50-66 KiB of shared memory: 3-4 CTAs an SM). At 17-32 tokens 128-row CTAs of two row tiles a warp
-# (a 64-row CTA's activation copies cost more issue slots than the budget, scripts/sass_budget.py): plan's shape has
-# 8 warps, 4 along N by 2 along K (2 atoms each, the K halves added at the end), 3 stages of 35 KiB and at most
-# 128 registers a thread, so two CTAs an SM run 16 warps where the 4-warp shapes after it (all 4 atoms a warp; 3 or
-# 2 stages) run 8. More than 32 tokens run as 32-token tiles along grid.y.
+# The launch shapes: 4 warps side by side along N, each with 4 atoms (256 k) a stage. Up to 16 tokens one row tile a
+# warp (64-row CTAs, 50-66 KiB of shared memory: 3-4 CTAs an SM); at 32 tokens two (128-row CTAs: a 64-row CTA's
+# activation copies cost more issue slots than the budget, scripts/sass_budget.py), 3 or 2 stages (2 CTAs an SM).
+# More than 32 tokens run as 32-token tiles along grid.y.
 CONFIGS = (FragmentConfig(rt=1, tt=1, wn=4, wk=1, apw=4, stages=4), FragmentConfig(rt=1, tt=2, wn=4, wk=1, apw=4, stages=4),
-           FragmentConfig(rt=2, tt=4, wn=4, wk=2, apw=2, stages=3),
            FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=3), FragmentConfig(rt=2, tt=4, wn=4, wk=1, apw=4, stages=2))
 
 
@@ -276,10 +272,9 @@ def plan(num_tokens: int, out_features: int, in_features: int, device_index: int
 
 def instantiations() -> tuple[str, ...]:
     """Every launch shape for both dtypes: the product at every group-step variant, the fused activations at those
-    of G >= 128 (the table's; compiled ahead by validate-kernels, the others on first use). Each with one group a
-    row (GS 0)."""
+    of G >= 128 (the table's; compiled ahead by validate-kernels, the others on first use)."""
     def steps(config: FragmentConfig, group_sizes: tuple[int, ...]) -> list[int]:
-        return sorted({0, *(config.group_steps(g, 1 << 20) for g in group_sizes)})
+        return sorted({config.group_steps(g, 1 << 20) for g in group_sizes})
     return tuple(name for config in CONFIGS for dt in (0, 1)
                  for name in (*(config.name(dt, gs) for gs in steps(config, (32, 64, 128, 256))),
                               *(config.name(dt, gs, act) for gs in steps(config, (128, 256))

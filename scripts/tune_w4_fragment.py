@@ -3,8 +3,7 @@
 For each (shape, token count): every FragmentConfig that holds the tokens in one CTA row (kernels/w4_fragment_gemm.py
 CONFIGS) at K splits 1, 2, 4, 8, 16 (at most half the stages) and at the plan's split, each a CUDA graph of launches
 over enough weight copies to leave the L2 (core/bench/gemv_bench.time_graph); the floor is the packed bytes over the
-copy bandwidth measured in the same run. `plan`'s choices come from this sweep. Each line gives the plan's time and
-each launch shape's fastest (us, share of the floor, its splits).
+copy bandwidth measured in the same run. `plan`'s choices come from this sweep.
 
 With --batch, the 33-128-token kernel instead (kernels/w4_fragment_batch.py): each wide wgmma launch shape (SM90) at
 the CTA count its plan gives.
@@ -57,14 +56,8 @@ def sweep_point(weights, x, outs, device_index) -> dict:
 
             times[f"{config.label}/splits={splits}"] = time_graph(launch_all, len(weights), 3, x.device)[0]
     best = min(times, key=times.get)
-    by_config = {}  # each launch shape at its fastest split
-    for key, us in times.items():
-        label = key.split("/")[0]
-        if label not in by_config or us < times[by_config[label]]:
-            by_config[label] = key
     return {"us": times, "best": best, "best_us": times[best], "plan": f"{planned.label}/splits={planned_splits}",
-            "plan_us": times.get(f"{planned.label}/splits={planned_splits}"),
-            "config_best": {label: {"at": key, "us": times[key]} for label, key in by_config.items()}}
+            "plan_us": times.get(f"{planned.label}/splits={planned_splits}")}
 
 
 # The batch kernel's wide SM90 shapes, 64- and 48-token blocks: the ones its plan chooses between.
@@ -122,12 +115,9 @@ def main() -> None:
                                      for label, us in point["us"].items())
                     print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f}: {times}", flush=True)
                 else:
-                    shapes_us = " | ".join(f"{label.removeprefix('frag<')[:-1]} {best['us']:.1f} "
-                                           f"{100 * floor_us / best['us']:.0f}% s{best['at'].split('=')[1]}"
-                                           for label, best in point["config_best"].items())
-                    print(f"{in_features}x{out_features} M={num_tokens} floor {floor_us:.1f} | {shapes_us} | plan "
-                          f"{point['plan'].removeprefix('frag<').replace('>/splits=', ' s')} "
-                          f"{point['plan_us'] or float('nan'):.1f}", flush=True)
+                    print(f"{model} {in_features}x{out_features} M={num_tokens}: floor {floor_us:.1f} us, plan "
+                          f"{point['plan']} {point['plan_us'] or float('nan'):.1f}, best {point['best']} "
+                          f"{point['best_us']:.1f}", flush=True)
             del weights
             torch.cuda.empty_cache()
     payload = {"env": env_info(sys.argv), "copy_gbps": bandwidth, "rows": rows}

@@ -92,21 +92,6 @@ def test_plan_picks_a_launch_shape_it_compiles_and_splits_k_within_its_stages(mo
             assert config.shared_bytes(2) <= 227 * 1024
 
 
-def test_17_to_32_tokens_plan_the_8_warp_shape_two_ctas_an_sm(monkeypatch):
-    monkeypatch.setattr(fragment, "_num_sms", lambda index: 132)
-    for tokens in (17, 32, 64):
-        config, splits = fragment.plan(tokens, 22016, 2048, 0)
-        assert (config.wn, config.wk, config.rt, config.tokens, config.bk) == (4, 2, 2, 32, 256)
-        assert config.threads == 256
-        for g in (32, 64, 128, 256, 2048):
-            assert 2 * (config.shared_bytes(config.group_steps(g, 2048)) + 1024) <= 227 * 1024
-    # G = 128 is the 8-warp shape's 2 atoms a warp (scaled at fixed steps); larger groups span them
-    assert [config.group_steps(g, 4096) for g in (32, 64, 128, 256, 4096)] == [2, 4, 8, 0, 0]
-    # 172 CTAs of 128 rows: one wave of two an SM holds them once
-    assert fragment.plan(32, 22016, 2048, 0)[1] == 1
-    assert fragment.plan(32, 3584, 18944, 0)[1] == 9  # 28 CTAs: 264 // 28
-
-
 def test_a_weight_that_keeps_one_form_or_has_float_zeros_runs_on_the_next_row(monkeypatch):
     """The fragment rows' launchers: a weight prepared without its fragment copy (a memory budget) or one the layout
     cannot hold (float zero points) goes to the row that would serve the shape without the fragment kernels, and so

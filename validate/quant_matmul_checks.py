@@ -207,7 +207,6 @@ FRAGMENT_CASES = (
     (13, 2048, 11008, 128, None, False),
     (16, 200, 1344, 64, 3, True),
     (24, 22016, 2048, 128, None, False),
-    (20, 1000, 3136, 64, None, True),  # G = 64 on the 17-32-token shape, K = 12.25 stages
     (32, 2560, 4160, 4160, 5, True),  # one group a row, K = 16.25 stages
     (29, 40, 160, 32, None, False),   # a partial row tile, K not a multiple of an atom
     (100, 3584, 3584, 256, 2, True),  # 32-token tiles along grid.y
