@@ -42,6 +42,9 @@ class DetokenizerStep:
 
 
 class IncrementalDetokenizer:
+    __slots__ = ("_max_tokens", "_stop_token_ids", "_ending_token_ids", "_stop_matcher", "_decoder",
+                 "num_tokens", "pieces", "_held_text", "finish_reason", "stop_reason")
+
     def __init__(
         self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: set[int]
     ) -> None:
@@ -53,9 +56,10 @@ class IncrementalDetokenizer:
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._decoder = _stream_decoder(tokenizer, context, params.skip_special_tokens) or _WindowDecoder(
             tokenizer, context, params.skip_special_tokens)
-        self.output_token_ids: list[int] = []
-        self._text = ""  # decoded output text, cut at a stop string once one is found
-        self._num_streamed = 0  # characters of _text already returned as deltas
+        self.num_tokens = 0  # output tokens taken
+        self.pieces: list[str] = []  # the deltas returned, in order (the text is their join)
+        # Decoded text not returned yet (with stop strings only): a tail that could still grow into a stop.
+        self._held_text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
@@ -66,7 +70,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """The text streamed so far (all deltas joined); the whole output text once finished."""
-        return self._text[: self._num_streamed]
+        return "".join(self.pieces)
 
     def append(self, token_id: int) -> DetokenizerStep:
         """Takes the next sampled token; returns the text it releases and whether the sample ended."""
@@ -78,39 +82,38 @@ class IncrementalDetokenizer:
         token releases; `finish_reason` and `stop_reason` say whether and why the sample ended."""
         if self.finish_reason is not None:
             raise RuntimeError(f"detokenizer: token {token_id} appended after finish ({self.finish_reason})")
-        output_ids = self.output_token_ids
-        output_ids.append(token_id)
-        text = self._text
-        text_len_before = len(text)
-        decoder = self._decoder
+        self.num_tokens += 1
         if token_id in self._ending_token_ids:
             # The stop token's own text is not part of the output.
-            text += decoder.flush()
+            new_text = self._decoder.flush()
             self.finish_reason = "stop"
             self.stop_reason = token_id if token_id in self._stop_token_ids else None
         else:
-            text += decoder.next(token_id)
-            if len(output_ids) >= self._max_tokens:
-                text += decoder.flush()
+            new_text = self._decoder.next(token_id)
+            if self.num_tokens >= self._max_tokens:
+                new_text += self._decoder.flush()
                 self.finish_reason = "length"
         matcher = self._stop_matcher
-        if matcher is None:
-            end = len(text)
-        else:
-            if len(text) != text_len_before:
-                # Only the new text goes to the matcher; the text is cut before the earliest stop it completes.
-                match = matcher.feed(text[text_len_before:])
+        if matcher is not None:
+            # Of the held text and the new, what can be streamed: cut before the earliest stop string the new
+            # text completes, less a tail that could still grow into one (held until it is resolved).
+            text = self._held_text + new_text
+            if new_text:
+                # Only the new text goes to the matcher. Its match offsets count from the output's start, and
+                # a stop never starts inside the streamed text (that was held), so it cuts inside `text`.
+                streamed_len = matcher.text_len - len(self._held_text)
+                match = matcher.feed(new_text)
                 if match is not None:
-                    text = text[:match[0]]
+                    text = text[:match[0] - streamed_len]
                     self.finish_reason, self.stop_reason = "stop", match[1]
-            # Hold back a tail that could still grow into a stop string, until it is resolved.
             end = len(text) if self.finish_reason is not None else len(text) - matcher.held_back
-        self._text = text
-        streamed = self._num_streamed
-        if end <= streamed:
-            return ""
-        self._num_streamed = end
-        return text[streamed:end]
+            if end <= 0:
+                self._held_text = text
+                return ""
+            self._held_text, new_text = text[end:], text[:end]
+        if new_text:
+            self.pieces.append(new_text)
+        return new_text
 
 
 class _WindowDecoder:
@@ -150,28 +153,34 @@ class _StreamDecoder:
     """The same window inside the `tokenizers` library (DecodeStream); it keeps the ids not decoded yet
     so that `flush` can still give an incomplete character's text, as the Python window does."""
 
+    __slots__ = ("_backend", "_skip_special_tokens", "_step", "_ids", "_last_start", "_pending_start")
+
     def __init__(self, backend, context: list[int], skip_special_tokens: bool) -> None:
         self._backend = backend
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._last_ids = context  # the ids of the last text returned (context for a flush)
-        self._pending_ids: list[int] = []  # ids whose text the stream still holds
+        self._step = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens).step
+        # Context and output ids; [_last_start:_pending_start] made the last text returned (a flush's
+        # context), [_pending_start:] are the ids whose text the stream still holds.
+        self._ids = context
+        self._last_start, self._pending_start = 0, len(context)
 
     def next(self, token_id: int) -> str:
-        text = self._stream.step(self._backend, token_id)
-        self._pending_ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
+        text = self._step(self._backend, token_id)
         if text is None:
             return ""
-        self._last_ids, self._pending_ids = self._pending_ids, []
+        self._last_start, self._pending_start = self._pending_start, len(ids)
         return text
 
     def flush(self) -> str:
-        if not self._pending_ids:
+        ids, start = self._ids, self._pending_start
+        if start == len(ids):
             return ""
-        decode = self._backend.decode
-        context = decode(self._last_ids, skip_special_tokens=self._skip_special_tokens)
-        text = decode(self._last_ids + self._pending_ids, skip_special_tokens=self._skip_special_tokens)
-        self._last_ids, self._pending_ids = self._last_ids + self._pending_ids, []
+        decode, skip = self._backend.decode, self._skip_special_tokens
+        context = decode(ids[self._last_start:start], skip_special_tokens=skip)
+        text = decode(ids[self._last_start:], skip_special_tokens=skip)
+        self._pending_start = len(ids)
         return text[len(context):]
 
 
