@@ -22,9 +22,10 @@ has it; core.tokenizer.Tokenizer must expose the same).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from deepinfer.core.engine.frontend.stop_strings import StopStringMatcher
 from deepinfer.core.engine.sampling_params import SamplingParams
@@ -184,14 +185,96 @@ class _StreamDecoder:
         return text[len(context):]
 
 
-def _stream_decoder(tokenizer, context: list[int], skip_special_tokens: bool) -> _StreamDecoder | None:
-    """A _StreamDecoder when `tokenizer` (core.tokenizer.Tokenizer or an HF tokenizer) has a `tokenizers`
-    backend whose decode the stream reproduces (no clean-up of spaces after decoding), and the prompt
-    context decodes to whole characters."""
+class _ByteLevelDecoder:
+    """The library stream's deltas for a byte-level BPE tokenizer (GPT-2 style: Qwen, Llama 3, SmolLM), from
+    tables instead of a library call per token. Its decoder maps each token to bytes on its own (the
+    characters of its byte alphabet, else the token's UTF-8) and decodes their concatenation as lossy UTF-8,
+    so a token whose bytes are whole characters after a complete text adds exactly its own text: one list
+    index. Bytes that end mid-character wait (as the stream holds them) until a later token completes them."""
+
+    __slots__ = ("_texts", "_bytes", "_pending")
+
+    def __init__(self, table: _ByteLevelTable) -> None:
+        self._texts, self._bytes = table.texts, table.token_bytes
+        self._pending = b""  # bytes not returned yet: they end mid-character
+
+    def next(self, token_id: int) -> str:
+        try:
+            text = self._texts[token_id]
+        except IndexError:  # an id past the vocabulary decodes to nothing, as in the library
+            return ""
+        if text is not None and not self._pending:
+            return text
+        self._pending += self._bytes[token_id]
+        text = self._pending.decode("utf-8", "replace")
+        if text.endswith("\ufffd"):  # the stream's test: what it decodes may still complete a character
+            return ""
+        self._pending = b""
+        return text
+
+    def flush(self) -> str:
+        text, self._pending = self._pending.decode("utf-8", "replace"), b""
+        return text
+
+
+class _ByteLevelTable:
+    """[vocabulary] per id: `token_bytes` its bytes under the byte-level decoder (b"" for a special token
+    skipped), `texts` their text where that is whole characters not ending in U+FFFD, else None. Built once per
+    tokenizer and skip_special_tokens (about 0.1 s for 150k ids)."""
+
+    def __init__(self, backend, skip_special_tokens: bool) -> None:
+        byte_of = {char: byte for byte, char in _byte_alphabet().items()}
+        skipped = {i for i, token in backend.get_added_tokens_decoder().items() if token.special} \
+            if skip_special_tokens else set()
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.token_bytes: list[bytes] = [b""] * (max(vocab.values(), default=-1) + 1)
+        for token, token_id in vocab.items():
+            if token_id not in skipped:
+                try:
+                    self.token_bytes[token_id] = bytes(byte_of[char] for char in token)
+                except KeyError:  # a character outside the byte alphabet (an added token): its UTF-8
+                    self.token_bytes[token_id] = token.encode("utf-8")
+        self.texts: list[str | None] = []
+        for piece in self.token_bytes:
+            text = piece.decode("utf-8", "replace")
+            self.texts.append(None if text.endswith("\ufffd") or text.encode("utf-8") != piece else text)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level BPE vocabularies are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# (backend, skip_special_tokens) -> its table, while the tokenizer lives
+_BYTE_LEVEL_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _byte_level_table(backend, skip_special_tokens: bool) -> _ByteLevelTable:
+    tables = _BYTE_LEVEL_TABLES.setdefault(backend, {})
+    if skip_special_tokens not in tables:
+        tables[skip_special_tokens] = _ByteLevelTable(backend, skip_special_tokens)
+    return tables[skip_special_tokens]
+
+
+def _stream_decoder(tokenizer, context: list[int], skip_special_tokens: bool
+                    ) -> _ByteLevelDecoder | _StreamDecoder | None:
+    """A decoder of the library stream's deltas when `tokenizer` (core.tokenizer.Tokenizer or an HF tokenizer)
+    has a `tokenizers` backend whose decode the stream reproduces (no clean-up of spaces after decoding), and
+    the prompt context decodes to whole characters: the tables of a byte-level decoder, else the stream."""
     hf_tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", False):
         return None
     if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
         return None  # a context ending mid-character: the stream would give the context's text as output
+    if isinstance(backend.decoder, ByteLevel):
+        return _ByteLevelDecoder(_byte_level_table(backend, skip_special_tokens))
     return _StreamDecoder(backend, context, skip_special_tokens)
