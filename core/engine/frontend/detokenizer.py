@@ -43,8 +43,18 @@ class DetokenizerStep:
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_max_tokens", "_stop_token_ids", "_ending_token_ids", "_stop_matcher", "_decoder",
-                 "num_tokens", "pieces", "_held_text", "finish_reason", "stop_reason")
+    __slots__ = (
+        "_decoder",
+        "_ending_token_ids",
+        "_held_text",
+        "_max_tokens",
+        "_stop_matcher",
+        "_stop_token_ids",
+        "finish_reason",
+        "num_tokens",
+        "pieces",
+        "stop_reason",
+    )
 
     def __init__(
         self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: set[int]
@@ -154,7 +164,7 @@ class _StreamDecoder:
     """The same window inside the `tokenizers` library (DecodeStream); it keeps the ids not decoded yet
     so that `flush` can still give an incomplete character's text, as the Python window does."""
 
-    __slots__ = ("_backend", "_skip_special_tokens", "_step", "_ids", "_last_start", "_pending_start")
+    __slots__ = ("_backend", "_ids", "_last_start", "_pending_start", "_skip_special_tokens", "_step")
 
     def __init__(self, backend, context: list[int], skip_special_tokens: bool) -> None:
         self._backend = backend
@@ -192,7 +202,7 @@ class _ByteLevelDecoder:
     so a token whose bytes are whole characters after a complete text adds exactly its own text: one list
     index. Bytes that end mid-character wait (as the stream holds them) until a later token completes them."""
 
-    __slots__ = ("_texts", "_bytes", "_pending")
+    __slots__ = ("_bytes", "_pending", "_texts")
 
     def __init__(self, table: _ByteLevelTable) -> None:
         self._texts, self._bytes = table.texts, table.token_bytes
