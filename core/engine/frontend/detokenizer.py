@@ -230,19 +230,19 @@ class _ByteLevelDecoder:
 class _ByteLevelTable:
     """[vocabulary] per id: `token_bytes` its bytes under the byte-level decoder (b"" for a special token
     skipped), `texts` their text where that is whole characters not ending in U+FFFD, else None. Built once per
-    tokenizer and skip_special_tokens (about 0.1 s for 150k ids)."""
+    tokenizer and skip_special_tokens, when the output processor starts (tens of ms for 150k ids)."""
 
     def __init__(self, backend, skip_special_tokens: bool) -> None:
-        byte_of = {char: byte for byte, char in _byte_alphabet().items()}
         skipped = {i for i, token in backend.get_added_tokens_decoder().items() if token.special} \
             if skip_special_tokens else set()
         vocab = backend.get_vocab(with_added_tokens=True)
         self.token_bytes: list[bytes] = [b""] * (max(vocab.values(), default=-1) + 1)
+        to_latin1 = _ALPHABET_TO_LATIN1
         for token, token_id in vocab.items():
             if token_id not in skipped:
                 try:
-                    self.token_bytes[token_id] = bytes(byte_of[char] for char in token)
-                except KeyError:  # a character outside the byte alphabet (an added token): its UTF-8
+                    self.token_bytes[token_id] = token.translate(to_latin1).encode("latin-1")
+                except UnicodeEncodeError:  # a character outside the byte alphabet (an added token): its UTF-8
                     self.token_bytes[token_id] = token.encode("utf-8")
         self.texts: list[str | None] = []
         for piece in self.token_bytes:
@@ -263,8 +263,23 @@ def _byte_alphabet() -> dict[int, str]:
     return chars
 
 
+# str.translate table: each alphabet character -> the character of its byte's Latin-1 code (so that
+# .encode("latin-1") gives the bytes), every other character below 256 -> one Latin-1 cannot encode.
+_ALPHABET_TO_LATIN1 = {**{code: "\uffff" for code in range(256)},
+                       **{ord(char): chr(byte) for byte, char in _byte_alphabet().items()}}
+
+
 # (backend, skip_special_tokens) -> its table, while the tokenizer lives
 _BYTE_LEVEL_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare_tables(tokenizer) -> None:
+    """Build the byte-level tables of `tokenizer` now (for streams that skip special tokens, the default),
+    instead of in its first request."""
+    hf_tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is not None and isinstance(backend.decoder, ByteLevel):
+        _byte_level_table(backend, True)
 
 
 def _byte_level_table(backend, skip_special_tokens: bool) -> _ByteLevelTable:

@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer, prepare_tables
 from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.sched.request import FINISHED_STATUSES, Request, RequestStatus
@@ -110,6 +110,7 @@ class RequestGroup:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        prepare_tables(tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         # sample's request id -> (its group, its live completion, its detokenizer): one lookup per token
         self._samples: dict[str, tuple[RequestGroup, CompletionOutput, IncrementalDetokenizer]] = {}
