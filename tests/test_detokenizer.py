@@ -42,7 +42,7 @@ def test_streamed_deltas_join_to_full_decode(tokenizer, text):
     assert all("\ufffd" not in delta for delta in deltas)
     assert "".join(deltas) == tokenizer.decode(ids) == detok.text
     assert (step.finished, step.finish_reason, step.stop_reason) == (True, "length", None)
-    assert detok.output_token_ids == ids
+    assert detok.num_tokens == len(ids)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_stop_token_and_eos_finish_without_their_text(tokenizer):
     _, step, detok = stream(tokenizer, ids, params)
     assert detok.text == tokenizer.decode(ids[:2])
     assert (step.finish_reason, step.stop_reason) == ("stop", ids[2])
-    assert detok.output_token_ids == ids[:3]
+    assert detok.num_tokens == 3  # the stop token was taken; nothing after it
 
     eos = tokenizer.eos_token_id
     with_eos = ids[:2] + [eos] + ids[2:]
@@ -134,10 +134,22 @@ def test_byte_tokenizer_of_dummy_models_streams_whole_characters():
     assert detok.finish_reason == "stop"
 
 
+DECODERS = ("byte_level_tables", "library_stream", "python_window")
+
+
+def _forced_decoder(module, tokenizer, context, skip_special_tokens, kind):
+    backend = tokenizer.backend_tokenizer
+    if kind == "byte_level_tables":
+        return module._ByteLevelDecoder(module._byte_level_table(backend, skip_special_tokens))
+    if kind == "library_stream":
+        return module._StreamDecoder(backend, list(context), skip_special_tokens)
+    return module._WindowDecoder(tokenizer, list(context), skip_special_tokens)
+
+
 @pytest.mark.parametrize("finish", ["length", "stop_token"])
-def test_library_stream_gives_the_python_windows_deltas(tokenizer, finish):
-    """The tokenizers-library stream and the Python window yield the same deltas, token for token,
-    including an output that ends mid-character (its partial text is flushed either way)."""
+def test_byte_level_tables_and_library_stream_give_the_python_windows_deltas(tokenizer, finish):
+    """The byte-level tables, the tokenizers-library stream and the Python window yield the same deltas,
+    token for token, including an output that ends mid-character (its partial text is flushed either way)."""
     from deepinfer.core.engine.frontend import detokenizer as module
 
     text = "Party 🎉🎉 time 👩‍👩‍👧 and 你好世界, done"
@@ -147,15 +159,39 @@ def test_library_stream_gives_the_python_windows_deltas(tokenizer, finish):
     ids = ids[:cut + 1] + [stop_id] if finish == "stop_token" else ids[:cut + 1]
     params = SamplingParams(max_tokens=len(ids) if finish == "length" else 100)
     runs = []
-    for force_window in (False, True):
+    for kind in DECODERS:
         detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], params, {stop_id})
-        if not force_window:
-            assert isinstance(detok._decoder, module._StreamDecoder)  # SmolLM2 has a tokenizers backend
-        else:
-            detok._decoder = module._WindowDecoder(tokenizer, [1, 2, 3], params.skip_special_tokens)
+        if kind == DECODERS[0]:
+            assert isinstance(detok._decoder, module._ByteLevelDecoder)  # SmolLM2 is byte-level BPE
+        detok._decoder = _forced_decoder(module, tokenizer, [1, 2, 3], params.skip_special_tokens, kind)
         runs.append([detok.append(i).delta_text for i in ids])
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
     assert "".join(runs[0]).endswith("\ufffd")  # the incomplete character's partial text came out
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_tables_equal_the_library_stream_on_random_ids(tokenizer, skip_special_tokens):
+    """Random outputs of partial-character pieces, special tokens, whole words and ids past the vocabulary
+    (a model's padded rows): every delta and the final flush equal the library stream's and the window's."""
+    import random
+
+    from deepinfer.core.engine.frontend import detokenizer as module
+
+    table = module._byte_level_table(tokenizer.backend_tokenizer, skip_special_tokens)
+    partial = [i for i, text in enumerate(table.texts) if text is None][:400]
+    assert len(partial) > 100  # the vocabulary spells multi-byte characters in pieces
+    pool = partial + list(range(17)) + list(range(17, 49152, 97)) + [49152, 50000]
+    rng = random.Random(0)
+    for _ in range(100):
+        context = [rng.randrange(17, 49152) for _ in range(rng.randrange(0, 6))]
+        if tokenizer.backend_tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            continue
+        output = [rng.choice(pool) for _ in range(32)]
+        runs = []
+        for kind in DECODERS:
+            decoder = _forced_decoder(module, tokenizer, context, skip_special_tokens, kind)
+            runs.append([decoder.next(t) for t in output] + [decoder.flush()])
+        assert runs[0] == runs[1] == runs[2], (context, output)
 
 
 def test_library_stream_equals_the_python_window_on_random_ids(tiny_tokenizer):
@@ -173,7 +209,7 @@ def test_library_stream_equals_the_python_window_on_random_ids(tiny_tokenizer):
         chosen = module._stream_decoder(tiny_tokenizer, list(context), True) or module._WindowDecoder(
             tiny_tokenizer, list(context), True)
         window = module._WindowDecoder(tiny_tokenizer, list(context), True)
-        picked_stream += isinstance(chosen, module._StreamDecoder)
+        picked_stream += isinstance(chosen, (module._ByteLevelDecoder, module._StreamDecoder))
         assert [chosen.next(t) for t in output] + [chosen.flush()] == [window.next(t) for t in output] + [
             window.flush()], context
     assert picked_stream > 100  # most contexts end on a whole character and take the library's stream

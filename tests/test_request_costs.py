@@ -111,7 +111,7 @@ def test_stop_string_reads_per_token_are_the_same_at_1k_and_32k_characters():
     assert max(at_1k + at_8k + at_32k) <= 4 * 2 * MAX_STOP_STRINGS  # a few reads per new character per stop
     assert at_32k == at_8k  # nothing grows with the text
     # And it still stops where the text first contains a stop, holding back what could start one.
-    assert len(detokenizer.text) == len(detokenizer._text) - (MAX_STOP_STRING_CHARS - 2)
+    assert len(detokenizer._held_text) == MAX_STOP_STRING_CHARS - 2
     detokenizer.append(1)
     step = detokenizer.append(2)
     assert (step.finished, step.stop_reason) == (True, stops[0])

@@ -151,15 +151,17 @@ async def chat_chunks(serving: ServingEngine, request: ChatCompletionRequest, pr
     return _read_chunks(response.body_iterator), response.on_close
 
 
-async def _read_chunks(events: AsyncIterator[str]) -> AsyncIterator[dict]:
+async def _read_chunks(writes: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """The chunks of the chat stream's writes (each one or more `data: ...` events)."""
     try:
-        async for event in events:
-            data = event.removeprefix("data: ").rstrip("\n")
-            if data == "[DONE]":
-                return
-            yield json.loads(data)
+        async for write in writes:
+            for event in write.split("\n\n")[:-1]:  # every event ends with a blank line
+                data = event.removeprefix("data: ")
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
     finally:
-        await events.aclose()
+        await writes.aclose()
 
 
 def named_sse(event: str, payload: dict) -> str:

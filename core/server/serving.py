@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring as _json_string  # json.dumps(str, ensure_ascii=False)
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -58,6 +59,39 @@ def sse(payload: dict | str) -> str:
     """One server-sent event as OpenAI streams them: `data: <json>` and a blank line."""
     data = payload if isinstance(payload, str) else sse_json(payload)
     return f"data: {data}\n\n"
+
+
+class SSETemplate:
+    """The `data:` line (`sse_json`) of one chunk shape whose only changing values are a few strings, ints or
+    None (a stream's text delta and choice index): the JSON around them is rendered once, and each chunk
+    joins it with its values' JSON, the same characters `sse_json` gives for the whole payload.
+
+    `payload` holds a marker string (`slot(i)`) where value i goes."""
+
+    def __init__(self, payload: dict, num_slots: int) -> None:
+        text = sse_json(payload)
+        self._parts: list[str] = []
+        for i in range(num_slots):
+            head, _, text = text.partition(json.dumps(self.slot(i), ensure_ascii=False))
+            self._parts.append(head)
+        self._parts.append(text)
+
+    @staticmethod
+    def slot(i: int) -> str:
+        return f"\ue000slot{i}\ue000"  # private-use characters: JSON keeps them as they are
+
+    def render(self, *values: str | int | None) -> str:
+        parts = self._parts
+        out = [parts[0]]
+        for value, part in zip(values, parts[1:]):
+            if value is None:
+                out.append("null")
+            elif isinstance(value, str):
+                out.append(_json_string(value).translate(_LINE_BREAKS_JSON_KEEPS))
+            else:
+                out.append(str(value))  # an int
+            out.append(part)
+        return "".join(out)
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
@@ -346,31 +380,45 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def stream_events(serving: ServingEngine, streams: list,
-                        chunks_of: Callable[[int, RequestOutput], list[dict]],
+                        chunks_of: Callable[[int, RequestOutput], list[dict | str]],
                         final_chunks: Callable[[list[RequestOutput]], list[dict]]) -> AsyncIterator[str]:
-    """SSE events for one API request: `chunks_of(prompt index, output)` per engine output,
-    `final_chunks(last outputs)` at the end, then `data: [DONE]`. Cancellation (the client went
-    away) or any error aborts the request's engine requests."""
+    """SSE events for one API request: `chunks_of(prompt index, output)` per engine output (each a payload,
+    or its JSON already made), `final_chunks(last outputs)` at the end, then `data: [DONE]`. The events of
+    one output are one write; the last output's, the final chunks and [DONE] are one too. Cancellation (the
+    client went away) or any error aborts the request's engine requests."""
     last: list = [None] * len(streams)
+    ending = ""  # the last output's events, sent with the end
     try:
         try:
-            async for index, output in outputs_of(streams):
-                last[index] = output
-                for chunk in chunks_of(index, output):
-                    yield sse(chunk)
+            if len(streams) == 1:
+                async for output in streams[0]:
+                    last[0] = output
+                    events = "".join([sse(chunk) for chunk in chunks_of(0, output)])
+                    if output.finished:
+                        ending = events
+                    elif events:
+                        yield events
+            else:
+                num_finished = 0
+                async for index, output in outputs_of(streams):
+                    last[index] = output
+                    events = "".join([sse(chunk) for chunk in chunks_of(index, output)])
+                    num_finished += output.finished
+                    if num_finished == len(streams):
+                        ending = events
+                    elif events:
+                        yield events
         except DeepInferError as err:  # the engine died mid-stream: the status line is sent, so say it in-band
             api_error = engine_error_to_api(err)
-            yield sse(error_body(api_error.status, api_error.message, code=api_error.code))
-            yield sse("[DONE]")
+            yield sse(error_body(api_error.status, api_error.message, code=api_error.code)) + sse("[DONE]")
             return
         failed = next((o for o in last if o is not None and (
             o.error is not None or any(c.finish_reason == "error" for c in o.outputs))), None)
         if failed is not None:
-            yield sse(error_body(500, f"the request failed in the engine: {failed.error or 'unknown error'}",
-                                 code="engine_error"))
+            ending += sse(error_body(500, f"the request failed in the engine: {failed.error or 'unknown error'}",
+                                     code="engine_error"))
         elif all(o is not None for o in last):
-            for chunk in final_chunks(last):
-                yield sse(chunk)
-        yield sse("[DONE]")
+            ending += "".join([sse(chunk) for chunk in final_chunks(last)])
+        yield ending + sse("[DONE]")
     finally:
         serving.release(streams)

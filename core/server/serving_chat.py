@@ -33,6 +33,7 @@ from deepinfer.core.server.serving import (
     EventStreamResponse,
     PreparedPrompt,
     ServingEngine,
+    SSETemplate,
     check_finished,
     final_outputs,
     new_request_id,
@@ -209,9 +210,23 @@ async def create_chat_completion(serving: ServingEngine, request: ChatCompletion
         choice = {"index": completion.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return choice | ({"stop_reason": completion.stop_reason} if finish_reason is not None else {})
 
-    def chunks_of(_: int, output: RequestOutput) -> list[dict]:
-        choices = (choice_delta(c) for c in output.outputs)
-        return [chunk(choice) for choice in choices if choice is not None]
+    # Without reasoning or tool calls to parse, a running choice's chunk (its role sent, no logprobs) is this
+    # template around its index and content.
+    slot = SSETemplate.slot
+    template = SSETemplate(chunk({
+        "index": slot(0), "delta": {"content": slot(1), **({"reasoning_content": None} if with_reasoning else {})},
+        "logprobs": None, "finish_reason": None}), 2) if reasoning is None and not parses_calls else None
+
+    def chunk_of(completion: CompletionOutput) -> dict | str | None:
+        if (template is not None and completion.finish_reason is None and completion.index in sent_role
+                and not completion.delta_logprobs):
+            return template.render(completion.index, completion.delta_text) if completion.delta_text else None
+        choice = choice_delta(completion)
+        return None if choice is None else chunk(choice)
+
+    def chunks_of(_: int, output: RequestOutput) -> list[dict | str]:
+        chunks = (chunk_of(c) for c in output.outputs)
+        return [c for c in chunks if c is not None]
 
     def final_chunks(outputs: list[RequestOutput]) -> list[dict]:
         if not request.include_usage:

@@ -23,6 +23,7 @@ from deepinfer.core.server.serving import (
     EventStreamResponse,
     PreparedPrompt,
     ServingEngine,
+    SSETemplate,
     check_finished,
     final_outputs,
     new_request_id,
@@ -115,7 +116,16 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
     logprob_text_length: dict[int, int] = {}
     started: set[int] = set()  # choices whose first chunk (carrying the echoed prompt) was sent
 
-    def choice_delta(prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> dict | None:
+    def payload(choice: dict) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
+                "system_fingerprint": None, "choices": [choice], **usage_field}
+
+    # Without logprobs a chunk's JSON is this template around the choice's index, text and finish reason.
+    slot = SSETemplate.slot
+    template = SSETemplate(payload({"index": slot(0), "text": slot(1), "logprobs": None,
+                                    "finish_reason": slot(2)}), 3) if request.logprobs is None else None
+
+    def chunk_of(prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> dict | str | None:
         index = prompt_index * n + completion.index
         first = index not in started
         if not (first or completion.delta_text or completion.delta_logprobs or completion.finish_reason):
@@ -124,18 +134,16 @@ async def create_completion(serving: ServingEngine, request: CompletionRequest, 
         if first:
             started.add(index)
             text = echo_of(prompt_index) + text
-        logprobs = None
-        if request.logprobs is not None:
-            offset = logprob_text_length.get(index, 0)
-            logprobs = logprobs_of(completion.delta_logprobs or [], offset, output if first else None)
-            logprob_text_length[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        if template is not None:
+            return template.render(index, text, completion.finish_reason)
+        offset = logprob_text_length.get(index, 0)
+        logprobs = logprobs_of(completion.delta_logprobs or [], offset, output if first else None)
+        logprob_text_length[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        return payload({"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason})
 
-    def chunks_of(prompt_index: int, output: RequestOutput) -> list[dict]:
-        choices = (choice_delta(prompt_index, output, c) for c in output.outputs)
-        return [{"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
-                 "system_fingerprint": None, "choices": [choice], **usage_field}
-                for choice in choices if choice is not None]
+    def chunks_of(prompt_index: int, output: RequestOutput) -> list[dict | str]:
+        chunks = (chunk_of(prompt_index, output, c) for c in output.outputs)
+        return [chunk for chunk in chunks if chunk is not None]
 
     def final_chunks(outputs: list[RequestOutput]) -> list[dict]:
         if not request.include_usage:

@@ -8,7 +8,9 @@ the deltas since the previous snapshot of that request.
 
 A snapshot costs O(1) per sample, not O(output length): the delta lists are handed over (the live
 completion starts new ones), and the cumulative `token_ids` / `logprobs` are copied out of the
-sample's append-only lists only if someone reads them (`CompletionSnapshot`). Streams read deltas.
+sample's append-only lists, and `text` joined from its detokenizer's deltas, only if someone reads
+them (`CompletionSnapshot`). Streams read deltas. A token costs the same at the 10th and the 10,000th:
+no per-token work grows with the text (the live completion keeps no joined text).
 
 Timings go into the step's IterationStats exactly once: a TTFT (and the request's prompt tokens)
 when the group's first token arrives, an inter-token latency for every later token of each sample,
@@ -21,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer
+from deepinfer.core.engine.frontend.detokenizer import IncrementalDetokenizer, prepare_tables
 from deepinfer.core.engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.core.engine.sampling_params import SamplingParams
 from deepinfer.core.engine.sched.request import FINISHED_STATUSES, Request, RequestStatus
@@ -50,19 +52,38 @@ class _PrefixOnRead:
         snapshot.__dict__[self.name] = value
 
 
+class _JoinOnRead:
+    """The snapshot's `text`: the first `_num_pieces` of the detokenizer's append-only list of deltas,
+    joined on first read and kept (streams read only `delta_text`); assigning replaces it."""
+
+    def __get__(self, snapshot, owner=None):
+        if snapshot is None:
+            return self
+        values = snapshot.__dict__
+        if "text" not in values:
+            values["text"] = "".join(values["_live_pieces"][:values["_num_pieces"]])
+        return values["text"]
+
+    def __set__(self, snapshot, value) -> None:
+        snapshot.__dict__["text"] = value
+
+
 class CompletionSnapshot(CompletionOutput):
     """A CompletionOutput as of one step. `token_ids` and `logprobs` are the first `num_tokens`
-    entries of the live completion's lists (which only ever grow), copied on first read."""
+    entries of the live completion's lists (which only ever grow), `text` the join of the first deltas
+    the detokenizer streamed; each is made on first read."""
 
     token_ids = _PrefixOnRead()
     logprobs = _PrefixOnRead()
+    text = _JoinOnRead()
 
-    def __init__(self, live: CompletionOutput) -> None:  # every field except the two lazy ones
+    def __init__(self, live: CompletionOutput, pieces: list[str]) -> None:  # every field except the lazy ones
         self.__dict__ = {  # one dict display: cheaper than update(**fields), once per request and step
-            "index": live.index, "text": live.text, "finish_reason": live.finish_reason,
+            "index": live.index, "finish_reason": live.finish_reason,
             "stop_reason": live.stop_reason, "delta_text": live.delta_text, "delta_token_ids": live.delta_token_ids,
             "delta_logprobs": live.delta_logprobs, "_live_token_ids": live.token_ids,
-            "_live_logprobs": live.logprobs, "_num_tokens": len(live.token_ids)}
+            "_live_logprobs": live.logprobs, "_num_tokens": len(live.token_ids),
+            "_live_pieces": pieces, "_num_pieces": len(pieces)}
 
 
 @dataclass
@@ -89,6 +110,7 @@ class RequestGroup:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        prepare_tables(tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         # sample's request id -> (its group, its live completion, its detokenizer): one lookup per token
         self._samples: dict[str, tuple[RequestGroup, CompletionOutput, IncrementalDetokenizer]] = {}
@@ -116,7 +138,7 @@ class OutputProcessor:
         and (requests whose detokenization failed, with the error); the engine finishes both."""
         now = time.monotonic()
         stopped, failed = [], []
-        samples, inter_token_latencies = self._samples, stats.inter_token_latencies_s
+        samples, inter_token_latency = self._samples, stats.inter_token_latencies_s.append
         for request in sampled:
             group, completion, detokenizer = samples[request.request_id]
             token_id = request.output_token_ids[-1]
@@ -127,7 +149,7 @@ class OutputProcessor:
                 completion.delta_logprobs = (completion.delta_logprobs or []) + [request.logprobs[-1]]
             metrics = request.metrics
             if metrics.first_token_time is not None:
-                inter_token_latencies.append(now - metrics.last_token_time)
+                inter_token_latency(now - metrics.last_token_time)
             else:
                 metrics.first_token_time = now
                 if not any(s.metrics.first_token_time is not None for s in group.samples if s is not request):
@@ -143,8 +165,8 @@ class OutputProcessor:
                 failed.append((request, f"detokenization failed: {type(err).__name__}: {err}"))
                 continue
             if delta_text:
+                # The live completion's text is the detokenizer's deltas, joined when a snapshot's is read.
                 completion.delta_text += delta_text
-                completion.text += delta_text
             if detokenizer.finish_reason is not None and isinstance(detokenizer.stop_reason, str):
                 if not request.is_finished:
                     stopped.append((request, detokenizer.stop_reason))
@@ -168,7 +190,8 @@ class OutputProcessor:
                 completion.stop_reason = sample.stop_reason
                 metrics = sample.metrics
                 outputs.append(RequestOutput(
-                    group.request_id, group.prompt, group.prompt_token_ids, [CompletionSnapshot(completion)],
+                    group.request_id, group.prompt, group.prompt_token_ids,
+                    [CompletionSnapshot(completion, group.detokenizers[0].pieces)],
                     finished, sample.num_cached_tokens,
                     RequestMetrics(metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
                                    metrics.last_token_time, metrics.finished_time if finished else None),
@@ -201,7 +224,7 @@ class OutputProcessor:
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
-            outputs=[CompletionSnapshot(c) for c in group.completions],
+            outputs=[CompletionSnapshot(c, d.pieces) for c, d in zip(group.completions, group.detokenizers)],
             finished=finished,
             num_cached_tokens=max(s.num_cached_tokens for s in samples),
             metrics=_group_metrics(samples),

@@ -21,7 +21,7 @@ class RequestStream:
         self._engine = engine
         self._pending = PendingOutputs()
         self._error: BaseException | None = None  # handed over after the pending output
-        self._arrived = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits for an item
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -30,9 +30,12 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        while not self._pending and self._error is None:
-            self._arrived.clear()
-            await self._arrived.wait()
+        if not self._pending and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter  # `_put` sets it: an item is there when it is done
+            finally:
+                self._waiter = None
         if not self._pending:
             self.finished = True
             raise self._error
@@ -51,7 +54,9 @@ class RequestStream:
             self._error = item
         else:
             self._pending.add(item)
-        self._arrived.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 def put_all(puts: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

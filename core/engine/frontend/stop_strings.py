@@ -32,17 +32,19 @@ class StopStringMatcher:
         self.stops = list(stops)
         self._tables = list(failure_tables) if failure_tables is not None else [failure_table(s) for s in stops]
         self._matched = [0] * len(self.stops)  # per stop: how many of its first characters end the text
-        self._held = 0  # max(self._matched)
+        # Plain attributes, read once per token: the length of the longest tail of the text that is a proper
+        # prefix of a stop (max of _matched), and the characters fed so far.
+        self.held_back = 0
+        self.text_len = 0
         self._first_chars = frozenset(stop[0] for stop in self.stops)
-        self._text_len = 0  # characters fed so far
 
     def feed(self, new_text: str) -> tuple[int, str] | None:
         """Takes the text's next characters; returns (start in the whole text, stop) of the match
         that starts earliest among the first match of each stop that these characters complete,
         or None when they complete none."""
-        base = self._text_len
-        self._text_len += len(new_text)
-        if not self._held and self._first_chars.isdisjoint(new_text):
+        base = self.text_len
+        self.text_len += len(new_text)
+        if not self.held_back and self._first_chars.isdisjoint(new_text):
             return None  # most steps: no stop in progress and no stop's first character among the new ones
         earliest: tuple[int, str] | None = None
         for index, stop in enumerate(self.stops):
@@ -62,10 +64,6 @@ class StopStringMatcher:
                     matched = table[matched - 1]
                     break
             self._matched[index] = matched
-        self._held = max(self._matched)
+        self.held_back = max(self._matched)
         return earliest
 
-    @property
-    def held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop."""
-        return self._held
