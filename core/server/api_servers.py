@@ -8,7 +8,9 @@ first token grows with the requests it parses one after another. Here each of N 
 whole front end (core/server/app.py over run.py's `serve_socket`) for the connections it accepts;
 the engine-core process (core/engine/sched/core_process.py) serves them all.
 
-- Each API server listens on the port with a socket of its own (SO_REUSEPORT), and the kernel spreads
+- Each API server listens on the port with a socket of its own (SO_REUSEPORT), from when its engine
+  client is attached (the model loaded): until then the port refuses connections, and once any API
+  server answers, every listening one is ready. The kernel spreads
   new connections evenly over them by a hash of each client's address and port. (One socket
   shared by all would leave that to a race: the process that wakes first accepts every connection
   queued, and bursts of connections pile onto one API server.) This process bound the port first,
@@ -188,13 +190,16 @@ def _serve_api_server(client: ClientSockets, engine_pid: int, port: int, engine_
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(levelname)s %(name)s[{client.index}]: %(message)s")
 
-    def attach(config: EngineConfig) -> EngineCoreClient:
-        return EngineCoreClient(config, client, engine_pid)
-
     try:
+        # Attached (the model loaded) before it listens: the kernel hands a port's connections only to listening
+        # sockets, so no API server of the group answers "still loading" once another has answered ready.
+        try:
+            engine = EngineCoreClient(engine_config, client, engine_pid)
+        except Exception as err:  # noqa: BLE001 -- the model's load error, said in one line
+            raise ServerStartError(str(err) or type(err).__name__) from err
         sock = bind_socket(server_config.host, port, shared_port=True)
         code = serve_socket(sock, engine_config, server_config, log_level, signals=(STOP_SIGNAL,),
-                            engine_factory=attach, metric_tallies=tallies)
+                            engine_factory=lambda config: engine, metric_tallies=tallies)
     except ServerStartError as err:
         if client.index == 0:  # every API server failed alike; one line says why
             print(f"error: cannot serve: {err}", file=sys.stderr)
