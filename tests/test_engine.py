@@ -333,10 +333,15 @@ def test_a_request_whose_detokenization_fails_fails_alone(loaded):
     engine.add_request(prompt(6, 80), greedy(5), "bad")
     engine.add_request(prompt(6, 81), greedy(5), "good")
 
-    def explode(token_id):
-        raise UnicodeError("cannot decode")
+    detokenizer = engine.output_processor.groups["bad"].detokenizers[0]
 
-    engine.output_processor.groups["bad"].detokenizers[0].append_text = explode
+    class Exploding(type(detokenizer)):  # the same slots: the instance becomes one
+        __slots__ = ()
+
+        def append_text(self, token_id):
+            raise UnicodeError("cannot decode")
+
+    detokenizer.__class__ = Exploding
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step()[0] if o.finished})
