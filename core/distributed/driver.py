@@ -84,9 +84,9 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: tor
     try:
         loaded = load_together(config, device, dtype, parallel)
     except BaseException:
+        leave_group(parallel.control_group)  # beside the other ranks, which leave once load_together said it failed
         for rank in ranks:
             rank.end()
-        leave_group()
         raise
     # The shard's spec: rank 0's head and channel counts (what its KV pool holds), the vocabulary whole.
     driver = TensorParallelDriver(loaded.model, ranks, device, parallel.control_group)
@@ -101,6 +101,7 @@ class TensorParallelDriver(nn.Module):
         self.shard = shard
         self.ranks = ranks
         self._channel = StepChannel(device, control_group)
+        self._control_group = control_group
         self._kv_cache = None  # the pool the other ranks hold a copy of
         self._open = True
         atexit.register(self.close)  # an engine left open still stops its ranks cleanly
@@ -162,11 +163,12 @@ class TensorParallelDriver(nn.Module):
         if out_of_step:
             for rank in self.ranks:
                 rank.process.kill()
+            leave_group(synchronize=False)
         else:
             self._channel.send_stop()
+            leave_group(self._control_group)  # with the ranks, which leave once they have the stop
         for rank in self.ranks:
             rank.end()
-        leave_group()
 
 
 def eager(decode_mode: str | None) -> str:

@@ -9,6 +9,7 @@ steps, as long as the engine is idle: core/distributed/step_message.py).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ from deepinfer.core.distributed.parallel_context import ParallelContext
 from deepinfer.core.errors import DeepInferError
 
 COLLECTIVE_TIMEOUT_S = 120.0
+LEAVE_TIMEOUT_S = 10.0  # how long a rank that leaves waits for the others to leave too
 
 
 def free_port() -> int:
@@ -41,6 +43,14 @@ def join_group(rank: int, world_size: int, port: int, device: torch.device,
     return ParallelContext(rank, world_size, control)
 
 
-def leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def leave_group(control_group=None, synchronize: bool = True) -> None:
+    """Leave the group (idempotent). `synchronize`: first wait, at most LEAVE_TIMEOUT_S, until every rank is
+    leaving (a monitored barrier over the gloo `control_group`, the default group when None), so that no rank
+    closes its connections while a peer still has an operation on them: gloo ends that peer's process with
+    std::terminate. Where a rank is known to be gone the wait is pointless: synchronize=False."""
+    if not dist.is_initialized():
+        return
+    if synchronize:
+        with contextlib.suppress(RuntimeError):  # a peer gone meanwhile: leave all the same
+            dist.monitored_barrier(group=control_group, timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+    dist.destroy_process_group()

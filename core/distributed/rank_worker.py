@@ -128,8 +128,10 @@ def main(argv: list[str]) -> int:
         parallel = join_group(rank, world_size, port, device)
         try:
             serve_rank(config, parallel, device)
-        finally:
-            leave_group()
+        except BaseException:
+            leave_group(synchronize=False)
+            raise
+        leave_group(parallel.control_group)  # beside rank 0, which leaves once it has sent the stop
     except (RuntimeError, DeepInferError) as err:  # the group broke: rank 0 reports why
         print(f"deepinfer tensor-parallel rank {rank}: {err}", file=sys.stderr)
         return 1
