@@ -262,7 +262,7 @@ def gemm(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 def w8(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """kernels/w8_gemm.cu: tensor cores reading the 8-bit codes, dequantized in registers (the kernel picks mma.sync
     or wgmma, w8_gemm.uses_wgmma); beyond W8_MMA_MAX_TOKENS without wgmma (SM80-89) the dense row."""
-    if rows.shape[0] > W8_MMA_MAX_TOKENS and not kernels_w8.w4_gemm.wgmma_available(rows.device.index):
+    if rows.shape[0] > W8_MMA_MAX_TOKENS and not kernels_gemm.wgmma_available(rows.device.index):
         return dense(rows, packed)
     dispatch.use_kernel("w8_gemm", None)
     return kernels_w8.w8_gemm(rows, packed.qweight, packed.scales, packed.zeros, packed.group_size, packed.zero_mode,
