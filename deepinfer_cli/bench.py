@@ -27,8 +27,9 @@ def concurrency(
         "--concurrency", "-c", help="Comma-separated client counts; 1 is the serial baseline.")] = "1,4,8,32,64",
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens per request.")] = 512,
     output_len: Annotated[int, typer.Option("--output-len", help="Output tokens per request (EOS ignored).")] = 128,
-    num_requests: Annotated[int | None, typer.Option(
-        "--num-requests", "-n", help="Requests per level (default max(2 x concurrency, 8)).")] = None,
+    num_requests: Annotated[str | None, typer.Option(
+        "--num-requests", "-n", help="Requests per level, or comma-separated, one per level (default max(2 x "
+                                     "concurrency, 8)).")] = None,
     shared_prefix_len: Annotated[int, typer.Option(
         "--shared-prefix-len", help="Leading prompt tokens all requests of a level share (prefix cache).")] = 0,
     peer: Annotated[str | None, typer.Option(
@@ -55,7 +56,7 @@ def concurrency(
     config = engine_config(engine)
     workload = ConcurrencyWorkload(
         concurrency_levels=_int_list(concurrency_levels, "--concurrency"), prompt_len=prompt_len,
-        output_len=output_len, num_requests=num_requests, shared_prefix_len=shared_prefix_len, repeats=repeats,
+        output_len=output_len, num_requests=_counts(num_requests, "--num-requests"), shared_prefix_len=shared_prefix_len, repeats=repeats,
         seed=config.seed, json_schema=_json_file(json_schema, "--json-schema") if json_schema else None)
     peer_source = None
     if peer == "hf":
@@ -271,8 +272,9 @@ def serve(
     ] = None,
     burstiness: Annotated[float, typer.Option(
         "--burstiness", help="Gamma shape of the arrival gaps: 1 is Poisson, < 1 bursts, > 1 more even.")] = 1.0,
-    num_prompts: Annotated[int | None, typer.Option(
-        "--num-prompts", "-n", help="Requests per level (default max(2 x concurrency, 8), as bench concurrency; 100 per rate).")
+    num_prompts: Annotated[str | None, typer.Option(
+        "--num-prompts", "-n", help="Requests per level, or comma-separated, one per level (default max(2 x "
+                                    "concurrency, 8), as bench concurrency; 100 per rate).")
     ] = None,
     max_concurrency: Annotated[int | None, typer.Option(
         "--max-concurrency", help="Open loop: requests in flight at most (later arrivals wait).")] = None,
@@ -350,7 +352,7 @@ def serve(
             concurrency_levels=None if request_rates is not None else _int_list(concurrency_levels or "1,8,32,64",
                                                                                 "--concurrency"),
             request_rates=None if request_rates is None else _rate_list(request_rates), burstiness=burstiness,
-            num_prompts=num_prompts, max_concurrency=max_concurrency, goodput_slo_ms=_goodput(goodput),
+            num_prompts=_counts(num_prompts, "--num-prompts"), max_concurrency=max_concurrency, goodput_slo_ms=_goodput(goodput),
             warmup_requests=warmup, seed=seed)
     except DeepInferError as err:
         fail(str(err))
@@ -539,6 +541,14 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values:
         fail(f"{flag} is empty")
     return values
+
+
+def _counts(text: str | None, flag: str) -> int | list[int] | None:
+    """A request count for every level, or one per level."""
+    if text is None:
+        return None
+    values = _int_list(text, flag)
+    return values[0] if len(values) == 1 else values
 
 
 def _json_file(path: str, flag: str) -> dict:

@@ -70,6 +70,18 @@ def test_prompts_have_exact_lengths_a_shared_prefix_and_are_reproducible():
         make_prompts(2, 8, 1000, shared_prefix_len=8)
 
 
+def test_request_counts_are_one_for_every_level_or_one_per_level():
+    from deepinfer.core.bench.concurrency import ConcurrencyWorkload
+
+    per_level = ConcurrencyWorkload([1, 32, 256], num_requests=[16, 512, 1024])
+    assert [per_level.requests_at(c) for c in (1, 32, 256)] == [16, 512, 1024]
+    assert [ConcurrencyWorkload([1, 32], num_requests=40).requests_at(c) for c in (1, 32)] == [40, 40]
+    assert [ConcurrencyWorkload([1, 32]).requests_at(c) for c in (1, 32)] == [8, 64]
+    for counts in ([16, 512], [16, 0, 4], 0):
+        with pytest.raises(InvalidRequestError, match="--num-requests"):
+            ConcurrencyWorkload([1, 32, 256], num_requests=counts)
+
+
 def test_insertion_window_takes_every_itl_overlapping_the_window():
     stream = RequestTiming("s", 4, 0.0)
     for t in (1.0, 2.0, 3.0, 6.0, 7.0, 8.0):

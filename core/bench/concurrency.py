@@ -22,7 +22,7 @@ from deepinfer.core.bench import engine_client, hf_peer
 from deepinfer.core.bench.latency import RequestTiming, mean_std, requests_frame, summarize_requests
 from deepinfer.core.bench.progress import SweepProgress
 from deepinfer.core.bench.report import concurrency_level_line
-from deepinfer.core.bench.workload import default_num_requests, make_prompts
+from deepinfer.core.bench.workload import default_num_requests, make_prompts, per_level_counts_ok
 from deepinfer.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,9 @@ class ConcurrencyWorkload:
     concurrency_levels: list[int]
     prompt_len: int = 512
     output_len: int = 128
-    num_requests: int | None = None  # per level; None = default_num_requests(concurrency)
+    # per level: one count for every level, or one per level (in the order of concurrency_levels);
+    # None = default_num_requests(concurrency)
+    num_requests: int | list[int] | None = None
     shared_prefix_len: int = 0
     repeats: int = 1
     seed: int = 0
@@ -45,7 +47,9 @@ class ConcurrencyWorkload:
              f"concurrency levels must be >= 1, got {self.concurrency_levels}"),
             (self.prompt_len >= 1, f"--prompt-len must be >= 1, got {self.prompt_len}"),
             (self.output_len >= 1, f"--output-len must be >= 1, got {self.output_len}"),
-            (self.num_requests is None or self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
+            (per_level_counts_ok(self.num_requests, len(self.concurrency_levels)),
+             (f"--num-requests takes one count >= 1, or one per level ({len(self.concurrency_levels)}), "
+              f"got {self.num_requests}")),
             (0 <= self.shared_prefix_len < self.prompt_len,
              f"--shared-prefix-len must be in [0, --prompt-len {self.prompt_len}), got {self.shared_prefix_len}"),
             (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"),
@@ -55,6 +59,8 @@ class ConcurrencyWorkload:
                 raise InvalidRequestError(message)
 
     def requests_at(self, concurrency: int) -> int:
+        if isinstance(self.num_requests, list):
+            return self.num_requests[self.concurrency_levels.index(concurrency)]
         return self.num_requests if self.num_requests is not None else default_num_requests(concurrency)
 
     @property

@@ -40,7 +40,7 @@ from deepinfer.core.bench.latency import percentiles
 from deepinfer.core.bench.progress import SweepProgress
 from deepinfer.core.bench.serve_client import RequestRecord, RequestSettings, list_models, stream_request
 from deepinfer.core.bench.serve_workload import BenchPrompt, PromptMaker, arrival_offsets
-from deepinfer.core.bench.workload import default_num_requests
+from deepinfer.core.bench.workload import default_num_requests, per_level_counts_ok
 from deepinfer.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class ServeSweep:
     concurrency_levels: list[int] | None = None
     request_rates: list[float] | None = None
     burstiness: float = 1.0
-    num_prompts: int | None = None  # per level; None = default_num_prompts
+    # per level: one count for every level, or one per level (in the order run); None = default_num_prompts
+    num_prompts: int | list[int] | None = None
     max_concurrency: int | None = None  # open loop: requests in flight at most
     goodput_slo_ms: dict[str, float] = field(default_factory=dict)
     warmup_requests: int = 1
@@ -83,7 +84,8 @@ class ServeSweep:
             (all(c >= 1 for c in self.concurrency_levels or [1]), f"--concurrency must be >= 1, got {self.concurrency_levels}"),
             (all(r > 0 for r in self.request_rates or [1]), f"--request-rate must be > 0 (or inf), got {self.request_rates}"),
             (self.burstiness > 0 and math.isfinite(self.burstiness), f"--burstiness must be > 0, got {self.burstiness}"),
-            (self.num_prompts is None or self.num_prompts >= 1, f"--num-prompts must be >= 1, got {self.num_prompts}"),
+            (per_level_counts_ok(self.num_prompts, len(self.concurrency_levels or self.request_rates or [])),
+             f"--num-prompts takes one count >= 1, or one per level, got {self.num_prompts}"),
             (self.max_concurrency is None or self.max_concurrency >= 1,
              f"--max-concurrency must be >= 1, got {self.max_concurrency}"),
             (self.warmup_requests >= 0, f"--warmup must be >= 0, got {self.warmup_requests}"),
@@ -101,6 +103,8 @@ class ServeSweep:
         return [{"request_rate": r} for r in self.request_rates]
 
     def prompts_at(self, level: dict) -> int:
+        if isinstance(self.num_prompts, list):
+            return self.num_prompts[self.levels().index(level)]
         return self.num_prompts if self.num_prompts is not None else default_num_prompts(level)
 
 

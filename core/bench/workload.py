@@ -49,3 +49,13 @@ def make_prompts(num_prompts: int, prompt_len: int, vocab_size: int, *, shared_p
 def default_num_requests(concurrency: int) -> int:
     """Enough requests per level that the steady state dominates: two waves, at least 8."""
     return max(2 * concurrency, 8)
+
+
+def per_level_counts_ok(counts: int | list[int] | None, num_levels: int) -> bool:
+    """A level's request count option: None (the default), one count >= 1 for every level, or a count >= 1
+    for each of the `num_levels` levels."""
+    if counts is None:
+        return True
+    if isinstance(counts, int):
+        return counts >= 1
+    return len(counts) == num_levels and all(count >= 1 for count in counts)
