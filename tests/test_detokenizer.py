@@ -213,3 +213,41 @@ def test_library_stream_equals_the_python_window_on_random_ids(tiny_tokenizer):
         assert [chosen.next(t) for t in output] + [chosen.flush()] == [window.next(t) for t in output] + [
             window.flush()], context
     assert picked_stream > 100  # most contexts end on a whole character and take the library's stream
+
+
+def _wrapped(backend, clean_up: bool):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=clean_up)
+
+
+def test_a_clean_up_flag_that_decode_ignores_keeps_the_byte_level_tables(tokenizer):
+    """transformers 5 keeps clean_up_tokenization_spaces=True from a config (Llama 3's) but does not apply it
+    to a BPE tokenizer: the detokenizer still takes the tables, and its deltas join to HF's own decode."""
+    from deepinfer.core.engine.frontend import detokenizer as module
+
+    flagged = _wrapped(tokenizer.backend_tokenizer, clean_up=True)
+    ids = flagged.encode("Don't stop , it 's fine . Really ?", add_special_tokens=False)
+    if flagged.decode(ids) != flagged.backend_tokenizer.decode(ids):
+        pytest.skip("this transformers applies the clean-up to BPE tokenizers")
+    detok = IncrementalDetokenizer(flagged, [], SamplingParams(max_tokens=len(ids)), set())
+    assert isinstance(detok._decoder, module._ByteLevelDecoder)
+    assert "".join(detok.append(i).delta_text for i in ids) == flagged.decode(ids)
+
+
+def test_a_decode_that_cleans_up_spaces_takes_the_window_that_reproduces_it():
+    """A WordPiece tokenizer whose HF decode cleans up spaces (" ." -> "."): the library stream would not,
+    so the detokenizer decodes windows through HF, and its deltas join to HF's decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from deepinfer.core.engine.frontend import detokenizer as module
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "it", "is", "fine", ".", ",", "stop", "?", "!"])}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(cleanup=False)
+    cleaning = _wrapped(backend, clean_up=True)
+    ids = cleaning.encode("it is fine , stop . it is ? stop !", add_special_tokens=False)
+    assert cleaning.decode(ids) != backend.decode(ids)  # the clean-up changes this text
+    detok = IncrementalDetokenizer(cleaning, [], SamplingParams(max_tokens=len(ids)), set())
+    assert isinstance(detok._decoder, module._WindowDecoder)
+    assert "".join(detok.append(i).delta_text for i in ids) == cleaning.decode(ids)

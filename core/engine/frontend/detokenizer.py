@@ -289,6 +289,25 @@ def _byte_level_table(backend, skip_special_tokens: bool) -> _ByteLevelTable:
     return tables[skip_special_tokens]
 
 
+# Text that transformers' clean-up of tokenization spaces changes (" ." -> ".", " n't" -> "n't", ...).
+_CLEAN_UP_PROBE = "a . b , c ! d ? e 's f n't g 'm h 've i 're j"
+# backend -> whether its HF tokenizer's decode cleans up spaces, while the tokenizer lives
+_CLEANS_UP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cleans_up_spaces(hf_tokenizer, backend) -> bool:
+    """Whether `hf_tokenizer.decode` post-processes the backend's text (clean_up_tokenization_spaces), which
+    the stream would not reproduce. The attribute alone does not say: transformers 5 keeps it True from a
+    tokenizer_config.json (Llama 3's, some GGUF conversions) yet ignores it for BPE tokenizers, so the probe's
+    two decodes decide, once per tokenizer."""
+    if not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    if backend not in _CLEANS_UP:
+        ids = backend.encode(_CLEAN_UP_PROBE, add_special_tokens=False).ids
+        _CLEANS_UP[backend] = hf_tokenizer.decode(ids) != backend.decode(ids)
+    return _CLEANS_UP[backend]
+
+
 def _stream_decoder(tokenizer, context: list[int], skip_special_tokens: bool
                     ) -> _ByteLevelDecoder | _StreamDecoder | None:
     """A decoder of the library stream's deltas when `tokenizer` (core.tokenizer.Tokenizer or an HF tokenizer)
@@ -296,7 +315,7 @@ def _stream_decoder(tokenizer, context: list[int], skip_special_tokens: bool
     the prompt context decodes to whole characters: the tables of a byte-level decoder, else the stream."""
     hf_tokenizer = getattr(tokenizer, "hf_tokenizer", tokenizer)
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", False):
+    if backend is None or _cleans_up_spaces(hf_tokenizer, backend):
         return None
     if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
         return None  # a context ending mid-character: the stream would give the context's text as output
